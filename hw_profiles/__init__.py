@@ -1,0 +1,145 @@
+"""Loader of hardware profiles: a bundled `hw_profiles/<name>.toml` or a user's TOML file becomes a
+`pipeline.hardware.HardwareProfile`; every error is one line naming the file, the field and value."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python < 3.11
+    import tomli as tomllib  # type: ignore[no-redef]
+
+from pipeline.hardware import HardwareFieldError, HardwareProfile
+
+_HERE = Path(__file__).resolve().parent
+# TOML key -> (HardwareProfile field, kind). The [gpu.compute.<dtype>] tables are read apart.
+_FIELDS = {
+    "name": ("name", str),
+    "description": ("description", str),
+    "gpu.mem_bytes": ("gpu_mem_bytes", int),
+    "gpu.hbm_peak_bytes_per_s": ("hbm_peak_bytes_per_s", float),
+    "gpu.hbm_eff_bytes_per_s": ("hbm_eff_bytes_per_s", float),
+    "gpu.small_shape_half_flops": ("small_shape_half_flops", float),
+    "gpu.launch_overhead_s": ("launch_overhead_s", float),
+    "link.h2d_alpha_s": ("h2d_alpha_s", float),
+    "link.h2d_bytes_per_s": ("h2d_bytes_per_s", float),
+    "link.d2h_alpha_s": ("d2h_alpha_s", float),
+    "link.d2h_bytes_per_s": ("d2h_bytes_per_s", float),
+    "link.pcie_duplex": ("pcie_duplex", bool),
+    "host.mem_bytes": ("host_mem_bytes", int),
+    "host.cpu_codec_bytes_per_s": ("cpu_codec_bytes_per_s", float),
+    "disk.read_bytes_per_s": ("disk_read_bytes_per_s", float),
+    "disk.write_bytes_per_s": ("disk_write_bytes_per_s", float),
+    "disk.alpha_s": ("disk_alpha_s", float),
+    "disk.bytes": ("disk_bytes", int),
+}
+_COMPUTE = {"peak_flops_per_s": "flops_peak_per_s", "effective_flops_per_s": "flops_eff_per_s"}
+
+
+class ProfileError(ValueError):
+    """A hardware profile that cannot be found, parsed or validated (one-line message)."""
+
+
+def known_profiles() -> list[str]:
+    """Sorted names of the bundled profiles (`hw_profiles/*.toml`)."""
+    return sorted(p.stem for p in _HERE.glob("*.toml"))
+
+
+def load_profile(name_or_path: str) -> HardwareProfile:
+    """A bundled profile by name (`h200`) or a user's TOML file by path (`./my-gpu.toml`)."""
+    if name_or_path in known_profiles():
+        return _load(_HERE / f"{name_or_path}.toml", f"{name_or_path}.toml")
+    path = Path(name_or_path)
+    if path.suffix == ".toml" or path.is_file():
+        if not path.is_file():
+            raise ProfileError(f"hw profile '{name_or_path}': file not found")
+        return _load(path, name_or_path)
+    raise ProfileError(f"unknown hardware '{name_or_path}' (known: {', '.join(known_profiles())}); "
+                       f"or give a path to a .toml file")
+
+
+def _load(path: Path, label: str) -> HardwareProfile:
+    def fail(problem: str) -> ProfileError:
+        return ProfileError(f"hw profile '{label}': {problem}".replace("\n", " "))
+
+    try:
+        doc = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise fail(f"is not valid TOML: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise fail(f"cannot read: {e}") from None
+    flat = _flatten(doc)
+    compute = {k: v for k, v in flat.items() if k.startswith("gpu.compute.")}
+    unknown = sorted(set(flat) - set(_FIELDS) - set(compute))
+    if unknown:
+        raise fail(f"field '{unknown[0]}' is not a known field")
+    kwargs: dict[str, object] = {}
+    for key, (field, kind) in _FIELDS.items():
+        if key not in flat:
+            raise fail(f"field '{key}' is missing")
+        try:
+            kwargs[field] = _typed(flat[key], kind)
+        except ValueError as e:
+            raise fail(f"field '{key}' {e}") from None
+    if not compute:
+        raise fail("field 'gpu.compute' is missing (e.g. [gpu.compute.bf16])")
+    tables: dict[str, dict[str, float]] = {f: {} for f in _COMPUTE.values()}
+    dtypes = sorted({k.split(".")[2] for k in compute})
+    for dtype in dtypes:
+        for toml_name, field in _COMPUTE.items():
+            key = f"gpu.compute.{dtype}.{toml_name}"
+            if key not in flat:
+                raise fail(f"field '{key}' is missing")
+            try:
+                tables[field][dtype] = _typed(flat[key], float)
+            except ValueError as e:
+                raise fail(f"field '{key}' {e}") from None
+    unknown = sorted(set(compute) - {f"gpu.compute.{d}.{n}" for d in dtypes for n in _COMPUTE})
+    if unknown:
+        raise fail(f"field '{unknown[0]}' is not a known field")
+    try:
+        return HardwareProfile(**kwargs, **tables)
+    except HardwareFieldError as e:
+        raise fail(f"field '{_toml_key(e.field)}' {e.problem}") from None
+
+
+def _flatten(doc: dict, prefix: str = "") -> dict[str, object]:
+    """{'gpu': {'mem_bytes': 1}} -> {'gpu.mem_bytes': 1}."""
+    out: dict[str, object] = {}
+    for k, v in doc.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _typed(value: object, kind: type) -> object:
+    """Check one TOML value against its kind; integral floats (`2e12`) are accepted as ints."""
+    if kind is str:
+        if not isinstance(value, str):
+            raise ValueError(f"is not a string: {value!r}")
+        return value
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"is not true or false: {value!r}")
+        return value
+    if isinstance(value, bool):
+        raise ValueError(f"is a boolean, expected a number: {str(value).lower()}")
+    if not isinstance(value, (int, float)):
+        raise ValueError(f"is not a number: {value!r}")
+    if kind is int:
+        if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+            raise ValueError(f"is not a whole number: {value!r}")
+        return int(value)
+    return value
+
+
+def _toml_key(field: str) -> str:
+    """HardwareProfile field ('flops_eff_per_s.bf16' for a dtype entry) -> its TOML key."""
+    base, _, dtype = field.partition(".")
+    for toml_name, f in _COMPUTE.items():
+        if base == f:
+            return f"gpu.compute.{dtype}.{toml_name}" if dtype else "gpu.compute"
+    return next((k for k, (f, _) in _FIELDS.items() if f == field), field)

@@ -1,0 +1,131 @@
+"""One machine as the simulator sees it: GPU compute and memory rates, host link, host RAM, disk
+and CPU codec throughput, in SI units; the numbers live in `hw_profiles/*.toml`."""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+DTYPES = ("bf16", "fp16", "fp32")  # same names as ModelSpec.dtype
+_INT_FIELDS = ("gpu_mem_bytes", "host_mem_bytes", "disk_bytes")
+_RATE_FIELDS = ("hbm_peak_bytes_per_s", "hbm_eff_bytes_per_s", "h2d_bytes_per_s",
+                "d2h_bytes_per_s", "disk_read_bytes_per_s", "disk_write_bytes_per_s",
+                "cpu_codec_bytes_per_s")
+# Fixed costs: zero means "none", so >= 0 is allowed.
+_OVERHEAD_FIELDS = ("small_shape_half_flops", "launch_overhead_s", "h2d_alpha_s", "d2h_alpha_s",
+                    "disk_alpha_s")
+
+FlopsTable = tuple[tuple[str, float], ...]  # ((dtype, FLOP/s), ...) sorted by dtype
+
+
+class HardwareFieldError(ValueError):
+    """A bad HardwareProfile field; `field` names it ('flops_eff_per_s.bf16' for a dtype entry)."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"hardware.{field}: {problem}")
+        self.field = field
+        self.problem = problem
+
+
+def _number(field: str, value: object, allow_zero: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise HardwareFieldError(field, f"must be a number, got {value!r}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise HardwareFieldError(field, f"must be finite and {'>=' if allow_zero else '>'} 0, "
+                                        f"got {value!r}")
+    return float(value)
+
+
+def _flops_table(field: str, table: Mapping[str, float] | Iterable[tuple[str, float]]) -> FlopsTable:
+    pairs = list(table.items() if isinstance(table, Mapping) else table)
+    if not pairs:
+        raise HardwareFieldError(field, "needs at least one dtype")
+    for dtype, _ in pairs:
+        if dtype not in DTYPES:
+            raise HardwareFieldError(f"{field}.{dtype}", f"unknown dtype {dtype!r} "
+                                                         f"(known: {', '.join(DTYPES)})")
+    return tuple(sorted((d, _number(f"{field}.{d}", v, False)) for d, v in pairs))
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """A GPU machine: datasheet peaks beside effective (reached) rates; SI units throughout.
+
+    `flops_*_per_s` accept a mapping dtype -> FLOP/s and are stored as a sorted tuple of pairs,
+    so the profile stays hashable; read them with `flops_eff(dtype)` / `flops_peak(dtype)`.
+    """
+
+    name: str
+    description: str
+    gpu_mem_bytes: int
+    hbm_peak_bytes_per_s: float
+    hbm_eff_bytes_per_s: float
+    flops_peak_per_s: FlopsTable
+    flops_eff_per_s: FlopsTable
+    small_shape_half_flops: float  # FLOPs per kernel at which it reaches half of flops_eff
+    launch_overhead_s: float       # fixed cost of one kernel launch
+    h2d_alpha_s: float             # fixed cost of one host -> device copy
+    h2d_bytes_per_s: float
+    d2h_alpha_s: float
+    d2h_bytes_per_s: float
+    pcie_duplex: bool              # H2D and D2H copies overlap (two copy engines)
+    host_mem_bytes: int
+    disk_read_bytes_per_s: float
+    disk_write_bytes_per_s: float
+    disk_alpha_s: float            # fixed cost of one disk request
+    disk_bytes: int
+    cpu_codec_bytes_per_s: float   # throughput of the CPU codec thread pool
+
+    def __post_init__(self) -> None:
+        for f in ("name", "description"):
+            if not isinstance(getattr(self, f), str):
+                raise HardwareFieldError(f, f"must be a string, got {getattr(self, f)!r}")
+        if not self.name:
+            raise HardwareFieldError("name", "must not be empty")
+        for f in _INT_FIELDS:
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise HardwareFieldError(f, f"must be a positive integer, got {v!r}")
+        for f in _RATE_FIELDS + _OVERHEAD_FIELDS:
+            object.__setattr__(self, f, _number(f, getattr(self, f), f in _OVERHEAD_FIELDS))
+        if not isinstance(self.pcie_duplex, bool):
+            raise HardwareFieldError("pcie_duplex", f"must be true or false, got {self.pcie_duplex!r}")
+        for f in ("flops_peak_per_s", "flops_eff_per_s"):
+            object.__setattr__(self, f, _flops_table(f, getattr(self, f)))
+        peak, eff = dict(self.flops_peak_per_s), dict(self.flops_eff_per_s)
+        for dtype in sorted(set(peak) ^ set(eff)):
+            side = "flops_eff_per_s" if dtype in peak else "flops_peak_per_s"
+            raise HardwareFieldError(f"{side}.{dtype}", "is missing (peak and effective need "
+                                                        "the same dtypes)")
+        for dtype in peak:
+            if eff[dtype] > peak[dtype]:
+                raise HardwareFieldError(f"flops_eff_per_s.{dtype}", f"{eff[dtype]!r} exceeds "
+                                         f"the peak {peak[dtype]!r}")
+        if self.hbm_eff_bytes_per_s > self.hbm_peak_bytes_per_s:
+            raise HardwareFieldError("hbm_eff_bytes_per_s", f"{self.hbm_eff_bytes_per_s!r} exceeds "
+                                     f"the peak {self.hbm_peak_bytes_per_s!r}")
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        return tuple(d for d, _ in self.flops_eff_per_s)
+
+    def _lookup(self, table: FlopsTable, dtype: str) -> float:
+        for d, v in table:
+            if d == dtype:
+                return v
+        raise ValueError(f"hardware {self.name!r} has no compute rate for dtype {dtype!r} "
+                         f"(has: {', '.join(self.dtypes)})")
+
+    def flops_eff(self, dtype: str) -> float:
+        """Effective (reached on large GEMMs) FLOP/s for `dtype`."""
+        return self._lookup(self.flops_eff_per_s, dtype)
+
+    def flops_peak(self, dtype: str) -> float:
+        """Datasheet dense FLOP/s for `dtype`."""
+        return self._lookup(self.flops_peak_per_s, dtype)
+
+    def flops_rate(self, dtype: str, kernel_flops: float) -> float:
+        """FLOP/s reached by one kernel of `kernel_flops`: eff * f / (f + small_shape_half_flops)."""
+        if kernel_flops <= 0:
+            raise ValueError(f"kernel_flops: must be > 0, got {kernel_flops!r}")
+        return self.flops_eff(dtype) * kernel_flops / (kernel_flops + self.small_shape_half_flops)

@@ -1,0 +1,156 @@
+"""Tests of pipeline/hardware.py and the hw_profiles loader: bundled profiles, one-line errors, no torch."""
+import os
+import re
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hw_profiles import ProfileError, known_profiles, load_profile
+from pipeline.hardware import HardwareProfile
+
+ROOT = Path(__file__).resolve().parents[1]
+BUNDLED = ["a100-80g", "h100-sxm", "h200", "rtx4060", "rtx4090"]
+H200_TEXT = (ROOT / "hw_profiles" / "h200.toml").read_text()
+
+
+def _user_toml(tmp_path: Path, key: str, value: str | None, text: str = H200_TEXT) -> str:
+    """Write h200.toml to tmp_path with `key = ...` set to `value` (None drops the line)."""
+    line = re.compile(rf"^{re.escape(key)} = .*$", re.M)
+    assert len(line.findall(text)) == 1, key
+    new = line.sub("" if value is None else f"{key} = {value}", text)
+    path = tmp_path / "x.toml"
+    path.write_text(new)
+    return str(path)
+
+
+def _error(path: str) -> str:
+    with pytest.raises(ProfileError) as e:
+        load_profile(path)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert path in msg
+    return msg
+
+
+def test_known_profiles_lists_bundled_files():
+    assert known_profiles() == BUNDLED
+
+
+@pytest.mark.parametrize("name", BUNDLED)
+def test_bundled_profile_loads(name):
+    hw = load_profile(name)
+    assert isinstance(hw, HardwareProfile)
+    assert hw.name == name
+    assert set(hw.dtypes) == {"bf16", "fp16", "fp32"}
+    for dtype in hw.dtypes:
+        assert 0 < hw.flops_eff(dtype) <= hw.flops_peak(dtype)
+    assert 0 < hw.hbm_eff_bytes_per_s <= hw.hbm_peak_bytes_per_s
+    assert hash(hw) == hash(load_profile(name)) and hw == load_profile(name)
+
+
+@pytest.mark.parametrize("name", BUNDLED)
+def test_every_number_has_a_source(name):
+    for line in (ROOT / "hw_profiles" / f"{name}.toml").read_text().splitlines():
+        if re.match(r"^\w+ = [-+0-9.e_]+|^\w+ = (true|false)", line):
+            assert "# source:" in line, line
+
+
+def test_h200_numbers():
+    hw = load_profile("h200")
+    assert hw.flops_eff("bf16") == 780e12
+    assert hw.hbm_eff_bytes_per_s == 4.21e12
+    assert hw.h2d_bytes_per_s == 55.4e9 and hw.d2h_bytes_per_s == 55.3e9
+    mib = 2**20
+    assert hw.h2d_alpha_s == pytest.approx(mib / 38e9 - mib / 55.4e9, rel=1e-3)
+    assert hw.host_mem_bytes == 125 * 2**30
+
+
+def test_unknown_name_lists_known_ones():
+    with pytest.raises(ProfileError) as e:
+        load_profile("foo")
+    assert str(e.value) == ("unknown hardware 'foo' (known: a100-80g, h100-sxm, h200, rtx4060, "
+                            "rtx4090); or give a path to a .toml file")
+
+
+def test_unknown_dtype_raises():
+    hw = load_profile("rtx4090")
+    with pytest.raises(ValueError, match="fp8"):
+        hw.flops_eff("fp8")
+    with pytest.raises(ValueError, match="fp8"):
+        hw.flops_peak("fp8")
+
+
+def test_user_path_loads(tmp_path):
+    path = _user_toml(tmp_path, "name", '"my-gpu"')
+    hw = load_profile(path)
+    assert hw.name == "my-gpu"
+    assert replace(hw, name="h200") == load_profile("h200")
+
+
+def test_missing_file(tmp_path):
+    assert "not found" in _error(str(tmp_path / "nope.toml"))
+
+
+@pytest.mark.parametrize("key, value, expect", [
+    ("h2d_bytes_per_s", None, "field 'link.h2d_bytes_per_s' is missing"),
+    ("h2d_bytes_per_s", '"fast"', "field 'link.h2d_bytes_per_s' is not a number: 'fast'"),
+    ("h2d_bytes_per_s", "true", "field 'link.h2d_bytes_per_s' is a boolean"),
+    ("h2d_bytes_per_s", "-1e9", "field 'link.h2d_bytes_per_s' must be finite and > 0, got -1000000000.0"),
+    ("h2d_bytes_per_s", "nan", "field 'link.h2d_bytes_per_s' must be finite"),
+    ("h2d_alpha_s", "-1e-6", "field 'link.h2d_alpha_s' must be finite and >= 0"),
+])
+def test_bad_field_names_it(tmp_path, key, value, expect):
+    msg = _error(_user_toml(tmp_path, key, value))
+    assert msg.startswith("hw profile '") and expect in msg
+
+
+@pytest.mark.parametrize("old, new, expect", [
+    ("mem_bytes = 150754820096", "mem_bytes = 1.5", "field 'gpu.mem_bytes' is not a whole number"),
+    ("mem_bytes = 150754820096", "mem_bytes = 0", "field 'gpu.mem_bytes' must be a positive integer"),
+    ("pcie_duplex = true", "pcie_duplex = 1", "field 'link.pcie_duplex' is not true or false"),
+    ("[disk]", "[disk]\nspeed = 3", "field 'disk.speed' is not a known field"),
+    ("effective_flops_per_s = 780e12       # source: measured",
+     "effective_flops_per_s = 990e12  # source: measured", "field 'gpu.compute.bf16.effective_flops_per_s'"),
+    ("effective_flops_per_s = 780e12       # source: measured", "# dropped:", "field 'gpu.compute.bf16.effective_flops_per_s' is missing"),
+    ("[gpu.compute.fp32]", "[gpu.compute.fp8]", "field 'gpu.compute.fp8.peak_flops_per_s' unknown dtype 'fp8'"),
+    ("hbm_eff_bytes_per_s = 4.21e12", "hbm_eff_bytes_per_s = 5e12", "field 'gpu.hbm_eff_bytes_per_s' 5000000000000.0 exceeds"),
+    ("[link]", "[link", "is not valid TOML: "),
+])
+def test_bad_structure_names_it(tmp_path, old, new, expect):
+    assert H200_TEXT.count(old) == 1, old
+    path = tmp_path / "x.toml"
+    path.write_text(H200_TEXT.replace(old, new))
+    assert expect in _error(str(path))
+
+
+def test_dataclass_validates_directly():
+    hw = load_profile("h200")
+    with pytest.raises(ValueError, match="h2d_bytes_per_s.*-1"):
+        replace(hw, h2d_bytes_per_s=-1)
+    with pytest.raises(ValueError, match="gpu_mem_bytes.*True"):
+        replace(hw, gpu_mem_bytes=True)
+    with pytest.raises(ValueError, match="flops_eff_per_s.fp16.*missing"):
+        replace(hw, flops_eff_per_s={"bf16": 1e12, "fp32": 1e12})
+    assert replace(hw, flops_eff_per_s=dict(hw.flops_eff_per_s)) == hw
+
+
+@given(st.floats(1.0, 1e16), st.floats(1.0, 1e16))
+def test_flops_rate_grows_with_kernel_size_below_eff(a, b):
+    hw = load_profile("rtx4090")
+    lo, hi = sorted((a, b))
+    assert hw.flops_rate("bf16", lo) <= hw.flops_rate("bf16", hi) < hw.flops_eff("bf16")
+    half = hw.flops_rate("bf16", hw.small_shape_half_flops)
+    assert half == pytest.approx(hw.flops_eff("bf16") / 2)
+
+
+def test_imports_without_torch():
+    code = ("import sys; sys.modules['torch'] = None; "
+            "import pipeline.hardware, hw_profiles; hw_profiles.load_profile('h200'); "
+            "assert 'torch' not in sys.modules or sys.modules['torch'] is None")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env=env)
