@@ -63,6 +63,7 @@ class HardwareProfile:
     flops_peak_per_s: FlopsTable
     flops_eff_per_s: FlopsTable
     small_shape_half_flops: float  # FLOPs per kernel at which it reaches half of flops_eff
+    attention_efficiency: float    # fused attention's rate as a fraction of flops_eff (0 < x <= 1)
     launch_overhead_s: float       # fixed cost of one kernel launch
     h2d_alpha_s: float             # fixed cost of one host -> device copy
     h2d_bytes_per_s: float
@@ -88,6 +89,10 @@ class HardwareProfile:
                 raise HardwareFieldError(f, f"must be a positive integer, got {v!r}")
         for f in _RATE_FIELDS + _OVERHEAD_FIELDS:
             object.__setattr__(self, f, _number(f, getattr(self, f), f in _OVERHEAD_FIELDS))
+        eff = self.attention_efficiency
+        if isinstance(eff, bool) or not isinstance(eff, (int, float)) or not 0 < eff <= 1:
+            raise HardwareFieldError("attention_efficiency", f"must be a number in (0, 1], got {eff!r}")
+        object.__setattr__(self, "attention_efficiency", float(eff))
         if not isinstance(self.pcie_duplex, bool):
             raise HardwareFieldError("pcie_duplex", f"must be true or false, got {self.pcie_duplex!r}")
         for f in ("flops_peak_per_s", "flops_eff_per_s"):

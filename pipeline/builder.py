@@ -1,0 +1,152 @@
+"""Builds the stage graph of a workload under a plan. One builder serves every method: the
+baselines are plans too (standard = all resident, one chunk; layerwise = whole-layer groups).
+
+Per step (a prefill chunk or a decode token) and layer the compute lane runs `qkv`, one `attn`
+per head group, then `mlp`. A group with offloaded heads first has its prefix fetched into a
+transfer slot (`kv_fetch` on h2d; `kv_read` on disk first for disk units); the chunk's new K/V
+of the layer's offloaded heads go home with one `kv_store` on d2h (and `kv_write` to disk). Slots are reused round-robin, so a fetch
+waits only for the attention that last read its slot: the h2d lane runs ahead across group and
+layer boundaries by `depth` slots (ping-pong prefetch with cross-layer lookahead)."""
+from __future__ import annotations
+
+import functools
+
+from .memory import (attn_ws_bytes, breakdown, hidden_bytes, layer_act_bytes, logits_bytes,
+                     mlp_act_bytes)
+from .model import ModelSpec
+from .plan import PhasePlan, Plan, Tier, placement
+from .stage import Alloc, Graph, Kind, Phase, Pool, Stage
+from .workload import Workload
+
+
+class _Builder:
+    def __init__(self, model: ModelSpec, work: Workload, plan: Plan) -> None:
+        self.m, self.w, self.plan = model, work, plan
+        self.graph = Graph(model, work, plan)
+        self.tiers = placement(model, plan)
+        self.last_write: dict[tuple[int, int], int] = {}   # unit -> stage that last wrote it home
+        self.slot_user: dict[int, int] = {}                # slot -> attn that last read it
+        self.staging_user: dict[int, int] = {}             # host staging slot -> h2d that read it
+        self.fetches = 0
+        # layer -> (offloaded heads, of which on disk)
+        self.offloaded = {
+            layer: (tuple(h for h in range(model.kv_heads) if self.tiers[(layer, h)] is not Tier.GPU),
+                    tuple(h for h in range(model.kv_heads) if self.tiers[(layer, h)] is Tier.DISK))
+            for layer in range(model.layers)}
+
+    def add(self, kind: Kind, tag: str, phase: Phase, step: int, layer, group, tokens,
+            deps=(), **kw) -> int:
+        sid = len(self.graph.stages)
+        clean = tuple(dict.fromkeys(d for d in deps if d is not None))
+        self.graph.stages.append(Stage(sid, kind, tag, phase, step, layer, group, tokens, clean, **kw))
+        return sid
+
+    def step(self, phase: Phase, idx: int, start: int, n: int, pp: PhasePlan,
+             with_head: bool, after: int | None) -> int:
+        """Stages of one step over tokens [start, start+n); returns its last compute stage."""
+        m, B = self.m, self.w.batch
+        b, unit_tok = m.dtype_bytes, m.kv_unit_bytes_per_token
+        end, G, r = start + n, pp.group, m.gqa_ratio
+        hid = hidden_bytes(m, B, n)
+        prev = self.add(Kind.COMPUTE, "embed", phase, idx, None, None, (start, end), (after,),
+                        mem_bytes=2 * hid, takes=((Pool.GPU, hid),))
+        qkv_w = m.hidden * (m.q_heads + 2 * m.kv_heads) * m.head_dim * b
+        mlp_w = m.layer_weight_bytes - qkv_w
+        for layer in range(m.layers):
+            la, ma = layer_act_bytes(m, B, n), mlp_act_bytes(m, B, n)
+            resident = m.kv_heads - len(self.offloaded[layer][0])
+            q = self.add(Kind.COMPUTE, "qkv", phase, idx, layer, None, (start, end), (prev,),
+                         flops=B * n * m.qkv_flops_per_token,
+                         mem_bytes=qkv_w + la + B * n * resident * unit_tok, ops=6,
+                         takes=((Pool.GPU, la),))
+            attns = [self.group(phase, idx, layer, g, start, n, pp, q) for g in range(m.kv_heads // G)]
+            self.store(phase, idx, layer, start, n, q)
+            last = layer == m.layers - 1 and not with_head
+            prev = self.add(Kind.COMPUTE, "mlp", phase, idx, layer, None, (start, end), attns,
+                            flops=B * n * m.mlp_flops_per_token, mem_bytes=mlp_w + ma + la, ops=8,
+                            takes=((Pool.GPU, ma),), frees=((Pool.GPU, ma + la + (hid if last else 0)),))
+        if with_head:
+            lg = logits_bytes(m, B)
+            prev = self.add(Kind.COMPUTE, "head", phase, idx, None, None, (end - 1, end), (prev,),
+                            flops=B * m.head_flops_per_token, mem_bytes=m.head_weight_bytes + lg, ops=3,
+                            takes=((Pool.GPU, lg),), frees=((Pool.GPU, lg + hid),))
+        return prev
+
+    @functools.lru_cache(maxsize=None)
+    def members(self, layer: int, g: int, size: int) -> tuple[tuple[int, ...], ...]:
+        """Heads of group `g` in `layer`, those of them offloaded, and those on disk."""
+        heads = tuple(range(g * size, (g + 1) * size))
+        off, disk = self.offloaded[layer]
+        return heads, tuple(h for h in off if h in heads), tuple(h for h in disk if h in heads)
+
+    def store(self, phase: Phase, idx: int, layer: int, start: int, n: int, qkv: int) -> None:
+        """Write the step's new K/V of the layer's offloaded heads home (d2h, then disk)."""
+        off, disk = self.offloaded[layer]
+        if not off:
+            return
+        nbytes = self.w.batch * n * self.m.kv_unit_bytes_per_token
+        store = self.add(Kind.D2H, "kv_store", phase, idx, layer, None, (start, start + n), (qkv,),
+                         heads=off, bytes=nbytes * len(off), ops=self.w.batch * len(off))
+        for h in off:
+            self.last_write[(layer, h)] = store
+        if disk:
+            write = self.add(Kind.DISK_WRITE, "kv_write", phase, idx, layer, None, (start, start + n),
+                             (store,), heads=disk, bytes=nbytes * len(disk), ops=self.w.batch * len(disk))
+            for h in disk:
+                self.last_write[(layer, h)] = write
+
+    def group(self, phase: Phase, idx: int, layer: int, g: int, start: int, n: int,
+              pp: PhasePlan, qkv: int) -> int:
+        """Fetch (if needed), attention and write-back of one head group; returns the attn id."""
+        m, B, unit_tok = self.m, self.w.batch, self.m.kv_unit_bytes_per_token
+        heads, off, disk = self.members(layer, g, pp.group)
+        fetch = slot = None
+        if off and start > 0:
+            slot = self.fetches % pp.depth
+            self.fetches += 1
+            written = [self.last_write.get((layer, h)) for h in off]
+            read = None
+            if disk:
+                read = self.add(Kind.DISK_READ, "kv_read", phase, idx, layer, g, (0, start),
+                                [self.last_write.get((layer, h)) for h in disk]
+                                + [self.staging_user.get(slot)], heads=disk, slot=slot,
+                                bytes=B * start * len(disk) * unit_tok, ops=B * len(disk))
+            fetch = self.add(Kind.H2D, "kv_fetch", phase, idx, layer, g, (0, start),
+                             written + [self.slot_user.get(slot), read], heads=off, slot=slot,
+                             bytes=B * start * len(off) * unit_tok, ops=B * len(off))
+            if disk:
+                self.staging_user[slot] = fetch
+        ws = attn_ws_bytes(m, B, n, pp.group)
+        q_heads = pp.group * m.gqa_ratio
+        copy_in = 2 * B * start * (len(heads) - len(off)) * unit_tok if off else 0  # resident heads of a mixed group
+        attn = self.add(Kind.COMPUTE, "attn", phase, idx, layer, g, (start, start + n), (qkv, fetch),
+                        heads=heads, slot=slot, flops=B * m.attn_flops(start, start + n, start + n, q_heads),
+                        mem_bytes=B * (start + n) * len(heads) * unit_tok
+                        + 2 * B * n * q_heads * m.head_dim * m.dtype_bytes + 2 * ws + copy_in,
+                        ops=5 if start else 2, takes=((Pool.GPU, ws),), frees=((Pool.GPU, ws),))
+        if fetch is not None:
+            self.slot_user[slot] = attn
+        return attn
+
+
+def build(model: ModelSpec, work: Workload, plan: Plan, *, prefill: bool = True,
+          decode: range | None = None) -> Graph:
+    """The graph of the prefill (if `prefill`) and the decode steps in `decode` (default: all).
+    A graph of a decode window alone starts with the cache already home (used by the simulator's
+    steady-state shortcut)."""
+    plan.check(model, work)
+    b = _Builder(model, work, plan)
+    mem = breakdown(model, work, plan)
+    b.graph.static = [Alloc(Pool.GPU, "weights", mem.weights), Alloc(Pool.GPU, "kv", mem.gpu_kv),
+                      Alloc(Pool.GPU, "buffers", mem.gpu_buffers), Alloc(Pool.HOST, "kv", mem.host_kv),
+                      Alloc(Pool.HOST, "buffers", mem.host_buffers), Alloc(Pool.DISK, "kv", mem.disk_kv)]
+    last = None
+    if prefill:
+        chunk = plan.prefill.chunk
+        starts = range(0, work.context, chunk)
+        for i, start in enumerate(starts):
+            n = min(chunk, work.context - start)
+            last = b.step(Phase.PREFILL, i, start, n, plan.prefill, i == len(starts) - 1, None)
+    for k in (range(work.decode_tokens) if decode is None else decode):
+        last = b.step(Phase.DECODE, k, work.context + k, 1, plan.decode, True, last)
+    return b.graph

@@ -1,0 +1,30 @@
+"""Seconds of one stage on one machine: a pure function of the stage's cost inputs and the
+hardware profile (roofline for compute, alpha + bytes/beta for transfers)."""
+from __future__ import annotations
+
+from .hardware import HardwareProfile
+from .stage import Kind, Stage
+
+
+def compute_seconds(flops: float, mem_bytes: float, ops: int, hw: HardwareProfile, dtype: str,
+                    tag: str = "") -> float:
+    """Roofline with an efficiency that falls for small shapes: a kernel of `f` FLOPs runs at
+    eff * f / (f + half), i.e. takes (f + half) / eff; memory traffic at the effective HBM rate;
+    plus a launch overhead per kernel."""
+    rate = hw.flops_eff(dtype) * (hw.attention_efficiency if tag == "attn" else 1.0)
+    arith = (flops + hw.small_shape_half_flops) / rate if flops else 0.0
+    return max(arith, mem_bytes / hw.hbm_eff_bytes_per_s) + ops * hw.launch_overhead_s
+
+
+def stage_seconds(s: Stage, hw: HardwareProfile, dtype: str) -> float:
+    if s.kind is Kind.COMPUTE:
+        return compute_seconds(s.flops, s.mem_bytes, s.ops, hw, dtype, s.tag)
+    if s.kind is Kind.H2D:
+        return s.ops * hw.h2d_alpha_s + s.bytes / hw.h2d_bytes_per_s
+    if s.kind is Kind.D2H:
+        return s.ops * hw.d2h_alpha_s + s.bytes / hw.d2h_bytes_per_s
+    if s.kind is Kind.DISK_READ:
+        return s.ops * hw.disk_alpha_s + s.bytes / hw.disk_read_bytes_per_s
+    if s.kind is Kind.DISK_WRITE:
+        return s.ops * hw.disk_alpha_s + s.bytes / hw.disk_write_bytes_per_s
+    return s.bytes / hw.cpu_codec_bytes_per_s  # compress / decompress on the CPU pool

@@ -1,0 +1,110 @@
+"""Bytes each pool holds for a plan: static buffers (weights, KV homes, transfer slots) and the
+transient activations of one chunk. The graph builder allocates exactly these, so the simulator's
+measured peak and this closed form agree (a test checks it)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .model import ModelSpec
+from .plan import Plan, Tier, placement
+from .workload import Workload
+
+FP32 = 4
+
+
+def hidden_bytes(m: ModelSpec, batch: int, tokens: int) -> int:
+    """The residual stream of a chunk, alive across all layers of the step."""
+    return batch * tokens * m.hidden * m.dtype_bytes
+
+
+def layer_act_bytes(m: ModelSpec, batch: int, tokens: int) -> int:
+    """Normed input, q, new k/v and the attention output of one layer, alive qkv -> mlp."""
+    per_tok = m.hidden + 2 * m.q_heads * m.head_dim + 2 * m.kv_heads * m.head_dim
+    return batch * tokens * per_tok * m.dtype_bytes
+
+
+def attn_ws_bytes(m: ModelSpec, batch: int, tokens: int, group: int) -> int:
+    """fp32 partial outputs and log-sum-exps of the prefix and chunk halves for one head group."""
+    q = group * m.gqa_ratio
+    return 2 * batch * tokens * q * (m.head_dim + 1) * FP32
+
+
+def mlp_act_bytes(m: ModelSpec, batch: int, tokens: int) -> int:
+    """o_proj output, normed input, gate, up and their product."""
+    return batch * tokens * (2 * m.hidden + 3 * m.intermediate) * m.dtype_bytes
+
+
+def logits_bytes(m: ModelSpec, batch: int) -> int:
+    """Logits of the last position only, in fp32."""
+    return batch * m.vocab * FP32
+
+
+def step_act_bytes(m: ModelSpec, batch: int, tokens: int, group: int, with_head: bool) -> int:
+    """Peak transient bytes of one step (a prefill chunk or a decode token)."""
+    body = layer_act_bytes(m, batch, tokens) + max(attn_ws_bytes(m, batch, tokens, group),
+                                                   mlp_act_bytes(m, batch, tokens))
+    head = logits_bytes(m, batch) if with_head else 0
+    return hidden_bytes(m, batch, tokens) + max(body, head)
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Peak bytes per pool, the GPU split by what holds it."""
+
+    weights: int
+    gpu_kv: int
+    gpu_buffers: int
+    activations: int
+    host_kv: int
+    host_buffers: int
+    disk_kv: int
+
+    @property
+    def gpu(self) -> int:
+        return self.weights + self.gpu_kv + self.gpu_buffers + self.activations
+
+    @property
+    def host(self) -> int:
+        return self.host_kv + self.host_buffers
+
+    @property
+    def disk(self) -> int:
+        return self.disk_kv
+
+    def pools(self) -> dict[str, int]:
+        return {"gpu": self.gpu, "host": self.host, "disk": self.disk}
+
+    def gpu_breakdown(self) -> dict[str, int]:
+        return {"weights": self.weights, "kv": self.gpu_kv, "buffers": self.gpu_buffers,
+                "activations": self.activations}
+
+
+def slot_bytes(m: ModelSpec, work: Workload, group: int) -> int:
+    """One transfer slot: a whole head group's K/V at full length."""
+    return work.batch * group * work.kv_capacity * m.kv_unit_bytes_per_token
+
+
+def needs_slots(m: ModelSpec, plan: Plan, tiers: dict | None = None) -> bool:
+    tiers = placement(m, plan) if tiers is None else tiers
+    return any(t is not Tier.GPU for t in tiers.values())
+
+
+def chunk_sizes(context: int, chunk: int) -> list[int]:
+    return [min(chunk, context - s) for s in range(0, context, chunk)]
+
+
+def breakdown(m: ModelSpec, work: Workload, plan: Plan) -> MemoryBreakdown:
+    tiers = placement(m, plan)
+    unit = work.batch * work.kv_capacity * m.kv_unit_bytes_per_token
+    count = {t: sum(1 for v in tiers.values() if v is t) for t in Tier}
+    phases = [plan.prefill] + ([plan.decode] if work.decode_tokens else [])
+    # Slots are shared by the phases: as many as the deepest phase, each as large as the largest group.
+    ring = max(p.depth for p in phases) * slot_bytes(m, work, max(p.group for p in phases))
+    slots = ring if count[Tier.HOST] + count[Tier.DISK] else 0
+    staging = ring if count[Tier.DISK] else 0
+    act = step_act_bytes(m, work.batch, min(plan.prefill.chunk, work.context), plan.prefill.group, True)
+    if work.decode_tokens:
+        act = max(act, step_act_bytes(m, work.batch, 1, plan.decode.group, True))
+    return MemoryBreakdown(weights=m.weight_bytes, gpu_kv=count[Tier.GPU] * unit, gpu_buffers=slots,
+                           activations=act, host_kv=count[Tier.HOST] * unit, host_buffers=staging,
+                           disk_kv=count[Tier.DISK] * unit)

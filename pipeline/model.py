@@ -1,0 +1,192 @@
+"""The model as the planner sees it: shapes of a decoder-only transformer (Llama, Mistral, Qwen2/3)
+and the FLOPs and bytes they imply. Built from a Hugging Face `config.json` or a named preset."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+_HF_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+# HF `model_type` -> the adapter family that runs it.
+FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shapes of one decoder-only model; all derived costs are properties."""
+
+    name: str
+    family: str            # one of FAMILIES' values
+    layers: int
+    hidden: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    dtype: str = "bf16"
+    qkv_bias: bool = False
+    qk_norm: bool = False  # Qwen3 normalises q and k per head
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES.values():
+            raise ValueError(f"model.family: unsupported {self.family!r} "
+                             f"(supported: {', '.join(sorted(FAMILIES))})")
+        for f in ("layers", "hidden", "q_heads", "kv_heads", "head_dim", "intermediate", "vocab"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"model.{f}: must be a positive integer, got {v!r}")
+        if self.q_heads % self.kv_heads:
+            raise ValueError(f"model.kv_heads: {self.kv_heads} does not divide q_heads {self.q_heads}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"model.dtype: {self.dtype!r} not one of {sorted(DTYPE_BYTES)}")
+
+    # ---- sizes -------------------------------------------------------------------------
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def gqa_ratio(self) -> int:
+        return self.q_heads // self.kv_heads
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer (projections, MLP, norms, biases)."""
+        q, kv = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
+        attn = self.hidden * q + 2 * self.hidden * kv + q * self.hidden
+        mlp = 3 * self.hidden * self.intermediate
+        extra = 2 * self.hidden + (q + 2 * kv if self.qkv_bias else 0) + (2 * self.head_dim if self.qk_norm else 0)
+        return attn + mlp + extra
+
+    @property
+    def params(self) -> int:
+        embed = self.vocab * self.hidden
+        head = 0 if self.tie_embeddings else self.vocab * self.hidden
+        return embed + head + self.layers * self.layer_params + self.hidden
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.params * self.dtype_bytes
+
+    @property
+    def layer_weight_bytes(self) -> int:
+        return self.layer_params * self.dtype_bytes
+
+    @property
+    def head_weight_bytes(self) -> int:
+        """lm_head (or the tied embedding) read once per logits computation."""
+        return self.vocab * self.hidden * self.dtype_bytes
+
+    @property
+    def kv_unit_bytes_per_token(self) -> int:
+        """K and V of one (layer, KV head) unit for one token."""
+        return 2 * self.head_dim * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of all layers and heads for one token (Llama-3-8B bf16: 131072)."""
+        return self.layers * self.kv_heads * self.kv_unit_bytes_per_token
+
+    @property
+    def units(self) -> int:
+        """Number of (layer, KV head) units the KV cache is split into."""
+        return self.layers * self.kv_heads
+
+    # ---- FLOPs -------------------------------------------------------------------------
+    @property
+    def qkv_flops_per_token(self) -> int:
+        return 2 * self.hidden * (self.q_heads + 2 * self.kv_heads) * self.head_dim
+
+    @property
+    def mlp_flops_per_token(self) -> int:
+        """o_proj plus the gated MLP, per token per layer."""
+        return 2 * self.q_heads * self.head_dim * self.hidden + 6 * self.hidden * self.intermediate
+
+    @property
+    def dense_flops_per_token(self) -> int:
+        """Projections and MLP of all layers per token (no attention, no lm_head)."""
+        return self.layers * (self.qkv_flops_per_token + self.mlp_flops_per_token)
+
+    @property
+    def head_flops_per_token(self) -> int:
+        return 2 * self.hidden * self.vocab
+
+    def attn_flops(self, q_start: int, q_end: int, k_end: int, q_heads: int | None = None) -> int:
+        """FLOPs of causal attention of queries [q_start, q_end) over keys [0, k_end) for one layer
+        (QK^T and PV, 4*D per allowed pair and query head); `q_heads` defaults to all."""
+        h = self.q_heads if q_heads is None else q_heads
+        return 4 * self.head_dim * h * causal_pairs(q_start, q_end, k_end)
+
+
+def causal_pairs(q_start: int, q_end: int, k_end: int) -> int:
+    """Number of (i, j) with q_start <= i < q_end, 0 <= j < k_end, j <= i."""
+    if q_end <= q_start or k_end <= 0:
+        return 0
+    # Query i sees min(i + 1, k_end) keys.
+    full_from = max(q_start, k_end - 1)          # i >= k_end-1 sees k_end keys
+    tri_end = min(q_end, full_from)              # i in [q_start, tri_end) sees i+1 keys
+    tri = (tri_end * (tri_end + 1) - q_start * (q_start + 1)) // 2 if tri_end > q_start else 0
+    full = max(0, q_end - max(q_start, full_from)) * k_end
+    return tri + full
+
+
+_LLAMA3 = dict(family="llama", vocab=128256, head_dim=128)
+PRESETS: dict[str, ModelSpec] = {
+    "llama-3-8b": ModelSpec("llama-3-8b", layers=32, hidden=4096, q_heads=32, kv_heads=8,
+                            intermediate=14336, **_LLAMA3),
+    "llama-3-70b": ModelSpec("llama-3-70b", layers=80, hidden=8192, q_heads=64, kv_heads=8,
+                             intermediate=28672, **_LLAMA3),
+    "llama-2-7b": ModelSpec("llama-2-7b", "llama", 32, 4096, 32, 32, 128, 11008, 32000),
+    "llama-2-13b": ModelSpec("llama-2-13b", "llama", 40, 5120, 40, 40, 128, 13824, 32000),
+    "mistral-7b": ModelSpec("mistral-7b", "mistral", 32, 4096, 32, 8, 128, 14336, 32000),
+    "qwen2-7b": ModelSpec("qwen2-7b", "qwen2", 28, 3584, 28, 4, 128, 18944, 152064, qkv_bias=True),
+    "longchat-7b-32k": ModelSpec("longchat-7b-32k", "llama", 32, 4096, 32, 32, 128, 11008, 32000),
+}
+
+
+def from_hf_config(cfg: dict, name: str = "config") -> ModelSpec:
+    """ModelSpec from a parsed Hugging Face config.json (Llama, Mistral, Qwen2/2.5, Qwen3)."""
+    mtype = cfg.get("model_type")
+    if mtype not in FAMILIES:
+        raise ValueError(f"model_type: unsupported architecture {mtype!r} "
+                         f"(supported: {', '.join(sorted(FAMILIES))})")
+
+    def need(key: str):
+        if key not in cfg:
+            raise ValueError(f"{name}: field {key!r} is missing")
+        return cfg[key]
+
+    hidden, q_heads = need("hidden_size"), need("num_attention_heads")
+    head_dim = cfg.get("head_dim") or hidden // q_heads
+    dtype = _HF_DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"), "bf16")
+    return ModelSpec(
+        name=name, family=FAMILIES[mtype], layers=need("num_hidden_layers"), hidden=hidden,
+        q_heads=q_heads, kv_heads=cfg.get("num_key_value_heads") or q_heads, head_dim=head_dim,
+        intermediate=need("intermediate_size"), vocab=need("vocab_size"), dtype=dtype,
+        qkv_bias=bool(cfg.get("attention_bias", mtype == "qwen2")), qk_norm=mtype == "qwen3",
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )
+
+
+def load_model(spec: str, dtype: str | None = None) -> ModelSpec:
+    """A preset name, a config.json path, or a directory holding config.json."""
+    if spec in PRESETS:
+        model = PRESETS[spec]
+    else:
+        path = Path(spec)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            if "/" in spec or spec.endswith(".json"):
+                raise ValueError(f"model: no config.json at {spec!r}")
+            raise ValueError(f"model: unknown preset {spec!r} (known: {', '.join(PRESETS)}; "
+                             "or a config.json / model directory)")
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"model: {str(path)!r} is not valid JSON ({e.msg}, line {e.lineno})") from None
+        model = from_hf_config(cfg, name=str(spec))
+    return replace(model, dtype=dtype) if dtype else model

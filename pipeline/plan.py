@@ -1,0 +1,125 @@
+"""A plan: how the KV cache is split by head between GPU, pinned host RAM and disk, and how each
+phase streams it (head-group size, chunk, buffer depth, codec per link)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, replace
+
+from .model import ModelSpec
+from .workload import Workload
+
+CODECS = ("none",)  # lossless codecs first; lossy ones are added as explicit opt-ins
+LINKS = ("h2d", "d2h", "disk")
+
+
+class Method(str, enum.Enum):
+    """Schedules kvpipe can build; the first three are the baselines a user would pick instead."""
+
+    STANDARD = "standard"    # everything on the GPU, prompt in one pass
+    CHUNKED = "chunked"      # everything on the GPU, prompt in chunks
+    LAYERWISE = "layerwise"  # whole layers offloaded, streamed with depth 2
+    HEADWISE = "headwise"    # KV split by head; head groups streamed (kvpipe)
+
+
+@dataclass(frozen=True)
+class PhasePlan:
+    """How one phase streams: `group` KV heads per group, `chunk` tokens per step, `depth`
+    transfer slots (2 = ping-pong), and the codec used on each link."""
+
+    group: int
+    chunk: int
+    depth: int = 2
+    codecs: tuple[tuple[str, str], ...] = (("h2d", "none"), ("d2h", "none"), ("disk", "none"))
+
+    def __post_init__(self) -> None:
+        for f in ("group", "chunk", "depth"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{f}: must be a positive integer, got {v!r}")
+        for link, codec in self.codecs:
+            if link not in LINKS:
+                raise ValueError(f"codec link: unknown {link!r} (known: {', '.join(LINKS)})")
+            if codec not in CODECS:
+                raise ValueError(f"codec: unknown {codec!r} on {link} (known: {', '.join(CODECS)})")
+
+    def codec(self, link: str) -> str:
+        return dict(self.codecs).get(link, "none")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Placement is one for the whole workload (K/V stays where it was written); streaming is
+    per phase. `resident` (layer, KV head) units stay on the GPU, chosen by `resident_units`;
+    of the rest, the last `disk` units live on disk and the others in pinned host RAM."""
+
+    method: Method
+    prefill: PhasePlan
+    decode: PhasePlan
+    resident: int
+    disk: int = 0
+    source: str = "user"   # where the plan came from: a rule, the user, the planner
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.resident, int) or self.resident < 0:
+            raise ValueError(f"resident: must be >= 0 units, got {self.resident!r}")
+        if not isinstance(self.disk, int) or self.disk < 0:
+            raise ValueError(f"disk: must be >= 0 units, got {self.disk!r}")
+
+    def check(self, model: ModelSpec, work: Workload) -> None:
+        """Raise ValueError naming the field when the plan does not suit this model/workload."""
+        for phase in (self.prefill, self.decode):
+            if model.kv_heads % phase.group:
+                raise ValueError(f"group: {phase.group} does not divide the {model.kv_heads} KV heads "
+                                 f"of {model.name}")
+        if self.prefill.chunk > work.context:
+            raise ValueError(f"chunk: {self.prefill.chunk} is larger than the context {work.context}")
+        if self.resident > model.units:
+            raise ValueError(f"resident: {self.resident} exceeds the {model.units} (layer, KV head) units")
+        if self.disk > model.units - self.resident:
+            raise ValueError(f"disk: {self.disk} exceeds the {model.units - self.resident} offloaded units")
+
+    def with_(self, **kw) -> "Plan":
+        return replace(self, **kw)
+
+    def describe(self) -> str:
+        p, d = self.prefill, self.decode
+        return (f"{self.method.value}: prefill group={p.group} chunk={p.chunk} depth={p.depth}; "
+                f"decode group={d.group} depth={d.depth}; resident units={self.resident}, "
+                f"disk units={self.disk}")
+
+    def to_json(self) -> dict:
+        phase = lambda p: {"group": p.group, "chunk": p.chunk, "depth": p.depth, "codecs": dict(p.codecs)}
+        return {"method": self.method.value, "prefill": phase(self.prefill), "decode": phase(self.decode),
+                "resident": self.resident, "disk": self.disk, "source": self.source}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "Plan":
+        try:
+            phase = lambda p: PhasePlan(int(p["group"]), int(p["chunk"]), int(p.get("depth", 2)),
+                                        tuple(sorted(p.get("codecs", {}).items())) or PhasePlan(1, 1).codecs)
+            return cls(Method(obj["method"]), phase(obj["prefill"]), phase(obj["decode"]),
+                       int(obj["resident"]), int(obj.get("disk", 0)), obj.get("source", "plan file"))
+        except KeyError as e:
+            raise ValueError(f"plan: field {e.args[0]!r} is missing") from None
+
+
+class Tier(str, enum.Enum):
+    GPU = "gpu"
+    HOST = "host"
+    DISK = "disk"
+
+
+def placement(model: ModelSpec, plan: Plan) -> dict[tuple[int, int], Tier]:
+    """Tier of every (layer, KV head) unit. Resident units are spread evenly over layers, lowest
+    head indices first (so whole head groups become resident); the last `disk` offloaded units,
+    counted from the end of the model, live on disk."""
+    L, H = model.layers, model.kv_heads
+    tiers: dict[tuple[int, int], Tier] = {}
+    for layer in range(L):
+        n = plan.resident // L + (1 if layer < plan.resident % L else 0)
+        for head in range(H):
+            tiers[(layer, head)] = Tier.GPU if head < n else Tier.HOST
+    offloaded = [u for u in sorted(tiers) if tiers[u] is Tier.HOST]
+    for u in offloaded[len(offloaded) - plan.disk:] if plan.disk else ():
+        tiers[u] = Tier.DISK
+    return tiers

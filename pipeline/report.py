@@ -1,0 +1,101 @@
+"""What a run reports, predicted or measured: phase times, lane utilisation, critical lane and peak
+memory per pool; plus the budget check that says which pool does not fit."""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from .memory import MemoryBreakdown
+from .stage import Kind, Phase
+from .trace import Trace
+from .units import fmt_bytes
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds: prefill until every prompt K/V is home; TTFT until the first token's logits;
+    decode per token as the mean steady-state step; total for the whole workload."""
+
+    prefill_s: float
+    ttft_s: float
+    decode_s_per_token: float | None
+    total_s: float
+
+
+def timing_from_trace(tr: Trace) -> Timing:
+    stages = tr.graph.stages
+    prefill_end = ttft = 0.0
+    heads: list[float] = []
+    for sp in tr.spans:
+        st = stages[sp.stage]
+        if st.phase is Phase.PREFILL:
+            prefill_end = max(prefill_end, sp.end_s)
+            if st.tag == "head":
+                ttft = sp.end_s
+        elif st.tag == "head":
+            heads.append(sp.end_s)
+    heads.sort()
+    steps = [b - a for a, b in zip([ttft] + heads, heads)]
+    per_token = statistics.fmean(steps[1:]) if len(steps) > 1 else (steps[0] if steps else None)
+    return Timing(prefill_end, ttft, per_token, tr.end_s)
+
+
+@dataclass(frozen=True)
+class Report:
+    timing: Timing
+    lane_busy_s: dict[str, float]
+    peak_bytes: dict[str, int]
+    gpu_breakdown_bytes: dict[str, int]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def lane_utilisation(self) -> dict[str, float]:
+        total = self.timing.total_s or 1.0
+        return {lane: busy / total for lane, busy in self.lane_busy_s.items()}
+
+    @property
+    def critical_lane(self) -> str:
+        return max(self.lane_busy_s, key=lambda lane: self.lane_busy_s[lane])
+
+    def to_json(self) -> dict:
+        t = self.timing
+        return {"prefill_s": t.prefill_s, "ttft_s": t.ttft_s, "decode_s_per_token": t.decode_s_per_token,
+                "total_s": t.total_s, "peak_bytes": dict(self.peak_bytes),
+                "gpu_breakdown_bytes": dict(self.gpu_breakdown_bytes), "critical_lane": self.critical_lane,
+                "lane_utilisation": {k: round(v, 4) for k, v in self.lane_utilisation.items()}}
+
+
+def budget_problems(mem: MemoryBreakdown, budgets: dict[str, int]) -> list[str]:
+    """One line per pool whose peak exceeds its budget: 'gpu needs 140.2 GiB, 24.0 GiB available'."""
+    return [f"{pool} needs {fmt_bytes(need)}, {fmt_bytes(budgets[pool])} available"
+            for pool, need in mem.pools().items() if need > budgets[pool]]
+
+
+def fmt_s(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if x >= 100:
+        return f"{x:,.0f} s"
+    if x >= 1:
+        return f"{x:.2f} s"
+    return f"{x * 1e3:.1f} ms"
+
+
+def format_report(rep: Report, measured: Report | None = None) -> list[str]:
+    """Rows of the report table; with `measured`, predicted and measured side by side."""
+    t, m = rep.timing, measured.timing if measured else None
+    rows = [("prefill", t.prefill_s, m and m.prefill_s), ("time to first token", t.ttft_s, m and m.ttft_s),
+            ("decode per token", t.decode_s_per_token, m and m.decode_s_per_token),
+            ("total", t.total_s, m and m.total_s)]
+    out = [f"  {'':22}{'predicted':>14}" + (f"{'measured':>14}" if m else "")]
+    for label, p, q in rows:
+        out.append(f"  {label:22}{fmt_s(p):>14}" + (f"{fmt_s(q):>14}" if m else ""))
+    for pool in ("gpu", "host", "disk"):
+        line = f"  {'peak ' + pool:22}{fmt_bytes(rep.peak_bytes[pool]):>14}"
+        if measured and pool in measured.peak_bytes:
+            line += f"{fmt_bytes(measured.peak_bytes[pool]):>14}"
+        out.append(line)
+    out.append("    gpu = " + " + ".join(f"{k} {fmt_bytes(v)}" for k, v in rep.gpu_breakdown_bytes.items()))
+    util = ", ".join(f"{k} {v:.0%}" for k, v in rep.lane_utilisation.items() if rep.lane_busy_s[k] > 0)
+    out.append(f"  critical lane: {rep.critical_lane}   (busy: {util})")
+    return out

@@ -1,0 +1,80 @@
+"""Plans from simple rules, used until the planner searches plans with the simulator: each method's
+knobs, then as many offloaded units in host RAM as its budget allows and the rest on disk."""
+from __future__ import annotations
+
+from .memory import breakdown
+from .model import ModelSpec
+from .plan import Method, PhasePlan, Plan
+from .workload import Workload
+
+DEFAULT_CHUNK = 4096      # tokens; keeps a Llama-3-8B chunk's activations near 0.5 GiB
+HOST_KV_FRACTION = 0.9    # of the host budget that KV and staging may take (the rest: OS, process)
+
+RULES = {
+    Method.STANDARD: "rule: everything on the GPU, the prompt in one pass",
+    Method.CHUNKED: f"rule: everything on the GPU, prompt chunks of {DEFAULT_CHUNK} tokens",
+    Method.LAYERWISE: "rule: whole layers offloaded, ping-pong (depth 2)",
+    Method.HEADWISE: "rule (HeadInfer's default, until the planner lands): one KV head per group, "
+                     "ping-pong, no resident heads unless the whole cache fits",
+}
+
+
+def method_plan(method: Method, model: ModelSpec, work: Workload) -> Plan:
+    """The method's knobs before placement is settled (everything offloaded except for the
+    all-GPU methods)."""
+    H, U = model.kv_heads, model.units
+    chunk = min(work.context, DEFAULT_CHUNK)
+    if method is Method.STANDARD:
+        return Plan(method, PhasePlan(H, work.context, 1), PhasePlan(H, 1, 1), U, 0, RULES[method])
+    if method is Method.CHUNKED:
+        return Plan(method, PhasePlan(H, chunk, 1), PhasePlan(H, 1, 1), U, 0, RULES[method])
+    group = H if method is Method.LAYERWISE else 1
+    return Plan(method, PhasePlan(group, chunk, 2), PhasePlan(group, 1, 2), 0, 0, RULES[method])
+
+
+def spill_to_disk(model: ModelSpec, work: Workload, plan: Plan, host_budget: int) -> Plan:
+    """Put on disk the fewest offloaded units for the host pool to fit its KV share."""
+    offloaded = model.units - plan.resident
+    if breakdown(model, work, plan.with_(disk=0)).host <= host_budget * HOST_KV_FRACTION:
+        return plan.with_(disk=0)
+    lo, hi = 1, offloaded          # smallest disk count whose host use fits
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if breakdown(model, work, plan.with_(disk=mid)).host <= host_budget * HOST_KV_FRACTION:
+            hi = mid
+        else:
+            lo = mid + 1
+    return plan.with_(disk=lo)
+
+
+def default_plan(method: Method, model: ModelSpec, work: Workload, budgets: dict[str, int]) -> Plan:
+    plan = method_plan(method, model, work)
+    if method is Method.HEADWISE:
+        everything = plan.with_(resident=model.units)
+        if breakdown(model, work, everything).gpu <= budgets["gpu"]:
+            return everything
+    if plan.resident < model.units:
+        plan = spill_to_disk(model, work, plan, budgets["host"])
+    return plan
+
+
+def fits(model: ModelSpec, work: Workload, plan: Plan, budgets: dict[str, int]) -> bool:
+    mem = breakdown(model, work, plan)
+    return all(mem.pools()[p] <= budgets[p] for p in ("gpu", "host", "disk"))
+
+
+def max_context(method: Method, model: ModelSpec, decode_tokens: int, batch: int,
+                budgets: dict[str, int], limit: int = 2**30) -> int:
+    """Largest prompt the method's rule plan fits under the budgets (0 if none)."""
+    def ok(ctx: int) -> bool:
+        work = Workload(ctx, decode_tokens, batch)
+        return fits(model, work, default_plan(method, model, work, budgets), budgets)
+    if not ok(1):
+        return 0
+    lo, hi = 1, limit
+    if ok(hi):
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
