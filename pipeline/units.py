@@ -43,9 +43,8 @@ def fmt_bytes(n: float) -> str:
 
 
 def fmt_tokens(n: int) -> str:
-    """1048576 -> '1M', 131072 -> '128K', 1000 -> '1000'."""
-    if n >= 2**20 and n % 2**20 == 0:
-        return f"{n // 2**20}M"
-    if n >= 2**10 and n % 2**10 == 0:
-        return f"{n // 2**10}K"
+    """1048576 -> '1M', 131072 -> '128K', 35900 -> '35.1K', 1000 -> '1000' (binary K/M)."""
+    for unit, scale in (("M", 2**20), ("K", 2**10)):
+        if n >= scale:
+            return f"{n // scale}{unit}" if n % scale == 0 else f"{n / scale:.{2 if unit == 'M' else 1}f}{unit}"
     return str(n)

@@ -1,0 +1,1 @@
+"""Plots and tables of traces and reports."""

@@ -1,0 +1,239 @@
+"""The `kvpipe` command line: `plan` predicts a workload on any hardware profile without a GPU;
+`run` executes it on this machine (torch is imported only there). Bad input is one line on
+stderr and exit code 2."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from .model import ModelSpec, load_model
+from .plan import Method, Plan
+from .report import budget_problems, fmt_s, format_report
+from .units import fmt_bytes, fmt_tokens, parse_bytes, parse_tokens
+from .workload import Workload
+
+EXIT_BAD_INPUT = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, no usage dump
+        raise SystemExit(_fail(f"{self.prog}: {message}"))
+
+
+def _fail(message: str) -> int:
+    print(f"kvpipe: error: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="llama-3-8b", help="preset name, config.json or model directory")
+    p.add_argument("--hw", default="rtx4090", help="hardware profile name or path to a TOML file")
+    p.add_argument("--context", default="1M", help="prompt tokens: 1M, 128K, 131072")
+    p.add_argument("--decode-tokens", type=int, default=32, help="decode steps after the prompt")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--gpu-mem", help="GPU budget (default: the profile's), e.g. 24GB or 24GiB")
+    p.add_argument("--host-mem", help="pinned host RAM budget (default: the profile's)")
+    p.add_argument("--disk-mem", help="disk budget for KV (default: the profile's)")
+    p.add_argument("--method", default="headwise", choices=[m.value for m in Method])
+    p.add_argument("--group", default="auto", help="KV heads per group (or auto)")
+    p.add_argument("--chunk", default="auto", help="prefill chunk in tokens (or auto)")
+    p.add_argument("--resident", default="auto", help="(layer, KV head) units kept on the GPU: all, none, N or auto")
+    p.add_argument("--plan", help="a plan.json (as printed under 'plan' by --json) instead of the knobs")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--trace", metavar="FILE.json", help="write the Chrome/Perfetto trace")
+    p.add_argument("--plot", metavar="FILE.png", help="draw the timeline")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="kvpipe", description="Long-context inference with the KV cache split by head "
+                                           "across GPU, pinned host RAM and disk.")
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = sub.add_parser("plan", help="predict latency and memory on a hardware profile (no GPU needed)")
+    _common(p)
+    p.add_argument("--compare", action="store_true", help="all four methods side by side")
+    p.add_argument("--full-sim", action="store_true", help="simulate every decode step (no shortcut)")
+    return ap
+
+
+def _budgets(args, hw) -> dict[str, int]:
+    return {"gpu": parse_bytes(args.gpu_mem, "gpu-mem") if args.gpu_mem else hw.gpu_mem_bytes,
+            "host": parse_bytes(args.host_mem, "host-mem") if args.host_mem else hw.host_mem_bytes,
+            "disk": parse_bytes(args.disk_mem, "disk-mem") if args.disk_mem else hw.disk_bytes}
+
+
+def _knob(text: str, field: str, parse) -> int | None:
+    return None if text == "auto" else parse(text)
+
+
+def _positive_int(field: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"{field}: expected a positive integer or auto, got {text!r}") from None
+        if value <= 0:
+            raise ValueError(f"{field}: must be positive, got {value}")
+        return value
+    return parse
+
+
+def resolve_plan(args, model: ModelSpec, work: Workload, budgets: dict[str, int], method: Method) -> Plan:
+    """The rule's plan for `method`, with the user's knobs (or plan file) applied."""
+    from .rules import default_plan, spill_to_disk
+    if args.plan:
+        try:
+            with open(args.plan) as f:
+                return Plan.from_json(json.load(f))
+        except OSError as e:
+            raise ValueError(f"plan: cannot read {args.plan!r} ({e.strerror})") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"plan: {args.plan!r} is not valid JSON ({e.msg})") from None
+    plan = default_plan(method, model, work, budgets)
+    group = _knob(args.group, "group", _positive_int("group"))
+    chunk = _knob(args.chunk, "chunk", lambda t: parse_tokens(t, "chunk"))
+    if chunk is not None and chunk <= 0:
+        raise ValueError(f"chunk: must be positive, got {chunk}")
+    resident = {"auto": None, "all": model.units, "none": 0}.get(args.resident, args.resident)
+    if isinstance(resident, str):
+        resident = _positive_int("resident")(resident) if resident != "0" else 0
+    if group is None and chunk is None and resident is None:
+        return plan
+    pre, dec = plan.prefill, plan.decode
+    if group is not None:
+        pre, dec = pre.__class__(group, pre.chunk, pre.depth, pre.codecs), dec.__class__(group, 1, dec.depth, dec.codecs)
+    if chunk is not None:
+        pre = pre.__class__(pre.group, chunk, pre.depth, pre.codecs)
+    plan = plan.with_(prefill=pre, decode=dec, resident=plan.resident if resident is None else resident,
+                      source="user knobs over " + plan.source)
+    return spill_to_disk(model, work, plan, budgets["host"]) if plan.resident < model.units else plan.with_(disk=0)
+
+
+def _setup(args):
+    from hw_profiles import load_profile
+    model = load_model(args.model)
+    hw = load_profile(args.hw)
+    work = Workload.parse(args.context, args.decode_tokens, args.batch)
+    budgets = _budgets(args, hw)
+    for pool, value in budgets.items():
+        if value <= 0:
+            raise ValueError(f"{pool}-mem: must be positive, got {value}")
+    if model.weight_bytes > budgets["gpu"]:
+        raise ValueError(f"gpu-mem: {fmt_bytes(budgets['gpu'])} cannot hold the weights of {model.name} "
+                         f"({fmt_bytes(model.weight_bytes)})")
+    return model, hw, work, budgets
+
+
+def _predict(model, work, plan, hw, budgets, full=False) -> dict:
+    from sim.simulate import simulate
+    from .memory import breakdown
+    plan.check(model, work)
+    problems = budget_problems(breakdown(model, work, plan), budgets)
+    pred = simulate(model, work, plan, hw, full=full)
+    return {"plan": plan, "fits": not problems, "problems": problems, "prediction": pred}
+
+
+def _json_head(model, hw, work) -> dict:
+    return {"model": {"name": model.name, "family": model.family, "layers": model.layers,
+                      "kv_heads": model.kv_heads, "q_heads": model.q_heads, "head_dim": model.head_dim,
+                      "dtype": model.dtype, "weight_bytes": model.weight_bytes,
+                      "kv_bytes_per_token": model.kv_bytes_per_token},
+            "hardware": {"name": hw.name, "description": hw.description},
+            "workload": {"context": work.context, "decode_tokens": work.decode_tokens, "batch": work.batch}}
+
+
+def _print_plan(model, hw, work, budgets, res) -> None:
+    plan, rep = res["plan"], res["prediction"].report
+    print(f"kvpipe plan: {model.name} on {hw.name} — {hw.description}")
+    print(f"workload: {fmt_tokens(work.context)} prompt tokens, {work.decode_tokens} decode steps, batch {work.batch}")
+    print(f"plan: {plan.describe()}")
+    print(f"      from {plan.source}")
+    budget = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in budgets.items())
+    if res["fits"]:
+        print(f"fits: yes   (budgets: {budget})")
+    else:
+        print(f"fits: NO — {'; '.join(res['problems'])}")
+    for line in format_report(rep):
+        print(line)
+    for note in rep.notes:
+        print(f"  note: {note}")
+
+
+def _print_compare(work, results: dict[str, dict], maxctx: dict[str, int]) -> None:
+    names = list(results)
+    rows = [("fits", lambda r: "yes" if r["fits"] else "NO"),
+            ("prefill", lambda r: fmt_s(r["prediction"].report.timing.prefill_s)),
+            ("time to first token", lambda r: fmt_s(r["prediction"].report.timing.ttft_s)),
+            ("decode per token", lambda r: fmt_s(r["prediction"].report.timing.decode_s_per_token)),
+            ("total", lambda r: fmt_s(r["prediction"].report.timing.total_s)),
+            ("peak gpu", lambda r: fmt_bytes(r["prediction"].report.peak_bytes["gpu"])),
+            ("peak host", lambda r: fmt_bytes(r["prediction"].report.peak_bytes["host"])),
+            ("peak disk", lambda r: fmt_bytes(r["prediction"].report.peak_bytes["disk"])),
+            ("critical lane", lambda r: r["prediction"].report.critical_lane)]
+    print(f"  {'':22}" + "".join(f"{n:>14}" for n in names))
+    for label, get in rows:
+        print(f"  {label:22}" + "".join(f"{get(results[n]):>14}" for n in names))
+    print(f"  {'max context':22}" + "".join(f"{fmt_tokens(maxctx[n]):>14}" for n in names))
+    for n in names:
+        if not results[n]["fits"]:
+            print(f"  {n} does not fit at {fmt_tokens(work.context)}: {'; '.join(results[n]['problems'])}")
+
+
+def cmd_plan(args) -> int:
+    model, hw, work, budgets = _setup(args)
+    chosen = Method(args.method)
+    methods = list(Method) if args.compare else [chosen]
+    results = {}
+    for m in methods:
+        plan = resolve_plan(args, model, work, budgets, m) if m is chosen else \
+            resolve_plan(argparse.Namespace(plan=None, group="auto", chunk="auto", resident="auto"),
+                         model, work, budgets, m)
+        results[m.value] = _predict(model, work, plan, hw, budgets, full=args.full_sim)
+    main = results[chosen.value]
+    maxctx = {}
+    if args.compare:
+        from .rules import max_context
+        maxctx = {m.value: max_context(m, model, work.decode_tokens, work.batch, budgets) for m in methods}
+    if args.json:
+        out = _json_head(model, hw, work)
+        out.update(plan=main["plan"].to_json(), fits=main["fits"], problems=main["problems"],
+                   predicted=main["prediction"].report.to_json(), budgets_bytes=budgets)
+        if args.compare:
+            out["methods"] = {n: {"fits": r["fits"], "problems": r["problems"], "plan": r["plan"].to_json(),
+                                  "predicted": r["prediction"].report.to_json(), "max_context": maxctx[n]}
+                              for n, r in results.items()}
+        print(json.dumps(out, indent=2))
+    else:
+        _print_plan(model, hw, work, budgets, main)
+        if args.compare:
+            print(f"\ncompare at {fmt_tokens(work.context)} (each method's rule plan; max context under the budgets):")
+            _print_compare(work, results, maxctx)
+    trace = main["prediction"].trace
+    if args.trace:
+        from .trace import write_chrome
+        write_chrome(args.trace, trace)
+        print(f"trace: {args.trace} (open in https://ui.perfetto.dev)", file=sys.stderr)
+    if args.plot:
+        from analysis.timeline import plot_timeline
+        plot_timeline(args.plot, trace, title=f"{model.name} on {hw.name}, {fmt_tokens(work.context)}")
+        print(f"plot: {args.plot}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    try:
+        return {"plan": cmd_plan}[args.command](args)
+    except (ValueError, OSError) as e:
+        return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    except KeyboardInterrupt:
+        print("kvpipe: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
