@@ -1,0 +1,125 @@
+"""Exact chunked attention for one head group: the cached prefix and the chunk itself are attended
+separately by fused flash kernels that return the log-sum-exp, and the two partial results are
+merged exactly by log-sum-exp; no T x (P+T) score or mask matrix is ever materialised.
+
+Kernels (chosen by device and dtype, never by where the bytes live):
+  CPU  float32 / float64 / bfloat16 / float16  aten._scaled_dot_product_flash_attention_for_cpu
+  CUDA bfloat16 / float16                     aten._scaled_dot_product_flash_attention
+  CUDA float32                                aten._scaled_dot_product_efficient_attention
+  CUDA float64                                none fused: rejected with a ValueError
+All return the log-sum-exp in natural-log units, one value per (batch, head, query row).
+"""
+
+from typing import NamedTuple
+
+import torch
+
+_CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_CUDA_FLASH_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class Partial(NamedTuple):
+    """Attention over a subset of the keys, normalised within that subset."""
+
+    out: torch.Tensor  # [B, H, T, D] in the input dtype
+    lse: torch.Tensor  # [B, H, T] log-sum-exp of the scaled scores, natural log, float32 (float64 for float64)
+
+
+def attend_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> Partial:
+    """One fused kernel call with as many query heads as kv heads; causal is top-left aligned (use it with T == S)."""
+    B, H, T, D = q.shape  # [B, H, T, D]
+    assert k.shape == v.shape and k.shape[:2] == (B, H) and k.shape[3] == D, (q.shape, k.shape, v.shape)
+    S = k.shape[2]  # k, v: [B, H, S, D]
+    assert T >= 1 and S >= 1, f"empty attention T={T} S={S} (the CPU kernel crashes on S == 0)"
+    assert not causal or T == S, f"causal part needs T == S, got T={T} S={S}"
+    assert q.dtype == k.dtype == v.dtype, (q.dtype, k.dtype, v.dtype)
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "last dim must be contiguous"
+    if q.device.type == "cpu":
+        if q.dtype not in _CPU_DTYPES:
+            raise ValueError(f"dtype={q.dtype} has no fused CPU attention kernel")
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale
+        )
+    elif q.device.type == "cuda" and q.dtype in _CUDA_FLASH_DTYPES:
+        res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+        out, lse = res[0], res[1]
+    elif q.device.type == "cuda" and q.dtype == torch.float32:
+        res = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
+        out, lse = res[0], res[1]
+    else:
+        raise ValueError(f"dtype={q.dtype} on device={q.device} has no fused attention kernel")
+    lse = lse[..., :T]  # some kernels pad the query dim of the LSE (memory-efficient: to a multiple of 32)
+    assert out.shape == (B, H, T, D) and lse.shape == (B, H, T), (out.shape, lse.shape)
+    return Partial(out, lse)
+
+
+def merge_partials(a: Partial, b: Partial, out_dtype: torch.dtype) -> torch.Tensor:
+    """Exact softmax over the union of two disjoint key sets, in float32 (float64 for float64 inputs)."""
+    assert a.out.shape == b.out.shape and a.lse.shape == b.lse.shape, (a.out.shape, b.out.shape)
+    acc = torch.float64 if out_dtype == torch.float64 else torch.float32
+    lse_a, lse_b = a.lse.to(acc), b.lse.to(acc)  # [B, H, T]
+    lse = torch.logaddexp(lse_a, lse_b)  # [B, H, T]
+    w_a = torch.exp(lse_a - lse).unsqueeze(-1)  # [B, H, T, 1]
+    w_b = torch.exp(lse_b - lse).unsqueeze(-1)
+    return (a.out.to(acc) * w_a + b.out.to(acc) * w_b).to(out_dtype)  # [B, H, T, D]
+
+
+def repeat_kv(x: torch.Tensor, r: int) -> torch.Tensor:
+    """[B, Hkv, S, D] -> [B, Hkv*r, S, D], kv head h repeated r times in a row (HF's repeat_kv)."""
+    B, Hkv, S, D = x.shape
+    if r == 1:
+        return x
+    return x[:, :, None].expand(B, Hkv, r, S, D).reshape(B, Hkv * r, S, D)
+
+
+def attend_chunk(
+    q: torch.Tensor,
+    k_prefix: torch.Tensor,
+    v_prefix: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of T new tokens of one head group over P cached tokens and themselves.
+
+    q [B, Hq, T, D]; k_prefix, v_prefix [B, Hkv, P, D] (P may be 0, may be strided views, last dim
+    contiguous); k_new, v_new [B, Hkv, T, D]. Query head h uses kv head h // (Hq // Hkv).
+    Returns [B, Hq, T, D] in q.dtype. The bits depend only on the values, shapes, dtype, device
+    (and, on CPU, the thread count), never on where the prefix lives.
+    """
+    B, Hq, T, D = q.shape  # [B, Hq, T, D]
+    Hkv, P = k_prefix.shape[1], k_prefix.shape[2]  # [B, Hkv, P, D]
+    assert T >= 1, f"T={T}: a chunk has at least one token"
+    assert Hkv >= 1 and Hq % Hkv == 0, f"Hq={Hq} is not a multiple of Hkv={Hkv}"
+    assert k_prefix.shape == v_prefix.shape == (B, Hkv, P, D), (k_prefix.shape, v_prefix.shape, q.shape)
+    assert k_new.shape == v_new.shape == (B, Hkv, T, D), (k_new.shape, v_new.shape, q.shape)
+    assert len({t.dtype for t in (q, k_prefix, v_prefix, k_new, v_new)}) == 1, "mixed dtypes"
+    assert len({t.device for t in (q, k_prefix, v_prefix, k_new, v_new)}) == 1, "mixed devices"
+    r = Hq // Hkv
+
+    # The chunk over itself, causal: its K/V are only T tokens, so expanding them to Hq heads is cheap.
+    own = attend_part(q, repeat_kv(k_new, r), repeat_kv(v_new, r), scale, causal=True)  # [B, Hq, T, D]
+    if P == 0:
+        return own.out.to(q.dtype)
+
+    # The chunk over the prefix, no mask: the r query heads of a kv head are r*T independent rows
+    # against the same keys, so fold them into the query length and read K/V in place, uncopied.
+    q_fold = q.reshape(B, Hkv, r * T, D)  # [B, Hkv, r*T, D], a view when q is contiguous
+    pre = attend_part(q_fold, k_prefix, v_prefix, scale, causal=False)
+    pre = Partial(pre.out.reshape(B, Hq, T, D), pre.lse.reshape(B, Hq, T))
+    return merge_partials(pre, own, q.dtype)
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Dense float64 causal attention for tests: q [B, Hq, T, D] are the last T of the S positions of
+    k, v [B, Hkv, S, D] (T == S: full prefill). Materialises the scores; never use it to serve."""
+    B, Hq, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    assert Hq % Hkv == 0 and T <= S and k.shape == v.shape == (B, Hkv, S, D), (q.shape, k.shape, v.shape)
+    r = Hq // Hkv
+    q64, k64, v64 = q.double(), repeat_kv(k.double(), r), repeat_kv(v.double(), r)
+    scores = (q64 @ k64.transpose(-1, -2)) * scale  # [B, Hq, T, S]
+    pos_q = torch.arange(S - T, S, device=q.device)[:, None]  # [T, 1]
+    pos_k = torch.arange(S, device=q.device)[None, :]  # [1, S]
+    scores = scores.masked_fill(pos_k > pos_q, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v64  # [B, Hq, T, D] float64

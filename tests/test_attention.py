@@ -1,0 +1,255 @@
+"""Property tests for executor/attention.py: chunked equals full, placement changes no bit, decode."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from executor.attention import attend_chunk, attend_part, reference_attention
+
+CPU_DTYPES = (torch.float64, torch.float32, torch.bfloat16)
+REL_TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2}
+LSE_TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-3}  # absolute, natural log
+GQA_RATIOS = (1, 2, 4, 7, 8)
+HEAD_DIMS = (64, 128)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def randn(shape, dtype, gen, device="cpu", amp=1.0):
+    return (torch.randn(shape, generator=gen, dtype=torch.float64) * amp).to(device=device, dtype=dtype)
+
+
+@st.composite
+def chunk_sizes(draw, seq_len):
+    """A split of seq_len tokens into at most 16 chunks of arbitrary sizes."""
+    cuts = draw(st.sets(st.integers(1, seq_len - 1), max_size=15)) if seq_len > 1 else set()
+    bounds = [0, *sorted(cuts), seq_len]
+    return [hi - lo for lo, hi in zip(bounds, bounds[1:])]
+
+
+def run_chunked(q, k, v, sizes, scale, s_max):
+    """Prefill q/k/v [B, H, S, D] chunk by chunk through a preallocated cache [B, Hkv, s_max, D]."""
+    B, Hkv, S, D = k.shape
+    k_cache = torch.zeros(B, Hkv, s_max, D, dtype=k.dtype, device=k.device)  # [B, Hkv, S_max, D]
+    v_cache = torch.zeros_like(k_cache)
+    outs, p = [], 0
+    for t in sizes:
+        k_cache[:, :, p : p + t] = k[:, :, p : p + t]
+        v_cache[:, :, p : p + t] = v[:, :, p : p + t]
+        outs.append(
+            attend_chunk(
+                q[:, :, p : p + t],
+                k_cache[:, :, :p],  # strided view of the prefix, P = p
+                v_cache[:, :, :p],
+                k_cache[:, :, p : p + t],
+                v_cache[:, :, p : p + t],
+                scale,
+            )
+        )
+        p += t
+    return torch.cat(outs, dim=2)  # [B, Hq, S, D]
+
+
+@st.composite
+def chunked_case(draw, max_len):
+    seq_len = draw(st.integers(1, max_len))
+    return dict(
+        dtype=draw(st.sampled_from(CPU_DTYPES)),
+        r=draw(st.sampled_from(GQA_RATIOS)),
+        hkv=draw(st.integers(1, 2)),
+        d=draw(st.sampled_from(HEAD_DIMS)),
+        b=draw(st.integers(1, 2)),
+        sizes=draw(chunk_sizes(seq_len)),
+        slack=draw(st.integers(0, 5)),
+        amp=draw(st.sampled_from([1.0, 3.0])),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+def check_chunked_equals_full(case, device="cpu"):
+    gen = torch.Generator().manual_seed(case["seed"])
+    B, Hkv, r, D, dtype = case["b"], case["hkv"], case["r"], case["d"], case["dtype"]
+    S = sum(case["sizes"])
+    q = randn((B, Hkv * r, S, D), dtype, gen, device, case["amp"])  # [B, Hq, S, D]
+    k = randn((B, Hkv, S, D), dtype, gen, device, case["amp"])  # [B, Hkv, S, D]
+    v = randn((B, Hkv, S, D), dtype, gen, device)
+    scale = D**-0.5
+    out = run_chunked(q, k, v, case["sizes"], scale, S + case["slack"])
+    assert out.dtype == dtype and out.shape == q.shape
+    assert rel_err(out, reference_attention(q, k, v, scale)) <= REL_TOL[dtype]
+
+
+@settings(max_examples=100, deadline=None)
+@given(case=chunked_case(max_len=80))
+def test_chunked_equals_full(case):
+    check_chunked_equals_full(case)
+
+
+@settings(max_examples=12, deadline=None)
+@given(case=chunked_case(max_len=40), first=st.integers(500, 1040))
+def test_chunked_equals_full_long_prefix(case, first):
+    """Prefixes past 512 tokens, where the CPU kernel splits the keys into several blocks."""
+    check_chunked_equals_full(dict(case, sizes=[first, *case["sizes"]]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=st.sampled_from(CPU_DTYPES),
+    r=st.sampled_from(GQA_RATIOS),
+    hkv=st.integers(1, 3),
+    d=st.sampled_from(HEAD_DIMS),
+    b=st.integers(1, 2),
+    p=st.one_of(st.integers(0, 40), st.integers(500, 700)),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_decode_equals_reference(dtype, r, hkv, d, b, p, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = randn((b, hkv * r, 1, d), dtype, gen)  # [B, Hq, 1, D]
+    k = randn((b, hkv, p + 1, d), dtype, gen)  # [B, Hkv, P+1, D]
+    v = randn((b, hkv, p + 1, d), dtype, gen)
+    out = attend_chunk(q, k[:, :, :p], v[:, :, :p], k[:, :, p:], v[:, :, p:], d**-0.5)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert rel_err(out, reference_attention(q, k, v, d**-0.5)) <= REL_TOL[dtype]
+
+
+def placement_variants(big: torch.Tensor, h0: int, g: int, p: int) -> dict[str, torch.Tensor]:
+    """The same prefix values [B, g, P, D] of heads h0..h0+g, held in different places and layouts."""
+    B, _, s_max, D = big.shape
+    view = big[:, h0 : h0 + g, :p]  # strided view into the all-heads buffer
+    pin = big.device.type == "cuda"
+    staged = torch.empty(B, g, s_max + 3, D, dtype=big.dtype, pin_memory=pin)  # host staging buffer
+    staged[:, :, :p].copy_(view.cpu().clone())
+    back = torch.empty(B, g, s_max, D, dtype=big.dtype, device=big.device)
+    back[:, :, :p].copy_(staged[:, :, :p], non_blocking=pin)
+    token_major = torch.empty(B, s_max, g, D, dtype=big.dtype, device=big.device)  # [B, S, g, D]
+    token_major[:, :p].copy_(view.transpose(1, 2))
+    group_only = torch.empty(B, g, s_max, D, dtype=big.dtype, device=big.device)  # only this group
+    group_only.copy_(big[:, h0 : h0 + g])
+    return {
+        "view": view,
+        "contiguous": view.contiguous().clone(),
+        "via_host": back[:, :, :p],
+        "token_major": token_major[:, :p].transpose(1, 2),
+        "group_only": group_only[:, :, :p],
+    }
+
+
+@st.composite
+def placement_case(draw, dtypes):
+    g = draw(st.integers(1, 3))
+    return dict(
+        dtype=draw(st.sampled_from(dtypes)),
+        b=draw(st.integers(1, 2)),
+        g=g,
+        h0=draw(st.integers(0, 2)),
+        extra_heads=draw(st.integers(0, 2)),
+        r=draw(st.sampled_from(GQA_RATIOS)),
+        d=draw(st.sampled_from(HEAD_DIMS)),
+        p=draw(st.one_of(st.integers(1, 64), st.integers(500, 1100))),
+        t=draw(st.integers(1, 33)),
+        slack=draw(st.integers(0, 7)),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+def check_placement_bitwise(case, device="cpu"):
+    gen = torch.Generator().manual_seed(case["seed"])
+    B, g, h0, r, D, P, T, dtype = (case[n] for n in ("b", "g", "h0", "r", "d", "p", "t", "dtype"))
+    h_all, s_max = h0 + g + case["extra_heads"], P + T + case["slack"]
+    k_big = randn((B, h_all, s_max, D), dtype, gen, device)  # [B, H_all, S_max, D]
+    v_big = randn((B, h_all, s_max, D), dtype, gen, device)
+    q = randn((B, g * r, T, D), dtype, gen, device)  # [B, Hq, T, D]
+    k_new = randn((B, g, T, D), dtype, gen, device)  # [B, g, T, D]
+    v_new = randn((B, g, T, D), dtype, gen, device)
+    ks = placement_variants(k_big, h0, g, P)
+    vs = placement_variants(v_big, h0, g, P)
+    outs = {name: attend_chunk(q, ks[name], vs[name], k_new, v_new, D**-0.5) for name in ks}
+    for name, out in outs.items():
+        assert torch.equal(out, outs["view"]), f"{name} differs from the in-buffer view"
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=placement_case(CPU_DTYPES))
+def test_placement_is_bitwise_invariant(case):
+    check_placement_bitwise(case)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    dtype=st.sampled_from(CPU_DTYPES),
+    d=st.sampled_from(HEAD_DIMS),
+    t=st.integers(1, 40),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_kernel_lse_is_natural_log_per_row(dtype, d, t, seed):
+    """The merge relies on the kernel's LSE being ln(sum(exp(scale * q.k))) with layout [B, H, T]."""
+    gen = torch.Generator().manual_seed(seed)
+    q = randn((2, 3, t, d), dtype, gen)
+    k = randn((2, 3, t, d), dtype, gen)
+    v = randn((2, 3, t, d), dtype, gen)
+    scale = d**-0.5
+    scores = (q.double() @ k.double().transpose(-1, -2)) * scale  # [B, H, T, T], test only
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    for is_causal, expect in ((False, scores), (True, scores.masked_fill(~causal, float("-inf")))):
+        part = attend_part(q, k, v, scale, causal=is_causal)
+        assert part.lse.shape == (2, 3, t)
+        lse_err = (part.lse.double() - torch.logsumexp(expect, dim=-1)).abs().max().item()
+        assert lse_err <= LSE_TOL[dtype], lse_err
+
+
+class _RecordShapes(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops, self.numels = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        self.ops.append(str(func))
+        flat = result if isinstance(result, (tuple, list)) else (result,)
+        self.numels += [x.numel() for x in flat if isinstance(x, torch.Tensor)]
+        return result
+
+
+@settings(max_examples=10, deadline=None)
+@given(r=st.sampled_from(GQA_RATIOS), t=st.integers(1, 16), p=st.integers(0, 300))
+def test_never_materialises_scores_or_copies_prefix(r, t, p):
+    """Every tensor the executor path creates is at most [B, Hq, T, D] (D = 8 << P + T), so no
+    T x (P + T) score or mask matrix, and no copy of the prefix, is ever made."""
+    B, Hkv, D = 1, 2, 8
+    gen = torch.Generator().manual_seed(p)
+    q = randn((B, Hkv * r, t, D), torch.float32, gen)
+    k = randn((B, Hkv, p + t, D), torch.float32, gen)
+    v = randn((B, Hkv, p + t, D), torch.float32, gen)
+    k_prefix, v_prefix, k_new, v_new = k[:, :, :p], v[:, :, :p], k[:, :, p:], v[:, :, p:]
+    with _RecordShapes() as rec:
+        attend_chunk(q, k_prefix, v_prefix, k_new, v_new, 0.3)
+    assert any("flash_attention" in op for op in rec.ops), rec.ops
+    assert max(rec.numels) <= B * Hkv * r * t * D, (rec.ops, rec.numels)
+
+
+def test_rejects_mismatched_shapes():
+    q = torch.randn(1, 6, 2, 64)
+    kv = torch.randn(1, 4, 3, 64)  # Hq = 6 is not a multiple of Hkv = 4
+    with pytest.raises(AssertionError):
+        attend_chunk(q, kv, kv, kv[:, :, :2], kv[:, :, :2], 0.125)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@settings(max_examples=15, deadline=None)
+@given(data=st.data())
+def test_placement_is_bitwise_invariant_cuda(dtype, data):
+    check_placement_bitwise(data.draw(placement_case((dtype,))), device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@settings(max_examples=15, deadline=None)
+@given(data=st.data())
+def test_chunked_equals_full_cuda(dtype, data):
+    case = data.draw(chunked_case(max_len=80))
+    check_chunked_equals_full(dict(case, dtype=dtype), device="cuda")
