@@ -42,11 +42,18 @@ def timing_from_trace(tr: Trace) -> Timing:
 
 @dataclass(frozen=True)
 class Report:
+    """`phase_busy_s` holds busy seconds per phase and lane (see Trace.lane_busy_s)."""
+
     timing: Timing
-    lane_busy_s: dict[str, float]
+    phase_busy_s: dict[str, dict[str, float]]
     peak_bytes: dict[str, int]
     gpu_breakdown_bytes: dict[str, int]
     notes: tuple[str, ...] = ()
+
+    @property
+    def lane_busy_s(self) -> dict[str, float]:
+        lanes = next(iter(self.phase_busy_s.values()))
+        return {lane: sum(p[lane] for p in self.phase_busy_s.values()) for lane in lanes}
 
     @property
     def lane_utilisation(self) -> dict[str, float]:
@@ -55,13 +62,20 @@ class Report:
 
     @property
     def critical_lane(self) -> str:
-        return max(self.lane_busy_s, key=lambda lane: self.lane_busy_s[lane])
+        """The lane busiest over the whole workload: the one that bounds it."""
+        busy = self.lane_busy_s
+        return max(busy, key=lambda lane: busy[lane])
+
+    def critical_lane_of(self, phase: str) -> str | None:
+        busy = self.phase_busy_s.get(phase, {})
+        return max(busy, key=lambda lane: busy[lane]) if any(busy.values()) else None
 
     def to_json(self) -> dict:
         t = self.timing
         return {"prefill_s": t.prefill_s, "ttft_s": t.ttft_s, "decode_s_per_token": t.decode_s_per_token,
                 "total_s": t.total_s, "peak_bytes": dict(self.peak_bytes),
                 "gpu_breakdown_bytes": dict(self.gpu_breakdown_bytes), "critical_lane": self.critical_lane,
+                "critical_lane_by_phase": {ph: self.critical_lane_of(ph) for ph in self.phase_busy_s},
                 "lane_utilisation": {k: round(v, 4) for k, v in self.lane_utilisation.items()}}
 
 
@@ -97,5 +111,6 @@ def format_report(rep: Report, measured: Report | None = None) -> list[str]:
         out.append(line)
     out.append("    gpu = " + " + ".join(f"{k} {fmt_bytes(v)}" for k, v in rep.gpu_breakdown_bytes.items()))
     util = ", ".join(f"{k} {v:.0%}" for k, v in rep.lane_utilisation.items() if rep.lane_busy_s[k] > 0)
-    out.append(f"  critical lane: {rep.critical_lane}   (busy: {util})")
+    by_phase = ", ".join(f"{ph} {rep.critical_lane_of(ph)}" for ph in rep.phase_busy_s if rep.critical_lane_of(ph))
+    out.append(f"  critical lane: {rep.critical_lane} ({by_phase}); busy: {util}")
     return out

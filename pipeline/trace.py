@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .stage import Graph, Lane
+from .stage import Graph, Lane, Phase
 
 _LANE_TID = {lane: i for i, lane in enumerate(Lane)}
 
@@ -35,10 +35,12 @@ class Trace:
     def end_s(self) -> float:
         return max((s.end_s for s in self.spans), default=0.0)
 
-    def lane_busy_s(self) -> dict[str, float]:
-        busy = {lane.value: 0.0 for lane in Lane}
+    def lane_busy_s(self) -> dict[str, dict[str, float]]:
+        """Busy seconds per phase and lane: {'prefill': {'gpu': ..., ...}, 'decode': {...}}."""
+        busy = {ph.value: {lane.value: 0.0 for lane in Lane} for ph in Phase}
         for sp in self.spans:
-            busy[self.graph.stages[sp.stage].lane.value] += sp.end_s - sp.start_s
+            st = self.graph.stages[sp.stage]
+            busy[st.phase.value][st.lane.value] += sp.end_s - sp.start_s
         return busy
 
     def chrome_events(self, pid: int) -> list[dict]:

@@ -37,15 +37,6 @@ def _decode_head_ends(tr: Trace) -> list[float]:
     return sorted(sp.end_s for sp in tr.spans if st[sp.stage].phase is Phase.DECODE and st[sp.stage].tag == "head")
 
 
-def _decode_busy(tr: Trace) -> dict[str, float]:
-    busy: dict[str, float] = {}
-    for sp in tr.spans:
-        s = tr.graph.stages[sp.stage]
-        if s.phase is Phase.DECODE:
-            busy[s.lane.value] = busy.get(s.lane.value, 0.0) + sp.end_s - sp.start_s
-    return busy
-
-
 def simulate(model: ModelSpec, work: Workload, plan: Plan, hw: HardwareProfile, *,
              full: bool = False, window: int = DECODE_WINDOW) -> Prediction:
     mem = breakdown(model, work, plan)
@@ -71,9 +62,8 @@ def simulate(model: ModelSpec, work: Workload, plan: Plan, hw: HardwareProfile, 
         per_token = (sum(d1) + between) / (M - 1)
         timing = Timing(head.prefill_s, head.ttft_s, per_token, total)
         busy = trace.lane_busy_s()
-        b1, b2 = _decode_busy(trace), _decode_busy(late)
-        for lane in busy:
-            busy[lane] += n * (b1.get(lane, 0.0) + b2.get(lane, 0.0)) / (2 * window)
+        b1, b2 = busy["decode"], late.lane_busy_s()["decode"]
+        busy["decode"] = {lane: b1[lane] + n * (b1[lane] + b2[lane]) / (2 * window) for lane in b1}
         note = (f"prefill and decode steps 0..{window - 1} simulated in full; steps {window}..{M - 1} "
                 f"extrapolated from a window of {window} steps at the end")
     peak = {p.value: pools.peak[p] for p in Pool}
