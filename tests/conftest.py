@@ -27,3 +27,40 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason="needs a CUDA device")
         for item in gpu_items:
             item.add_marker(skip)
+
+
+_TINY_FAMILY = {  # config.json fields of a tiny model per family; head_dim set explicitly
+    "llama": {},
+    "mistral": {"sliding_window": None},
+    "qwen2": {},
+    "qwen3": {},
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """Factory of tiny seeded random HF causal LMs, cached for the session:
+    tiny_model(family, kv_heads=2, q_heads=8, head_dim=16, layers=2, dtype=torch.float32,
+    device="cpu", **config_overrides). Built with executor.loader.random_model."""
+    import zlib
+
+    import torch
+
+    from executor.loader import random_model
+
+    built = {}
+
+    def make(family="llama", kv_heads=2, q_heads=8, head_dim=16, layers=2, dtype=None,
+             device="cpu", **overrides):
+        dtype = torch.float32 if dtype is None else dtype
+        cfg = dict(model_type=family, vocab_size=128, hidden_size=64, intermediate_size=96,
+                   num_hidden_layers=layers, num_attention_heads=q_heads, num_key_value_heads=kv_heads,
+                   head_dim=head_dim, max_position_embeddings=512, initializer_range=0.1,
+                   rms_norm_eps=1e-6, tie_word_embeddings=False, **_TINY_FAMILY[family])
+        cfg.update(overrides)
+        key = (repr(sorted(cfg.items())), str(dtype), str(device))
+        if key not in built:
+            built[key] = random_model(cfg, device=device, dtype=dtype, seed=zlib.crc32(key[0].encode()))
+        return built[key]
+
+    return make

@@ -1,0 +1,125 @@
+"""The interpreter: resolves each stage's payload key (phase, step, layer, heads, tokens, slot) to
+tensors and runs it: model pieces through the adapter, copies through the KV store. It holds the
+activations that live between the stages of a step; the lanes decide when each stage is issued."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.stage import Graph, Lane, Phase, Stage
+
+from .adapter import HFAdapter
+from .kvstore import KVStore, k_of, v_of
+
+
+@dataclass
+class _Step:
+    """Activations of the step in flight on the compute lane (mutable: stages update them)."""
+
+    phase: Phase
+    step: int
+    start: int
+    hidden: torch.Tensor                          # [B, T, hidden] residual stream
+    rope: tuple[torch.Tensor, torch.Tensor]       # cos, sin [1, T, D]
+    q: torch.Tensor | None = None                 # [B, Hq, T, D] of the current layer
+    out: torch.Tensor | None = None               # [B, T, Hq, D] attention output, filled per group
+
+
+class Interpreter:
+    """Callable on a Stage; results: `tokens` (filled in place), `last_logits`, `moved` bytes."""
+
+    def __init__(self, graph: Graph, adapter: HFAdapter, store: KVStore, lanes,
+                 prompt: torch.Tensor, tokens: torch.Tensor, step_logits: torch.Tensor | None) -> None:
+        self.adapter, self.store, self.lanes = adapter, store, lanes
+        self.prompt, self.tokens, self.step_logits = prompt, tokens, step_logits  # [B, ctx], [B, N+1]
+        self.context = graph.workload.context
+        self.group = {Phase.PREFILL: graph.plan.prefill.group, Phase.DECODE: graph.plan.decode.group}
+        self.moved = [0] * len(graph.stages)
+        self.last_logits: torch.Tensor | None = None
+        self._cur: _Step | None = None
+        self._kv: dict[tuple, list] = {}   # (phase, step, layer) -> [new K/V [B, H, T, 2, D], users left]
+        self._ops = {"embed": self._embed, "qkv": self._qkv, "attn": self._attn, "mlp": self._mlp,
+                     "head": self._head, "kv_fetch": self._fetch, "kv_store": self._store}
+
+    def __call__(self, s: Stage) -> None:
+        op = self._ops.get(s.tag)
+        if op is None:
+            raise ValueError(f"stage {s.name}: the executor has no op for tag {s.tag!r}")
+        op(s)
+
+    # ---- compute lane ------------------------------------------------------------------
+    def _step(self, s: Stage) -> _Step:
+        cur = self._cur
+        assert cur is not None and (cur.phase, cur.step) == (s.phase, s.step), (s.name, cur and cur.step)
+        return cur
+
+    def _embed(self, s: Stage) -> None:
+        start, end = s.tokens
+        if s.phase is Phase.PREFILL:
+            ids = self.prompt[:, start:end]                     # [B, T]
+        else:
+            assert (start, end) == (self.context + s.step, self.context + s.step + 1), s.tokens
+            ids = self.tokens[:, s.step:s.step + 1]            # [B, 1]: stays on the device
+        hidden, rope = self.adapter.embed(ids, start)
+        self._cur = _Step(s.phase, s.step, start, hidden, rope)
+
+    def _qkv(self, s: Stage) -> None:
+        cur = self._step(s)
+        q, kv = self.adapter.qkv(s.layer, cur.hidden, cur.rope)  # [B, Hq, T, D], [B, H, T, 2, D]
+        self.store.write_resident(s.layer, kv, cur.start)
+        B, Hq, T, D = q.shape
+        cur.q, cur.out = q, q.new_empty(B, T, Hq, D)
+        lo = self.store.layout
+        self._kv[(s.phase, s.step, s.layer)] = [kv, 1 + (lo.resident[s.layer] < lo.kv_heads)]
+
+    def _attn(self, s: Stage) -> None:
+        cur = self._step(s)
+        heads, P = s.heads, s.tokens[0]
+        h0, G, r = heads[0], len(heads), self.adapter.r
+        new = self._kv[(s.phase, s.step, s.layer)][0][:, h0:h0 + G]   # [B, G, T, 2, D]
+        if s.slot is not None:                  # offloaded heads were fetched into the slot
+            self.store.fill_resident(s.layer, heads, s.slot, P)
+            pre = self.store.slot_prefix(s.slot, G, P)                   # [B, G, P, 2, D]
+        elif P == 0:
+            pre = new[:, :, :0]                                          # [B, G, 0, 2, D]
+        else:
+            pre = self.store.resident_prefix(s.layer, heads, P)          # [B, G, P, 2, D]
+        qs = slice(h0 * r, (h0 + G) * r)
+        o = self.adapter.attend(s.layer, cur.q[:, qs], k_of(pre), v_of(pre), k_of(new), v_of(new))
+        cur.out[:, :, qs] = o.transpose(1, 2)                            # [B, T, G*r, D]
+
+    def _mlp(self, s: Stage) -> None:
+        cur = self._step(s)
+        cur.hidden = self.adapter.mlp(s.layer, cur.hidden, cur.out)
+        cur.q = cur.out = None
+        self._release((s.phase, s.step, s.layer))
+
+    def _head(self, s: Stage) -> None:
+        cur = self._step(s)
+        logits = self.adapter.head(cur.hidden)                           # [B, V] fp32
+        idx = 0 if s.phase is Phase.PREFILL else s.step + 1
+        self.tokens[:, idx] = logits.argmax(-1)                          # greedy, on the device
+        if self.step_logits is not None:
+            self.step_logits[idx] = logits
+        self.last_logits = logits
+        self._cur = None
+
+    # ---- copy lanes --------------------------------------------------------------------
+    def _fetch(self, s: Stage) -> None:
+        assert s.tokens[0] == 0 and s.slot is not None, (s.name, s.tokens, s.slot)
+        base = s.group * self.group[s.phase]
+        self.moved[s.id] = self.store.fetch(s.layer, s.heads, base, s.slot, s.tokens[1])
+
+    def _store(self, s: Stage) -> None:
+        key = (s.phase, s.step, s.layer)
+        kv = self._kv[key][0]
+        self.lanes.protect(kv, Lane.D2H)   # allocated on the compute stream, read on d2h
+        self.moved[s.id] = self.store.store(s.layer, s.heads, kv, s.tokens[0])
+        self._release(key)
+
+    def _release(self, key: tuple) -> None:
+        entry = self._kv[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._kv[key]

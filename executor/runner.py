@@ -1,0 +1,84 @@
+"""Runs a stage graph for real: checks that the graph suits the model and the prompt, allocates
+every buffer the plan needs before the first token, lets the lane actors issue the stages, and
+returns the measured trace with the logits and greedy tokens."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.stage import Graph, Phase
+from pipeline.trace import Trace
+
+from .adapter import HFAdapter
+from .interpreter import Interpreter
+from .kvstore import KVLayout, KVStore
+from .lanes import Lanes
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What a run measured and produced. Tensors stay on the run's device.
+
+    `trace`: one span per stage, seconds from the run start (CUDA events on a GPU, the host clock
+    on CPU), `host_s` the host time spent issuing it. `last_logits` [B, vocab] fp32 of the last
+    step; `tokens` [B, decode steps + 1] greedy ids (the first from the prefill). `peak_gpu_bytes`
+    torch.cuda.max_memory_allocated over the run (0 on CPU); `host_pinned_bytes` the host KV tier
+    (pinned on CUDA). `moved_bytes[i]` bytes stage i copied over its lane (0 for compute).
+    `step_logits` [decode steps + 1, B, vocab] fp32, only when asked for."""
+
+    trace: Trace
+    last_logits: torch.Tensor
+    tokens: torch.Tensor
+    peak_gpu_bytes: int
+    host_pinned_bytes: int
+    moved_bytes: tuple[int, ...]
+    step_logits: torch.Tensor | None = None
+
+
+def decode_steps(graph: Graph) -> int:
+    """Decode steps in the graph; ValueError unless it is a whole run (prefill, steps 0..n-1)."""
+    if graph.plan.disk > 0:
+        raise ValueError("disk tier: not supported by the executor yet")
+    phases = {s.phase for s in graph.stages}
+    if Phase.PREFILL not in phases:
+        raise ValueError("graph: has no prefill; the executor runs whole workloads "
+                         "(build(..., prefill=True))")
+    steps = sorted({s.step for s in graph.stages if s.phase is Phase.DECODE})
+    if steps != list(range(len(steps))):
+        raise ValueError(f"graph: decode steps must be 0..n-1, got {steps[:3]}..")
+    return len(steps)
+
+
+def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
+            device: str | torch.device | None = None, *, keep_logits: bool = False) -> RunResult:
+    """Run `graph` with `hf_model` (already on `device`, default: the model's) on `prompt_ids`
+    [B, context]. Greedy decoding; bitwise independent of where the KV cache lives."""
+    adapter = HFAdapter(hf_model)
+    device = adapter.device if device is None else torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if adapter.device != device:
+        raise ValueError(f"device: the model is on {adapter.device}, the run asks for {device}")
+    w = graph.workload
+    n_decode = decode_steps(graph)
+    adapter.check(graph.model, w.kv_capacity)
+    if tuple(prompt_ids.shape) != (w.batch, w.context):
+        raise ValueError(f"prompt_ids: shape {tuple(prompt_ids.shape)}, the workload needs "
+                         f"[batch, context] = [{w.batch}, {w.context}]")
+    cuda = device.type == "cuda"
+    with torch.inference_mode():
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        prompt = prompt_ids.to(device=device, dtype=torch.long)
+        tokens = torch.zeros(w.batch, n_decode + 1, dtype=torch.long, device=device)
+        step_logits = (torch.empty(n_decode + 1, w.batch, graph.model.vocab, device=device)
+                       if keep_logits else None)
+        with KVStore(KVLayout.of(graph), device, adapter.dtype) as store, Lanes(device) as lanes:
+            interp = Interpreter(graph, adapter, store, lanes, prompt, tokens, step_logits)
+            spans = lanes.run(graph, interp)
+            peak = torch.cuda.max_memory_allocated(device) if cuda else 0
+            host = store.host_bytes
+    note = "measured with CUDA events" if cuda else "measured with the host clock (CPU, no overlap)"
+    trace = Trace(graph, "real", spans, note=note)
+    return RunResult(trace, interp.last_logits, tokens, peak, host, tuple(interp.moved), step_logits)
