@@ -1,0 +1,73 @@
+"""Tests of sim/simulate.py: the decode shortcut (a window at each end of the decode, the steps
+between extrapolated) agrees within 1% with simulating every step, on workloads small enough to
+simulate in full."""
+from functools import lru_cache
+
+import pytest
+
+from hw_profiles import load_profile
+from pipeline.model import PRESETS
+from pipeline.plan import Method
+from pipeline.rules import default_plan
+from pipeline.workload import Workload
+from sim.simulate import DECODE_WINDOW, simulate
+
+GiB = 2**30
+TOL = 0.01
+H, LW = Method.HEADWISE, Method.LAYERWISE
+
+# (hardware, context, decode tokens, method, GPU budget, host budget, plan changes); a budget of
+# None is the machine's own. A 17 GiB GPU budget keeps Llama-3-8B's cache off the GPU, a small
+# host budget sends part of it to disk.
+CASES = {
+    "rtx4090-8K-headwise-resident": ("rtx4090", 8192, 64, H, None, None, {}),
+    "rtx4090-8K-layerwise": ("rtx4090", 8192, 64, LW, None, None, {}),
+    "rtx4090-32K-headwise-host": ("rtx4090", 32768, 200, H, 17 * GiB, None, {}),
+    "rtx4090-16K-headwise-disk": ("rtx4090", 16384, 100, H, 17 * GiB, 1 * GiB, {}),
+    "rtx4090-32K-layerwise-disk": ("rtx4090", 32768, 120, LW, 17 * GiB, 3 * GiB, {}),
+    "rtx4090-16K-headwise-mixed": ("rtx4090", 16384, 80, H, 17 * GiB, 1 * GiB,
+                                   {"resident": 100, "disk": 60}),
+    "h200-8K-headwise-resident": ("h200", 8192, 64, H, None, None, {}),
+    "h200-32K-layerwise": ("h200", 32768, 200, LW, None, None, {}),
+    "h200-16K-headwise-host": ("h200", 16384, 100, H, 17 * GiB, None, {}),
+    "h200-16K-layerwise-disk": ("h200", 16384, 100, LW, 17 * GiB, 1 * GiB, {}),
+}
+
+
+@lru_cache(maxsize=None)
+def predictions(case: str):
+    hw_name, context, decode, method, gpu, host, changes = CASES[case]
+    hw, model, work = load_profile(hw_name), PRESETS["llama-3-8b"], Workload(context, decode)
+    budgets = {"gpu": gpu or hw.gpu_mem_bytes, "host": host or hw.host_mem_bytes, "disk": hw.disk_bytes}
+    plan = default_plan(method, model, work, budgets).with_(**changes)
+    return plan, simulate(model, work, plan, hw), simulate(model, work, plan, hw, full=True)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_shortcut_within_one_percent(case):
+    plan, short, full = predictions(case)
+    s, f = short.report.timing, full.report.timing
+    assert short.report.notes and not full.report.notes     # the shortcut was taken
+    assert s.total_s == pytest.approx(f.total_s, rel=TOL), plan.describe()
+    assert s.decode_s_per_token == pytest.approx(f.decode_s_per_token, rel=TOL), plan.describe()
+    # The prefill is simulated in full either way.
+    assert s.prefill_s == pytest.approx(f.prefill_s, rel=1e-12)
+    assert s.ttft_s == pytest.approx(f.ttft_s, rel=1e-12)
+    assert short.report.peak_bytes == full.report.peak_bytes
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_shortcut_lane_busy_within_one_percent(case):
+    _, short, full = predictions(case)
+    busy = full.report.lane_busy_s
+    assert short.report.lane_busy_s == pytest.approx(busy, rel=TOL, abs=TOL * max(busy.values()))
+
+
+def test_cases_cover_every_placement():
+    plans = [predictions(case)[0] for case in CASES]
+    units = PRESETS["llama-3-8b"].units
+    assert any(p.resident == units for p in plans)                        # all on the GPU
+    assert any(p.resident == 0 and p.disk == 0 for p in plans)            # all in host RAM
+    assert any(p.disk > 0 and p.method is H for p in plans)               # some on disk
+    assert any(0 < p.resident < units and p.disk > 0 for p in plans)      # all three tiers
+    assert all(CASES[c][2] > 2 * DECODE_WINDOW for c in CASES)            # long enough to shortcut
