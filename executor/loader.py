@@ -50,6 +50,7 @@ def load_pretrained(path: str | Path, device: str | torch.device = "cpu",
     """A causal LM from a local directory (config.json + safetensors), loaded straight onto
     `device`; `dtype` defaults to the checkpoint's. Never downloads."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import is_accelerate_available
 
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -58,7 +59,11 @@ def load_pretrained(path: str | Path, device: str | torch.device = "cpu",
     if cfg.model_type not in _MODEL_TYPES:
         raise ValueError(f"model_type: unsupported architecture {cfg.model_type!r} "
                          f"(supported: {', '.join(sorted(_MODEL_TYPES))})")
+    device = torch.device(device)
+    # Straight onto the device where transformers can (it needs accelerate for a device_map).
+    direct = device.type != "cpu" and is_accelerate_available()
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype or "auto",
-                                                 device_map=torch.device(device), use_safetensors=True)
+                                                 use_safetensors=True,
+                                                 **({"device_map": device} if direct else {}))
     check_supported(model)
-    return model.eval()
+    return model.to(device).eval()

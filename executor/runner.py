@@ -3,11 +3,12 @@ every buffer the plan needs before the first token, lets the lane actors issue t
 returns the measured trace with the logits and greedy tokens."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from pipeline.stage import Graph, Phase
+from pipeline.stage import Graph, Phase, Stage
 from pipeline.trace import Trace
 
 from .adapter import HFAdapter
@@ -51,9 +52,12 @@ def decode_steps(graph: Graph) -> int:
 
 
 def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
-            device: str | torch.device | None = None, *, keep_logits: bool = False) -> RunResult:
+            device: str | torch.device | None = None, *, keep_logits: bool = False,
+            stage_hook: Callable[[Stage], None] | None = None) -> RunResult:
     """Run `graph` with `hf_model` (already on `device`, default: the model's) on `prompt_ids`
-    [B, context]. Greedy decoding; bitwise independent of where the KV cache lives."""
+    [B, context]. Greedy decoding; bitwise independent of where the KV cache lives.
+    `stage_hook(stage)`, for tests, is called on the stage's lane (its stream current) just
+    before the stage's work, e.g. to delay a stream at random and shake out missing deps."""
     adapter = HFAdapter(hf_model)
     device = adapter.device if device is None else torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -76,9 +80,17 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
                        if keep_logits else None)
         with KVStore(KVLayout.of(graph), device, adapter.dtype) as store, Lanes(device) as lanes:
             interp = Interpreter(graph, adapter, store, lanes, prompt, tokens, step_logits)
-            spans = lanes.run(graph, interp)
+            issue = interp if stage_hook is None else _hooked(stage_hook, interp)
+            spans = lanes.run(graph, issue)
             peak = torch.cuda.max_memory_allocated(device) if cuda else 0
             host = store.host_bytes
     note = "measured with CUDA events" if cuda else "measured with the host clock (CPU, no overlap)"
     trace = Trace(graph, "real", spans, note=note)
     return RunResult(trace, interp.last_logits, tokens, peak, host, tuple(interp.moved), step_logits)
+
+
+def _hooked(hook: Callable[[Stage], None], issue: Callable[[Stage], None]) -> Callable[[Stage], None]:
+    def both(s: Stage) -> None:
+        hook(s)
+        issue(s)
+    return both

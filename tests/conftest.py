@@ -64,3 +64,15 @@ def tiny_model():
         return built[key]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """Run a module's torch work on one CPU thread (restored afterwards): tiny kernels on 2 shared
+    cores otherwise spend milliseconds per call waiting on the thread pool."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
