@@ -84,11 +84,6 @@ def slot_bytes(m: ModelSpec, work: Workload, group: int) -> int:
     return work.batch * group * work.kv_capacity * m.kv_unit_bytes_per_token
 
 
-def needs_slots(m: ModelSpec, plan: Plan, tiers: dict | None = None) -> bool:
-    tiers = placement(m, plan) if tiers is None else tiers
-    return any(t is not Tier.GPU for t in tiers.values())
-
-
 def chunk_sizes(context: int, chunk: int) -> list[int]:
     return [min(chunk, context - s) for s in range(0, context, chunk)]
 
@@ -102,7 +97,10 @@ def breakdown(m: ModelSpec, work: Workload, plan: Plan) -> MemoryBreakdown:
     ring = max(p.depth for p in phases) * slot_bytes(m, work, max(p.group for p in phases))
     slots = ring if count[Tier.HOST] + count[Tier.DISK] else 0
     staging = ring if count[Tier.DISK] else 0
-    act = step_act_bytes(m, work.batch, min(plan.prefill.chunk, work.context), plan.prefill.group, True)
+    sizes = chunk_sizes(work.context, plan.prefill.chunk)   # only the last chunk also holds the logits
+    act = step_act_bytes(m, work.batch, sizes[-1], plan.prefill.group, True)
+    if len(sizes) > 1:
+        act = max(act, step_act_bytes(m, work.batch, sizes[0], plan.prefill.group, False))
     if work.decode_tokens:
         act = max(act, step_act_bytes(m, work.batch, 1, plan.decode.group, True))
     return MemoryBreakdown(weights=m.weight_bytes, gpu_kv=count[Tier.GPU] * unit, gpu_buffers=slots,

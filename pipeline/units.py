@@ -16,6 +16,8 @@ def parse_tokens(text: str | int, field: str = "context") -> int:
     if isinstance(text, int):
         return text
     m = re.fullmatch(r"\s*(-?\d+(?:\.\d+)?)\s*([kKmM]?)\s*", str(text))
+    if m and m.group(1).startswith("-"):
+        raise ValueError(f"{field}: must be positive, got {text!r}")
     if not m:
         raise ValueError(f"{field}: cannot read {text!r} as a token count (e.g. 1M, 128K, 131072)")
     value = float(m.group(1)) * _TOKEN_SUFFIX[m.group(2).upper()]
