@@ -50,7 +50,7 @@ class PhasePlan:
 class Plan:
     """Placement is one for the whole workload (K/V stays where it was written); streaming is
     per phase. `resident` (layer, KV head) units stay on the GPU, chosen by `resident_units`;
-    of the rest, the last `disk` units live on disk and the others in pinned host RAM."""
+    of the rest, `disk` units live on disk (see `placement`) and the others in pinned host RAM."""
 
     method: Method
     prefill: PhasePlan
@@ -111,15 +111,17 @@ class Tier(str, enum.Enum):
 
 def placement(model: ModelSpec, plan: Plan) -> dict[tuple[int, int], Tier]:
     """Tier of every (layer, KV head) unit. Resident units are spread evenly over layers, lowest
-    head indices first (so whole head groups become resident); the last `disk` offloaded units,
-    counted from the end of the model, live on disk."""
+    head indices first (so whole head groups become resident); `disk` offloaded units live on
+    disk, spread over the layers from the highest head index down."""
     L, H = model.layers, model.kv_heads
     tiers: dict[tuple[int, int], Tier] = {}
     for layer in range(L):
         n = plan.resident // L + (1 if layer < plan.resident % L else 0)
         for head in range(H):
             tiers[(layer, head)] = Tier.GPU if head < n else Tier.HOST
-    offloaded = [u for u in sorted(tiers) if tiers[u] is Tier.HOST]
-    for u in offloaded[len(offloaded) - plan.disk:] if plan.disk else ():
+    # Disk takes the highest offloaded head of every layer first, so each layer streams from
+    # both tiers and the disk and h2d lanes overlap instead of taking turns layer by layer.
+    offloaded = sorted((u for u in tiers if tiers[u] is Tier.HOST), key=lambda u: (-u[1], u[0]))
+    for u in offloaded[:plan.disk]:
         tiers[u] = Tier.DISK
     return tiers
