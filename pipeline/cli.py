@@ -54,6 +54,16 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--compare", action="store_true", help="all four methods side by side")
     p.add_argument("--full-sim", action="store_true", help="simulate every decode step (no shortcut)")
+    r = sub.add_parser("run", help="execute on this machine's GPU (or CPU) and print measured next to predicted")
+    _common(r)
+    r.set_defaults(hw=None, context="32K", decode_tokens=16)
+    r.add_argument("--random-weights", action="store_true",
+                   help="random weights with the model's shapes (presets and config.json have no weights)")
+    r.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    r.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: the model's")
+    r.add_argument("--seed", type=int, default=0, help="seed of the random prompt and weights")
+    r.add_argument("--prompt-file", help="whitespace-separated token ids, or text with a model tokenizer")
+    r.add_argument("--no-progress", action="store_true")
     return ap
 
 
@@ -221,13 +231,80 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_run(args) -> int:
+    """Execute the plan for real; torch and transformers are imported here only."""
+    from dataclasses import replace
+
+    from hw_profiles import load_profile
+
+    from .builder import build
+    from .report import Report, timing_from_trace
+    from .trace import write_chrome
+    try:
+        import torch  # noqa: F401
+        from executor import session
+    except ImportError as e:
+        raise ValueError(f"run: needs torch and transformers ({e.name} missing): pip install -e '.[run]'") from None
+    device = session.resolve_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = load_model(args.model, args.dtype)
+    work = Workload.parse(args.context, args.decode_tokens, args.batch)
+    hw_name = args.hw or session.guess_profile(device) or "rtx4090"
+    hw = load_profile(hw_name)
+    budgets = {"gpu": parse_bytes(args.gpu_mem, "gpu-mem") if args.gpu_mem else session.device_budget(device),
+               "host": parse_bytes(args.host_mem, "host-mem") if args.host_mem else session.host_ram_bytes(),
+               "disk": 0}  # the executor has no disk tier yet
+    if model.weight_bytes > budgets["gpu"]:
+        raise ValueError(f"gpu-mem: {fmt_bytes(budgets['gpu'])} cannot hold the weights of {model.name} "
+                         f"({fmt_bytes(model.weight_bytes)})")
+    plan = resolve_plan(args, model, work, budgets, Method(args.method))
+    graph = build(model, work, plan)
+    session.check_budgets(graph, budgets)
+    pred = _predict(model, work, plan, hw, budgets)["prediction"]
+    hf = session.load_hf_model(args.model, args.random_weights, device, session.TORCH_DTYPES[model.dtype], args.seed)
+    ids = session.prompt_ids(args.prompt_file, args.model, work.batch, work.context, model.vocab, args.seed)
+    measured = session.run_graph(graph, hf, ids, device, budgets["gpu"], progress=not args.no_progress)
+    res = measured.result
+    real = res.trace
+    mrep = Report(timing_from_trace(real), real.lane_busy_s(),
+                  {"gpu": res.peak_gpu_bytes, "host": res.host_pinned_bytes, "disk": 0},
+                  {}, (real.note,))
+    tokens = res.tokens.cpu().tolist()
+    if args.json:
+        out = _json_head(model, hw, work)
+        m = mrep.to_json()
+        m.pop("gpu_breakdown_bytes")
+        out.update(plan=plan.to_json(), fits=True, predicted=pred.report.to_json(), measured=m,
+                   tokens=tokens, output_digest=measured.digest, device=str(device),
+                   budgets_bytes=budgets)
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"kvpipe run: {model.name} on {device} ({'random weights' if args.random_weights else args.model}); "
+              f"predicted on profile {hw.name}")
+        print(f"workload: {fmt_tokens(work.context)} prompt tokens, {work.decode_tokens} decode steps, batch {work.batch}")
+        print(f"plan: {plan.describe()}")
+        print(f"      from {plan.source}")
+        for line in format_report(pred.report, mrep):
+            print(line)
+        print(f"  measured critical lane: {mrep.critical_lane}; {real.note}")
+        print(f"tokens: {tokens[0][:16]}{' ...' if len(tokens[0]) > 16 else ''}")
+        print(f"output digest: {measured.digest}")
+    if args.trace:
+        write_chrome(args.trace, pred.trace, real)
+        print(f"trace: {args.trace} (sim and real as two processes)", file=sys.stderr)
+    if args.plot:
+        from analysis.timeline import plot_timeline
+        plot_timeline(args.plot, pred.trace, real, title=f"{model.name} {fmt_tokens(work.context)} on {device}")
+        print(f"plot: {args.plot}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:
         return int(e.code or 0)
     try:
-        return {"plan": cmd_plan}[args.command](args)
+        return {"plan": cmd_plan, "run": cmd_run}[args.command](args)
     except (ValueError, OSError) as e:
         return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     except KeyboardInterrupt:

@@ -1,0 +1,163 @@
+"""One `kvpipe run`: resolve the model (local HF directory, or random weights from a preset or
+config.json), enforce the memory budgets before anything is allocated, build the prompt, execute
+the graph with a progress bar, and return what was measured."""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline.memory import breakdown
+from pipeline.report import budget_problems
+from pipeline.stage import Graph, Phase, Stage
+
+from .runner import RunResult, execute
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# CUDA device name fragment -> bundled hardware profile used for the prediction.
+KNOWN_GPUS = (("H200", "h200"), ("H100", "h100-sxm"), ("A100", "a100-80g"), ("4090", "rtx4090"),
+              ("4060", "rtx4060"))
+
+
+def resolve_device(name: str) -> torch.device:
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: cuda requested but torch sees no CUDA GPU (use --device cpu)")
+    if dev.type not in ("cuda", "cpu"):
+        raise ValueError(f"device: {name!r} is not cuda or cpu")
+    return dev
+
+
+def guess_profile(device: torch.device) -> str | None:
+    """The bundled profile of this GPU, by name; None when unknown (or on CPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((prof for frag, prof in KNOWN_GPUS if frag in name), None)
+
+
+def device_budget(device: torch.device) -> int:
+    """All memory of the GPU (what the allocator could take), or physical RAM on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return host_ram_bytes()
+
+
+def host_ram_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_budgets(graph: Graph, budgets: dict[str, int]) -> None:
+    """Refuse a plan whose predicted peak exceeds a budget, before any allocation."""
+    problems = budget_problems(breakdown(graph.model, graph.workload, graph.plan), budgets)
+    if problems:
+        raise ValueError(f"budget: the plan does not fit: {'; '.join(problems)}")
+
+
+def load_hf_model(model_arg: str, random_weights: bool, device: torch.device, dtype: torch.dtype,
+                  seed: int) -> torch.nn.Module:
+    """A local HF directory with safetensors, or random weights from a preset / config.json."""
+    from pipeline.model import PRESETS
+    from .loader import load_pretrained, random_model
+    path = Path(model_arg)
+    has_weights = path.is_dir() and any(path.glob("*.safetensors"))
+    if has_weights and not random_weights:
+        return load_pretrained(path, device, dtype)
+    if not random_weights:
+        where = "a preset" if model_arg in PRESETS else f"{model_arg!r}"
+        raise ValueError(f"model: {where} has no weights here; pass --random-weights "
+                         "(same shapes, same cost) or a local HF directory with safetensors")
+    if model_arg in PRESETS:
+        config = preset_config(PRESETS[model_arg])
+    else:
+        import json
+        cfg_path = path / "config.json" if path.is_dir() else path
+        config = json.loads(cfg_path.read_text())
+    return random_model(config, device, dtype, seed)
+
+
+def preset_config(spec) -> dict:
+    """A Hugging Face config dict with the preset's shapes."""
+    cfg = {"model_type": spec.family, "vocab_size": spec.vocab, "hidden_size": spec.hidden,
+           "intermediate_size": spec.intermediate, "num_hidden_layers": spec.layers,
+           "num_attention_heads": spec.q_heads, "num_key_value_heads": spec.kv_heads,
+           "head_dim": spec.head_dim, "max_position_embeddings": 1 << 21, "rope_theta": 500000.0,
+           "tie_word_embeddings": spec.tie_embeddings}
+    if spec.family in ("mistral", "qwen2", "qwen3"):
+        cfg["sliding_window"] = None
+    if spec.family == "qwen2":
+        cfg["use_sliding_window"] = False
+    return cfg
+
+
+def prompt_ids(prompt_file: str | None, model_arg: str, batch: int, context: int, vocab: int,
+               seed: int) -> torch.Tensor:
+    """[batch, context] ids: random from `seed`, or read from a file of whitespace-separated ids
+    (or text, tokenized with the model directory's tokenizer), cut or checked to `context`."""
+    if prompt_file is None:
+        gen = torch.Generator().manual_seed(seed)
+        return torch.randint(0, vocab, (batch, context), generator=gen)
+    try:
+        text = Path(prompt_file).read_text()
+    except OSError as e:
+        raise ValueError(f"prompt-file: cannot read {prompt_file!r} ({e.strerror})") from None
+    words = text.split()
+    if words and all(w.isdigit() for w in words):
+        ids = [int(w) for w in words]
+    else:
+        if not (Path(model_arg).is_dir() and (Path(model_arg) / "tokenizer.json").is_file()
+                or (Path(model_arg) / "tokenizer_config.json").is_file()):
+            raise ValueError("prompt-file: holds text, but the model has no tokenizer; give token ids")
+        from transformers import AutoTokenizer
+        ids = AutoTokenizer.from_pretrained(model_arg, local_files_only=True)(text)["input_ids"]
+    if len(ids) < context:
+        raise ValueError(f"prompt-file: {len(ids)} tokens, the context asks for {context}")
+    if max(ids) >= vocab:
+        raise ValueError(f"prompt-file: token id {max(ids)} is outside the vocabulary ({vocab})")
+    return torch.tensor(ids[:context]).expand(batch, context).contiguous()
+
+
+@dataclass(frozen=True)
+class Measured:
+    result: RunResult
+    digest: str
+
+
+def output_digest(result: RunResult) -> str:
+    """sha256 of the final logits' bytes and the generated ids: equal digests, equal bits."""
+    h = hashlib.sha256()
+    h.update(result.last_logits.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    h.update(result.tokens.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def run_graph(graph: Graph, hf_model: torch.nn.Module, ids: torch.Tensor, device: torch.device,
+              gpu_budget: int, progress: bool = True) -> Measured:
+    """Execute with the GPU allocator capped at `gpu_budget` and a progress bar over steps."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_budget / total), device)
+    steps = len({(s.phase, s.step) for s in graph.stages if s.tag == "embed"})
+    last_layer = graph.model.layers - 1
+    bar = None
+    if progress:
+        import sys
+
+        from tqdm import tqdm
+        bar = tqdm(total=steps, unit="step", desc="prefill", leave=False, dynamic_ncols=True,
+                   disable=not sys.stderr.isatty())
+
+    def tick(s: Stage) -> None:
+        if s.tag == "mlp" and s.layer == last_layer:
+            bar.set_description("prefill" if s.phase is Phase.PREFILL else "decode")
+            bar.update(1)
+
+    try:
+        result = execute(graph, hf_model, ids, device, stage_hook=tick if bar else None)
+    finally:
+        if bar:
+            bar.close()
+    return Measured(result, output_digest(result))
