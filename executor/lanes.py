@@ -1,8 +1,10 @@
 """Lane actors: one asyncio task per lane issues that lane's stages in issue order. A stage first
 awaits (on the host) that each dependency has been ENQUEUED, then on CUDA makes its lane's stream
 wait for the dependency's end event and enqueues its own work between a start and an end event;
-the host never blocks on the GPU until the run is over. On CPU the same actors run the work
-synchronously, timed by the host clock. Either way the result is one Span per stage."""
+the host never blocks on the GPU until the run is over. Actors take turns stage by stage, so a
+copy lane issues a prefetch as soon as its slot's last reader is enqueued, not only when compute
+waits for it. On CPU the same actors run the work synchronously, timed by the host clock.
+Either way the result is one Span per stage."""
 from __future__ import annotations
 
 import asyncio
@@ -63,15 +65,18 @@ class Lanes:
         if self.cuda:
             tensor.record_stream(self.streams[lane])
 
-    def run(self, graph: Graph, issue: Callable[[Stage], None]) -> list[Span]:
+    def run(self, graph: Graph, issue: Callable[[Stage], None],
+            before: Callable[[Stage], None] | None = None) -> list[Span]:
         """Issue every stage of `graph` with `issue` (called with the lane's stream current);
-        returns the spans, in seconds from the start of the run."""
+        returns the spans, in seconds from the start of the run. `before(stage)`, if given, runs
+        on the lane after the stage's dependency waits and outside its span (progress, tests)."""
         used = {s.lane for s in graph.stages}
         if not used <= set(STREAM_LANES):
             raise ValueError(f"lanes: {sorted(l.value for l in used - set(STREAM_LANES))} have no actor yet")
-        return asyncio.run(self._run(graph, issue))
+        return asyncio.run(self._run(graph, issue, before))
 
-    async def _run(self, graph: Graph, issue: Callable[[Stage], None]) -> list[Span]:
+    async def _run(self, graph: Graph, issue: Callable[[Stage], None],
+                   before: Callable[[Stage], None] | None) -> list[Span]:
         loop = asyncio.get_running_loop()
         n = len(graph.stages)
         enqueued = [loop.create_future() for _ in range(n)]
@@ -91,16 +96,19 @@ class Lanes:
                 for d in s.deps:
                     if not enqueued[d].done():
                         await enqueued[d]
-                t0 = time.perf_counter()
                 with ctx:
                     for d in waits[s.id]:
                         if stream is not None:
                             stream.wait_event(marks[d][1])
+                    if before is not None:
+                        before(s)
+                    t0 = time.perf_counter()
                     start = self._mark(stream)
                     issue(s)
                     marks[s.id] = (start, self._mark(stream))
-                host_s[s.id] = time.perf_counter() - t0
+                    host_s[s.id] = time.perf_counter() - t0
                 enqueued[s.id].set_result(None)
+                await asyncio.sleep(0)   # one stage per turn: every lane issues as early as it may
 
         await asyncio.gather(*(actor(lane, order) for lane, order in graph.lane_order().items() if order))
         if self.cuda:

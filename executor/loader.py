@@ -12,17 +12,22 @@ from .adapter import FAMILIES, check_supported
 _MODEL_TYPES = {family: cls for cls, family in FAMILIES.items()}  # HF model_type -> class name
 
 
+def _check_type(model_type) -> None:
+    if model_type not in _MODEL_TYPES:
+        raise ValueError(f"model_type: unsupported architecture {model_type!r} "
+                         f"(supported: {', '.join(sorted(_MODEL_TYPES))})")
+
+
 def _config(config):
     """A transformers config from a config object or a config.json dict; ValueError if unsupported."""
     from transformers import AutoConfig, PretrainedConfig
 
     if isinstance(config, PretrainedConfig):
+        _check_type(config.model_type)
         return config
     cfg = dict(config)
     mtype = cfg.pop("model_type", None)
-    if mtype not in _MODEL_TYPES:
-        raise ValueError(f"model_type: unsupported architecture {mtype!r} "
-                         f"(supported: {', '.join(sorted(_MODEL_TYPES))})")
+    _check_type(mtype)
     return AutoConfig.for_model(mtype, **cfg)
 
 
@@ -33,9 +38,6 @@ def random_model(config, device: str | torch.device = "cpu", dtype: torch.dtype 
     from transformers import AutoModelForCausalLM
 
     cfg = _config(config)
-    if cfg.model_type not in _MODEL_TYPES:
-        raise ValueError(f"model_type: unsupported architecture {cfg.model_type!r} "
-                         f"(supported: {', '.join(sorted(_MODEL_TYPES))})")
     device = torch.device(device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
@@ -55,10 +57,7 @@ def load_pretrained(path: str | Path, device: str | torch.device = "cpu",
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ValueError(f"model: no config.json in {str(path)!r}")
-    cfg = AutoConfig.from_pretrained(path, local_files_only=True)
-    if cfg.model_type not in _MODEL_TYPES:
-        raise ValueError(f"model_type: unsupported architecture {cfg.model_type!r} "
-                         f"(supported: {', '.join(sorted(_MODEL_TYPES))})")
+    _check_type(AutoConfig.from_pretrained(path, local_files_only=True).model_type)
     device = torch.device(device)
     # Straight onto the device where transformers can (it needs accelerate for a device_map).
     direct = device.type != "cpu" and is_accelerate_available()

@@ -56,8 +56,8 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
             stage_hook: Callable[[Stage], None] | None = None) -> RunResult:
     """Run `graph` with `hf_model` (already on `device`, default: the model's) on `prompt_ids`
     [B, context]. Greedy decoding; bitwise independent of where the KV cache lives.
-    `stage_hook(stage)`, for tests, is called on the stage's lane (its stream current) just
-    before the stage's work, e.g. to delay a stream at random and shake out missing deps."""
+    `stage_hook(stage)` is called on the stage's lane (its stream current) after the stage's
+    dependency waits, outside its span: a progress bar, or a test delaying streams at random."""
     adapter = HFAdapter(hf_model)
     device = adapter.device if device is None else torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -80,17 +80,10 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
                        if keep_logits else None)
         with KVStore(KVLayout.of(graph), device, adapter.dtype) as store, Lanes(device) as lanes:
             interp = Interpreter(graph, adapter, store, lanes, prompt, tokens, step_logits)
-            issue = interp if stage_hook is None else _hooked(stage_hook, interp)
-            spans = lanes.run(graph, issue)
+            spans = lanes.run(graph, interp, before=stage_hook)
             peak = torch.cuda.max_memory_allocated(device) if cuda else 0
             host = store.host_bytes
     note = "measured with CUDA events" if cuda else "measured with the host clock (CPU, no overlap)"
     trace = Trace(graph, "real", spans, note=note)
     return RunResult(trace, interp.last_logits, tokens, peak, host, tuple(interp.moved), step_logits)
 
-
-def _hooked(hook: Callable[[Stage], None], issue: Callable[[Stage], None]) -> Callable[[Stage], None]:
-    def both(s: Stage) -> None:
-        hook(s)
-        issue(s)
-    return both
