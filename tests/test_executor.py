@@ -57,6 +57,14 @@ def test_actors_issue_each_lane_in_order_after_its_dependencies():
     assert {s.lane for s in g.stages} == {Lane.GPU, Lane.H2D, Lane.D2H}
 
 
+def test_stage_hook_sees_every_stage_once_before_it_runs(tiny_model):
+    model = tiny_model("qwen2", kv_heads=2, q_heads=4, head_dim=16)
+    g = build(HFAdapter(model).spec(), Workload(9, 3), headwise(1, 4, 2, 1))
+    seen = []
+    res = execute(g, model, torch.zeros(1, 9, dtype=torch.long), stage_hook=lambda s: seen.append(s.id))
+    assert sorted(seen) == list(range(len(g.stages))) and res.tokens.shape == (1, 4)
+
+
 def test_an_error_in_a_stage_ends_the_run():
     g = build(SPEC, Workload(12, 2), headwise(1, 4, 2, 0))
 
@@ -168,11 +176,17 @@ def random_schedule(rng: random.Random, kv: int, layers: int) -> dict:
 
 
 def jitter(rng: random.Random):
-    """Delay a random tenth of the stages on their own stream by up to ~0.1 ms, so that copy and
-    compute streams drift against each other and any missing dependency shows as wrong bits."""
+    """Stall stages' streams after their dependency waits: a quarter by up to ~0.5 ms, one in
+    fifty by up to ~5 ms. The host then falls behind or runs ahead of the GPU and the lanes drift
+    against each other, so a missing dependency (a fetch read before it landed, a slot
+    overwritten while read) or a missing record_stream (new K/V reused before its write-back)
+    shows as wrong bits. Without stalls the host is the bottleneck and such races never show."""
     def hook(stage):
-        if rng.random() < 0.1:
-            torch.cuda._sleep(rng.randint(1_000, 200_000))
+        x = rng.random()
+        if x < 0.02:
+            torch.cuda._sleep(rng.randint(1_000_000, 10_000_000))
+        elif x < 0.25:
+            torch.cuda._sleep(rng.randint(50_000, 1_000_000))
     return hook
 
 
@@ -185,7 +199,7 @@ def test_stress_random_schedules_cuda(tiny_model):
     rng = random.Random(1234)
     for i in range(50):
         case = random_schedule(rng, kv=8, layers=3)
-        check_bitwise(model, case, "cuda", hook=jitter(rng) if i % 2 else None)
+        check_bitwise(model, case, "cuda", hook=jitter(rng) if i % 5 else None)
 
 
 @pytest.mark.gpu
