@@ -39,7 +39,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default="headwise", choices=[m.value for m in Method])
     p.add_argument("--group", default="auto", help="KV heads per group (or auto)")
     p.add_argument("--chunk", default="auto", help="prefill chunk in tokens (or auto)")
-    p.add_argument("--resident", default="auto", help="(layer, KV head) units kept on the GPU: all, none, N or auto")
+    p.add_argument("--resident", default="auto", help="(layer, KV head) units kept on the GPU: all, none, N, max (as many as fit) or auto")
     p.add_argument("--plan", help="a plan.json (as printed under 'plan' by --json) instead of the knobs")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--trace", metavar="FILE.json", help="write the Chrome/Perfetto trace")
@@ -91,7 +91,7 @@ def _positive_int(field: str):
 
 def resolve_plan(args, model: ModelSpec, work: Workload, budgets: dict[str, int], method: Method) -> Plan:
     """The rule's plan for `method`, with the user's knobs (or plan file) applied."""
-    from .rules import default_plan, spill_to_disk
+    from .rules import default_plan, max_resident, spill_to_disk
     if args.plan:
         try:
             with open(args.plan) as f:
@@ -105,8 +105,8 @@ def resolve_plan(args, model: ModelSpec, work: Workload, budgets: dict[str, int]
     chunk = _knob(args.chunk, "chunk", lambda t: parse_tokens(t, "chunk"))
     if chunk is not None and chunk <= 0:
         raise ValueError(f"chunk: must be positive, got {chunk}")
-    resident = {"auto": None, "all": model.units, "none": 0}.get(args.resident, args.resident)
-    if isinstance(resident, str):
+    resident = {"auto": None, "all": model.units, "none": 0, "max": "max"}.get(args.resident, args.resident)
+    if isinstance(resident, str) and resident != "max":
         resident = _positive_int("resident")(resident) if resident != "0" else 0
     if group is None and chunk is None and resident is None:
         return plan
@@ -115,8 +115,10 @@ def resolve_plan(args, model: ModelSpec, work: Workload, budgets: dict[str, int]
         pre, dec = pre.__class__(group, pre.chunk, pre.depth, pre.codecs), dec.__class__(group, 1, dec.depth, dec.codecs)
     if chunk is not None:
         pre = pre.__class__(pre.group, chunk, pre.depth, pre.codecs)
-    plan = plan.with_(prefill=pre, decode=dec, resident=plan.resident if resident is None else resident,
+    plan = plan.with_(prefill=pre, decode=dec, resident=plan.resident if resident in (None, "max") else resident,
                       source="user knobs over " + plan.source)
+    if resident == "max":
+        plan = max_resident(model, work, plan, budgets["gpu"])
     return spill_to_disk(model, work, plan, budgets["host"]) if plan.resident < model.units else plan.with_(disk=0)
 
 

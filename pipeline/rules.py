@@ -58,6 +58,18 @@ def default_plan(method: Method, model: ModelSpec, work: Workload, budgets: dict
     return plan
 
 
+def max_resident(model: ModelSpec, work: Workload, plan: Plan, gpu_budget: int) -> Plan:
+    """The plan with as many resident units as the GPU budget holds (0 if none fit)."""
+    lo, hi = 0, model.units        # largest resident count whose GPU use fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if breakdown(model, work, plan.with_(resident=mid, disk=0)).gpu <= gpu_budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return plan.with_(resident=lo)
+
+
 def fits(model: ModelSpec, work: Workload, plan: Plan, budgets: dict[str, int]) -> bool:
     mem = breakdown(model, work, plan)
     return all(mem.pools()[p] <= budgets[p] for p in ("gpu", "host", "disk"))
