@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 def llama3_8b_config() -> LlamaConfig:
     return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=1 << 20,
-                       rope_theta=500000.0, torch_dtype="bfloat16")
+                       rope_theta=500000.0)
 
 
 def timed(fn):
@@ -38,7 +38,7 @@ def main() -> None:
     cfg = llama3_8b_config()
     cfg._attn_implementation = "sdpa"
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16).eval()
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     ids = torch.randint(0, cfg.vocab_size, (1, args.context), device="cuda")
     with torch.inference_mode():  # warm-up: kernels, cuBLAS handles, allocator
         model(ids[:, :512], past_key_values=DynamicCache(config=cfg), use_cache=True, logits_to_keep=1)
