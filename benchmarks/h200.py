@@ -3,6 +3,7 @@ invocation, Llama-3-8B shapes with random bf16 weights, batch 1, kvpipe capped a
 
   python -m benchmarks.h200 128k   # link floor, HF all-on-GPU and HF layer-wise offload, kvpipe
   python -m benchmarks.h200 512k   # the longest context under 24 GB with host RAM alone
+  python -m benchmarks.h200 all    # both, in one invocation
 
 Each measurement runs in its own process (clean peak-memory counters). Results, with the command,
 the date and the ratios to the floor / to HF measured in the same run, go to
@@ -54,14 +55,17 @@ def offloaded_bytes_per_step(run: dict) -> float:
     return units * mean_len * UNIT_BYTES_PER_TOKEN
 
 
-def stage_128k(res: dict) -> None:
+def stage_128k(res: dict, save) -> None:
     res["link"] = sh([sys.executable, "-m", "benchmarks.link"], 120)
     h2d = res["link"].get("h2d_bytes_per_s")
+    res["kvpipe_stream"] = kvpipe("128K", 8, "--group", "8", "--chunk", "4096", "--resident", "none")
+    save()
+    res["kvpipe_resident"] = kvpipe("128K", 16, "--group", "8", "--chunk", "4096", "--resident", "max")
+    save()
     res["hf_standard"] = sh([sys.executable, "-m", "benchmarks.hf_baseline", "--context", "131072"], 300)
     res["hf_offload"] = sh([sys.executable, "-m", "benchmarks.hf_baseline", "--context", "131072",
                             "--mode", "offload"], 300)
-    res["kvpipe_stream"] = kvpipe("128K", 16, "--group", "8", "--chunk", "4096", "--resident", "none")
-    res["kvpipe_resident"] = kvpipe("128K", 16, "--group", "8", "--chunk", "4096", "--resident", "max")
+    save()
     rows = []
     for key in ("kvpipe_stream", "kvpipe_resident"):
         run = res[key]
@@ -91,9 +95,11 @@ def stage_128k(res: dict) -> None:
               f"{ra['prefill_over_hf_standard']:8.2f}{m['peak_bytes']['gpu'] / 1e9:9.1f}")
 
 
-def stage_512k(res: dict) -> None:
-    res["link"] = sh([sys.executable, "-m", "benchmarks.link"], 120)
+def stage_512k(res: dict, save) -> None:
+    if "link" not in res:
+        res["link"] = sh([sys.executable, "-m", "benchmarks.link"], 120)
     res["kvpipe_512k"] = kvpipe("512K", 4, "--group", "1", "--chunk", "8192", "--resident", "max", timeout=560)
+    save()
     r = res["kvpipe_512k"]
     if "measured" in r:
         m, p = r["measured"], r["predicted"]
@@ -104,16 +110,19 @@ def stage_512k(res: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("stage", choices=["128k", "512k"])
+    ap.add_argument("stage", choices=["128k", "512k", "all"])
     ap.add_argument("--out")
     args = ap.parse_args()
     res = {"command": "python -m benchmarks.h200 " + args.stage,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "gpu_budget": GPU_BUDGET}
-    {"128k": stage_128k, "512k": stage_512k}[args.stage](res)
     out = Path(args.out or f"benchmarks/results/h200-{args.stage}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
+    save = lambda: out.write_text(json.dumps(res, indent=2))   # after every measurement: a timeout keeps the rest
+    stages = {"128k": [stage_128k], "512k": [stage_512k], "all": [stage_128k, stage_512k]}[args.stage]
+    for stage in stages:
+        stage(res, save)
+    save()
     print(f"results: {out}")
 
 

@@ -28,6 +28,8 @@ def resolve_device(name: str) -> torch.device:
         raise ValueError("device: cuda requested but torch sees no CUDA GPU (use --device cpu)")
     if dev.type not in ("cuda", "cpu"):
         raise ValueError(f"device: {name!r} is not cuda or cpu")
+    if dev.type == "cuda" and dev.index is None:   # the allocator cap needs an index
+        dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
 
