@@ -9,6 +9,7 @@ from .workload import Workload
 
 DEFAULT_CHUNK = 4096      # tokens; keeps a Llama-3-8B chunk's activations near 0.5 GiB
 HOST_KV_FRACTION = 0.9    # of the host budget that KV and staging may take (the rest: OS, process)
+GPU_FILL_FRACTION = 0.95  # of the GPU budget `max_resident` fills (the rest: allocator slack, kernel workspaces)
 
 RULES = {
     Method.STANDARD: "rule: everything on the GPU, the prompt in one pass",
@@ -59,11 +60,11 @@ def default_plan(method: Method, model: ModelSpec, work: Workload, budgets: dict
 
 
 def max_resident(model: ModelSpec, work: Workload, plan: Plan, gpu_budget: int) -> Plan:
-    """The plan with as many resident units as the GPU budget holds (0 if none fit)."""
+    """The plan with as many resident units as GPU_FILL_FRACTION of the budget holds (0 if none)."""
     lo, hi = 0, model.units        # largest resident count whose GPU use fits
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if breakdown(model, work, plan.with_(resident=mid, disk=0)).gpu <= gpu_budget:
+        if breakdown(model, work, plan.with_(resident=mid, disk=0)).gpu <= gpu_budget * GPU_FILL_FRACTION:
             lo = mid
         else:
             hi = mid - 1
