@@ -94,8 +94,8 @@ class Lanes:
             ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
             for s in order:
                 for d in s.deps:
-                    if not enqueued[d].done():
-                        await enqueued[d]
+                    if not enqueued[d].done():   # shielded: a cancelled waiter (Ctrl-C) must not
+                        await asyncio.shield(enqueued[d])   # cancel the future other lanes share
                 with ctx:
                     for d in waits[s.id]:
                         if stream is not None:

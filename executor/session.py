@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -146,8 +147,6 @@ def run_graph(graph: Graph, hf_model: torch.nn.Module, ids: torch.Tensor, device
     last_layer = graph.model.layers - 1
     bar = None
     if progress:
-        import sys
-
         from tqdm import tqdm
         bar = tqdm(total=steps, unit="step", desc="prefill", leave=False, dynamic_ncols=True,
                    disable=not sys.stderr.isatty())
@@ -157,6 +156,7 @@ def run_graph(graph: Graph, hf_model: torch.nn.Module, ids: torch.Tensor, device
             bar.set_description("prefill" if s.phase is Phase.PREFILL else "decode")
             bar.update(1)
 
+    print(f"kvpipe: executing {steps} steps on {device} (Ctrl-C stops cleanly)", file=sys.stderr, flush=True)
     try:
         result = execute(graph, hf_model, ids, device, stage_hook=tick if bar else None)
     finally:
