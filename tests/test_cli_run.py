@@ -94,3 +94,18 @@ def test_ctrl_c_mid_run_exits_cleanly(tmp_path):
     assert p.returncode == 130, err[-2000:]
     assert "interrupted" in err and "Traceback" not in err
     assert "output digest" not in out
+
+
+def test_local_hf_directory_and_plot(tmp_path):
+    """Weights from a local HF directory (safetensors, nothing downloaded) match the same model
+    run through --random-weights from its config (same seed), and --plot draws sim and real."""
+    import torch
+    from executor.loader import random_model
+    model = random_model(dict(TINY), "cpu", torch.float32, seed=5)
+    model.save_pretrained(tmp_path / "tiny", safe_serialization=True)
+    assert list((tmp_path / "tiny").glob("*.safetensors"))
+    common = ("--context", "96", "--decode-tokens", "3", "--chunk", "32", "--resident", "none", "--seed", "5")
+    local = run_json("--model", str(tmp_path / "tiny"), *common, "--plot", str(tmp_path / "t.png"))
+    rand = run_json("--model", str(tmp_path / "tiny" / "config.json"), "--random-weights", *common)
+    assert local["output_digest"] == rand["output_digest"]
+    assert (tmp_path / "t.png").stat().st_size > 10_000
