@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
+from dataclasses import replace
 
 from .model import ModelSpec, load_model
 from .plan import Method, Plan
@@ -73,7 +73,8 @@ def _budgets(args, hw) -> dict[str, int]:
             "disk": parse_bytes(args.disk_mem, "disk-mem") if args.disk_mem else hw.disk_bytes}
 
 
-def _knob(text: str, field: str, parse) -> int | None:
+def _knob(text: str, parse) -> int | None:
+    """None for `auto` (the rule decides), else the parsed value."""
     return None if text == "auto" else parse(text)
 
 
@@ -101,8 +102,8 @@ def resolve_plan(args, model: ModelSpec, work: Workload, budgets: dict[str, int]
         except json.JSONDecodeError as e:
             raise ValueError(f"plan: {args.plan!r} is not valid JSON ({e.msg})") from None
     plan = default_plan(method, model, work, budgets)
-    group = _knob(args.group, "group", _positive_int("group"))
-    chunk = _knob(args.chunk, "chunk", lambda t: parse_tokens(t, "chunk"))
+    group = _knob(args.group, _positive_int("group"))
+    chunk = _knob(args.chunk, lambda t: parse_tokens(t, "chunk"))
     if chunk is not None and chunk <= 0:
         raise ValueError(f"chunk: must be positive, got {chunk}")
     resident = {"auto": None, "all": model.units, "none": 0, "max": "max"}.get(args.resident, args.resident)
@@ -112,9 +113,9 @@ def resolve_plan(args, model: ModelSpec, work: Workload, budgets: dict[str, int]
         return plan
     pre, dec = plan.prefill, plan.decode
     if group is not None:
-        pre, dec = pre.__class__(group, pre.chunk, pre.depth, pre.codecs), dec.__class__(group, 1, dec.depth, dec.codecs)
+        pre, dec = replace(pre, group=group), replace(dec, group=group)
     if chunk is not None:
-        pre = pre.__class__(pre.group, chunk, pre.depth, pre.codecs)
+        pre = replace(pre, chunk=chunk)
     plan = plan.with_(prefill=pre, decode=dec, resident=plan.resident if resident in (None, "max") else resident,
                       source="user knobs over " + plan.source)
     if resident == "max":
@@ -235,8 +236,6 @@ def cmd_plan(args) -> int:
 
 def cmd_run(args) -> int:
     """Execute the plan for real; torch and transformers are imported here only."""
-    from dataclasses import replace
-
     from hw_profiles import load_profile
 
     from .builder import build
