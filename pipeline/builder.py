@@ -9,8 +9,6 @@ waits only for the attention that last read its slot: the h2d lane runs ahead ac
 layer boundaries by `depth` slots (ping-pong prefetch with cross-layer lookahead)."""
 from __future__ import annotations
 
-import functools
-
 from .memory import (attn_ws_bytes, breakdown, hidden_bytes, layer_act_bytes, logits_bytes,
                      mlp_act_bytes)
 from .model import ModelSpec
@@ -33,6 +31,7 @@ class _Builder:
             layer: (tuple(h for h in range(model.kv_heads) if self.tiers[(layer, h)] is not Tier.GPU),
                     tuple(h for h in range(model.kv_heads) if self.tiers[(layer, h)] is Tier.DISK))
             for layer in range(model.layers)}
+        self._members: dict[tuple[int, int, int], tuple[tuple[int, ...], ...]] = {}
 
     def add(self, kind: Kind, tag: str, phase: Phase, step: int, layer, group, tokens,
             deps=(), **kw) -> int:
@@ -72,12 +71,15 @@ class _Builder:
                             takes=((Pool.GPU, lg),), frees=((Pool.GPU, lg + hid),))
         return prev
 
-    @functools.lru_cache(maxsize=None)
     def members(self, layer: int, g: int, size: int) -> tuple[tuple[int, ...], ...]:
-        """Heads of group `g` in `layer`, those of them offloaded, and those on disk."""
-        heads = tuple(range(g * size, (g + 1) * size))
-        off, disk = self.offloaded[layer]
-        return heads, tuple(h for h in off if h in heads), tuple(h for h in disk if h in heads)
+        """Heads of group `g` in `layer`, those of them offloaded, and those on disk (memoised:
+        the builder asks once per step for the same few groups)."""
+        key = (layer, g, size)
+        if key not in self._members:
+            heads = tuple(range(g * size, (g + 1) * size))
+            off, disk = self.offloaded[layer]
+            self._members[key] = (heads, tuple(h for h in off if h in heads), tuple(h for h in disk if h in heads))
+        return self._members[key]
 
     def store(self, phase: Phase, idx: int, layer: int, start: int, n: int, qkv: int) -> None:
         """Write the step's new K/V of the layer's offloaded heads home (d2h, then disk)."""
