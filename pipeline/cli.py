@@ -156,12 +156,16 @@ def _json_head(model, hw, work) -> dict:
             "workload": {"context": work.context, "decode_tokens": work.decode_tokens, "batch": work.batch}}
 
 
-def _print_plan(model, hw, work, budgets, res) -> None:
-    plan, rep = res["plan"], res["prediction"].report
-    print(f"kvpipe plan: {model.name} on {hw.name} — {hw.description}")
+def _print_workload_plan(work: Workload, plan: Plan) -> None:
     print(f"workload: {fmt_tokens(work.context)} prompt tokens, {work.decode_tokens} decode steps, batch {work.batch}")
     print(f"plan: {plan.describe()}")
     print(f"      from {plan.source}")
+
+
+def _print_plan(model, hw, work, budgets, res) -> None:
+    plan, rep = res["plan"], res["prediction"].report
+    print(f"kvpipe plan: {model.name} on {hw.name} — {hw.description}")
+    _print_workload_plan(work, plan)
     budget = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in budgets.items())
     if res["fits"]:
         print(f"fits: yes   (budgets: {budget})")
@@ -281,9 +285,7 @@ def cmd_run(args) -> int:
     else:
         print(f"kvpipe run: {model.name} on {device} ({'random weights' if args.random_weights else args.model}); "
               f"predicted on profile {hw.name}")
-        print(f"workload: {fmt_tokens(work.context)} prompt tokens, {work.decode_tokens} decode steps, batch {work.batch}")
-        print(f"plan: {plan.describe()}")
-        print(f"      from {plan.source}")
+        _print_workload_plan(work, plan)
         for line in format_report(pred.report, mrep):
             print(line)
         print(f"  measured critical lane: {mrep.critical_lane}; {real.note}")
