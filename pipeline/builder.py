@@ -45,7 +45,7 @@ class _Builder:
         """Stages of one step over tokens [start, start+n); returns its last compute stage."""
         m, B = self.m, self.w.batch
         b, unit_tok = m.dtype_bytes, m.kv_unit_bytes_per_token
-        end, G, r = start + n, pp.group, m.gqa_ratio
+        end, G = start + n, pp.group
         hid = hidden_bytes(m, B, n)
         prev = self.add(Kind.COMPUTE, "embed", phase, idx, None, None, (start, end), (after,),
                         mem_bytes=2 * hid, takes=((Pool.GPU, hid),))

@@ -3,7 +3,7 @@ phase streams it (head-group size, chunk, buffer depth, codec per link)."""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from .model import ModelSpec
 from .workload import Workload

@@ -3,10 +3,10 @@ memory per pool; plus the budget check that says which pool does not fit."""
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .memory import MemoryBreakdown
-from .stage import Kind, Phase
+from .stage import Phase
 from .trace import Trace
 from .units import fmt_bytes
 
