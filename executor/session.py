@@ -1,6 +1,6 @@
-"""One `kvpipe run`: resolve the model (local HF directory, or random weights from a preset or
-config.json), enforce the memory budgets before anything is allocated, build the prompt, execute
-the graph with a progress bar, and return what was measured."""
+"""One `kvpipe run` on the torch side: the device and its budgets, the model (local HF directory, or
+random weights from a preset or config.json), the prompt, and the execution of the graph with the
+allocator capped and a progress bar. The CLI refuses plans over budget before calling in here."""
 from __future__ import annotations
 
 import hashlib
@@ -11,8 +11,6 @@ from pathlib import Path
 
 import torch
 
-from pipeline.memory import breakdown
-from pipeline.report import budget_problems
 from pipeline.stage import Graph, Phase, Stage
 
 from .runner import RunResult, execute
@@ -51,13 +49,6 @@ def device_budget(device: torch.device) -> int:
 
 def host_ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def check_budgets(graph: Graph, budgets: dict[str, int]) -> None:
-    """Refuse a plan whose predicted peak exceeds a budget, before any allocation."""
-    problems = budget_problems(breakdown(graph.model, graph.workload, graph.plan), budgets)
-    if problems:
-        raise ValueError(f"budget: the plan does not fit: {'; '.join(problems)}")
 
 
 def load_hf_model(model_arg: str, random_weights: bool, device: torch.device, dtype: torch.dtype,

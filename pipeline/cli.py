@@ -106,9 +106,8 @@ def resolve_plan(args, model: ModelSpec, work: Workload, budgets: dict[str, int]
     chunk = _knob(args.chunk, lambda t: parse_tokens(t, "chunk"))
     if chunk is not None and chunk <= 0:
         raise ValueError(f"chunk: must be positive, got {chunk}")
-    resident = {"auto": None, "all": model.units, "none": 0, "max": "max"}.get(args.resident, args.resident)
-    if isinstance(resident, str) and resident != "max":
-        resident = _positive_int("resident")(resident) if resident != "0" else 0
+    named = {"auto": None, "max": "max", "all": model.units, "none": 0, "0": 0}
+    resident = named[args.resident] if args.resident in named else _positive_int("resident")(args.resident)
     if group is None and chunk is None and resident is None:
         return plan
     pre, dec = plan.prefill, plan.decode
@@ -132,10 +131,14 @@ def _setup(args):
     for pool, value in budgets.items():
         if value <= 0:
             raise ValueError(f"{pool}-mem: must be positive, got {value}")
+    _check_weights(model, budgets)
+    return model, hw, work, budgets
+
+
+def _check_weights(model: ModelSpec, budgets: dict[str, int]) -> None:
     if model.weight_bytes > budgets["gpu"]:
         raise ValueError(f"gpu-mem: {fmt_bytes(budgets['gpu'])} cannot hold the weights of {model.name} "
                          f"({fmt_bytes(model.weight_bytes)})")
-    return model, hw, work, budgets
 
 
 def _predict(model, work, plan, hw, budgets, full=False) -> dict:
@@ -258,13 +261,13 @@ def cmd_run(args) -> int:
     budgets = {"gpu": parse_bytes(args.gpu_mem, "gpu-mem") if args.gpu_mem else session.device_budget(device),
                "host": parse_bytes(args.host_mem, "host-mem") if args.host_mem else session.host_ram_bytes(),
                "disk": 0}  # the executor has no disk tier yet
-    if model.weight_bytes > budgets["gpu"]:
-        raise ValueError(f"gpu-mem: {fmt_bytes(budgets['gpu'])} cannot hold the weights of {model.name} "
-                         f"({fmt_bytes(model.weight_bytes)})")
+    _check_weights(model, budgets)
     plan = resolve_plan(args, model, work, budgets, Method(args.method))
+    predicted = _predict(model, work, plan, hw, budgets)
+    if predicted["problems"]:   # refused before anything is allocated
+        raise ValueError(f"budget: the plan does not fit: {'; '.join(predicted['problems'])}")
+    pred = predicted["prediction"]
     graph = build(model, work, plan)
-    session.check_budgets(graph, budgets)
-    pred = _predict(model, work, plan, hw, budgets)["prediction"]
     hf = session.load_hf_model(args.model, args.random_weights, device, session.TORCH_DTYPES[model.dtype], args.seed)
     ids = session.prompt_ids(args.prompt_file, args.model, work.batch, work.context, model.vocab, args.seed)
     measured = session.run_graph(graph, hf, ids, device, budgets["gpu"], progress=not args.no_progress)
