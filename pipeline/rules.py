@@ -33,19 +33,19 @@ def method_plan(method: Method, model: ModelSpec, work: Workload) -> Plan:
     return Plan(method, PhasePlan(group, chunk, 2), PhasePlan(group, 1, 2), 0, 0, RULES[method])
 
 
-def spill_to_disk(model: ModelSpec, work: Workload, plan: Plan, host_budget: int) -> Plan:
-    """Put on disk the fewest offloaded units for the host pool to fit its KV share."""
-    offloaded = model.units - plan.resident
-    if breakdown(model, work, plan.with_(disk=0)).host <= host_budget * HOST_KV_FRACTION:
-        return plan.with_(disk=0)
-    lo, hi = 1, offloaded          # smallest disk count whose host use fits
+def first_true(lo: int, hi: int, pred) -> int:
+    """Smallest x in [lo, hi) with pred(x), for pred false then true; hi when it is never true."""
     while lo < hi:
         mid = (lo + hi) // 2
-        if breakdown(model, work, plan.with_(disk=mid)).host <= host_budget * HOST_KV_FRACTION:
-            hi = mid
-        else:
-            lo = mid + 1
-    return plan.with_(disk=lo)
+        lo, hi = (lo, mid) if pred(mid) else (mid + 1, hi)
+    return lo
+
+
+def spill_to_disk(model: ModelSpec, work: Workload, plan: Plan, host_budget: int) -> Plan:
+    """Put on disk the fewest offloaded units for the host pool to fit its KV share."""
+    host_fits = lambda disk: breakdown(model, work, plan.with_(disk=disk)).host <= host_budget * HOST_KV_FRACTION
+    offloaded = model.units - plan.resident
+    return plan.with_(disk=min(first_true(0, offloaded, host_fits), offloaded))
 
 
 def default_plan(method: Method, model: ModelSpec, work: Workload, budgets: dict[str, int]) -> Plan:
@@ -61,14 +61,8 @@ def default_plan(method: Method, model: ModelSpec, work: Workload, budgets: dict
 
 def max_resident(model: ModelSpec, work: Workload, plan: Plan, gpu_budget: int) -> Plan:
     """The plan with as many resident units as GPU_FILL_FRACTION of the budget holds (0 if none)."""
-    lo, hi = 0, model.units        # largest resident count whose GPU use fits
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if breakdown(model, work, plan.with_(resident=mid, disk=0)).gpu <= gpu_budget * GPU_FILL_FRACTION:
-            lo = mid
-        else:
-            hi = mid - 1
-    return plan.with_(resident=lo)
+    too_many = lambda n: breakdown(model, work, plan.with_(resident=n, disk=0)).gpu > gpu_budget * GPU_FILL_FRACTION
+    return plan.with_(resident=max(first_true(1, model.units + 1, too_many) - 1, 0))
 
 
 def fits(model: ModelSpec, work: Workload, plan: Plan, budgets: dict[str, int]) -> bool:
@@ -82,12 +76,4 @@ def max_context(method: Method, model: ModelSpec, decode_tokens: int, batch: int
     def ok(ctx: int) -> bool:
         work = Workload(ctx, decode_tokens, batch)
         return fits(model, work, default_plan(method, model, work, budgets), budgets)
-    if not ok(1):
-        return 0
-    lo, hi = 1, limit
-    if ok(hi):
-        return hi
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return lo
+    return first_true(1, limit + 1, lambda ctx: not ok(ctx)) - 1
