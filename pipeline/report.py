@@ -22,19 +22,22 @@ class Timing:
     total_s: float
 
 
+def decode_head_ends(tr: Trace) -> list[float]:
+    """End times of the decode steps' `head` stages (each step's token ready), in order."""
+    st = tr.graph.stages
+    return sorted(sp.end_s for sp in tr.spans if st[sp.stage].phase is Phase.DECODE and st[sp.stage].tag == "head")
+
+
 def timing_from_trace(tr: Trace) -> Timing:
     stages = tr.graph.stages
     prefill_end = ttft = 0.0
-    heads: list[float] = []
     for sp in tr.spans:
         st = stages[sp.stage]
         if st.phase is Phase.PREFILL:
             prefill_end = max(prefill_end, sp.end_s)
             if st.tag == "head":
                 ttft = sp.end_s
-        elif st.tag == "head":
-            heads.append(sp.end_s)
-    heads.sort()
+    heads = decode_head_ends(tr)
     steps = [b - a for a, b in zip([ttft] + heads, heads)]
     per_token = statistics.fmean(steps[1:]) if len(steps) > 1 else (steps[0] if steps else None)
     return Timing(prefill_end, ttft, per_token, tr.end_s)

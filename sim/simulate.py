@@ -15,8 +15,8 @@ from pipeline.hardware import HardwareProfile
 from pipeline.memory import MemoryBreakdown, breakdown
 from pipeline.model import ModelSpec
 from pipeline.plan import Plan
-from pipeline.report import Report, Timing, timing_from_trace
-from pipeline.stage import Phase, Pool
+from pipeline.report import Report, Timing, decode_head_ends, timing_from_trace
+from pipeline.stage import Pool
 from pipeline.trace import Trace
 from pipeline.workload import Workload
 
@@ -32,11 +32,6 @@ class Prediction:
     memory: MemoryBreakdown
 
 
-def _decode_head_ends(tr: Trace) -> list[float]:
-    st = tr.graph.stages
-    return sorted(sp.end_s for sp in tr.spans if st[sp.stage].phase is Phase.DECODE and st[sp.stage].tag == "head")
-
-
 def simulate(model: ModelSpec, work: Workload, plan: Plan, hw: HardwareProfile, *,
              full: bool = False, window: int = DECODE_WINDOW) -> Prediction:
     mem = breakdown(model, work, plan)
@@ -48,7 +43,7 @@ def simulate(model: ModelSpec, work: Workload, plan: Plan, hw: HardwareProfile, 
         trace, pools = run(build(model, work, plan, decode=range(window)), hw)
         late, _ = run(build(model, work, plan, prefill=False, decode=range(M - window, M)), hw)
         head = timing_from_trace(trace)
-        e1, e2 = _decode_head_ends(trace), _decode_head_ends(late)
+        e1, e2 = decode_head_ends(trace), decode_head_ends(late)
         d1 = [b - a for a, b in zip(e1, e1[1:])]          # steps 1 .. window-1
         d2 = [b - a for a, b in zip(e2, e2[1:])]          # steps M-window+1 .. M-1
         half = window // 2
