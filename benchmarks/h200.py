@@ -24,10 +24,10 @@ KV_BYTES_PER_TOKEN = 131072  # Llama-3-8B bf16: 32 layers x 8 KV heads x 2 x 128
 UNIT_BYTES_PER_TOKEN = KV_BYTES_PER_TOKEN // 256
 
 
-def sh(args: list[str], timeout: int) -> dict:
+def sh(args: list[str], timeout: int, **env_extra: str) -> dict:
     """Run one measurement process; its last stdout line (or whole stdout) is JSON."""
     t0 = time.time()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **env_extra)
     r = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
     wall = time.time() - t0
     if r.returncode != 0:
@@ -42,10 +42,13 @@ def sh(args: list[str], timeout: int) -> dict:
     return out
 
 
-def kvpipe(context: str, decode: int, *knobs: str, timeout: int = 500) -> dict:
-    return sh([sys.executable, "-m", "pipeline.cli", "run", "--model", "llama-3-8b", "--random-weights",
-               "--context", context, "--decode-tokens", str(decode), "--gpu-mem", GPU_BUDGET,
-               "--device", "cuda", "--hw", "h200", "--json", "--no-progress", *knobs], timeout)
+def kvpipe(context: str, decode: int, *knobs: str, timeout: int = 500, kernel: str = "auto") -> dict:
+    """`kvpipe run` at Llama-3-8B shapes; kernel sets KVPIPE_ATTN (auto: cuDNN prefill, FA2 decode)."""
+    out = sh([sys.executable, "-m", "pipeline.cli", "run", "--model", "llama-3-8b", "--random-weights",
+              "--context", context, "--decode-tokens", str(decode), "--gpu-mem", GPU_BUDGET,
+              "--device", "cuda", "--hw", "h200", "--json", "--no-progress", *knobs], timeout, KVPIPE_ATTN=kernel)
+    out["command"] = f"KVPIPE_ATTN={kernel} {out['command']}"
+    return out
 
 
 def offloaded_bytes_per_step(run: dict) -> float:
@@ -62,12 +65,15 @@ def stage_128k(res: dict, save) -> None:
     save()
     res["kvpipe_resident"] = kvpipe("128K", 16, "--group", "8", "--chunk", "4096", "--resident", "max")
     save()
+    res["kvpipe_stream_fa2"] = kvpipe("128K", 2, "--group", "8", "--chunk", "4096", "--resident", "none",
+                                      kernel="flash")   # the same prefill on FA2: what the kernel is worth
+    save()
     res["hf_standard"] = sh([sys.executable, "-m", "benchmarks.hf_baseline", "--context", "131072"], 300)
     res["hf_offload"] = sh([sys.executable, "-m", "benchmarks.hf_baseline", "--context", "131072",
                             "--mode", "offload"], 300)
     save()
     rows = []
-    for key in ("kvpipe_stream", "kvpipe_resident"):
+    for key in ("kvpipe_stream", "kvpipe_resident", "kvpipe_stream_fa2"):
         run = res[key]
         if "measured" not in run:
             continue

@@ -2,20 +2,71 @@
 separately by fused flash kernels that return the log-sum-exp, and the two partial results are
 merged exactly by log-sum-exp; no T x (P+T) score or mask matrix is ever materialised.
 
-Kernels (chosen by device and dtype, never by where the bytes live):
+Kernels (chosen by device, dtype and shape, never by where the bytes live):
   CPU  float32 / float64 / bfloat16 / float16  aten._scaled_dot_product_flash_attention_for_cpu
-  CUDA bfloat16 / float16                     aten._scaled_dot_product_flash_attention
+  CUDA bfloat16 / float16, >= CUDNN_MIN_ROWS    aten._scaled_dot_product_cudnn_attention (cuDNN >= 9,
+       query rows (prefill chunks)              sm80+; 1.7x FA2 on Hopper at 128K, see benchmarks/)
+  CUDA bfloat16 / float16, fewer rows (decode)  aten._scaled_dot_product_flash_attention (FA2)
   CUDA float32                                aten._scaled_dot_product_efficient_attention
   CUDA float64                                none fused: rejected with a ValueError
 All return the log-sum-exp in natural-log units, one value per (batch, head, query row).
+The environment variable KVPIPE_ATTN=auto|flash|cudnn overrides the bf16/fp16 CUDA choice
+(`flash`: FA2 always; `cudnn`: cuDNN always, an error where cuDNN attention is unavailable).
+Decode stays on FA2 in `auto`: its prefix length changes every step and cuDNN builds one
+execution plan per shape.
 """
 
+import functools
+import os
 from typing import NamedTuple
 
 import torch
 
 _CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _CUDA_FLASH_DTYPES = (torch.bfloat16, torch.float16)
+CUDA_KERNELS = ("auto", "flash", "cudnn")
+CUDNN_MIN_ROWS = 256  # query rows from which `auto` uses cuDNN: prefill chunks, never decode steps
+
+
+def cuda_kernel_setting() -> str:
+    """KVPIPE_ATTN, validated (auto when unset)."""
+    name = os.environ.get("KVPIPE_ATTN", "auto").strip().lower() or "auto"
+    if name not in CUDA_KERNELS:
+        raise ValueError(f"KVPIPE_ATTN={name!r}: expected one of {', '.join(CUDA_KERNELS)}")
+    return name
+
+
+@functools.lru_cache(maxsize=None)
+def cudnn_attention_available(device_index: int) -> bool:
+    """cuDNN fused attention needs cuDNN 9 and an Ampere or newer GPU."""
+    if not torch.backends.cudnn.is_available() or (torch.backends.cudnn.version() or 0) < 90000:
+        return False
+    return torch.cuda.get_device_capability(device_index) >= (8, 0)
+
+
+def kernel_label(device: torch.device, dtype: torch.dtype) -> str:
+    """Which fused kernels serve attention on this device and dtype, for reports (validates KVPIPE_ATTN)."""
+    name = cuda_kernel_setting()
+    if device.type == "cpu":
+        return "cpu flash"
+    if dtype == torch.float32:
+        return "memory-efficient"
+    if name == "auto":
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        return (f"cuDNN (>= {CUDNN_MIN_ROWS} query rows), FA2 (decode)" if cudnn_attention_available(idx)
+                else "FA2")
+    return {"flash": "FA2", "cudnn": "cuDNN"}[name]
+
+
+def cuda_kernel(q: torch.Tensor) -> str:
+    """`cudnn` or `flash` for a bf16/fp16 CUDA call, from the setting and the shape of q alone."""
+    name = cuda_kernel_setting()
+    ok = cudnn_attention_available(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    if name == "cudnn" and not ok:
+        raise ValueError("KVPIPE_ATTN=cudnn: cuDNN fused attention needs cuDNN >= 9 and an sm80+ GPU")
+    if name == "auto":
+        name = "cudnn" if ok and q.shape[2] >= CUDNN_MIN_ROWS else "flash"
+    return name
 
 
 class Partial(NamedTuple):
@@ -40,6 +91,10 @@ def attend_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, scale=scale
         )
+    elif q.device.type == "cuda" and q.dtype in _CUDA_FLASH_DTYPES and cuda_kernel(q) == "cudnn":
+        q, k, v = (canonical_unit_strides(x) for x in (q, k, v))
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+        out, lse = res[0], res[1].reshape(B, H, T)  # the LSE comes as [B, H, T, 1]
     elif q.device.type == "cuda" and q.dtype in _CUDA_FLASH_DTYPES:
         res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
         out, lse = res[0], res[1]
@@ -51,6 +106,22 @@ def attend_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     lse = lse[..., :T]  # some kernels pad the query dim of the LSE (memory-efficient: to a multiple of 32)
     assert out.shape == (B, H, T, D) and lse.shape == (B, H, T), (out.shape, lse.shape)
     return Partial(out, lse)
+
+
+def canonical_unit_strides(x: torch.Tensor) -> torch.Tensor:
+    """The same view with the strides of size-1 batch/head dims set from the dims inside them.
+    torch caches one cuDNN execution plan per (shape, strides); a stride over a dim of size 1 never
+    addresses anything, but it differs between the KV store's buffers (a layer's resident heads vs
+    a transfer slot), and every distinct one would cost a plan build (~60 ms on the H200)."""
+    B, H = x.shape[:2]
+    if B != 1 and H != 1:
+        return x
+    st = list(x.stride())
+    if H == 1:
+        st[1] = x.shape[2] * st[2]
+    if B == 1:
+        st[0] = H * st[1]
+    return x.as_strided(x.shape, st)
 
 
 def merge_partials(a: Partial, b: Partial, out_dtype: torch.dtype) -> torch.Tensor:

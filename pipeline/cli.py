@@ -253,8 +253,10 @@ def cmd_run(args) -> int:
         from executor import session
     except ImportError as e:
         raise ValueError(f"run: needs torch and transformers ({e.name} missing): pip install -e '.[run]'") from None
+    from executor.attention import kernel_label
     device = session.resolve_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = load_model(args.model, args.dtype)
+    attention = kernel_label(device, session.TORCH_DTYPES[model.dtype])  # validates KVPIPE_ATTN
     work = Workload.parse(args.context, args.decode_tokens, args.batch)
     hw_name = args.hw or session.guess_profile(device) or "rtx4090"
     hw = load_profile(hw_name)
@@ -282,12 +284,12 @@ def cmd_run(args) -> int:
         m = mrep.to_json()
         m.pop("gpu_breakdown_bytes")
         out.update(plan=plan.to_json(), fits=True, predicted=pred.report.to_json(), measured=m,
-                   tokens=tokens, output_digest=measured.digest, device=str(device),
+                   tokens=tokens, output_digest=measured.digest, device=str(device), attention=attention,
                    budgets_bytes=budgets)
         print(json.dumps(out, indent=2))
     else:
         print(f"kvpipe run: {model.name} on {device} ({'random weights' if args.random_weights else args.model}); "
-              f"predicted on profile {hw.name}")
+              f"attention kernel {attention}; predicted on profile {hw.name}")
         _print_workload_plan(work, plan)
         for line in format_report(pred.report, mrep):
             print(line)

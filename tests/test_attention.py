@@ -1,12 +1,16 @@
 """Property tests for executor/attention.py: chunked equals full, placement changes no bit, decode."""
 
+import os
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from executor.attention import attend_chunk, attend_part, reference_attention
+from executor.attention import (CUDNN_MIN_ROWS, attend_chunk, attend_part, canonical_unit_strides, cuda_kernel_setting,
+                                cudnn_attention_available, reference_attention)
 
 CPU_DTYPES = (torch.float64, torch.float32, torch.bfloat16)
 REL_TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -186,14 +190,18 @@ def test_placement_is_bitwise_invariant(case):
     seed=st.integers(0, 2**31 - 1),
 )
 def test_kernel_lse_is_natural_log_per_row(dtype, d, t, seed):
+    check_lse(dtype, d, t, seed)
+
+
+def check_lse(dtype, d, t, seed, device="cpu"):
     """The merge relies on the kernel's LSE being ln(sum(exp(scale * q.k))) with layout [B, H, T]."""
     gen = torch.Generator().manual_seed(seed)
-    q = randn((2, 3, t, d), dtype, gen)
-    k = randn((2, 3, t, d), dtype, gen)
-    v = randn((2, 3, t, d), dtype, gen)
+    q = randn((2, 3, t, d), dtype, gen, device)
+    k = randn((2, 3, t, d), dtype, gen, device)
+    v = randn((2, 3, t, d), dtype, gen, device)
     scale = d**-0.5
     scores = (q.double() @ k.double().transpose(-1, -2)) * scale  # [B, H, T, T], test only
-    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
     for is_causal, expect in ((False, scores), (True, scores.masked_fill(~causal, float("-inf")))):
         part = attend_part(q, k, v, scale, causal=is_causal)
         assert part.lse.shape == (2, 3, t)
@@ -238,18 +246,77 @@ def test_rejects_mismatched_shapes():
         attend_chunk(q, kv, kv, kv[:, :, :2], kv[:, :, :2], 0.125)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@settings(max_examples=15, deadline=None)
-@given(data=st.data())
-def test_placement_is_bitwise_invariant_cuda(dtype, data):
-    check_placement_bitwise(data.draw(placement_case((dtype,))), device="cuda")
+def test_kernel_setting_is_validated(monkeypatch):
+    monkeypatch.setenv("KVPIPE_ATTN", "fastest")
+    with pytest.raises(ValueError, match="KVPIPE_ATTN='fastest': expected one of auto, flash, cudnn"):
+        cuda_kernel_setting()
+    monkeypatch.setenv("KVPIPE_ATTN", " CuDNN ")
+    assert cuda_kernel_setting() == "cudnn"
+    monkeypatch.delenv("KVPIPE_ATTN")
+    assert cuda_kernel_setting() == "auto"
+
+
+# ---- CUDA: every property again, per kernel (bf16 runs on FA2 or cuDNN; fp32 on memory-efficient) ----
+CUDA_CASES = [(torch.bfloat16, "flash"), (torch.bfloat16, "cudnn"), (torch.float32, "auto")]
+
+
+def cuda_case_id(case):
+    return f"{str(case[0]).split('.')[-1]}-{case[1]}"
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype,kernel", CUDA_CASES, ids=map(cuda_case_id, CUDA_CASES))
 @settings(max_examples=15, deadline=None)
 @given(data=st.data())
-def test_chunked_equals_full_cuda(dtype, data):
+def test_placement_is_bitwise_invariant_cuda(dtype, kernel, data):
+    with mock.patch.dict(os.environ, {"KVPIPE_ATTN": kernel}):
+        check_placement_bitwise(data.draw(placement_case((dtype,))), device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,kernel", CUDA_CASES, ids=map(cuda_case_id, CUDA_CASES))
+@settings(max_examples=15, deadline=None)
+@given(data=st.data())
+def test_chunked_equals_full_cuda(dtype, kernel, data):
     case = data.draw(chunked_case(max_len=80))
-    check_chunked_equals_full(dict(case, dtype=dtype), device="cuda")
+    with mock.patch.dict(os.environ, {"KVPIPE_ATTN": kernel}):
+        check_chunked_equals_full(dict(case, dtype=dtype), device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,kernel", CUDA_CASES, ids=map(cuda_case_id, CUDA_CASES))
+@settings(max_examples=10, deadline=None)
+@given(d=st.sampled_from(HEAD_DIMS), t=st.integers(1, 300), seed=st.integers(0, 2**31 - 1))
+def test_kernel_lse_is_natural_log_per_row_cuda(dtype, kernel, d, t, seed):
+    with mock.patch.dict(os.environ, {"KVPIPE_ATTN": kernel}):
+        check_lse(dtype, d, t, seed, device="cuda")
+
+
+@pytest.mark.gpu
+def test_auto_uses_cudnn_for_prefill_chunks_and_flash_for_decode():
+    """`auto` on bf16: a 4096-token chunk (and its folded prefix) goes to cuDNN, a decode step to FA2."""
+    if not cudnn_attention_available(torch.cuda.current_device()):
+        pytest.skip("no cuDNN fused attention on this GPU")
+    gen = torch.Generator().manual_seed(0)
+    for t, want in ((CUDNN_MIN_ROWS, "cudnn_attention"), (1, "flash_attention")):
+        q = randn((1, 8, t, 128), torch.bfloat16, gen, "cuda")
+        kv = randn((1, 2, 600 + t, 128), torch.bfloat16, gen, "cuda")
+        with mock.patch.dict(os.environ, {"KVPIPE_ATTN": "auto"}), _RecordShapes() as rec:
+            attend_chunk(q, kv[:, :, :600], kv[:, :, :600], kv[:, :, 600:], kv[:, :, 600:], 128**-0.5)
+        kernels = [op for op in rec.ops if "scaled_dot_product" in op]
+        assert kernels and all(want in op for op in kernels), (t, kernels)
+
+
+def test_canonical_unit_strides_keeps_values_and_unifies_keys():
+    """Two views of the same [1, 1, P, D] values held in buffers of different head counts get
+    equal strides (one cuDNN plan), and the values are untouched."""
+    gen = torch.Generator().manual_seed(0)
+    wide = randn((1, 5, 40, 2, 16), torch.float32, gen)     # a layer's resident heads, K/V interleaved
+    slot = torch.empty(1, 1, 40, 2, 16)                      # a one-head transfer slot
+    slot.copy_(wide[:, 3:4])
+    a, b = wide[:, 3:4, :30, 0], slot[:, :, :30, 0]          # K of head 3, both [1, 1, 30, 16]
+    assert a.stride() != b.stride()
+    ca, cb = canonical_unit_strides(a), canonical_unit_strides(b)
+    assert ca.stride() == cb.stride() and torch.equal(ca, a) and torch.equal(cb, b)
+    two = wide[:, 1:3, :30, 1]                               # sizes > 1 keep their strides
+    assert canonical_unit_strides(two).stride()[1:] == two.stride()[1:]

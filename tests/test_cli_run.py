@@ -37,6 +37,7 @@ def test_offloaded_and_resident_runs_have_the_same_digest(tiny_config, tmp_path)
     resident = run_json(*common, "--resident", "all", "--group", "1")
     mixed = run_json(*common, "--resident", "3", "--group", "2")
     assert offloaded["output_digest"] == resident["output_digest"]
+    assert offloaded["attention"] == "cpu flash"
     assert offloaded["tokens"] == resident["tokens"] and len(offloaded["tokens"][0]) == 9
     assert mixed["tokens"] == resident["tokens"]     # another grouping: same tokens (bits may differ)
     m = offloaded["measured"]
@@ -73,6 +74,16 @@ def test_bad_run_input_is_one_line_exit_2(tiny_config, tmp_path, args, needle):
     assert "Traceback" not in r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and needle in lines[0], r.stderr
+
+
+def test_bad_attention_kernel_setting_is_one_line_exit_2(tiny_config):
+    import os
+    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", "--device", "cpu", "--no-progress",
+                        "--model", tiny_config, "--random-weights", "--context", "64"],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, KVPIPE_ATTN="fa3"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "KVPIPE_ATTN='fa3'" in lines[0], r.stderr
 
 
 def test_ctrl_c_mid_run_exits_cleanly(tmp_path):
