@@ -1,12 +1,13 @@
 """Exact chunked attention for one head group: the cached prefix and the chunk itself are attended
-separately by fused flash kernels that return the log-sum-exp, and the two partial results are
+separately by fused kernels that return the log-sum-exp, and the two partial results are
 merged exactly by log-sum-exp; no T x (P+T) score or mask matrix is ever materialised.
 
 Kernels (chosen by device, dtype and shape, never by where the bytes live):
   CPU  float32 / float64 / bfloat16 / float16  aten._scaled_dot_product_flash_attention_for_cpu
-  CUDA bfloat16 / float16, >= CUDNN_MIN_ROWS    aten._scaled_dot_product_cudnn_attention (cuDNN >= 9,
-       query rows (prefill chunks)              sm80+; 1.7x FA2 on Hopper at 128K, see benchmarks/)
-  CUDA bfloat16 / float16, fewer rows (decode)  aten._scaled_dot_product_flash_attention (FA2)
+  CUDA bfloat16 / float16, sm90+ (Hopper on),   aten._scaled_dot_product_cudnn_attention (cuDNN >= 9;
+       >= CUDNN_MIN_ROWS query rows (prefill)   1.7x FA2 on the H200 at 128K, see benchmarks/)
+  CUDA bfloat16 / float16, otherwise (decode,   aten._scaled_dot_product_flash_attention (FA2)
+       small chunks, Ampere/Ada)
   CUDA float32                                aten._scaled_dot_product_efficient_attention
   CUDA float64                                none fused: rejected with a ValueError
 All return the log-sum-exp in natural-log units, one value per (batch, head, query row).
@@ -44,6 +45,19 @@ def cudnn_attention_available(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 0)
 
 
+def _cudnn_for(device: torch.device) -> bool:
+    """Whether bf16/fp16 prefill chunks on `device` go to cuDNN: the setting, else (auto) Hopper or
+    newer, where cuDNN was measured at 1.7x FA2; on Ampere/Ada FA2 stays (cuDNN unmeasured there)."""
+    name = cuda_kernel_setting()
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    ok = cudnn_attention_available(idx)
+    if name == "cudnn" and not ok:
+        raise ValueError("KVPIPE_ATTN=cudnn: cuDNN fused attention needs cuDNN >= 9 and an sm80+ GPU")
+    if name == "auto":
+        return ok and torch.cuda.get_device_capability(idx) >= (9, 0)
+    return name == "cudnn"
+
+
 def kernel_label(device: torch.device, dtype: torch.dtype) -> str:
     """Which fused kernels serve attention on this device and dtype, for reports (validates KVPIPE_ATTN)."""
     name = cuda_kernel_setting()
@@ -51,22 +65,16 @@ def kernel_label(device: torch.device, dtype: torch.dtype) -> str:
         return "cpu flash"
     if dtype == torch.float32:
         return "memory-efficient"
-    if name == "auto":
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        return (f"cuDNN (>= {CUDNN_MIN_ROWS} query rows), FA2 (decode)" if cudnn_attention_available(idx)
-                else "FA2")
-    return {"flash": "FA2", "cudnn": "cuDNN"}[name]
+    if not _cudnn_for(device):
+        return "FA2"
+    return f"cuDNN (>= {CUDNN_MIN_ROWS} query rows), FA2 (decode)" if name == "auto" else "cuDNN"
 
 
 def cuda_kernel(q: torch.Tensor) -> str:
-    """`cudnn` or `flash` for a bf16/fp16 CUDA call, from the setting and the shape of q alone."""
-    name = cuda_kernel_setting()
-    ok = cudnn_attention_available(q.device.index if q.device.index is not None else torch.cuda.current_device())
-    if name == "cudnn" and not ok:
-        raise ValueError("KVPIPE_ATTN=cudnn: cuDNN fused attention needs cuDNN >= 9 and an sm80+ GPU")
-    if name == "auto":
-        name = "cudnn" if ok and q.shape[2] >= CUDNN_MIN_ROWS else "flash"
-    return name
+    """`cudnn` or `flash` for a bf16/fp16 CUDA call, from the setting, the GPU and the shape of q alone."""
+    if not _cudnn_for(q.device):
+        return "flash"
+    return "cudnn" if cuda_kernel_setting() == "cudnn" or q.shape[2] >= CUDNN_MIN_ROWS else "flash"
 
 
 class Partial(NamedTuple):

@@ -6,15 +6,18 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from pipeline.builder import build
 from pipeline.stage import Graph, Phase, Stage
+from pipeline.workload import Workload
 
 from .runner import RunResult, execute
 
+WARMUP_MAX_TOKENS = 8192   # the warm-up runs one prefill chunk, at most this long
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # CUDA device name fragment -> bundled hardware profile used for the prediction.
 KNOWN_GPUS = (("H200", "h200"), ("H100", "h100-sxm"), ("A100", "a100-80g"), ("4090", "rtx4090"),
@@ -128,12 +131,31 @@ def output_digest(result: RunResult) -> str:
     return h.hexdigest()
 
 
+def warm_up(graph: Graph, hf_model: torch.nn.Module, ids: torch.Tensor, device: torch.device) -> int:
+    """Run the same plan, untimed, on the first prefill chunk and one decode step: CUDA context,
+    cuBLAS/cuDNN handles, kernel loading and the chunk's own attention plan are paid here, not in
+    the measurement (HF's baselines warm up the same way). Returns the tokens run."""
+    w, plan = graph.workload, graph.plan
+    context = min(w.context, plan.prefill.chunk, WARMUP_MAX_TOKENS)   # one chunk (a whole prompt
+    small_plan = replace(plan, prefill=replace(plan.prefill, chunk=context))  # for `standard`: capped)
+    small = build(graph.model, Workload(context, 1, w.batch), small_plan)
+    execute(small, hf_model, ids[:, :context], device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # the real run starts from the same allocator state as a cold one
+    return context
+
+
 def run_graph(graph: Graph, hf_model: torch.nn.Module, ids: torch.Tensor, device: torch.device,
-              gpu_budget: int, progress: bool = True) -> Measured:
-    """Execute with the GPU allocator capped at `gpu_budget` and a progress bar over steps."""
+              gpu_budget: int, progress: bool = True, warmup: bool = True) -> Measured:
+    """Execute with the GPU allocator capped at `gpu_budget` and a progress bar over steps (on
+    CUDA after an untimed warm-up unless `warmup` is False)."""
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_budget / total), device)
+        if warmup:
+            n = warm_up(graph, hf_model, ids, device)
+            print(f"kvpipe: warmed up on {n} tokens and 1 decode step (untimed)", file=sys.stderr, flush=True)
     steps = len({(s.phase, s.step) for s in graph.stages if s.tag == "embed"})
     last_layer = graph.model.layers - 1
     bar = None

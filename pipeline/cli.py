@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0, help="seed of the random prompt and weights")
     r.add_argument("--prompt-file", help="whitespace-separated token ids, or text with a model tokenizer")
     r.add_argument("--no-progress", action="store_true")
+    r.add_argument("--no-warmup", action="store_true",
+                   help="time the first run in the process (CUDA: by default one prefill chunk and one "
+                        "decode step run first, untimed, as HF baselines warm up)")
     return ap
 
 
@@ -272,7 +275,8 @@ def cmd_run(args) -> int:
     graph = build(model, work, plan)
     hf = session.load_hf_model(args.model, args.random_weights, device, session.TORCH_DTYPES[model.dtype], args.seed)
     ids = session.prompt_ids(args.prompt_file, args.model, work.batch, work.context, model.vocab, args.seed)
-    measured = session.run_graph(graph, hf, ids, device, budgets["gpu"], progress=not args.no_progress)
+    measured = session.run_graph(graph, hf, ids, device, budgets["gpu"], progress=not args.no_progress,
+                                 warmup=not args.no_warmup)
     res = measured.result
     real = res.trace
     mrep = Report(timing_from_trace(real), real.lane_busy_s(),

@@ -202,17 +202,37 @@ def test_stress_random_schedules_cuda(tiny_model):
         check_bitwise(model, case, "cuda", hook=jitter(rng) if i % 5 else None)
 
 
+def test_warm_up_runs_one_chunk_and_leaves_the_run_unchanged(tiny_model):
+    """`kvpipe run`'s warm-up: the plan's first prefill chunk and one decode step (a `standard`
+    plan's whole-prompt chunk capped), with no effect on the bits of the run that follows."""
+    from executor.session import WARMUP_MAX_TOKENS, warm_up
+    model = tiny_model("llama", kv_heads=2, layers=2, max_position_embeddings=16384)
+    spec = HFAdapter(model).spec()
+    ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(2))
+    graph = build(spec, Workload(200, 3, 1), headwise(1, 48, 2, 1))
+    cold = execute(graph, model, ids, keep_logits=True)
+    assert warm_up(graph, model, ids, torch.device("cpu")) == 48
+    warm = execute(graph, model, ids, keep_logits=True)
+    assert torch.equal(cold.step_logits, warm.step_logits) and torch.equal(cold.tokens, warm.tokens)
+    long_ids = torch.randint(0, 128, (1, WARMUP_MAX_TOKENS + 5), generator=torch.Generator().manual_seed(3))
+    whole = build(spec, Workload(WARMUP_MAX_TOKENS + 5, 1, 1), headwise(2, WARMUP_MAX_TOKENS + 5, 2, 4))
+    assert warm_up(whole, model, long_ids, torch.device("cpu")) == WARMUP_MAX_TOKENS
+
+
 @pytest.mark.gpu
 def test_cuda_run_overlaps_copies_with_compute_and_reports_memory(tiny_model):
-    """A model with Llama-3-8B-shaped layers: the h2d lane works while the compute lane does."""
+    """A model with Llama-3-8B-shaped layers: the h2d lane works while the compute lane does.
+    Enough work per stage (32K prefix, 4096-token chunks) that the GPU, not the host's ~0.3 ms
+    issue per stage, sets the pace; after a warm-up run, so cuDNN plan builds do not stall it."""
     model = tiny_model("llama", kv_heads=8, q_heads=32, head_dim=128, layers=2, dtype=torch.bfloat16,
-                       device="cuda", hidden_size=4096, intermediate_size=14336, vocab_size=1024)
+                       device="cuda", hidden_size=4096, intermediate_size=14336, vocab_size=1024,
+                       max_position_embeddings=65536)
     spec = HFAdapter(model).spec()
-    w = Workload(8192, 8, 1)
-    ids = torch.randint(0, 1024, (1, 8192), generator=torch.Generator().manual_seed(0))
-    graph = build(spec, w, headwise(1, 2048, 2, 0))
-    execute(graph, model, ids)   # warm-up: cuDNN builds an execution plan per new shape on the host,
-    res = execute(graph, model, ids)   # which, with 2 layers of work per chunk, stalls the lanes
+    w = Workload(32768, 8, 1)
+    ids = torch.randint(0, 1024, (1, 32768), generator=torch.Generator().manual_seed(0))
+    graph = build(spec, w, headwise(1, 4096, 2, 0))
+    execute(graph, model, ids)
+    res = execute(graph, model, ids)
     tr = res.trace
     spans = {lane: [sp for sp in tr.spans if tr.graph.stages[sp.stage].lane is lane] for lane in Lane}
     overlap = sum(max(0.0, min(a.end_s, b.end_s) - max(a.start_s, b.start_s))
