@@ -23,6 +23,7 @@ _FIELDS = {
     "gpu.small_shape_half_flops": ("small_shape_half_flops", float),
     "gpu.launch_overhead_s": ("launch_overhead_s", float),
     "gpu.attention_efficiency": ("attention_efficiency", float),
+    "gpu.attention_plan_s": ("attention_plan_s", float),
     "link.h2d_alpha_s": ("h2d_alpha_s", float),
     "link.h2d_bytes_per_s": ("h2d_bytes_per_s", float),
     "link.d2h_alpha_s": ("d2h_alpha_s", float),

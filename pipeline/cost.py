@@ -3,7 +3,7 @@ hardware profile (roofline for compute, alpha + bytes/beta for transfers)."""
 from __future__ import annotations
 
 from .hardware import HardwareProfile
-from .stage import Kind, Stage
+from .stage import Kind, Phase, Stage
 
 
 def compute_seconds(flops: float, mem_bytes: float, ops: int, hw: HardwareProfile, dtype: str,
@@ -16,9 +16,16 @@ def compute_seconds(flops: float, mem_bytes: float, ops: int, hw: HardwareProfil
     return max(arith, mem_bytes / hw.hbm_eff_bytes_per_s) + ops * hw.launch_overhead_s
 
 
+def new_attention_shape(s: Stage) -> bool:
+    """The first attention stage of a prefill chunk with a prefix: every chunk's prefix length is
+    new to the kernel (the chunk's own shape repeats; decode runs on FA2, which has no plans)."""
+    return s.tag == "attn" and s.phase is Phase.PREFILL and s.layer == 0 and s.group == 0 and s.tokens[0] > 0
+
+
 def stage_seconds(s: Stage, hw: HardwareProfile, dtype: str) -> float:
     if s.kind is Kind.COMPUTE:
-        return compute_seconds(s.flops, s.mem_bytes, s.ops, hw, dtype, s.tag)
+        plan = hw.attention_plan_s if new_attention_shape(s) else 0.0
+        return compute_seconds(s.flops, s.mem_bytes, s.ops, hw, dtype, s.tag) + plan
     if s.kind is Kind.H2D:
         return s.ops * hw.h2d_alpha_s + s.bytes / hw.h2d_bytes_per_s
     if s.kind is Kind.D2H:

@@ -12,8 +12,8 @@ _RATE_FIELDS = ("hbm_peak_bytes_per_s", "hbm_eff_bytes_per_s", "h2d_bytes_per_s"
                 "d2h_bytes_per_s", "disk_read_bytes_per_s", "disk_write_bytes_per_s",
                 "cpu_codec_bytes_per_s")
 # Fixed costs: zero means "none", so >= 0 is allowed.
-_OVERHEAD_FIELDS = ("small_shape_half_flops", "launch_overhead_s", "h2d_alpha_s", "d2h_alpha_s",
-                    "disk_alpha_s")
+_OVERHEAD_FIELDS = ("small_shape_half_flops", "launch_overhead_s", "attention_plan_s", "h2d_alpha_s",
+                    "d2h_alpha_s", "disk_alpha_s")
 
 FlopsTable = tuple[tuple[str, float], ...]  # ((dtype, FLOP/s), ...) sorted by dtype
 
@@ -65,6 +65,8 @@ class HardwareProfile:
     small_shape_half_flops: float  # FLOPs per kernel at which it reaches half of flops_eff
     attention_efficiency: float    # fused attention's rate as a fraction of flops_eff (0 < x <= 1)
     launch_overhead_s: float       # fixed cost of one kernel launch
+    attention_plan_s: float        # GPU stall the first time attention meets a new prefix length
+                                   # (cuDNN builds an execution plan per shape); 0 for kernels without
     h2d_alpha_s: float             # fixed cost of one host -> device copy
     h2d_bytes_per_s: float
     d2h_alpha_s: float

@@ -71,3 +71,23 @@ def test_cases_cover_every_placement():
     assert any(p.disk > 0 and p.method is H for p in plans)               # some on disk
     assert any(0 < p.resident < units and p.disk > 0 for p in plans)      # all three tiers
     assert all(CASES[c][2] > 2 * DECODE_WINDOW for c in CASES)            # long enough to shortcut
+
+
+@pytest.mark.parametrize("resident", ["all", 0])
+def test_each_new_prefix_length_costs_one_attention_plan(resident):
+    """`attention_plan_s` is paid once per prefill chunk that has a prefix (cuDNN builds a plan per
+    new prefix length). All resident, the GPU lane is the whole prefill: exactly (chunks - 1) x the
+    term. Streamed, the term still lands on the GPU lane, which is the critical one in prefill."""
+    from dataclasses import replace
+    model, work = PRESETS["llama-3-8b"], Workload(32768, 2)
+    plan = default_plan(H, model, work, {"gpu": 200 * GiB if resident == "all" else 17 * GiB,
+                                         "host": 100 * GiB, "disk": 0})
+    assert plan.prefill.chunk == 4096 and (plan.resident == model.units) == (resident == "all")
+    hw = load_profile("h200")
+    base = simulate(model, work, plan, replace(hw, attention_plan_s=0.0)).report.timing
+    with_plan = simulate(model, work, plan, replace(hw, attention_plan_s=0.05)).report.timing
+    if resident == "all":
+        assert with_plan.prefill_s - base.prefill_s == pytest.approx(7 * 0.05, rel=1e-9)
+    else:
+        assert 0.9 * 7 * 0.05 <= with_plan.prefill_s - base.prefill_s <= 7 * 0.05 + 1e-9
+    assert with_plan.decode_s_per_token == pytest.approx(base.decode_s_per_token, rel=1e-9)
