@@ -38,24 +38,22 @@ def cuda_kernel_setting() -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def cudnn_attention_available(device_index: int) -> bool:
-    """cuDNN fused attention needs cuDNN 9 and an Ampere or newer GPU."""
+def _cudnn_support(device_index: int) -> tuple[bool, bool]:
+    """(usable, preferred by `auto`) for cuDNN fused attention on this GPU, looked up once: usable
+    needs cuDNN 9 and sm80+; preferred needs sm90+ (Hopper on), where it was measured at 1.7x FA2;
+    on Ampere/Ada `auto` keeps FA2 (cuDNN unmeasured there)."""
     if not torch.backends.cudnn.is_available() or (torch.backends.cudnn.version() or 0) < 90000:
-        return False
-    return torch.cuda.get_device_capability(device_index) >= (8, 0)
+        return False, False
+    cap = torch.cuda.get_device_capability(device_index)
+    return cap >= (8, 0), cap >= (9, 0)
 
 
-def _cudnn_for(device: torch.device) -> bool:
-    """Whether bf16/fp16 prefill chunks on `device` go to cuDNN: the setting, else (auto) Hopper or
-    newer, where cuDNN was measured at 1.7x FA2; on Ampere/Ada FA2 stays (cuDNN unmeasured there)."""
-    name = cuda_kernel_setting()
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    ok = cudnn_attention_available(idx)
-    if name == "cudnn" and not ok:
+def _cudnn_for(device: torch.device, name: str) -> bool:
+    """Whether bf16/fp16 prefill chunks on `device` go to cuDNN under the setting `name`."""
+    usable, preferred = _cudnn_support(device.index if device.index is not None else torch.cuda.current_device())
+    if name == "cudnn" and not usable:
         raise ValueError("KVPIPE_ATTN=cudnn: cuDNN fused attention needs cuDNN >= 9 and an sm80+ GPU")
-    if name == "auto":
-        return ok and torch.cuda.get_device_capability(idx) >= (9, 0)
-    return name == "cudnn"
+    return preferred if name == "auto" else name == "cudnn"
 
 
 def kernel_label(device: torch.device, dtype: torch.dtype) -> str:
@@ -65,16 +63,17 @@ def kernel_label(device: torch.device, dtype: torch.dtype) -> str:
         return "cpu flash"
     if dtype == torch.float32:
         return "memory-efficient"
-    if not _cudnn_for(device):
+    if not _cudnn_for(device, name):
         return "FA2"
     return f"cuDNN (>= {CUDNN_MIN_ROWS} query rows), FA2 (decode)" if name == "auto" else "cuDNN"
 
 
 def cuda_kernel(q: torch.Tensor) -> str:
     """`cudnn` or `flash` for a bf16/fp16 CUDA call, from the setting, the GPU and the shape of q alone."""
-    if not _cudnn_for(q.device):
+    name = cuda_kernel_setting()
+    if not _cudnn_for(q.device, name):
         return "flash"
-    return "cudnn" if cuda_kernel_setting() == "cudnn" or q.shape[2] >= CUDNN_MIN_ROWS else "flash"
+    return "cudnn" if name == "cudnn" or q.shape[2] >= CUDNN_MIN_ROWS else "flash"
 
 
 class Partial(NamedTuple):

@@ -136,8 +136,8 @@ def warm_up(graph: Graph, hf_model: torch.nn.Module, ids: torch.Tensor, device: 
     cuBLAS/cuDNN handles, kernel loading and the chunk's own attention plan are paid here, not in
     the measurement (HF's baselines warm up the same way). Returns the tokens run."""
     w, plan = graph.workload, graph.plan
-    context = min(w.context, plan.prefill.chunk, WARMUP_MAX_TOKENS)   # one chunk (a whole prompt
-    small_plan = replace(plan, prefill=replace(plan.prefill, chunk=context))  # for `standard`: capped)
+    context = min(w.context, plan.prefill.chunk, WARMUP_MAX_TOKENS)  # `standard`'s chunk is the prompt
+    small_plan = replace(plan, prefill=replace(plan.prefill, chunk=context))
     small = build(graph.model, Workload(context, 1, w.batch), small_plan)
     execute(small, hf_model, ids[:, :context], device)
     if device.type == "cuda":

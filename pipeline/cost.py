@@ -24,8 +24,8 @@ def new_attention_shape(s: Stage) -> bool:
 
 def stage_seconds(s: Stage, hw: HardwareProfile, dtype: str) -> float:
     if s.kind is Kind.COMPUTE:
-        plan = hw.attention_plan_s if new_attention_shape(s) else 0.0
-        return compute_seconds(s.flops, s.mem_bytes, s.ops, hw, dtype, s.tag) + plan
+        plan_build = hw.attention_plan_s if new_attention_shape(s) else 0.0
+        return compute_seconds(s.flops, s.mem_bytes, s.ops, hw, dtype, s.tag) + plan_build
     if s.kind is Kind.H2D:
         return s.ops * hw.h2d_alpha_s + s.bytes / hw.h2d_bytes_per_s
     if s.kind is Kind.D2H:

@@ -19,9 +19,16 @@ def tiny_config(tmp_path_factory):
     return str(path)
 
 
-def kvpipe_run(*args: str) -> subprocess.CompletedProcess:
+def kvpipe_run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pipeline.cli", "run", "--device", "cpu", "--no-progress", *args],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def assert_one_line_exit_2(r: subprocess.CompletedProcess, needle: str) -> None:
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and needle in lines[0], r.stderr
 
 
 def run_json(*args: str) -> dict:
@@ -69,21 +76,14 @@ def test_bad_run_input_is_one_line_exit_2(tiny_config, tmp_path, args, needle):
     gpt2 = tmp_path / "gpt2.json"
     gpt2.write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
     args = [a.replace("{tiny}", tiny_config).replace("{gpt2}", str(gpt2)) for a in args]
-    r = kvpipe_run(*args)
-    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
-    assert "Traceback" not in r.stderr
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and needle in lines[0], r.stderr
+    assert_one_line_exit_2(kvpipe_run(*args), needle)
 
 
 def test_bad_attention_kernel_setting_is_one_line_exit_2(tiny_config):
     import os
-    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", "--device", "cpu", "--no-progress",
-                        "--model", tiny_config, "--random-weights", "--context", "64"],
-                       capture_output=True, text=True, timeout=300, env=dict(os.environ, KVPIPE_ATTN="fa3"))
-    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and "KVPIPE_ATTN='fa3'" in lines[0], r.stderr
+    r = kvpipe_run("--model", tiny_config, "--random-weights", "--context", "64",
+                   env=dict(os.environ, KVPIPE_ATTN="fa3"))
+    assert_one_line_exit_2(r, "KVPIPE_ATTN='fa3'")
 
 
 def test_ctrl_c_mid_run_exits_cleanly(tmp_path):
