@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from pipeline.stage import Lane, Phase
-from pipeline.trace import Trace
+from kvpipe.pipeline.stage import Lane, Phase
+from kvpipe.pipeline.trace import Trace
 
 LANES = (Lane.GPU, Lane.H2D, Lane.D2H, Lane.DISK, Lane.CPU)   # top to bottom
 TAG_COLORS = {

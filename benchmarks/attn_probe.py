@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from executor.attention import attend_chunk, attend_part
+from kvpipe.executor.attention import attend_chunk, attend_part
 
 S, D, HQ, HKV = 131072, 128, 32, 8
 FLOPS = 4 * D * HQ * S * S / 2

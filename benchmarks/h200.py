@@ -44,7 +44,7 @@ def sh(args: list[str], timeout: int, **env_extra: str) -> dict:
 
 def kvpipe(context: str, decode: int, *knobs: str, timeout: int = 500, kernel: str = "auto") -> dict:
     """`kvpipe run` at Llama-3-8B shapes; kernel sets KVPIPE_ATTN (auto: cuDNN prefill, FA2 decode)."""
-    out = sh([sys.executable, "-m", "pipeline.cli", "run", "--model", "llama-3-8b", "--random-weights",
+    out = sh([sys.executable, "-m", "kvpipe", "run", "--model", "llama-3-8b", "--random-weights",
               "--context", context, "--decode-tokens", str(decode), "--gpu-mem", GPU_BUDGET,
               "--device", "cuda", "--hw", "h200", "--json", "--no-progress", *knobs], timeout, KVPIPE_ATTN=kernel)
     out["command"] = f"KVPIPE_ATTN={kernel} {out['command']}"

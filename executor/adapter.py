@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import torch
 
-from pipeline.model import ModelSpec, from_hf_config
+from kvpipe.pipeline.model import ModelSpec, from_hf_config
 
 from .attention import attend_chunk
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.stage import Graph, Lane, Phase, Stage
+from kvpipe.pipeline.stage import Graph, Lane, Phase, Stage
 
 from .adapter import HFAdapter
 from .kvstore import KVStore, k_of, v_of

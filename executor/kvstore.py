@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.plan import Tier, placement
-from pipeline.stage import Graph
+from kvpipe.pipeline.plan import Tier, placement
+from kvpipe.pipeline.stage import Graph
 
 
 @dataclass(frozen=True)

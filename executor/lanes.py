@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from pipeline.stage import Graph, Lane, Stage
-from pipeline.trace import Span
+from kvpipe.pipeline.stage import Graph, Lane, Stage
+from kvpipe.pipeline.trace import Span
 
 STREAM_LANES = (Lane.GPU, Lane.H2D, Lane.D2H)
 

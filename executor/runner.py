@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.stage import Graph, Phase, Stage
-from pipeline.trace import Trace
+from kvpipe.pipeline.stage import Graph, Phase, Stage
+from kvpipe.pipeline.trace import Trace
 
 from .adapter import HFAdapter
 from .interpreter import Interpreter

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from pipeline.builder import build
-from pipeline.stage import Graph, Phase, Stage
-from pipeline.workload import Workload
+from kvpipe.pipeline.builder import build
+from kvpipe.pipeline.stage import Graph, Phase, Stage
+from kvpipe.pipeline.workload import Workload
 
 from .runner import RunResult, execute
 
@@ -57,7 +57,7 @@ def host_ram_bytes() -> int:
 def load_hf_model(model_arg: str, random_weights: bool, device: torch.device, dtype: torch.dtype,
                   seed: int) -> torch.nn.Module:
     """A local HF directory with safetensors, or random weights from a preset / config.json."""
-    from pipeline.model import PRESETS
+    from kvpipe.pipeline.model import PRESETS
     from .loader import load_pretrained, random_model
     path = Path(model_arg)
     has_weights = path.is_dir() and any(path.glob("*.safetensors"))

@@ -10,7 +10,7 @@ try:
 except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib  # type: ignore[no-redef]
 
-from pipeline.hardware import HardwareFieldError, HardwareProfile
+from kvpipe.pipeline.hardware import HardwareFieldError, HardwareProfile
 
 _HERE = Path(__file__).resolve().parent
 # TOML key -> (HardwareProfile field, kind). The [gpu.compute.<dtype>] tables are read apart.

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import simpy
 
-from pipeline.cost import stage_seconds
-from pipeline.hardware import HardwareProfile
-from pipeline.stage import Graph, Lane, Pool
-from pipeline.trace import Span, Trace
+from kvpipe.pipeline.cost import stage_seconds
+from kvpipe.pipeline.hardware import HardwareProfile
+from kvpipe.pipeline.stage import Graph, Lane, Pool
+from kvpipe.pipeline.trace import Span, Trace
 
 
 class Pools:

@@ -10,15 +10,15 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from pipeline.builder import build
-from pipeline.hardware import HardwareProfile
-from pipeline.memory import MemoryBreakdown, breakdown
-from pipeline.model import ModelSpec
-from pipeline.plan import Plan
-from pipeline.report import Report, Timing, decode_head_ends, timing_from_trace
-from pipeline.stage import Pool
-from pipeline.trace import Trace
-from pipeline.workload import Workload
+from kvpipe.pipeline.builder import build
+from kvpipe.pipeline.hardware import HardwareProfile
+from kvpipe.pipeline.memory import MemoryBreakdown, breakdown
+from kvpipe.pipeline.model import ModelSpec
+from kvpipe.pipeline.plan import Plan
+from kvpipe.pipeline.report import Report, Timing, decode_head_ends, timing_from_trace
+from kvpipe.pipeline.stage import Pool
+from kvpipe.pipeline.trace import Trace
+from kvpipe.pipeline.workload import Workload
 
 from .engine import run
 

@@ -46,7 +46,7 @@ def tiny_model():
 
     import torch
 
-    from executor.loader import random_model
+    from kvpipe.executor.loader import random_model
 
     built = {}
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from executor.attention import (CUDNN_MIN_ROWS, attend_chunk, attend_part, canonical_unit_strides, cuda_kernel_setting,
+from kvpipe.executor.attention import (CUDNN_MIN_ROWS, attend_chunk, attend_part, canonical_unit_strides, cuda_kernel_setting,
                                 kernel_label, reference_attention)
 
 CPU_DTYPES = (torch.float64, torch.float32, torch.bfloat16)

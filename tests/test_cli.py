@@ -11,7 +11,7 @@ GiB = 2**30
 
 
 def kvpipe(*args: str, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kvpipe", *args], capture_output=True, text=True,
                           cwd=cwd, timeout=300)
 
 
@@ -121,7 +121,7 @@ def test_bad_input_is_one_line_exit_2(args, field):
 ])
 def test_bad_hardware_toml(tmp_path, body, field):
     from pathlib import Path
-    import hw_profiles
+    import kvpipe.hw_profiles as hw_profiles
     path = tmp_path / "gpu.toml"
     if body is None:   # a real profile with one number made non-numeric
         text = (Path(hw_profiles.__file__).parent / "rtx4090.toml").read_text()
@@ -135,8 +135,8 @@ def test_bad_hardware_toml(tmp_path, body, field):
 
 def test_planner_modules_never_import_torch():
     code = ("import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None\n"
-            "from pipeline.cli import main\n"
+            "from kvpipe.cli import main\n"
             "assert main(['plan', '--context', '8K', '--decode-tokens', '2', '--json']) == 0\n"
-            "import sim.simulate, pipeline.builder, hw_profiles\n")
+            "import kvpipe.sim.simulate, kvpipe.pipeline.builder, kvpipe.hw_profiles\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -20,7 +20,7 @@ def tiny_config(tmp_path_factory):
 
 
 def kvpipe_run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", "run", "--device", "cpu", "--no-progress", *args],
+    return subprocess.run([sys.executable, "-m", "kvpipe", "run", "--device", "cpu", "--no-progress", *args],
                           capture_output=True, text=True, timeout=300, env=env)
 
 
@@ -93,7 +93,7 @@ def test_ctrl_c_mid_run_exits_cleanly(tmp_path):
     import time
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(dict(TINY, max_position_embeddings=65536)))
-    p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", "--device", "cpu", "--no-progress",
+    p = subprocess.Popen([sys.executable, "-m", "kvpipe", "run", "--device", "cpu", "--no-progress",
                           "--model", str(cfg), "--random-weights", "--context", "40000", "--chunk", "16",
                           "--decode-tokens", "4", "--resident", "none", "--group", "1"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -111,12 +111,15 @@ def test_local_hf_directory_and_plot(tmp_path):
     """Weights from a local HF directory (safetensors, nothing downloaded) match the same model
     run through --random-weights from its config (same seed), and --plot draws sim and real."""
     import torch
-    from executor.loader import random_model
+    from kvpipe.executor.loader import random_model
     model = random_model(dict(TINY), "cpu", torch.float32, seed=5)
     model.save_pretrained(tmp_path / "tiny", safe_serialization=True)
     assert list((tmp_path / "tiny").glob("*.safetensors"))
     common = ("--context", "96", "--decode-tokens", "3", "--chunk", "32", "--resident", "none", "--seed", "5")
     local = run_json("--model", str(tmp_path / "tiny"), *common, "--plot", str(tmp_path / "t.png"))
     rand = run_json("--model", str(tmp_path / "tiny" / "config.json"), "--random-weights", *common)
-    assert local["output_digest"] == rand["output_digest"]
+    # Tokens, not the digest: the digest hashes logits, whose last bits may differ on AVX-512
+    # CPUs when safetensors hands back unaligned tensors (the weights themselves are compared
+    # bitwise in test_end_to_end.py::test_load_pretrained_from_a_local_directory).
+    assert local["tokens"] == rand["tokens"]
     assert (tmp_path / "t.png").stat().st_size > 10_000

@@ -10,14 +10,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from executor.adapter import HFAdapter
-from executor.lanes import Lanes, cross_lane_waits
-from executor.runner import execute
-from pipeline.builder import build
-from pipeline.model import ModelSpec
-from pipeline.plan import Method, PhasePlan, Plan
-from pipeline.stage import Lane
-from pipeline.workload import Workload
+from kvpipe.executor.adapter import HFAdapter
+from kvpipe.executor.lanes import Lanes, cross_lane_waits
+from kvpipe.executor.runner import execute
+from kvpipe.pipeline.builder import build
+from kvpipe.pipeline.model import ModelSpec
+from kvpipe.pipeline.plan import Method, PhasePlan, Plan
+from kvpipe.pipeline.stage import Lane
+from kvpipe.pipeline.workload import Workload
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -205,7 +205,7 @@ def test_stress_random_schedules_cuda(tiny_model):
 def test_warm_up_runs_one_chunk_and_leaves_the_run_unchanged(tiny_model):
     """`kvpipe run`'s warm-up: the plan's first prefill chunk and one decode step (a `standard`
     plan's whole-prompt chunk capped), with no effect on the bits of the run that follows."""
-    from executor.session import WARMUP_MAX_TOKENS, warm_up
+    from kvpipe.executor.session import WARMUP_MAX_TOKENS, warm_up
     model = tiny_model("llama", kv_heads=2, layers=2, max_position_embeddings=16384)
     spec = HFAdapter(model).spec()
     ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(2))

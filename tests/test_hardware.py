@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hw_profiles import ProfileError, known_profiles, load_profile
-from pipeline.hardware import HardwareProfile
+from kvpipe.hw_profiles import ProfileError, known_profiles, load_profile
+from kvpipe.pipeline.hardware import HardwareProfile
 
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLED = ["a100-80g", "h100-sxm", "h200", "rtx4060", "rtx4090"]
@@ -150,7 +150,7 @@ def test_flops_rate_grows_with_kernel_size_below_eff(a, b):
 
 def test_imports_without_torch():
     code = ("import sys; sys.modules['torch'] = None; "
-            "import pipeline.hardware, hw_profiles; hw_profiles.load_profile('h200'); "
+            "import kvpipe.pipeline.hardware, kvpipe.hw_profiles as hw_profiles; hw_profiles.load_profile('h200'); "
             "assert 'torch' not in sys.modules or sys.modules['torch'] is None")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env=env)

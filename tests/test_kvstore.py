@@ -5,14 +5,14 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from executor.adapter import HFAdapter
-from executor.kvstore import KVLayout, KVStore, k_of, v_of
-from executor.runner import execute
-from pipeline.builder import build
-from pipeline.model import ModelSpec
-from pipeline.plan import Method, PhasePlan, Plan, Tier, placement
-from pipeline.stage import Kind, Phase
-from pipeline.workload import Workload
+from kvpipe.executor.adapter import HFAdapter
+from kvpipe.executor.kvstore import KVLayout, KVStore, k_of, v_of
+from kvpipe.executor.runner import execute
+from kvpipe.pipeline.builder import build
+from kvpipe.pipeline.model import ModelSpec
+from kvpipe.pipeline.plan import Method, PhasePlan, Plan, Tier, placement
+from kvpipe.pipeline.stage import Kind, Phase
+from kvpipe.pipeline.workload import Workload
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

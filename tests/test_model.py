@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.model import FAMILIES, PRESETS, ModelSpec, causal_pairs, from_hf_config
-from pipeline.units import parse_tokens
+from kvpipe.pipeline.model import FAMILIES, PRESETS, ModelSpec, causal_pairs, from_hf_config
+from kvpipe.pipeline.units import parse_tokens
 
 LLAMA3_8B = PRESETS["llama-3-8b"]
 

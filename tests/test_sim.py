@@ -8,16 +8,16 @@ from functools import lru_cache
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from hw_profiles import known_profiles, load_profile
-from pipeline.builder import build
-from pipeline.hardware import HardwareProfile
-from pipeline.memory import breakdown
-from pipeline.model import ModelSpec
-from pipeline.plan import Method, PhasePlan, Plan
-from pipeline.stage import Graph, Lane, Pool
-from pipeline.trace import Trace
-from pipeline.workload import Workload
-from sim.engine import run
+from kvpipe.hw_profiles import known_profiles, load_profile
+from kvpipe.pipeline.builder import build
+from kvpipe.pipeline.hardware import HardwareProfile
+from kvpipe.pipeline.memory import breakdown
+from kvpipe.pipeline.model import ModelSpec
+from kvpipe.pipeline.plan import Method, PhasePlan, Plan
+from kvpipe.pipeline.stage import Graph, Lane, Pool
+from kvpipe.pipeline.trace import Trace
+from kvpipe.pipeline.workload import Workload
+from kvpipe.sim.engine import run
 
 EXAMPLES = settings(max_examples=150, deadline=None)
 REL = 1e-9          # float slack of the monotonicity laws

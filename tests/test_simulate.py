@@ -5,12 +5,12 @@ from functools import lru_cache
 
 import pytest
 
-from hw_profiles import load_profile
-from pipeline.model import PRESETS
-from pipeline.plan import Method
-from pipeline.rules import default_plan
-from pipeline.workload import Workload
-from sim.simulate import DECODE_WINDOW, simulate
+from kvpipe.hw_profiles import load_profile
+from kvpipe.pipeline.model import PRESETS
+from kvpipe.pipeline.plan import Method
+from kvpipe.pipeline.rules import default_plan
+from kvpipe.pipeline.workload import Workload
+from kvpipe.sim.simulate import DECODE_WINDOW, simulate
 
 GiB = 2**30
 TOL = 0.01

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from analysis.timeline import TAG_COLORS, default_window, plot_timeline
-from hw_profiles import load_profile
-from pipeline.builder import build
-from pipeline.model import PRESETS
-from pipeline.plan import Method, PhasePlan, Plan
-from pipeline.stage import Phase
-from pipeline.workload import Workload
-from sim.engine import run
+from kvpipe.analysis.timeline import TAG_COLORS, default_window, plot_timeline
+from kvpipe.hw_profiles import load_profile
+from kvpipe.pipeline.builder import build
+from kvpipe.pipeline.model import PRESETS
+from kvpipe.pipeline.plan import Method, PhasePlan, Plan
+from kvpipe.pipeline.stage import Phase
+from kvpipe.pipeline.workload import Workload
+from kvpipe.sim.engine import run
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -8,11 +8,11 @@ import json
 import sys
 from dataclasses import replace
 
-from .model import ModelSpec, load_model
-from .plan import Method, Plan
-from .report import budget_problems, fmt_s, format_report
-from .units import fmt_bytes, fmt_tokens, parse_bytes, parse_tokens
-from .workload import Workload
+from kvpipe.pipeline.model import ModelSpec, load_model
+from kvpipe.pipeline.plan import Method, Plan
+from kvpipe.pipeline.report import budget_problems, fmt_s, format_report
+from kvpipe.pipeline.units import fmt_bytes, fmt_tokens, parse_bytes, parse_tokens
+from kvpipe.pipeline.workload import Workload
 
 EXIT_BAD_INPUT = 2
 
@@ -95,7 +95,7 @@ def _positive_int(field: str):
 
 def resolve_plan(args, model: ModelSpec, work: Workload, budgets: dict[str, int], method: Method) -> Plan:
     """The rule's plan for `method`, with the user's knobs (or plan file) applied."""
-    from .rules import default_plan, max_resident, spill_to_disk
+    from kvpipe.pipeline.rules import default_plan, max_resident, spill_to_disk
     if args.plan:
         try:
             with open(args.plan) as f:
@@ -126,7 +126,7 @@ def resolve_plan(args, model: ModelSpec, work: Workload, budgets: dict[str, int]
 
 
 def _setup(args):
-    from hw_profiles import load_profile
+    from kvpipe.hw_profiles import load_profile
     model = load_model(args.model)
     hw = load_profile(args.hw)
     work = Workload.parse(args.context, args.decode_tokens, args.batch)
@@ -145,8 +145,8 @@ def _check_weights(model: ModelSpec, budgets: dict[str, int]) -> None:
 
 
 def _predict(model, work, plan, hw, budgets, full=False) -> dict:
-    from sim.simulate import simulate
-    from .memory import breakdown
+    from kvpipe.sim.simulate import simulate
+    from kvpipe.pipeline.memory import breakdown
     plan.check(model, work)
     problems = budget_problems(breakdown(model, work, plan), budgets)
     pred = simulate(model, work, plan, hw, full=full)
@@ -216,7 +216,7 @@ def cmd_plan(args) -> int:
     main = results[chosen.value]
     maxctx = {}
     if args.compare:
-        from .rules import max_context
+        from kvpipe.pipeline.rules import max_context
         maxctx = {m.value: max_context(m, model, work.decode_tokens, work.batch, budgets) for m in methods}
     if args.json:
         out = _json_head(model, hw, work)
@@ -234,11 +234,11 @@ def cmd_plan(args) -> int:
             _print_compare(work, results, maxctx)
     trace = main["prediction"].trace
     if args.trace:
-        from .trace import write_chrome
+        from kvpipe.pipeline.trace import write_chrome
         write_chrome(args.trace, trace)
         print(f"trace: {args.trace} (open in https://ui.perfetto.dev)", file=sys.stderr)
     if args.plot:
-        from analysis.timeline import plot_timeline
+        from kvpipe.analysis.timeline import plot_timeline
         plot_timeline(args.plot, trace, title=f"{model.name} on {hw.name}, {fmt_tokens(work.context)}")
         print(f"plot: {args.plot}", file=sys.stderr)
     return 0
@@ -246,17 +246,17 @@ def cmd_plan(args) -> int:
 
 def cmd_run(args) -> int:
     """Execute the plan for real; torch and transformers are imported here only."""
-    from hw_profiles import load_profile
+    from kvpipe.hw_profiles import load_profile
 
-    from .builder import build
-    from .report import Report, timing_from_trace
-    from .trace import write_chrome
+    from kvpipe.pipeline.builder import build
+    from kvpipe.pipeline.report import Report, timing_from_trace
+    from kvpipe.pipeline.trace import write_chrome
     try:
         import torch  # noqa: F401
-        from executor import session
+        from kvpipe.executor import session
     except ImportError as e:
         raise ValueError(f"run: needs torch and transformers ({e.name} missing): pip install -e '.[run]'") from None
-    from executor.attention import kernel_label
+    from kvpipe.executor.attention import kernel_label
     device = session.resolve_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = load_model(args.model, args.dtype)
     attention = kernel_label(device, session.TORCH_DTYPES[model.dtype])  # validates KVPIPE_ATTN
@@ -304,7 +304,7 @@ def cmd_run(args) -> int:
         write_chrome(args.trace, pred.trace, real)
         print(f"trace: {args.trace} (sim and real as two processes)", file=sys.stderr)
     if args.plot:
-        from analysis.timeline import plot_timeline
+        from kvpipe.analysis.timeline import plot_timeline
         plot_timeline(args.plot, pred.trace, real, title=f"{model.name} {fmt_tokens(work.context)} on {device}")
         print(f"plot: {args.plot}", file=sys.stderr)
     return 0

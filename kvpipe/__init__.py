@@ -1,0 +1,7 @@
+"""kvpipe: long-context LLM inference on one GPU with the KV cache split by attention head across
+GPU memory, pinned host RAM and disk. The layers install under this package: `kvpipe.pipeline`
+(vocabulary), `kvpipe.sim` (simulator), `kvpipe.executor` (real backend), `kvpipe.hw_profiles`,
+`kvpipe.analysis`; this package holds the application layer (CLI and public API)."""
+from __future__ import annotations
+
+__version__ = "0.1.0"
