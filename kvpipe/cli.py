@@ -67,7 +67,32 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-warmup", action="store_true",
                    help="time the first run in the process (CUDA: by default one prefill chunk and one "
                         "decode step run first, untimed, as HF baselines warm up)")
+    c = sub.add_parser("calibrate", help="measure this machine (CUDA) and write a hardware profile TOML")
+    c.add_argument("--out", metavar="FILE.toml", default="calibrated.toml", help="where to write the profile")
+    c.add_argument("--quick", action="store_true", help="fewer and smaller measurements (under 2 minutes)")
+    c.add_argument("--name", default="calibrated", help="the profile's name")
+    c.add_argument("--base", default="h200", help="profile that supplies the datasheet peaks (not measurable)")
+    c.add_argument("--kv-dir", help="directory whose disk is measured (default: the system temp dir)")
     return ap
+
+
+def cmd_calibrate(args) -> int:
+    """Measure this machine and write a profile; torch is imported here only."""
+    from kvpipe.hw_profiles import load_profile
+    from kvpipe.pipeline.calibration import to_toml
+    if not args.out.endswith(".toml"):
+        raise ValueError(f"out: expected a .toml path, got {args.out!r}")
+    base = load_profile(args.base)
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise ValueError("calibrate: needs torch with CUDA: pip install -e '.[run]'") from None
+    from kvpipe.executor.calibrate import calibrate
+    cal = calibrate(base, args.name, args.kv_dir, args.quick, progress=lambda s: print(s, file=sys.stderr))
+    with open(args.out, "w") as f:
+        f.write(to_toml(cal))
+    print(f"profile: {args.out} ({cal.source})")
+    return 0
 
 
 def _budgets(args, hw) -> dict[str, int]:
@@ -316,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:
         return int(e.code or 0)
     try:
-        return {"plan": cmd_plan, "run": cmd_run}[args.command](args)
+        return {"plan": cmd_plan, "run": cmd_run, "calibrate": cmd_calibrate}[args.command](args)
     except (ValueError, OSError) as e:
         return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     except KeyboardInterrupt:

@@ -1,0 +1,239 @@
+"""`kvpipe calibrate`: measure this machine and write a hardware profile whose numbers are
+measurements — GEMM rate at the graph's shapes, attention rate per kernel (prefill chunks against
+several prefixes, decode against long KV), kernel launch cost, pinned H2D/D2H as alpha + bytes/beta
+from 64 KiB to 1 GiB and both at once, HBM copy rate, O_DIRECT disk read/write. Timings are CUDA
+events around the region, medians of repeats, after a warm-up. Datasheet peaks (which no
+measurement gives) come from a base profile and are labelled so."""
+from __future__ import annotations
+
+import datetime
+import mmap
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from kvpipe.pipeline.calibration import Calibration, fit_alpha_beta, half_rate_flops
+from kvpipe.pipeline.hardware import HardwareProfile
+
+from .attention import attend_part
+
+MiB = 1 << 20
+
+
+def _timed(fn, reps: int) -> float:
+    """Median seconds of `fn` on the current stream (CUDA events), after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def gemm(cal: Calibration, quick: bool, hidden: int = 4096, inner: int = 14336) -> float:
+    """bf16/fp16/fp32 GEMM rates; the token counts span decode (1) to long prefill chunks."""
+    tokens = [1, 16, 128, 1024, 4096, 16384] + ([] if quick else [65536])
+    points, eff = [], {}
+    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16"), (torch.float32, "fp32")):
+        w = torch.randn(inner, hidden, device="cuda", dtype=dtype)
+        rates = []
+        for t in (tokens if name == "bf16" else tokens[-2:]):
+            x = torch.randn(t, hidden, device="cuda", dtype=dtype)
+            sec = _timed(lambda: x @ w.T, 5 if t < 16384 else 3)
+            flops = 2.0 * t * hidden * inner
+            rates.append(flops / sec)
+            if name == "bf16":
+                points.append((flops, sec))
+        eff[name] = max(rates)
+        cal.set(f"gpu.compute.{name}.effective_flops_per_s", eff[name],
+                f"{name} GEMM [T,{hidden}]x[{hidden},{inner}], best over T={tokens[-2:] if name != 'bf16' else tokens}")
+        cal.extra[f"gemm_{name}_points"] = [(f, s) for f, s in points] if name == "bf16" else rates
+    cal.set("gpu.small_shape_half_flops", half_rate_flops(points, eff["bf16"]),
+            "fit of rate = eff*f/(f+h) to the bf16 GEMM points below 90% of eff (median)")
+    return eff["bf16"]
+
+
+def launch(cal: Calibration, n: int = 2000) -> None:
+    """GPU time per tiny kernel issued back to back, and the host's Python cost to issue one."""
+    x = torch.zeros(16, device="cuda")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(n):
+        x.add_(1.0)
+    host = (time.perf_counter() - t0) / n
+    b.record()
+    b.synchronize()
+    cal.set("gpu.launch_overhead_s", a.elapsed_time(b) / 1e3 / n, f"{n} tiny kernels back to back, GPU time each")
+    cal.extra["host_issue_s_per_kernel"] = host
+
+
+def hbm(cal: Calibration) -> None:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    sec = _timed(lambda: dst.copy_(src), 5)
+    cal.set("gpu.hbm_eff_bytes_per_s", 2 * src.numel() / sec, "1 GiB device-to-device copy, read + write bytes")
+
+
+def attention(cal: Calibration, eff_flops: float, quick: bool, heads_kv: int = 8, r: int = 4, d: int = 128) -> None:
+    """The executor's own attention call (attend_part) per kernel: a prefill chunk of 4096 tokens
+    against prefixes of several lengths (rate as a fraction of the GEMM rate), the first call at a
+    new prefix length (plan build), and decode rows against long KV (bytes per second)."""
+    prefixes = [8192, 32768] + ([] if quick else [131072])
+    chunk, scale = 4096, d ** -0.5
+    kernels = ["flash"] + (["cudnn"] if torch.cuda.get_device_capability() >= (9, 0) else [])
+    old = os.environ.get("KVPIPE_ATTN")
+    fractions: dict[str, list[float]] = {}
+    plan_s: list[float] = []
+    try:
+        for kernel in kernels:
+            os.environ["KVPIPE_ATTN"] = kernel
+            fractions[kernel] = []
+            for p in prefixes:
+                q = torch.randn(1, heads_kv, r * chunk, d, device="cuda", dtype=torch.bfloat16)
+                k = torch.randn(1, heads_kv, p, d, device="cuda", dtype=torch.bfloat16)
+                v = torch.randn_like(k)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                attend_part(q, k, v, scale, False)
+                torch.cuda.synchronize()
+                first = time.perf_counter() - t0
+                sec = _timed(lambda: attend_part(q, k, v, scale, False), 3)
+                fractions[kernel].append(4.0 * heads_kv * r * chunk * p * d / sec / eff_flops)
+                if kernel == "cudnn":
+                    plan_s.append(max(0.0, first - sec))
+            kv = torch.randn(1, heads_kv, prefixes[-1], d, device="cuda", dtype=torch.bfloat16)
+            qd = torch.randn(1, heads_kv, r, d, device="cuda", dtype=torch.bfloat16)
+            sec = _timed(lambda: attend_part(qd, kv, kv, scale, False), 10)
+            cal.extra[f"decode_attention_{kernel}_bytes_per_s"] = 2 * kv.numel() * 2 / sec
+            cal.extra[f"prefill_attention_{kernel}_fraction"] = fractions[kernel]
+    finally:
+        if old is None:
+            os.environ.pop("KVPIPE_ATTN", None)
+        else:
+            os.environ["KVPIPE_ATTN"] = old
+    prefill = kernels[-1]   # the executor's prefill kernel on this GPU (cuDNN on sm90+, else FA2)
+    cal.set("gpu.attention_efficiency", min(1.0, statistics.median(fractions[prefill])),
+            f"{prefill} attention of a 4096-token chunk (GQA {r}:1, D={d}) over prefixes {prefixes}, "
+            f"median rate / bf16 GEMM rate")
+    cal.set("gpu.attention_plan_s", statistics.median(plan_s) if plan_s else 0.0,
+            "first call at a new prefix length minus the steady call (cuDNN plan build)" if plan_s
+            else "FA2 builds no plan per shape")
+
+
+def links(cal: Calibration, quick: bool) -> None:
+    sizes = [64 * 1024, MiB, 16 * MiB, 128 * MiB, 512 * MiB] + ([] if quick else [1024 * MiB])
+    host = torch.empty(sizes[-1], dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(sizes[-1], dtype=torch.uint8, device="cuda")
+    for name, direction in (("h2d", lambda n: dev[:n].copy_(host[:n], non_blocking=True)),
+                            ("d2h", lambda n: host[:n].copy_(dev[:n], non_blocking=True))):
+        secs = [_timed(lambda n=n: direction(n), 5) for n in sizes]
+        alpha, beta = fit_alpha_beta(sizes, secs)
+        cal.set(f"link.{name}_alpha_s", alpha, f"least squares of pinned {name.upper()} copies 64 KiB-{sizes[-1] // MiB} MiB")
+        cal.set(f"link.{name}_bytes_per_s", beta, f"slope of the same fit (pinned {name.upper()})")
+        cal.extra[f"{name}_points"] = list(zip(sizes, secs))
+    n = 256 * MiB
+    host2 = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def both() -> None:
+        with torch.cuda.stream(s1):
+            dev[:n].copy_(host[:n], non_blocking=True)
+        with torch.cuda.stream(s2):
+            host2.copy_(dev[n:2 * n], non_blocking=True)
+        torch.cuda.current_stream().wait_stream(s1)
+        torch.cuda.current_stream().wait_stream(s2)
+    sec = _timed(both, 5)
+    one = n / cal.values["link.h2d_bytes_per_s"]
+    cal.set("link.pcie_duplex", bool(sec < 1.5 * one), f"256 MiB each way on two streams took {sec * 1e3:.1f} ms vs {one * 1e3:.1f} ms one way")
+    cal.extra["duplex_total_bytes_per_s"] = 2 * n / sec
+
+
+def disk(cal: Calibration, kv_dir: str, quick: bool, block: int = 16 * MiB, depth: int = 4) -> None:
+    """O_DIRECT sequential write then read of one file in `kv_dir`, `depth` requests in flight."""
+    total = (512 if quick else 2048) * MiB
+    cal.set("disk.bytes", shutil.disk_usage(kv_dir).free, f"free bytes of {kv_dir} at calibration")
+    path = os.path.join(kv_dir, f"kvpipe-calibrate-{os.getpid()}.bin")
+    bufs = [mmap.mmap(-1, block) for _ in range(depth)]   # page-aligned, as O_DIRECT needs
+    for b in bufs:
+        b.write(os.urandom(block))
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        offsets = list(range(0, total, block))
+        with ThreadPoolExecutor(depth) as pool:
+            t0 = time.perf_counter()
+            list(pool.map(lambda i: os.pwrite(fd, bufs[i % depth], offsets[i]), range(len(offsets))))
+            os.fsync(fd)
+            write_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            list(pool.map(lambda i: os.preadv(fd, [bufs[i % depth]], offsets[i]), range(len(offsets))))
+            read_s = time.perf_counter() - t0
+        small = mmap.mmap(-1, 4096)
+        lat = []
+        for off in offsets[:: max(1, len(offsets) // 32)]:
+            t0 = time.perf_counter()
+            os.preadv(fd, [small], off + block // 2)
+            lat.append(time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    direct = "O_DIRECT" if hasattr(os, "O_DIRECT") else "buffered (no O_DIRECT on this OS)"
+    cal.set("disk.write_bytes_per_s", total / write_s, f"{direct} write of {total // MiB} MiB in {block // MiB} MiB blocks, {depth} in flight, fsync")
+    cal.set("disk.read_bytes_per_s", total / read_s, f"{direct} read of the same file, {depth} in flight")
+    cal.set("disk.alpha_s", statistics.median(lat), f"{direct} 4 KiB reads at {len(lat)} offsets, median")
+
+
+def _driver_version() -> str:
+    import subprocess
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    return out.splitlines()[0] if out else f"unknown (CUDA runtime {torch.version.cuda})"
+
+
+def calibrate(base: HardwareProfile, name: str, kv_dir: str | None = None, quick: bool = False,
+              progress=print) -> Calibration:
+    """Measure this machine (CUDA required). `base` supplies only the datasheet peaks."""
+    if not torch.cuda.is_available():
+        raise ValueError("calibrate: needs a CUDA GPU (torch.cuda.is_available() is False)")
+    kv_dir = kv_dir or tempfile.gettempdir()
+    props = torch.cuda.get_device_properties(0)
+    driver = _driver_version()
+    source = (f"kvpipe calibrate{' --quick' if quick else ''} on {props.name}, CUDA driver {driver}, "
+              f"torch {torch.__version__}, {datetime.date.today().isoformat()}")
+    free_host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    cal = Calibration(name, f"{props.name} (calibrated; datasheet peaks from profile {base.name})", source)
+    cal.set("gpu.mem_bytes", torch.cuda.mem_get_info()[1], "cudaMemGetInfo total")
+    cal.set("host.mem_bytes", free_host, "physical RAM (sysconf)")
+    steps = [("HBM copy", lambda: hbm(cal)), ("kernel launch", lambda: launch(cal))]
+    eff = {}
+    steps.append(("GEMM", lambda: eff.setdefault("bf16", gemm(cal, quick))))
+    steps.append(("attention", lambda: attention(cal, eff["bf16"], quick)))
+    steps.append(("PCIe links", lambda: links(cal, quick)))
+    steps.append(("disk", lambda: disk(cal, kv_dir, quick)))
+    for i, (label, step) in enumerate(steps, 1):
+        t0 = time.perf_counter()
+        step()
+        progress(f"calibrate [{i}/{len(steps)}] {label}: {time.perf_counter() - t0:.1f} s")
+    peak_hbm = max(base.hbm_peak_bytes_per_s, cal.values["gpu.hbm_eff_bytes_per_s"])
+    cal.set("gpu.hbm_peak_bytes_per_s", peak_hbm, f"datasheet peak, from profile {base.name}", measured=False)
+    for dtype in ("bf16", "fp16", "fp32"):
+        key = f"gpu.compute.{dtype}.effective_flops_per_s"
+        cal.set(f"gpu.compute.{dtype}.peak_flops_per_s", max(base.flops_peak(dtype), cal.values[key]),
+                f"datasheet peak, from profile {base.name}", measured=False)
+    cal.set("host.cpu_codec_bytes_per_s", base.cpu_codec_bytes_per_s,
+            f"no CPU codec measured in this build; from profile {base.name}", measured=False)
+    return cal
