@@ -5,3 +5,11 @@ GPU memory, pinned host RAM and disk. The layers install under this package: `kv
 from __future__ import annotations
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """`kvpipe.HeadwiseCache` is imported on first use, so `import kvpipe` stays torch-free."""
+    if name == "HeadwiseCache":
+        from kvpipe.hf_cache import HeadwiseCache
+        return HeadwiseCache
+    raise AttributeError(f"module 'kvpipe' has no attribute {name!r}")
