@@ -182,6 +182,19 @@ def test_bad_input_is_refused_with_the_field_named(tiny_model):
             model.generate(ids, past_key_values=cache, max_new_tokens=2, **GREEDY)
 
 
+def test_other_caches_and_beam_search_while_switched(tiny_model):
+    # Faults caught: the kvpipe_headwise implementation giving wrong answers when the model runs
+    # with HF's own cache (it falls back to exact attention over plain tensors), and beam search
+    # (which reorders the cache) running silently wrong instead of being refused.
+    model = tiny_model("qwen2", kv_heads=2, q_heads=4, head_dim=32)
+    ids = prompt(4)
+    ref = model.generate(ids, max_new_tokens=NEW, **GREEDY)
+    with kvpipe.HeadwiseCache(model, max_length=CTX + NEW, resident="none", group=1, batch=2 * BATCH) as cache:
+        assert torch.equal(model.generate(ids, max_new_tokens=NEW, **GREEDY), ref)   # DynamicCache
+        with pytest.raises(ValueError, match="beam search"):
+            model.generate(ids, past_key_values=cache, max_new_tokens=NEW, num_beams=2, **GREEDY)
+
+
 def test_import_kvpipe_stays_torch_free():
     # Fault caught: `import kvpipe` pulling torch/transformers in (HeadwiseCache imported eagerly).
     import subprocess
