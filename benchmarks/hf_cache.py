@@ -60,7 +60,8 @@ def worker(args) -> None:
     spec = load_model(args.model)
     if cuda:
         budget = parse_bytes(args.gpu_mem, "gpu-mem")
-        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / torch.cuda.get_device_properties(device).total_memory), device)
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
     model = session.load_hf_model(args.model, True, device, session.TORCH_DTYPES[spec.dtype], args.seed)
     ids = session.prompt_ids(None, args.model, 1, args.context, spec.vocab, args.seed).to(device)
     plan = Plan.from_json(json.loads(args.plan_json))
