@@ -119,10 +119,12 @@ class Plan:
             p = field(obj, name, dict, "")
             codecs = field(p, "codecs", dict, f"{name}.", {})
             for link, codec in codecs.items():
+                if link not in LINKS:
+                    raise ValueError(f"plan.{name}.codecs: unknown link {link!r} (known: {', '.join(LINKS)})")
                 expect(codec, str, f"{name}.codecs.{link}")
             return PhasePlan(field(p, "group", int, f"{name}."), field(p, "chunk", int, f"{name}."),
                              field(p, "depth", int, f"{name}.", 2),
-                             tuple(sorted(codecs.items())) or PhasePlan(1, 1).codecs)
+                             tuple((link, codecs.get(link, "none")) for link in LINKS))  # links in one order
 
         expect(obj, dict, "")
         method = field(obj, "method", str, "")
