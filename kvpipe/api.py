@@ -219,7 +219,7 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
         context = len(prompt) if prompt is not None else DEFAULT_RUN_CONTEXT
     work = Workload.parse(context, decode_tokens, batch)
     if prompt is not None and len(prompt) != work.context:
-        more = "exceeds" if len(prompt) > work.context else "is shorter than"
+        more = "exceed" if len(prompt) > work.context else "fall short of"
         raise ValueError(f"prompt-file: its {len(prompt)} tokens {more} the context {work.context}; "
                          "omit --context to use the prompt's length")
     profile = load_profile(hw or session.guess_profile(dev) or DEFAULT_HW)
