@@ -88,6 +88,9 @@ def resolve_plan(model: ModelSpec, work: Workload, budgets: dict[str, int], meth
         if method is not None and method_of(method) is not given.method:
             raise ValueError(f"method: {method_of(method).value} disagrees with the plan file's "
                              f"{given.method.value}; drop --method or edit the file")
+        if given.method in ALL_ON_GPU and given.resident != model.units:
+            raise ValueError(f"resident: method {given.method.value} keeps all {model.units} units on the GPU, "
+                             f"got {given.resident} in the plan file (use layerwise or headwise to offload)")
         return given
     method = method_of(method)
     rule = default_plan(method, model, work, budgets)

@@ -75,9 +75,6 @@ class Plan:
             raise ValueError(f"chunk: {self.prefill.chunk} is larger than the context {work.context}")
         if self.resident > model.units:
             raise ValueError(f"resident: {self.resident} exceeds the {model.units} (layer, KV head) units")
-        if self.method in ALL_ON_GPU and self.resident != model.units:
-            raise ValueError(f"resident: method {self.method.value} keeps all {model.units} units on the GPU, "
-                             f"got {self.resident} (use layerwise or headwise to offload)")
         if self.disk > model.units - self.resident:
             raise ValueError(f"disk: {self.disk} exceeds the {model.units - self.resident} offloaded units")
 

@@ -291,7 +291,7 @@ def test_resident_count_with_an_all_on_gpu_method_is_refused(capsys, method):
 
 
 def test_plan_file_with_standard_method_and_partial_residency_is_refused(capsys, tmp_path):
-    # Fault caught: the same mix through a plan file (Plan.check is the one place both reach).
+    # Fault caught: the same mix through a plan file.
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(dict(GOOD_PLAN, method="standard", resident=3)))
     rc, _, err = cli(capsys, "plan", "--context", "8K", "--plan", str(path))
