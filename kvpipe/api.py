@@ -22,7 +22,7 @@ from kvpipe.pipeline.report import Report
 from kvpipe.pipeline.trace import Trace
 from kvpipe.pipeline.workload import Workload
 
-from .inputs import Knob, PlanArg, budget, check_weights, method_of, output_path, resolve_plan
+from .inputs import Knob, PlanArg, budget, check_weights, output_path, resolve_plan
 
 log = logging.getLogger("kvpipe")
 

@@ -1,4 +1,5 @@
-"""`kvpipe run` through a subprocess on the CPU with a tiny random model from a config.json."""
+"""`kvpipe run` on the CPU with a tiny random model from a config.json: in this process through
+`kvpipe.cli.main` (cheap), and through a subprocess where signals matter."""
 from __future__ import annotations
 
 import json
@@ -19,30 +20,21 @@ def tiny_config(tmp_path_factory):
     return str(path)
 
 
-def kvpipe_run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvpipe", "run", "--device", "cpu", "--no-progress", *args],
-                          capture_output=True, text=True, timeout=300, env=env)
+def run_json(capsys, *args: str) -> dict:
+    """`kvpipe run --device cpu --no-progress --json ...` in this process (no torch import per run)."""
+    from kvpipe.cli import main
+    rc = main(["run", "--device", "cpu", "--no-progress", "--json", *args])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    return json.loads(out)
 
 
-def assert_one_line_exit_2(r: subprocess.CompletedProcess, needle: str) -> None:
-    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
-    assert "Traceback" not in r.stderr
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and needle in lines[0], r.stderr
-
-
-def run_json(*args: str) -> dict:
-    r = kvpipe_run("--json", *args)
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
-
-
-def test_offloaded_and_resident_runs_have_the_same_digest(tiny_config, tmp_path):
+def test_offloaded_and_resident_runs_have_the_same_digest(tiny_config, tmp_path, capsys):
     common = ("--model", tiny_config, "--random-weights", "--context", "200", "--decode-tokens", "8",
               "--chunk", "48", "--seed", "3")
-    offloaded = run_json(*common, "--resident", "none", "--group", "1", "--trace", str(tmp_path / "t.json"))
-    resident = run_json(*common, "--resident", "all", "--group", "1")
-    mixed = run_json(*common, "--resident", "3", "--group", "2")
+    offloaded = run_json(capsys, *common, "--resident", "none", "--group", "1", "--trace", str(tmp_path / "t.json"))
+    resident = run_json(capsys, *common, "--resident", "all", "--group", "1")
+    mixed = run_json(capsys, *common, "--resident", "3", "--group", "2")
     assert offloaded["output_digest"] == resident["output_digest"]
     assert offloaded["attention"] == "cpu flash"
     assert offloaded["tokens"] == resident["tokens"] and len(offloaded["tokens"][0]) == 9
@@ -207,11 +199,10 @@ def test_executing_line_comes_before_the_progress_bar(tiny_model, monkeypatch):
     assert "kvpipe: executing" not in rest
 
 
-def test_bad_attention_kernel_setting_is_one_line_exit_2(tiny_config):
-    import os
-    r = kvpipe_run("--model", tiny_config, "--random-weights", "--context", "64",
-                   env=dict(os.environ, KVPIPE_ATTN="fa3"))
-    assert_one_line_exit_2(r, "KVPIPE_ATTN='fa3'")
+def test_bad_attention_kernel_setting_is_one_line_exit_2(tiny_config, capsys, monkeypatch):
+    monkeypatch.setenv("KVPIPE_ATTN", "fa3")
+    rc, _, err = cli(capsys, "--model", tiny_config, "--random-weights", "--context", "64")
+    assert_in_process_exit_2(rc, err, "KVPIPE_ATTN='fa3'")
 
 
 def test_ctrl_c_mid_run_exits_cleanly(tmp_path):
@@ -235,7 +226,7 @@ def test_ctrl_c_mid_run_exits_cleanly(tmp_path):
     assert "output digest" not in out
 
 
-def test_local_hf_directory_and_plot(tmp_path):
+def test_local_hf_directory_and_plot(tmp_path, capsys):
     """Weights from a local HF directory (safetensors, nothing downloaded) match the same model
     run through --random-weights from its config (same seed), and --plot draws sim and real."""
     import torch
@@ -244,8 +235,8 @@ def test_local_hf_directory_and_plot(tmp_path):
     model.save_pretrained(tmp_path / "tiny", safe_serialization=True)
     assert list((tmp_path / "tiny").glob("*.safetensors"))
     common = ("--context", "96", "--decode-tokens", "3", "--chunk", "32", "--resident", "none", "--seed", "5")
-    local = run_json("--model", str(tmp_path / "tiny"), *common, "--plot", str(tmp_path / "t.png"))
-    rand = run_json("--model", str(tmp_path / "tiny" / "config.json"), "--random-weights", *common)
+    local = run_json(capsys, "--model", str(tmp_path / "tiny"), *common, "--plot", str(tmp_path / "t.png"))
+    rand = run_json(capsys, "--model", str(tmp_path / "tiny" / "config.json"), "--random-weights", *common)
     # Tokens, not the digest: the digest hashes logits, whose last bits may differ on AVX-512
     # CPUs when safetensors hands back unaligned tensors (the weights themselves are compared
     # bitwise in test_end_to_end.py::test_load_pretrained_from_a_local_directory).
