@@ -67,7 +67,7 @@ def add_workload_flags(p: argparse.ArgumentParser, *, context: str | None, hw: s
     p.add_argument("--chunk", default="auto", help="prefill chunk in tokens, or auto")
     p.add_argument("--resident", default="auto",
                    help="(layer, KV head) units kept on the GPU: all, none, N, max (as many as fit) or auto")
-    p.add_argument("--plan", help="a plan.json (as printed under 'plan' by --json); replaces --group/--chunk/--resident")
+    p.add_argument("--plan", metavar="PLAN.json", help="a plan.json (as printed under 'plan' by --json); replaces --group/--chunk/--resident")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--trace", metavar="FILE.json", help="write the Chrome/Perfetto trace")
     p.add_argument("--plot", metavar="FILE.png", help="draw the timeline (needs kvpipe[plot]); .png, .pdf, .svg ...")
