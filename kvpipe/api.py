@@ -5,7 +5,7 @@ command-line flags (`--decode-tokens` is `decode_tokens`), and each returns a fr
 
     import kvpipe
     res = kvpipe.plan(model="llama-3-8b", hw="rtx4090", context="1M")
-    res.fits, res.predicted.timing.ttft_s, res.plan.describe()
+    res.fits, res.predicted.report.timing.ttft_s, res.plan.describe()
 
 Warnings (e.g. a context past the model's trained positions) go to the `kvpipe` logger and are
 kept in `result.warnings`."""
@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 
-from kvpipe.pipeline.hardware import HardwareProfile
 from kvpipe.pipeline.model import ModelSpec, load_model
 from kvpipe.pipeline.plan import Plan
 from kvpipe.pipeline.report import Report
-from kvpipe.pipeline.trace import Trace
 from kvpipe.pipeline.workload import Workload
 
 from .inputs import Knob, PlanArg, budget, check_weights, output_path, resolve_plan
+from .results import PlanResult, Predicted, RunResult
 
 log = logging.getLogger("kvpipe")
 
@@ -32,98 +30,6 @@ DEFAULT_PLAN_CONTEXT = "1M"
 DEFAULT_RUN_CONTEXT = "32K"      # run without a prompt file; with one, the prompt's length
 DEFAULT_DECODE_TOKENS = 32       # the same for plan and run
 Path_ = str | os.PathLike | None
-
-
-def _head(model: ModelSpec, hw: HardwareProfile, work: Workload) -> dict:
-    return {"model": {"name": model.name, "family": model.family, "layers": model.layers,
-                      "kv_heads": model.kv_heads, "q_heads": model.q_heads, "head_dim": model.head_dim,
-                      "dtype": model.dtype, "weight_bytes": model.weight_bytes,
-                      "kv_bytes_per_token": model.kv_bytes_per_token},
-            "hardware": {"name": hw.name, "description": hw.description},
-            "workload": {"context": work.context, "decode_tokens": work.decode_tokens, "batch": work.batch}}
-
-
-@dataclass(frozen=True)
-class Predicted:
-    """One plan's prediction: whether it fits the budgets (else `problems`, one line per pool),
-    and the simulated report and trace. `max_context` is set for `compare`."""
-
-    plan: Plan
-    problems: tuple[str, ...]
-    report: Report
-    trace: Trace
-    max_context: int | None = None
-
-    @property
-    def fits(self) -> bool:
-        return not self.problems
-
-
-@dataclass(frozen=True)
-class PlanResult:
-    """What `kvpipe plan` prints. `methods` (compare=True) holds every method's rule plan."""
-
-    model: ModelSpec
-    hardware: HardwareProfile
-    workload: Workload
-    budgets: dict[str, int]
-    predicted: Predicted
-    methods: dict[str, Predicted] | None = None
-    warnings: tuple[str, ...] = ()
-
-    @property
-    def plan(self) -> Plan:
-        return self.predicted.plan
-
-    @property
-    def fits(self) -> bool:
-        return self.predicted.fits
-
-    def to_json(self) -> dict:
-        out = _head(self.model, self.hardware, self.workload)
-        p = self.predicted
-        out.update(plan=p.plan.to_json(), fits=p.fits, problems=list(p.problems), predicted=p.report.to_json(),
-                   budgets_bytes=dict(self.budgets), warnings=list(self.warnings))
-        if self.methods is not None:
-            out["methods"] = {n: {"fits": r.fits, "problems": list(r.problems), "plan": r.plan.to_json(),
-                                  "predicted": r.report.to_json(), "max_context": r.max_context}
-                              for n, r in self.methods.items()}
-        return out
-
-
-@dataclass(frozen=True)
-class RunResult:
-    """What `kvpipe run` prints: the prediction on `hardware` next to the measurement on `device`,
-    the greedy `tokens` [batch][decode_tokens + 1] and `output_digest` (sha256 of the final logits
-    and the ids: equal digests, equal bits)."""
-
-    model: ModelSpec
-    hardware: HardwareProfile
-    workload: Workload
-    budgets: dict[str, int]
-    predicted: Predicted
-    measured: Report
-    real_trace: Trace
-    tokens: list[list[int]]
-    output_digest: str
-    device: str
-    attention: str
-    weights: str          # "random weights" or the model directory
-    warnings: tuple[str, ...] = ()
-
-    @property
-    def plan(self) -> Plan:
-        return self.predicted.plan
-
-    def to_json(self) -> dict:
-        out = _head(self.model, self.hardware, self.workload)
-        measured = self.measured.to_json()
-        measured.pop("gpu_breakdown_bytes")
-        out.update(plan=self.plan.to_json(), fits=True, predicted=self.predicted.report.to_json(),
-                   measured=measured, tokens=[list(t) for t in self.tokens], output_digest=self.output_digest,
-                   device=self.device, attention=self.attention, budgets_bytes=dict(self.budgets),
-                   warnings=list(self.warnings))
-        return out
 
 
 def _predict(model, work, plan: Plan, hw, budgets, full: bool = False, max_context: int | None = None) -> Predicted:

@@ -13,10 +13,8 @@ import json
 import logging
 import sys
 
-from kvpipe import __version__, api
+from kvpipe import __version__, api, text
 from kvpipe.pipeline.plan import Method
-from kvpipe.pipeline.report import fmt_s, format_report
-from kvpipe.pipeline.units import fmt_bytes, fmt_tokens
 
 EXIT_BAD_INPUT = 2
 EXIT_DOES_NOT_FIT = 3
@@ -112,60 +110,6 @@ def _call(fn, args: argparse.Namespace):
     return fn(**{k: v for k, v in vars(args).items() if k in names})
 
 
-def _print_workload_plan(work, plan) -> None:
-    print(f"workload: {fmt_tokens(work.context)} prompt tokens, {work.decode_tokens} decode steps, batch {work.batch}")
-    print(f"plan: {plan.describe()}")
-    print(f"      from {plan.source}")
-
-
-def _print_plan(res: api.PlanResult) -> None:
-    hw, p = res.hardware, res.predicted
-    print(f"kvpipe plan: {res.model.name} on {hw.name} — {hw.description}")
-    _print_workload_plan(res.workload, p.plan)
-    budget = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in res.budgets.items())
-    if p.fits:
-        print(f"fits: yes   (budgets: {budget})")
-    else:
-        print(f"fits: NO — {'; '.join(p.problems)}")
-    for line in format_report(p.report):
-        print(line)
-    for note in p.report.notes:
-        print(f"  note: {note}")
-
-
-def _print_compare(res: api.PlanResult) -> None:
-    methods = res.methods or {}
-    rows = [("fits", lambda r: "yes" if r.fits else "NO"),
-            ("prefill", lambda r: fmt_s(r.report.timing.prefill_s)),
-            ("time to first token", lambda r: fmt_s(r.report.timing.ttft_s)),
-            ("decode per token", lambda r: fmt_s(r.report.timing.decode_s_per_token)),
-            ("total", lambda r: fmt_s(r.report.timing.total_s)),
-            ("peak gpu", lambda r: fmt_bytes(r.report.peak_bytes["gpu"])),
-            ("peak host", lambda r: fmt_bytes(r.report.peak_bytes["host"])),
-            ("peak disk", lambda r: fmt_bytes(r.report.peak_bytes["disk"])),
-            ("critical lane", lambda r: r.report.critical_lane),
-            ("max context", lambda r: fmt_tokens(r.max_context))]
-    print(f"\ncompare at {fmt_tokens(res.workload.context)} (each method's rule plan; max context under the budgets):")
-    print(f"  {'':22}" + "".join(f"{n:>14}" for n in methods))
-    for label, get in rows:
-        print(f"  {label:22}" + "".join(f"{get(r):>14}" for r in methods.values()))
-    for n, r in methods.items():
-        if not r.fits:
-            print(f"  {n} does not fit at {fmt_tokens(res.workload.context)}: {'; '.join(r.problems)}")
-
-
-def _print_run(res: api.RunResult) -> None:
-    print(f"kvpipe run: {res.model.name} on {res.device} ({res.weights}); "
-          f"attention kernel {res.attention}; predicted on profile {res.hardware.name}")
-    _print_workload_plan(res.workload, res.plan)
-    for line in format_report(res.predicted.report, res.measured):
-        print(line)
-    print(f"  measured critical lane: {res.measured.critical_lane}; {res.real_trace.note}")
-    tokens = res.tokens[0]
-    print(f"tokens: {tokens[:16]}{' ...' if len(tokens) > 16 else ''}")
-    print(f"output digest: {res.output_digest}")
-
-
 def _print_files(args) -> None:
     if args.trace:
         print(f"trace: {args.trace} (open in https://ui.perfetto.dev)", file=sys.stderr)
@@ -197,9 +141,9 @@ def cmd_plan(args) -> int:
     if args.json:
         print(json.dumps(res.to_json(), indent=2))
     else:
-        _print_plan(res)
+        text.print_plan(res)
         if args.compare:
-            _print_compare(res)
+            text.print_compare(res)
     _print_files(args)
     return 0 if res.fits else EXIT_DOES_NOT_FIT
 
@@ -209,7 +153,7 @@ def cmd_run(args) -> int:
     if args.json:
         print(json.dumps(res.to_json(), indent=2))
     else:
-        _print_run(res)
+        text.print_run(res)
     _print_files(args)
     return 0
 
