@@ -28,6 +28,8 @@ UNITS = ("units: token counts take binary K/M (128K = 131072, 1M = 1048576); siz
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, no usage dump
+        if message.endswith("expected one argument"):   # argparse reads `--gpu-mem -1GB` as two flags
+            message += " (a value starting with '-' is written --flag=VALUE)"
         raise SystemExit(_fail(f"{self.prog}: {message}"))
 
 

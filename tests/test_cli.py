@@ -255,6 +255,14 @@ def test_budgets_must_be_positive(capsys, args, needle):
     assert_one_line_exit_2(rc, err, needle)
 
 
+def test_negative_value_without_equals_says_how_to_write_it(capsys):
+    # Fault caught: `--disk-mem -1GB` (argparse takes -1GB for a flag) said only "expected one
+    # argument"; the line now says how to pass such a value, which then gets the budget check.
+    rc, _, err = cli(capsys, "plan", "--context", "8K", "--disk-mem", "-1GB")
+    assert_one_line_exit_2(rc, err, "--disk-mem: expected one argument")
+    assert "--flag=VALUE" in err
+
+
 def test_preset_and_hardware_names_ignore_case(capsys):
     # Fault caught (issue 7): `--model Llama-3-8B` or `--hw H200` were "unknown".
     rc, upper, err = cli(capsys, "plan", "--model", "Llama-3-8B", "--hw", "H200", "--context", "8K",
