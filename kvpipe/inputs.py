@@ -135,8 +135,8 @@ def output_path(path: str | os.PathLike | None, field: str) -> Path | None:
         return None
     p = Path(path)
     if p.is_dir():
-        raise ValueError(f"{field}: {str(p)!r} is a directory; give a file name, e.g. {str(p / 'out')!r}"
-                         + (".json" if field == "trace" else ".png"))
+        example = p / ("out.json" if field == "trace" else "out.png")
+        raise ValueError(f"{field}: {str(p)!r} is a directory; give a file name, e.g. {str(example)!r}")
     if not p.parent.is_dir():
         raise ValueError(f"{field}: folder {str(p.parent)!r} does not exist")
     suffix = p.suffix.lower().lstrip(".")

@@ -210,7 +210,8 @@ def load_model(spec: str, dtype: str | None = None) -> ModelSpec:
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"model: cannot read {str(path)!r} ({e})") from None
         if not isinstance(cfg, dict):
-            raise ValueError(f"model: {str(path)!r} holds a JSON {type(cfg).__name__}, "
+            kind = {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(cfg), "null")
+            raise ValueError(f"model: {str(path)!r} holds a JSON {kind}, "
                              "expected an object of config fields (a Hugging Face config.json)")
         model = from_hf_config(cfg, name=str(spec))
     if dtype is not None and dtype not in DTYPE_BYTES:
