@@ -24,15 +24,22 @@ KNOWN_GPUS = (("H200", "h200"), ("H100", "h100-sxm"), ("A100", "a100-80g"), ("40
               ("4060", "rtx4060"))
 
 
-def resolve_device(name: str) -> torch.device:
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
+def resolve_device(name: str | None) -> torch.device:
+    """`cpu`, `cuda` or `cuda:N`, any case; None picks cuda when torch sees a GPU, else cpu."""
+    if name is None:
+        return resolve_device("cuda" if torch.cuda.is_available() else "cpu")
+    text = str(name).strip().lower()
+    kind, _, index = text.partition(":")
+    if kind not in ("cuda", "cpu") or (index and not (kind == "cuda" and index.isdigit())):
+        raise ValueError(f"device: {name!r} is not cpu, cuda or cuda:N")
+    if kind == "cuda" and not torch.cuda.is_available():
         raise ValueError("device: cuda requested but torch sees no CUDA GPU (use --device cpu)")
-    if dev.type not in ("cuda", "cpu"):
-        raise ValueError(f"device: {name!r} is not cuda or cpu")
-    if dev.type == "cuda" and dev.index is None:   # the allocator cap needs an index
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return dev
+    if kind == "cuda" and index and int(index) >= torch.cuda.device_count():
+        raise ValueError(f"device: {name!r} does not exist ({torch.cuda.device_count()} CUDA devices)")
+    if kind == "cpu":
+        return torch.device("cpu")
+    # the allocator cap needs an index
+    return torch.device("cuda", int(index) if index else torch.cuda.current_device())
 
 
 def guess_profile(device: torch.device) -> str | None:
@@ -57,18 +64,18 @@ def host_ram_bytes() -> int:
 def load_hf_model(model_arg: str, random_weights: bool, device: torch.device, dtype: torch.dtype,
                   seed: int) -> torch.nn.Module:
     """A local HF directory with safetensors, or random weights from a preset / config.json."""
-    from kvpipe.pipeline.model import PRESETS
+    from kvpipe.pipeline.model import preset
     from .loader import load_pretrained, random_model
     path = Path(model_arg)
     has_weights = path.is_dir() and any(path.glob("*.safetensors"))
     if has_weights and not random_weights:
         return load_pretrained(path, device, dtype)
     if not random_weights:
-        where = "a preset" if model_arg in PRESETS else f"{model_arg!r}"
+        where = "a preset" if preset(model_arg) else f"{model_arg!r}"
         raise ValueError(f"model: {where} has no weights here; pass --random-weights "
                          "(same shapes, same cost) or a local HF directory with safetensors")
-    if model_arg in PRESETS:
-        config = preset_config(PRESETS[model_arg])
+    if preset(model_arg):
+        config = preset_config(preset(model_arg))
     else:
         import json
         cfg_path = path / "config.json" if path.is_dir() else path
@@ -90,31 +97,41 @@ def preset_config(spec) -> dict:
     return cfg
 
 
-def prompt_ids(prompt_file: str | None, model_arg: str, batch: int, context: int, vocab: int,
-               seed: int) -> torch.Tensor:
-    """[batch, context] ids: random from `seed`, or read from a file of whitespace-separated ids
-    (or text, tokenized with the model directory's tokenizer), cut or checked to `context`."""
-    if prompt_file is None:
-        gen = torch.Generator().manual_seed(seed)
-        return torch.randint(0, vocab, (batch, context), generator=gen)
+def read_prompt(prompt_file: str | os.PathLike, model_arg: str, vocab: int) -> list[int]:
+    """Token ids from a file of whitespace-separated ids, or of text tokenized with the model
+    directory's tokenizer. Empty files, negative ids and ids past the vocabulary are refused."""
     try:
         text = Path(prompt_file).read_text()
-    except OSError as e:
-        raise ValueError(f"prompt-file: cannot read {prompt_file!r} ({e.strerror})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"prompt-file: cannot read {str(prompt_file)!r} ({getattr(e, 'strerror', None) or e})") from None
     words = text.split()
-    if words and all(w.isdigit() for w in words):
+    if not words:
+        raise ValueError(f"prompt-file: {str(prompt_file)!r} is empty; give token ids or text")
+    if all(w.lstrip("+-").isdigit() for w in words):
         ids = [int(w) for w in words]
+        if min(ids) < 0:
+            raise ValueError(f"prompt-file: token id {min(ids)} is negative; ids run from 0 to {vocab - 1}")
     else:
-        if not (Path(model_arg).is_dir() and (Path(model_arg) / "tokenizer.json").is_file()
-                or (Path(model_arg) / "tokenizer_config.json").is_file()):
+        d = Path(model_arg)
+        if not (d.is_dir() and ((d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file())):
             raise ValueError("prompt-file: holds text, but the model has no tokenizer; give token ids")
         from transformers import AutoTokenizer
         ids = AutoTokenizer.from_pretrained(model_arg, local_files_only=True)(text)["input_ids"]
-    if len(ids) < context:
-        raise ValueError(f"prompt-file: {len(ids)} tokens, the context asks for {context}")
+        if not ids:
+            raise ValueError(f"prompt-file: {str(prompt_file)!r} tokenizes to no tokens")
     if max(ids) >= vocab:
-        raise ValueError(f"prompt-file: token id {max(ids)} is outside the vocabulary ({vocab})")
-    return torch.tensor(ids[:context]).expand(batch, context).contiguous()
+        raise ValueError(f"prompt-file: token id {max(ids)} is outside the vocabulary (0 to {vocab - 1})")
+    return ids
+
+
+def prompt_tensor(ids: list[int] | None, batch: int, context: int, vocab: int, seed: int) -> torch.Tensor:
+    """[batch, context] ids: `ids` (exactly `context` of them) repeated over the batch, or random
+    from `seed` when None."""
+    if ids is None:
+        gen = torch.Generator().manual_seed(seed)
+        return torch.randint(0, vocab, (batch, context), generator=gen)
+    assert len(ids) == context, (len(ids), context)   # the caller sized the context from the prompt
+    return torch.tensor(ids).expand(batch, context).contiguous()
 
 
 @dataclass(frozen=True)
@@ -158,6 +175,9 @@ def run_graph(graph: Graph, hf_model: torch.nn.Module, ids: torch.Tensor, device
             print(f"kvpipe: warmed up on {n} tokens and 1 decode step (untimed)", file=sys.stderr, flush=True)
     steps = len({(s.phase, s.step) for s in graph.stages if s.tag == "embed"})
     last_layer = graph.model.layers - 1
+    # Announced before the bar exists: a line printed after it would land on the bar's line and
+    # be overwritten by its next refresh on a terminal.
+    print(f"kvpipe: executing {steps} steps on {device} (Ctrl-C stops cleanly)", file=sys.stderr, flush=True)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -169,7 +189,6 @@ def run_graph(graph: Graph, hf_model: torch.nn.Module, ids: torch.Tensor, device
             bar.set_description("prefill" if s.phase is Phase.PREFILL else "decode")
             bar.update(1)
 
-    print(f"kvpipe: executing {steps} steps on {device} (Ctrl-C stops cleanly)", file=sys.stderr, flush=True)
     try:
         result = execute(graph, hf_model, ids, device, stage_hook=tick if bar else None)
     finally:

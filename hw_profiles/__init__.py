@@ -49,9 +49,11 @@ def known_profiles() -> list[str]:
 
 
 def load_profile(name_or_path: str) -> HardwareProfile:
-    """A bundled profile by name (`h200`) or a user's TOML file by path (`./my-gpu.toml`)."""
-    if name_or_path in known_profiles():
-        return _load(_HERE / f"{name_or_path}.toml", f"{name_or_path}.toml")
+    """A bundled profile by name, any case (`h200`, `H200`), or a user's TOML file by path
+    (`./my-gpu.toml`)."""
+    name = name_or_path.strip().lower()
+    if name in known_profiles():
+        return _load(_HERE / f"{name}.toml", f"{name}.toml")
     path = Path(name_or_path)
     if path.suffix == ".toml" or path.is_file():
         if not path.is_file():

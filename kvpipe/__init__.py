@@ -1,10 +1,19 @@
 """kvpipe: long-context LLM inference on one GPU with the KV cache split by attention head across
 GPU memory, pinned host RAM and disk. The layers install under this package: `kvpipe.pipeline`
 (vocabulary), `kvpipe.sim` (simulator), `kvpipe.executor` (real backend), `kvpipe.hw_profiles`,
-`kvpipe.analysis`; this package holds the application layer (CLI and public API)."""
+`kvpipe.analysis`; this package holds the application layer (CLI and public API).
+
+    import kvpipe
+    kvpipe.plan(model="llama-3-8b", hw="rtx4090", context="1M")    # -> PlanResult (no torch)
+    kvpipe.run(model="./tiny", context="4K", device="cpu")          # -> RunResult
+"""
 from __future__ import annotations
 
 __version__ = "0.1.0"
+
+from kvpipe.api import PlanResult, Predicted, RunResult, plan, run  # noqa: E402
+
+__all__ = ["__version__", "plan", "run", "PlanResult", "RunResult", "Predicted", "HeadwiseCache"]
 
 
 def __getattr__(name: str):

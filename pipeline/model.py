@@ -3,7 +3,7 @@ and the FLOPs and bytes they imply. Built from a Hugging Face `config.json` or a
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -29,6 +29,9 @@ class ModelSpec:
     qkv_bias: bool = False
     qk_norm: bool = False  # Qwen3 normalises q and k per head
     tie_embeddings: bool = False
+    # Positions the model was trained for (HF `max_position_embeddings`); None when unknown
+    # (presets). Not part of the shapes: two specs with equal shapes compare equal.
+    max_positions: int | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES.values():
@@ -42,6 +45,8 @@ class ModelSpec:
             raise ValueError(f"model.kv_heads: {self.kv_heads} does not divide q_heads {self.q_heads}")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"model.dtype: {self.dtype!r} not one of {sorted(DTYPE_BYTES)}")
+        if self.max_positions is not None and (type(self.max_positions) is not int or self.max_positions <= 0):
+            raise ValueError(f"model.max_positions: must be a positive integer, got {self.max_positions!r}")
 
     # ---- sizes -------------------------------------------------------------------------
     @property
@@ -147,35 +152,49 @@ PRESETS: dict[str, ModelSpec] = {
 }
 
 
+def preset(spec: str) -> ModelSpec | None:
+    """The preset named `spec`, case-insensitively (`Llama-3-8B` is `llama-3-8b`); None if none."""
+    return PRESETS.get(spec.strip().lower())
+
+
 def from_hf_config(cfg: dict, name: str = "config") -> ModelSpec:
     """ModelSpec from a parsed Hugging Face config.json (Llama, Mistral, Qwen2/2.5, Qwen3)."""
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{name}: expected a JSON object of config fields, got a {type(cfg).__name__}")
     mtype = cfg.get("model_type")
     if mtype not in FAMILIES:
         raise ValueError(f"model_type: unsupported architecture {mtype!r} "
                          f"(supported: {', '.join(sorted(FAMILIES))})")
 
-    def need(key: str):
-        if key not in cfg:
-            raise ValueError(f"{name}: field {key!r} is missing")
-        return cfg[key]
+    def count(key: str, default=None):
+        """A positive integer field; `default` when absent (or null), missing is an error without one."""
+        value = cfg.get(key)
+        if value is None:
+            if default is None:
+                raise ValueError(f"{name}: field {key!r} is missing")
+            return default
+        if type(value) is not int or value <= 0:
+            raise ValueError(f"{name}: field {key!r} must be a positive integer, got {value!r}")
+        return value
 
-    hidden, q_heads = need("hidden_size"), need("num_attention_heads")
-    head_dim = cfg.get("head_dim") or hidden // q_heads
+    hidden, q_heads = count("hidden_size"), count("num_attention_heads")
+    head_dim = count("head_dim", hidden // q_heads)
     dtype = _HF_DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"), "bf16")
+    max_pos = cfg.get("max_position_embeddings")
     return ModelSpec(
-        name=name, family=FAMILIES[mtype], layers=need("num_hidden_layers"), hidden=hidden,
-        q_heads=q_heads, kv_heads=cfg.get("num_key_value_heads") or q_heads, head_dim=head_dim,
-        intermediate=need("intermediate_size"), vocab=need("vocab_size"), dtype=dtype,
+        name=name, family=FAMILIES[mtype], layers=count("num_hidden_layers"), hidden=hidden,
+        q_heads=q_heads, kv_heads=count("num_key_value_heads", q_heads), head_dim=head_dim,
+        intermediate=count("intermediate_size"), vocab=count("vocab_size"), dtype=dtype,
         qkv_bias=bool(cfg.get("attention_bias", mtype == "qwen2")), qk_norm=mtype == "qwen3",
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_positions=count("max_position_embeddings") if max_pos is not None else None,
     )
 
 
 def load_model(spec: str, dtype: str | None = None) -> ModelSpec:
-    """A preset name, a config.json path, or a directory holding config.json."""
-    if spec in PRESETS:
-        model = PRESETS[spec]
-    else:
+    """A preset name (any case), a config.json path, or a directory holding config.json."""
+    model = preset(spec)
+    if model is None:
         path = Path(spec)
         if path.is_dir():
             path = path / "config.json"
@@ -188,5 +207,13 @@ def load_model(spec: str, dtype: str | None = None) -> ModelSpec:
             cfg = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"model: {str(path)!r} is not valid JSON ({e.msg}, line {e.lineno})") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"model: cannot read {str(path)!r} ({e})") from None
+        if not isinstance(cfg, dict):
+            kind = {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(cfg), "null")
+            raise ValueError(f"model: {str(path)!r} holds a JSON {kind}, "
+                             "expected an object of config fields (a Hugging Face config.json)")
         model = from_hf_config(cfg, name=str(spec))
+    if dtype is not None and dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype: {dtype!r} not one of {', '.join(DTYPE_BYTES)}")
     return replace(model, dtype=dtype) if dtype else model

@@ -93,14 +93,56 @@ class Plan:
                 "resident": self.resident, "disk": self.disk, "source": self.source}
 
     @classmethod
-    def from_json(cls, obj: dict) -> "Plan":
-        try:
-            phase = lambda p: PhasePlan(int(p["group"]), int(p["chunk"]), int(p.get("depth", 2)),
-                                        tuple(sorted(p.get("codecs", {}).items())) or PhasePlan(1, 1).codecs)
-            return cls(Method(obj["method"]), phase(obj["prefill"]), phase(obj["decode"]),
-                       int(obj["resident"]), int(obj.get("disk", 0)), obj.get("source", "plan file"))
-        except KeyError as e:
-            raise ValueError(f"plan: field {e.args[0]!r} is missing") from None
+    def from_json(cls, obj: object) -> "Plan":
+        """The plan printed under 'plan' by `--json`. Every field is checked for its JSON type
+        (a whole number is an int, never a string or a bool); errors name the field."""
+        def expect(value: object, kind: type, name: str) -> object:
+            where = f"plan.{name}" if name else "plan"
+            if kind is int and type(value) is not int:
+                raise ValueError(f"{where}: expected an integer, got {_json_type(value)} {value!r}"[:200])
+            if kind is not int and not isinstance(value, kind):
+                raise ValueError(f"{where}: expected a JSON {_JSON_NAMES[kind]}, "
+                                 f"got {_json_type(value)} {value!r}"[:200])
+            return value
+
+        def field(d: dict, key: str, kind: type, where: str, default: object = _REQUIRED) -> object:
+            if key not in d:
+                if default is _REQUIRED:
+                    raise ValueError(f"plan: field {where + key!r} is missing")
+                return default
+            return expect(d[key], kind, where + key)
+
+        def phase(name: str) -> PhasePlan:
+            p = field(obj, name, dict, "")
+            codecs = field(p, "codecs", dict, f"{name}.", {})
+            for link, codec in codecs.items():
+                if link not in LINKS:
+                    raise ValueError(f"plan.{name}.codecs: unknown link {link!r} (known: {', '.join(LINKS)})")
+                expect(codec, str, f"{name}.codecs.{link}")
+            return PhasePlan(field(p, "group", int, f"{name}."), field(p, "chunk", int, f"{name}."),
+                             field(p, "depth", int, f"{name}.", 2),
+                             tuple((link, codecs.get(link, "none")) for link in LINKS))  # links in one order
+
+        expect(obj, dict, "")
+        method = field(obj, "method", str, "")
+        if method not in {m.value for m in Method}:
+            raise ValueError(f"plan.method: unknown {method!r} (known: {', '.join(m.value for m in Method)})")
+        return cls(Method(method), phase("prefill"), phase("decode"), field(obj, "resident", int, ""),
+                   field(obj, "disk", int, "", 0), field(obj, "source", str, "", "plan file"))
+
+
+_REQUIRED = object()
+_JSON_NAMES = {dict: "object", str: "string", int: "integer", list: "array"}
+
+
+def _json_type(value: object) -> str:
+    """The JSON name of a parsed value's type: 'array' for a list, 'string' for a str, ..."""
+    names = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
+             dict: "object", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+ALL_ON_GPU = (Method.STANDARD, Method.CHUNKED)   # methods that never offload a unit
 
 
 class Tier(str, enum.Enum):

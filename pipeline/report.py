@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from .memory import MemoryBreakdown
 from .stage import Phase
 from .trace import Trace
-from .units import fmt_bytes
+from .units import fmt_bytes, fmt_seconds
 
 
 @dataclass(frozen=True)
@@ -89,13 +89,7 @@ def budget_problems(mem: MemoryBreakdown, budgets: dict[str, int]) -> list[str]:
 
 
 def fmt_s(x: float | None) -> str:
-    if x is None:
-        return "-"
-    if x >= 100:
-        return f"{x:,.0f} s"
-    if x >= 1:
-        return f"{x:.2f} s"
-    return f"{x * 1e3:.1f} ms"
+    return fmt_seconds(x)   # ms / s / min s / h min: see units.fmt_seconds
 
 
 def format_report(rep: Report, measured: Report | None = None) -> list[str]:

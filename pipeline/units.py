@@ -1,4 +1,9 @@
-"""Parsing and printing of token counts and byte sizes (`1M`, `128K`, `24GB`, `16GiB`)."""
+"""Parsing and printing of token counts, byte sizes and durations.
+
+Units, as everywhere in kvpipe: token counts take binary K/M (`128K` = 131072, `1M` = 1048576,
+as in "a 128K context"); byte sizes are decimal with SI suffixes (`24GB` = 24e9, `KB`, `MB`,
+`TB`) or binary with IEC suffixes (`24GiB` = 24 * 2**30, `KiB`, `MiB`, `TiB`); a bare number is
+tokens or bytes. Printed sizes are binary (GiB); long durations print as h / min / s."""
 from __future__ import annotations
 
 import re
@@ -50,3 +55,18 @@ def fmt_tokens(n: int) -> str:
         if n >= scale:
             return f"{n // scale}{unit}" if n % scale == 0 else f"{n / scale:.{2 if unit == 'M' else 1}f}{unit}"
     return str(n)
+
+
+def fmt_seconds(x: float | None) -> str:
+    """0.0123 -> '12.3 ms', 4.5 -> '4.50 s', 137 -> '2 min 17 s', 7384 -> '2 h 03 min'; None -> '-'."""
+    if x is None:
+        return "-"
+    if x < 1:
+        return f"{x * 1e3:.1f} ms"
+    if x < 60:
+        return f"{x:.2f} s"
+    whole = round(x)
+    if whole < 3600:
+        return f"{whole // 60} min {whole % 60:02d} s"
+    minutes = round(x / 60)
+    return f"{minutes // 60:,} h {minutes % 60:02d} min"

@@ -70,8 +70,9 @@ def test_knobs_override_the_rule():
 
 
 def test_plan_that_does_not_fit_says_which_pool():
+    # Fault caught (issue 7): "fits: NO" exited 0, so scripts could not tell; it exits 3 now.
     r = kvpipe("plan", "--method", "standard", "--context", "1M", "--decode-tokens", "2")
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 3, r.stderr
     assert "fits: NO" in r.stdout and "gpu needs" in r.stdout and "available" in r.stdout
 
 
@@ -140,3 +141,248 @@ def test_planner_modules_never_import_torch():
             "import kvpipe.sim.simulate, kvpipe.pipeline.builder, kvpipe.hw_profiles\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+# ---- issue 7: defects a new user found (in-process: kvpipe.cli.main with capsys) -------------
+def cli(capsys, *argv: str) -> tuple[int, str, str]:
+    from kvpipe.cli import main
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_one_line_exit_2(rc: int, err: str, needle: str) -> None:
+    assert rc == 2, (rc, err)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and needle in lines[0], err
+    assert "Traceback" not in err
+
+
+GOOD_PLAN = {"method": "headwise", "prefill": {"group": 1, "chunk": 4096}, "decode": {"group": 1, "chunk": 1},
+             "resident": 0}
+
+
+@pytest.mark.parametrize("body, needle", [
+    ([GOOD_PLAN], "plan: expected a JSON object, got array"),
+    ("headwise", "plan: expected a JSON object, got string"),
+    (dict(GOOD_PLAN, resident="3"), "plan.resident: expected an integer"),
+    (dict(GOOD_PLAN, resident=True), "plan.resident: expected an integer"),
+    (dict(GOOD_PLAN, prefill={"group": "1", "chunk": 4096}), "plan.prefill.group"),
+    (dict(GOOD_PLAN, prefill={"group": 1, "chunk": 40.5}), "plan.prefill.chunk"),
+    (dict(GOOD_PLAN, decode=[1, 1]), "plan.decode: expected a JSON object"),
+    (dict(GOOD_PLAN, method=3), "plan.method"),
+    (dict(GOOD_PLAN, method="fastest"), "plan.method: unknown 'fastest'"),
+    (dict(GOOD_PLAN, prefill={"group": 1, "chunk": 64, "codecs": {"pcie": "none"}}), "plan.prefill.codecs"),
+])
+def test_bad_plan_file_is_one_line_exit_2(capsys, tmp_path, body, needle):
+    # Fault caught (issue 7): a --plan file holding a list, a string or wrong value types gave a
+    # traceback (AttributeError/TypeError) or was coerced ("3" -> 3) instead of being refused.
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(body))
+    rc, _, err = cli(capsys, "plan", "--context", "8K", "--decode-tokens", "1", "--plan", str(path))
+    assert_one_line_exit_2(rc, err, needle)
+
+
+@pytest.mark.parametrize("body", [[{"model_type": "llama"}], "llama", 7])
+def test_model_config_that_is_not_an_object_is_one_line_exit_2(capsys, tmp_path, body):
+    # Fault caught (issue 7): --model config.json holding a list or a string gave a traceback.
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(body))
+    rc, _, err = cli(capsys, "plan", "--model", str(path), "--context", "8K")
+    assert_one_line_exit_2(rc, err, "expected an object")
+
+
+def test_model_config_with_a_string_count_is_one_line_exit_2(capsys, tmp_path):
+    # Fault caught: "hidden_size": "4096" reached integer division and raised TypeError.
+    cfg = {"model_type": "llama", "vocab_size": 256, "hidden_size": "64", "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    rc, _, err = cli(capsys, "plan", "--model", str(path), "--context", "8K")
+    assert_one_line_exit_2(rc, err, "hidden_size")
+
+
+def test_plot_without_matplotlib_names_the_extra(capsys, tmp_path, monkeypatch):
+    # Fault caught (issue 7): `plan --plot` without matplotlib ended in a ModuleNotFoundError
+    # traceback (after the simulation). sys.modules entries set to None make the import fail
+    # as on a machine without the package.
+    for name in ("matplotlib", "matplotlib.backend_bases", "matplotlib.figure"):
+        monkeypatch.setitem(sys.modules, name, None)
+    rc, _, err = cli(capsys, "plan", "--context", "8K", "--plot", str(tmp_path / "t.png"))
+    assert_one_line_exit_2(rc, err, "kvpipe[plot]")
+    assert not (tmp_path / "t.png").exists()
+
+
+@pytest.mark.parametrize("flag, name, needle", [
+    ("--trace", "{dir}", "is a directory"),
+    ("--trace", "{dir}/trace", ".json extension"),
+    ("--trace", "{dir}/missing/t.json", "does not exist"),
+    ("--plot", "{dir}", "is a directory"),
+    ("--plot", "{dir}/timeline", "image extension"),
+    ("--plot", "{dir}/timeline.xyz", "image extension"),
+])
+def test_output_paths_are_checked_before_the_work(capsys, tmp_path, flag, name, needle):
+    # Fault caught (issue 7): a directory or a bare name as --trace/--plot failed only after the
+    # whole run (IsADirectoryError), or matplotlib silently wrote `timeline.png` instead of the
+    # path given. The GPU budget here is also too small: the path is reported first, which
+    # shows it is checked before anything else.
+    path = name.replace("{dir}", str(tmp_path))
+    rc, _, err = cli(capsys, "plan", "--context", "8K", "--gpu-mem", "1GB", flag, path)
+    assert_one_line_exit_2(rc, err, flag.lstrip("-") + ":")
+    assert needle in err and "gpu-mem" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_trace_and_plot_are_written_where_asked(capsys, tmp_path):
+    # Fault caught: the file written is not the path reported (e.g. an added extension).
+    pytest.importorskip("matplotlib")
+    rc, _, err = cli(capsys, "plan", "--context", "4K", "--decode-tokens", "1", "--resident", "none",
+                     "--trace", str(tmp_path / "t.json"), "--plot", str(tmp_path / "t.svg"))
+    assert rc == 0, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json", "t.svg"]
+    assert f"trace: {tmp_path / 't.json'}" in err and f"plot: {tmp_path / 't.svg'}" in err
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--host-mem", "0"], "host-mem: must be a positive size"),
+    (["--disk-mem=-1GB"], "disk-mem: must be a positive size"),
+    (["--gpu-mem=-24GB"], "gpu-mem: must be a positive size"),
+])
+def test_budgets_must_be_positive(capsys, args, needle):
+    # Fault caught (issue 7): a negative GPU budget got "cannot hold the weights" instead of
+    # naming the sign; zero or negative host/disk budgets must be refused too.
+    rc, _, err = cli(capsys, "plan", "--context", "8K", *args)
+    assert_one_line_exit_2(rc, err, needle)
+
+
+def test_negative_value_without_equals_says_how_to_write_it(capsys):
+    # Fault caught: `--disk-mem -1GB` (argparse takes -1GB for a flag) said only "expected one
+    # argument"; the line now says how to pass such a value, which then gets the budget check.
+    rc, _, err = cli(capsys, "plan", "--context", "8K", "--disk-mem", "-1GB")
+    assert_one_line_exit_2(rc, err, "--disk-mem: expected one argument")
+    assert "--flag=VALUE" in err
+
+
+def test_preset_and_hardware_names_ignore_case(capsys):
+    # Fault caught (issue 7): `--model Llama-3-8B` or `--hw H200` were "unknown".
+    rc, upper, err = cli(capsys, "plan", "--model", "Llama-3-8B", "--hw", "H200", "--context", "8K",
+                         "--decode-tokens", "1", "--method", "HEADWISE", "--json")
+    assert rc == 0, err
+    rc, lower, err = cli(capsys, "plan", "--model", "llama-3-8b", "--hw", "h200", "--context", "8K",
+                         "--decode-tokens", "1", "--json")
+    assert rc == 0 and json.loads(upper) == json.loads(lower)
+
+
+@pytest.mark.parametrize("knob", [["--group", "2"], ["--chunk", "1K"], ["--resident", "all"]])
+def test_plan_file_with_knobs_is_refused(capsys, tmp_path, knob):
+    # Fault caught (issue 7): --plan silently ignored --group/--chunk/--resident given with it.
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(GOOD_PLAN))
+    rc, _, err = cli(capsys, "plan", "--context", "8K", "--plan", str(path), *knob)
+    assert_one_line_exit_2(rc, err, f"drop {knob[0]}")
+
+
+def test_plan_file_with_a_different_method_is_refused(capsys, tmp_path):
+    # Fault caught: `--method layerwise --plan headwise.json` ran the file's method silently.
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(GOOD_PLAN))
+    rc, _, err = cli(capsys, "plan", "--context", "8K", "--plan", str(path), "--method", "layerwise")
+    assert_one_line_exit_2(rc, err, "method: layerwise disagrees")
+
+
+@pytest.mark.parametrize("method", ["standard", "chunked"])
+def test_resident_count_with_an_all_on_gpu_method_is_refused(capsys, method):
+    # Fault caught (issue 7): `--method standard --resident 3` ran a "standard" plan with 3
+    # units resident, a schedule that method does not have.
+    rc, _, err = cli(capsys, "plan", "--context", "8K", "--method", method, "--resident", "3")
+    assert_one_line_exit_2(rc, err, f"resident: method {method} keeps every unit on the GPU")
+
+
+def test_plan_file_with_standard_method_and_partial_residency_is_refused(capsys, tmp_path):
+    # Fault caught: the same mix through a plan file.
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(dict(GOOD_PLAN, method="standard", resident=3)))
+    rc, _, err = cli(capsys, "plan", "--context", "8K", "--plan", str(path))
+    assert_one_line_exit_2(rc, err, "resident: method standard keeps all 256 units")
+
+
+def test_version_and_bare_command(capsys):
+    # Fault caught (issue 7): no --version, and bare `kvpipe` printed only an error line.
+    import kvpipe
+    rc, out, _ = cli(capsys, "--version")
+    assert rc == 0 and out.strip() == f"kvpipe {kvpipe.__version__}"
+    rc, out, err = cli(capsys)
+    assert rc == 0 and "usage: kvpipe" in out and "plan" in out and "run" in out, err
+
+
+@pytest.mark.parametrize("command", ["plan", "run"])
+def test_help_shows_defaults_batch_and_units(capsys, command):
+    # Fault caught (issue 7): --help showed no defaults, --batch had no help text, and units
+    # (binary K/M, GB = 1e9, GiB = 2^30) and exit codes were documented nowhere.
+    rc, out, _ = cli(capsys, command, "--help")
+    text = " ".join(out.split())
+    assert rc == 0
+    assert "(default: llama-3-8b)" in text and "(default: 32)" in text and "(default: auto)" in text
+    batch = text[text.index("--batch BATCH"):text.index("--gpu-mem GPU_MEM ")]
+    assert "sequences" in batch and "(default: 1)" in batch
+    for needle in ("128K = 131072", "24GB = 24e9", "24GiB = 24 * 2^30", "3 the plan does not fit"):
+        assert needle in text, needle
+
+
+def test_decode_tokens_default_is_the_same_for_plan_and_run():
+    # Fault caught (issue 7): plan defaulted to 32 decode steps and run to 16.
+    from kvpipe.cli import build_parser
+    subs = build_parser()._subparsers._group_actions[0].choices
+    defaults = {c: subs[c].parse_args([]).decode_tokens for c in ("plan", "run")}
+    assert defaults["plan"] == defaults["run"], defaults
+
+
+@pytest.mark.parametrize("seconds, text", [
+    (0.0123, "12.3 ms"), (4.5, "4.50 s"), (59.99, "59.99 s"), (137.2, "2 min 17 s"),
+    (3599.4, "59 min 59 s"), (7384, "2 h 03 min"), (200_000, "55 h 33 min"), (None, "-"),
+])
+def test_long_times_print_as_hours_minutes_seconds(seconds, text):
+    # Fault caught (issue 7): 2 hours printed as "7,384 s".
+    from kvpipe.pipeline.units import fmt_seconds
+    assert fmt_seconds(seconds) == text
+
+
+def test_long_prediction_prints_minutes(capsys):
+    # Fault caught: the report table not using the h/min/s form for a long run. Llama-3-70B's
+    # 32K prefill on an RTX 4060's compute takes minutes.
+    rc, out, err = cli(capsys, "plan", "--model", "llama-3-70b", "--hw", "rtx4060", "--context", "32K",
+                       "--decode-tokens", "1", "--gpu-mem", "200GB", "--host-mem", "1TB")
+    total = next(ln for ln in out.splitlines() if ln.strip().startswith("total"))
+    assert " min " in total or " h " in total, total
+
+
+def test_context_past_max_position_embeddings_warns_once(capsys, tmp_path):
+    # Fault caught (issue 7): a context beyond the model's max_position_embeddings ran silently.
+    cfg = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "max_position_embeddings": 4096}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    rc, out, err = cli(capsys, "plan", "--model", str(path), "--context", "8K", "--decode-tokens", "2", "--json")
+    assert rc == 0
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("kvpipe: warning: context:") and "4096" in lines[0], err
+    assert json.loads(out)["warnings"] == [lines[0].removeprefix("kvpipe: warning: ")]
+    rc, out, err = cli(capsys, "plan", "--model", str(path), "--context", "4000", "--decode-tokens", "2")
+    assert rc == 0 and err == ""
+
+
+def test_docs_and_profiles_point_inside_the_repository():
+    # Fault caught (issue 7): profile comments named an absolute path to notes on one machine and
+    # the README pointed at ../shared/DESIGN.md, outside the repository; the docs they name now
+    # live in docs/ and must exist.
+    import re
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    files = sorted((root / "hw_profiles").glob("*.toml")) + [root / "README.md"]
+    for f in files:
+        text = f.read_text()
+        assert not re.search(r"/work/|\.\./shared|/home/|/root/", text), f.name
+        for ref in re.findall(r"docs/[A-Za-z_]+\.md", text):
+            assert (root / ref).is_file(), (f.name, ref)
+    assert (root / "docs" / "DESIGN.md").is_file()

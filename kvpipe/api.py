@@ -1,0 +1,156 @@
+"""The public Python API under the CLI: `kvpipe.plan(...)` predicts a workload on a hardware
+profile (no torch), `kvpipe.run(...)` executes it on this machine. Keyword arguments mirror the
+command-line flags (`--decode-tokens` is `decode_tokens`), and each returns a frozen result whose
+`to_json()` is exactly what `kvpipe plan --json` / `kvpipe run --json` print.
+
+    import kvpipe
+    res = kvpipe.plan(model="llama-3-8b", hw="rtx4090", context="1M")
+    res.fits, res.predicted.report.timing.ttft_s, res.plan.describe()
+
+Warnings (e.g. a context past the model's trained positions) go to the `kvpipe` logger and are
+kept in `result.warnings`."""
+from __future__ import annotations
+
+import logging
+import os
+
+from kvpipe.pipeline.model import ModelSpec, load_model
+from kvpipe.pipeline.plan import Plan
+from kvpipe.pipeline.report import Report
+from kvpipe.pipeline.workload import Workload
+
+from .inputs import Knob, PlanArg, budget, check_weights, output_path, resolve_plan
+from .results import PlanResult, Predicted, RunResult
+
+log = logging.getLogger("kvpipe")
+
+DEFAULT_MODEL = "llama-3-8b"
+DEFAULT_HW = "rtx4090"           # plan's profile; run picks this machine's GPU, else this
+DEFAULT_PLAN_CONTEXT = "1M"
+DEFAULT_RUN_CONTEXT = "32K"      # run without a prompt file; with one, the prompt's length
+DEFAULT_DECODE_TOKENS = 32       # the same for plan and run
+Path_ = str | os.PathLike | None
+
+
+def _predict(model, work, plan: Plan, hw, budgets, full: bool = False, max_context: int | None = None) -> Predicted:
+    from kvpipe.pipeline.memory import breakdown
+    from kvpipe.pipeline.report import budget_problems
+    from kvpipe.sim.simulate import simulate
+    plan.check(model, work)
+    problems = tuple(budget_problems(breakdown(model, work, plan), budgets))
+    pred = simulate(model, work, plan, hw, full=full)
+    return Predicted(plan, problems, pred.report, pred.trace, max_context)
+
+
+def _warnings(model: ModelSpec, work: Workload) -> tuple[str, ...]:
+    """Logged at once (before a long run), and kept in the result."""
+    out = []
+    if model.max_positions is not None and work.kv_capacity > model.max_positions:
+        out.append(f"context: {work.context} prompt + {work.decode_tokens} decode tokens exceed the model's "
+                   f"max_position_embeddings ({model.max_positions}); it was not trained for those positions")
+    for w in out:
+        log.warning(w)
+    return tuple(out)
+
+
+def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = DEFAULT_PLAN_CONTEXT,
+         decode_tokens: int = DEFAULT_DECODE_TOKENS, batch: int = 1, gpu_mem: str | int | None = None,
+         host_mem: str | int | None = None, disk_mem: str | int | None = None, method: str | None = None,
+         group: Knob = None, chunk: Knob = None, resident: Knob = None, plan: PlanArg = None,
+         compare: bool = False, full_sim: bool = False, trace: Path_ = None, plot: Path_ = None) -> PlanResult:
+    """Predict latency and memory of `model` on hardware profile `hw` (no GPU, no torch).
+    Budgets default to the profile's; `group`/`chunk`/`resident` None or "auto" leave them to the
+    rule; `plan` (a file, dict or Plan) replaces the knobs. `trace`/`plot` paths are checked
+    first and written last. ValueError names the argument for bad input."""
+    from kvpipe.hw_profiles import load_profile
+    trace_path, plot_path = output_path(trace, "trace"), output_path(plot, "plot")
+    spec = load_model(model)
+    profile = load_profile(hw)
+    work = Workload.parse(context, decode_tokens, batch)
+    budgets = {"gpu": budget(gpu_mem, profile.gpu_mem_bytes, "gpu-mem"),
+               "host": budget(host_mem, profile.host_mem_bytes, "host-mem"),
+               "disk": budget(disk_mem, profile.disk_bytes, "disk-mem")}
+    check_weights(spec, budgets)
+    warnings = _warnings(spec, work)
+    chosen = resolve_plan(spec, work, budgets, method, group, chunk, resident, plan)
+    main = _predict(spec, work, chosen, profile, budgets, full=full_sim)
+    methods = None
+    if compare:
+        from kvpipe.pipeline.plan import Method
+        from kvpipe.pipeline.rules import max_context
+        methods = {}
+        for m in Method:
+            p = chosen if m is chosen.method else resolve_plan(spec, work, budgets, m)
+            pred = main if p is chosen else _predict(spec, work, p, profile, budgets, full=full_sim)
+            ctx = max_context(m, spec, work.decode_tokens, work.batch, budgets)
+            methods[m.value] = Predicted(pred.plan, pred.problems, pred.report, pred.trace, ctx)
+    if trace_path:
+        from kvpipe.pipeline.trace import write_chrome
+        write_chrome(trace_path, main.trace)
+    if plot_path:
+        from kvpipe.analysis.timeline import plot_timeline
+        from kvpipe.pipeline.units import fmt_tokens
+        plot_timeline(plot_path, main.trace, title=f"{spec.name} on {profile.name}, {fmt_tokens(work.context)}")
+    return PlanResult(spec, profile, work, budgets, main, methods, warnings)
+
+
+def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | None = None,
+        decode_tokens: int = DEFAULT_DECODE_TOKENS, batch: int = 1, gpu_mem: str | int | None = None,
+        host_mem: str | int | None = None, disk_mem: str | int | None = None, method: str | None = None,
+        group: Knob = None, chunk: Knob = None, resident: Knob = None, plan: PlanArg = None,
+        random_weights: bool = False, device: str | None = None, dtype: str | None = None, seed: int = 0,
+        prompt_file: Path_ = None, progress: bool = True, warmup: bool = True,
+        trace: Path_ = None, plot: Path_ = None) -> RunResult:
+    """Execute on this machine (torch and transformers needed) and measure next to the
+    prediction. `device` defaults to cuda when available; budgets to the GPU's memory and this
+    machine's RAM (no disk); `context` to the prompt file's length, else 32K; `hw` to the bundled
+    profile of this GPU. The plan is refused before anything is allocated when it does not fit."""
+    trace_path, plot_path = output_path(trace, "trace"), output_path(plot, "plot")
+    try:
+        import torch  # noqa: F401
+        from kvpipe.executor import session
+    except ImportError as e:
+        raise ValueError(f"run: needs torch and transformers ({e.name} missing): pip install 'kvpipe[run]'") from None
+    from kvpipe.executor.attention import kernel_label
+    from kvpipe.hw_profiles import load_profile
+    from kvpipe.pipeline.builder import build
+    from kvpipe.pipeline.report import timing_from_trace
+    from kvpipe.pipeline.units import fmt_tokens
+
+    dev = session.resolve_device(device)
+    spec = load_model(model, dtype)
+    attention = kernel_label(dev, session.TORCH_DTYPES[spec.dtype])  # validates KVPIPE_ATTN
+    prompt = session.read_prompt(prompt_file, model, spec.vocab) if prompt_file is not None else None
+    if context is None:
+        context = len(prompt) if prompt is not None else DEFAULT_RUN_CONTEXT
+    work = Workload.parse(context, decode_tokens, batch)
+    if prompt is not None and len(prompt) != work.context:
+        more = "exceed" if len(prompt) > work.context else "fall short of"
+        raise ValueError(f"prompt-file: its {len(prompt)} tokens {more} the context {work.context}; "
+                         "omit --context to use the prompt's length")
+    profile = load_profile(hw or session.guess_profile(dev) or DEFAULT_HW)
+    budgets = {"gpu": budget(gpu_mem, session.device_budget(dev), "gpu-mem"),
+               "host": budget(host_mem, session.host_ram_bytes(), "host-mem"),
+               "disk": budget(disk_mem, 0, "disk-mem") if disk_mem is not None else 0}
+    check_weights(spec, budgets)
+    chosen = resolve_plan(spec, work, budgets, method, group, chunk, resident, plan)
+    predicted = _predict(spec, work, chosen, profile, budgets)
+    if predicted.problems:   # refused before anything is allocated
+        raise ValueError(f"budget: the plan does not fit: {'; '.join(predicted.problems)}")
+    warnings = _warnings(spec, work)
+    graph = build(spec, work, chosen)
+    hf = session.load_hf_model(model, random_weights, dev, session.TORCH_DTYPES[spec.dtype], seed)
+    ids = session.prompt_tensor(prompt, work.batch, work.context, spec.vocab, seed)
+    measured = session.run_graph(graph, hf, ids, dev, budgets["gpu"], progress=progress, warmup=warmup)
+    res, real = measured.result, measured.result.trace
+    mrep = Report(timing_from_trace(real), real.lane_busy_s(),
+                  {"gpu": res.peak_gpu_bytes, "host": res.host_pinned_bytes, "disk": 0}, {}, (real.note,))
+    if trace_path:
+        from kvpipe.pipeline.trace import write_chrome
+        write_chrome(trace_path, predicted.trace, real)
+    if plot_path:
+        from kvpipe.analysis.timeline import plot_timeline
+        plot_timeline(plot_path, predicted.trace, real, title=f"{spec.name} {fmt_tokens(work.context)} on {dev}")
+    return RunResult(spec, profile, work, budgets, predicted, mrep, real, res.tokens.cpu().tolist(),
+                     measured.digest, str(dev), attention, "random weights" if random_weights else str(model),
+                     warnings)

@@ -1,0 +1,105 @@
+"""What `kvpipe.plan(...)` and `kvpipe.run(...)` return: frozen dataclasses holding the model,
+hardware, workload, budgets, plan and reports, whose `to_json()` is exactly what `--json` prints
+(JSON-native: lists and string keys, so `json.loads(json.dumps(r.to_json())) == r.to_json()`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpipe.pipeline.hardware import HardwareProfile
+from kvpipe.pipeline.model import ModelSpec
+from kvpipe.pipeline.plan import Plan
+from kvpipe.pipeline.report import Report
+from kvpipe.pipeline.trace import Trace
+from kvpipe.pipeline.workload import Workload
+
+
+def _head(model: ModelSpec, hw: HardwareProfile, work: Workload) -> dict:
+    return {"model": {"name": model.name, "family": model.family, "layers": model.layers,
+                      "kv_heads": model.kv_heads, "q_heads": model.q_heads, "head_dim": model.head_dim,
+                      "dtype": model.dtype, "weight_bytes": model.weight_bytes,
+                      "kv_bytes_per_token": model.kv_bytes_per_token},
+            "hardware": {"name": hw.name, "description": hw.description},
+            "workload": {"context": work.context, "decode_tokens": work.decode_tokens, "batch": work.batch}}
+
+
+@dataclass(frozen=True)
+class Predicted:
+    """One plan's prediction: whether it fits the budgets (else `problems`, one line per pool),
+    and the simulated report and trace. `max_context` is set for `compare`."""
+
+    plan: Plan
+    problems: tuple[str, ...]
+    report: Report
+    trace: Trace
+    max_context: int | None = None
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """What `kvpipe plan` prints. `methods` (compare=True) holds every method's rule plan."""
+
+    model: ModelSpec
+    hardware: HardwareProfile
+    workload: Workload
+    budgets: dict[str, int]
+    predicted: Predicted
+    methods: dict[str, Predicted] | None = None
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def plan(self) -> Plan:
+        return self.predicted.plan
+
+    @property
+    def fits(self) -> bool:
+        return self.predicted.fits
+
+    def to_json(self) -> dict:
+        out = _head(self.model, self.hardware, self.workload)
+        p = self.predicted
+        out.update(plan=p.plan.to_json(), fits=p.fits, problems=list(p.problems), predicted=p.report.to_json(),
+                   budgets_bytes=dict(self.budgets), warnings=list(self.warnings))
+        if self.methods is not None:
+            out["methods"] = {n: {"fits": r.fits, "problems": list(r.problems), "plan": r.plan.to_json(),
+                                  "predicted": r.report.to_json(), "max_context": r.max_context}
+                              for n, r in self.methods.items()}
+        return out
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What `kvpipe run` prints: the prediction on `hardware` next to the measurement on `device`,
+    the greedy `tokens` [batch][decode_tokens + 1] and `output_digest` (sha256 of the final logits
+    and the ids: equal digests, equal bits)."""
+
+    model: ModelSpec
+    hardware: HardwareProfile
+    workload: Workload
+    budgets: dict[str, int]
+    predicted: Predicted
+    measured: Report
+    real_trace: Trace
+    tokens: list[list[int]]
+    output_digest: str
+    device: str
+    attention: str
+    weights: str          # "random weights" or the model directory
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def plan(self) -> Plan:
+        return self.predicted.plan
+
+    def to_json(self) -> dict:
+        out = _head(self.model, self.hardware, self.workload)
+        measured = self.measured.to_json()
+        measured.pop("gpu_breakdown_bytes")
+        out.update(plan=self.plan.to_json(), fits=True, predicted=self.predicted.report.to_json(),
+                   measured=measured, tokens=[list(t) for t in self.tokens], output_digest=self.output_digest,
+                   device=self.device, attention=self.attention, budgets_bytes=dict(self.budgets),
+                   warnings=list(self.warnings))
+        return out

@@ -1,0 +1,62 @@
+"""The text reports `kvpipe plan` and `kvpipe run` print: workload and plan lines, the predicted
+(and measured) table, and the side-by-side table of `--compare`."""
+from __future__ import annotations
+
+from kvpipe.pipeline.report import fmt_s, format_report
+from kvpipe.pipeline.units import fmt_bytes, fmt_tokens
+
+from .results import PlanResult, RunResult
+
+
+def _print_workload_plan(work, plan) -> None:
+    print(f"workload: {fmt_tokens(work.context)} prompt tokens, {work.decode_tokens} decode steps, batch {work.batch}")
+    print(f"plan: {plan.describe()}")
+    print(f"      from {plan.source}")
+
+
+def print_plan(res: PlanResult) -> None:
+    hw, p = res.hardware, res.predicted
+    print(f"kvpipe plan: {res.model.name} on {hw.name} — {hw.description}")
+    _print_workload_plan(res.workload, p.plan)
+    budget = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in res.budgets.items())
+    if p.fits:
+        print(f"fits: yes   (budgets: {budget})")
+    else:
+        print(f"fits: NO — {'; '.join(p.problems)}")
+    for line in format_report(p.report):
+        print(line)
+    for note in p.report.notes:
+        print(f"  note: {note}")
+
+
+def print_compare(res: PlanResult) -> None:
+    methods = res.methods or {}
+    rows = [("fits", lambda r: "yes" if r.fits else "NO"),
+            ("prefill", lambda r: fmt_s(r.report.timing.prefill_s)),
+            ("time to first token", lambda r: fmt_s(r.report.timing.ttft_s)),
+            ("decode per token", lambda r: fmt_s(r.report.timing.decode_s_per_token)),
+            ("total", lambda r: fmt_s(r.report.timing.total_s)),
+            ("peak gpu", lambda r: fmt_bytes(r.report.peak_bytes["gpu"])),
+            ("peak host", lambda r: fmt_bytes(r.report.peak_bytes["host"])),
+            ("peak disk", lambda r: fmt_bytes(r.report.peak_bytes["disk"])),
+            ("critical lane", lambda r: r.report.critical_lane),
+            ("max context", lambda r: fmt_tokens(r.max_context))]
+    print(f"\ncompare at {fmt_tokens(res.workload.context)} (each method's rule plan; max context under the budgets):")
+    print(f"  {'':22}" + "".join(f"{n:>14}" for n in methods))
+    for label, get in rows:
+        print(f"  {label:22}" + "".join(f"{get(r):>14}" for r in methods.values()))
+    for n, r in methods.items():
+        if not r.fits:
+            print(f"  {n} does not fit at {fmt_tokens(res.workload.context)}: {'; '.join(r.problems)}")
+
+
+def print_run(res: RunResult) -> None:
+    print(f"kvpipe run: {res.model.name} on {res.device} ({res.weights}); "
+          f"attention kernel {res.attention}; predicted on profile {res.hardware.name}")
+    _print_workload_plan(res.workload, res.plan)
+    for line in format_report(res.predicted.report, res.measured):
+        print(line)
+    print(f"  measured critical lane: {res.measured.critical_lane}; {res.real_trace.note}")
+    tokens = res.tokens[0]
+    print(f"tokens: {tokens[:16]}{' ...' if len(tokens) > 16 else ''}")
+    print(f"output digest: {res.output_digest}")
