@@ -86,12 +86,17 @@ class Partial(NamedTuple):
 def attend_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> Partial:
     """One fused kernel call with as many query heads as kv heads; causal is top-left aligned (use it with T == S)."""
     B, H, T, D = q.shape  # [B, H, T, D]
-    assert k.shape == v.shape and k.shape[:2] == (B, H) and k.shape[3] == D, (q.shape, k.shape, v.shape)
+    if k.shape != v.shape or k.shape[:2] != (B, H) or k.shape[3] != D:
+        raise ValueError(f"k, v: shapes {tuple(k.shape)}, {tuple(v.shape)} do not match q {tuple(q.shape)}")
     S = k.shape[2]  # k, v: [B, H, S, D]
-    assert T >= 1 and S >= 1, f"empty attention T={T} S={S} (the CPU kernel crashes on S == 0)"
-    assert not causal or T == S, f"causal part needs T == S, got T={T} S={S}"
-    assert q.dtype == k.dtype == v.dtype, (q.dtype, k.dtype, v.dtype)
-    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "last dim must be contiguous"
+    if T < 1 or S < 1:
+        raise ValueError(f"q, k: empty attention T={T} S={S} (the CPU kernel crashes on S == 0)")
+    if causal and T != S:
+        raise ValueError(f"causal: needs T == S, got T={T} S={S}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"dtype: q {q.dtype}, k {k.dtype}, v {v.dtype} differ")
+    if not q.stride(-1) == k.stride(-1) == v.stride(-1) == 1:
+        raise ValueError("q, k, v: the last dim must be contiguous")
     if q.device.type == "cpu":
         if q.dtype not in _CPU_DTYPES:
             raise ValueError(f"dtype={q.dtype} has no fused CPU attention kernel")
@@ -167,12 +172,19 @@ def attend_chunk(
     """
     B, Hq, T, D = q.shape  # [B, Hq, T, D]
     Hkv, P = k_prefix.shape[1], k_prefix.shape[2]  # [B, Hkv, P, D]
-    assert T >= 1, f"T={T}: a chunk has at least one token"
-    assert Hkv >= 1 and Hq % Hkv == 0, f"Hq={Hq} is not a multiple of Hkv={Hkv}"
-    assert k_prefix.shape == v_prefix.shape == (B, Hkv, P, D), (k_prefix.shape, v_prefix.shape, q.shape)
-    assert k_new.shape == v_new.shape == (B, Hkv, T, D), (k_new.shape, v_new.shape, q.shape)
-    assert len({t.dtype for t in (q, k_prefix, v_prefix, k_new, v_new)}) == 1, "mixed dtypes"
-    assert len({t.device for t in (q, k_prefix, v_prefix, k_new, v_new)}) == 1, "mixed devices"
+    if T < 1:
+        raise ValueError(f"q: T={T}, a chunk has at least one token")
+    if Hkv < 1 or Hq % Hkv:
+        raise ValueError(f"q: Hq={Hq} is not a multiple of Hkv={Hkv}")
+    if not k_prefix.shape == v_prefix.shape == (B, Hkv, P, D):
+        raise ValueError(f"k_prefix, v_prefix: shapes {tuple(k_prefix.shape)}, {tuple(v_prefix.shape)}, "
+                         f"expected {(B, Hkv, P, D)}")
+    if not k_new.shape == v_new.shape == (B, Hkv, T, D):
+        raise ValueError(f"k_new, v_new: shapes {tuple(k_new.shape)}, {tuple(v_new.shape)}, expected {(B, Hkv, T, D)}")
+    if len({t.dtype for t in (q, k_prefix, v_prefix, k_new, v_new)}) != 1:
+        raise ValueError("dtype: q and the K/V tensors have mixed dtypes")
+    if len({t.device for t in (q, k_prefix, v_prefix, k_new, v_new)}) != 1:
+        raise ValueError("device: q and the K/V tensors are on mixed devices")
     r = Hq // Hkv
 
     # The chunk over itself, causal: its K/V are only T tokens, so expanding them to Hq heads is cheap.

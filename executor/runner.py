@@ -3,6 +3,7 @@ every buffer the plan needs before the first token, lets the lane actors issue t
 returns the measured trace with the logits and greedy tokens."""
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -53,11 +54,12 @@ def decode_steps(graph: Graph) -> int:
 
 def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
             device: str | torch.device | None = None, *, keep_logits: bool = False,
-            stage_hook: Callable[[Stage], None] | None = None) -> RunResult:
+            stage_hook: Callable[[Stage], None] | None = None, turns: random.Random | None = None) -> RunResult:
     """Run `graph` with `hf_model` (already on `device`, default: the model's) on `prompt_ids`
     [B, context]. Greedy decoding; bitwise independent of where the KV cache lives.
     `stage_hook(stage)` is called on the stage's lane (its stream current) after the stage's
-    dependency waits, outside its span: a progress bar, or a test delaying streams at random."""
+    dependency waits, outside its span: a progress bar, or a test delaying streams at random.
+    `turns` (seeded) randomises the lane actors' turn order (tests: many interleavings on CPU)."""
     adapter = HFAdapter(hf_model)
     device = adapter.device if device is None else torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -78,7 +80,7 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
         tokens = torch.zeros(w.batch, n_decode + 1, dtype=torch.long, device=device)
         step_logits = (torch.empty(n_decode + 1, w.batch, graph.model.vocab, device=device)
                        if keep_logits else None)
-        with KVStore(KVLayout.of(graph), device, adapter.dtype) as store, Lanes(device) as lanes:
+        with KVStore(KVLayout.of(graph), device, adapter.dtype) as store, Lanes(device, turns=turns) as lanes:
             interp = Interpreter(graph, adapter, store, lanes, prompt, tokens, step_logits)
             spans = lanes.run(graph, interp, before=stage_hook)
             peak = torch.cuda.max_memory_allocated(device) if cuda else 0

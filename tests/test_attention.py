@@ -1,4 +1,6 @@
-"""Property tests for executor/attention.py: chunked equals full, placement changes no bit, decode."""
+"""Property tests for executor/attention.py: chunked equals full, placement changes no bit, decode.
+The reference is tests/reference.py (float64 softmax written out, its own GQA mapping), never a
+helper of the module under test."""
 
 import os
 from unittest import mock
@@ -9,8 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kvpipe.executor.attention import (CUDNN_MIN_ROWS, attend_chunk, attend_part, canonical_unit_strides, cuda_kernel_setting,
-                                kernel_label, reference_attention)
+from kvpipe.executor.attention import (CUDNN_MIN_ROWS, attend_chunk, attend_part, canonical_unit_strides,
+                                       cuda_kernel_setting, kernel_label)
+from reference import dense_causal_attention
 
 CPU_DTYPES = (torch.float64, torch.float32, torch.bfloat16)
 REL_TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -70,6 +73,9 @@ def chunked_case(draw, max_len):
         sizes=draw(chunk_sizes(seq_len)),
         slack=draw(st.integers(0, 5)),
         amp=draw(st.sampled_from([1.0, 3.0])),
+        # None: the usual D**-0.5; the others catch a half that ignores `scale` (Qwen-style
+        # models and user configs may set attention scaling to anything).
+        scale=draw(st.sampled_from([None, 0.05, 0.3, 1.0])),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
 
@@ -81,10 +87,10 @@ def check_chunked_equals_full(case, device="cpu"):
     q = randn((B, Hkv * r, S, D), dtype, gen, device, case["amp"])  # [B, Hq, S, D]
     k = randn((B, Hkv, S, D), dtype, gen, device, case["amp"])  # [B, Hkv, S, D]
     v = randn((B, Hkv, S, D), dtype, gen, device)
-    scale = D**-0.5
+    scale = D**-0.5 if case.get("scale") is None else case["scale"]
     out = run_chunked(q, k, v, case["sizes"], scale, S + case["slack"])
     assert out.dtype == dtype and out.shape == q.shape
-    assert rel_err(out, reference_attention(q, k, v, scale)) <= REL_TOL[dtype]
+    assert rel_err(out, dense_causal_attention(q, k, v, scale)) <= REL_TOL[dtype]
 
 
 @settings(max_examples=100, deadline=None)
@@ -108,16 +114,55 @@ def test_chunked_equals_full_long_prefix(case, first):
     d=st.sampled_from(HEAD_DIMS),
     b=st.integers(1, 2),
     p=st.one_of(st.integers(0, 40), st.integers(500, 700)),
+    scale=st.sampled_from([None, 0.07, 0.5]),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_decode_equals_reference(dtype, r, hkv, d, b, p, seed):
+def test_decode_equals_reference(dtype, r, hkv, d, b, p, scale, seed):
     gen = torch.Generator().manual_seed(seed)
+    scale = d**-0.5 if scale is None else scale
     q = randn((b, hkv * r, 1, d), dtype, gen)  # [B, Hq, 1, D]
     k = randn((b, hkv, p + 1, d), dtype, gen)  # [B, Hkv, P+1, D]
     v = randn((b, hkv, p + 1, d), dtype, gen)
-    out = attend_chunk(q, k[:, :, :p], v[:, :, :p], k[:, :, p:], v[:, :, p:], d**-0.5)
+    out = attend_chunk(q, k[:, :, :p], v[:, :, :p], k[:, :, p:], v[:, :, p:], scale)
     assert out.shape == q.shape and out.dtype == dtype
-    assert rel_err(out, reference_attention(q, k, v, d**-0.5)) <= REL_TOL[dtype]
+    assert rel_err(out, dense_causal_attention(q, k, v, scale)) <= REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("scale", [0.05, 0.3, 1.0])
+def test_scale_applies_to_prefix_and_chunk(dtype, scale):
+    """Fault caught: one half (prefix or chunk) scaled by D**-0.5 instead of `scale`; every model
+    of the other tests uses D**-0.5, so only a different scale can tell them apart."""
+    gen = torch.Generator().manual_seed(7)
+    B, Hkv, r, P, T, D = 1, 2, 3, 9, 4, 64
+    q = randn((B, Hkv * r, T, D), dtype, gen)   # [B, Hq, T, D]
+    k = randn((B, Hkv, P + T, D), dtype, gen)   # [B, Hkv, P+T, D]
+    v = randn((B, Hkv, P + T, D), dtype, gen)
+    out = attend_chunk(q, k[:, :, :P], v[:, :, :P], k[:, :, P:], v[:, :, P:], scale)
+    assert rel_err(out, dense_causal_attention(q, k, v, scale)) <= REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("p,t", [(37, 5), (600, 1), (20, 33)])
+def test_merge_survives_huge_log_sum_exp(dtype, p, t):
+    """Every score shifted by +1000 (q and k share a large component along dim 0): softmax does
+    not change, but exp(lse) overflows float32 and float64 (> 709). Fault caught: a merge of
+    the two halves as log(exp(a) + exp(b)) without subtracting the max (gives inf -> 0 or NaN);
+    the property tests keep the log-sum-exp far below that."""
+    gen = torch.Generator().manual_seed(p * 100 + t)
+    B, Hkv, r, D = 1, 2, 2, 64
+    scale = D**-0.5
+    shift = 1000.0
+    c = (shift / scale) ** 0.5                       # c * c * scale == shift
+    q = torch.randn(B, Hkv * r, t, D, generator=gen, dtype=torch.float64)
+    k = torch.randn(B, Hkv, p + t, D, generator=gen, dtype=torch.float64)
+    v = torch.randn(B, Hkv, p + t, D, generator=gen, dtype=torch.float64)
+    q[..., 0], k[..., 0] = c, c
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    out = attend_chunk(q, k[:, :, :p], v[:, :, :p], k[:, :, p:], v[:, :, p:], scale)
+    tol = 1e-9 if dtype == torch.float64 else 2e-2  # scores near 1000 carry ~1e-3 of fp32 rounding
+    assert torch.isfinite(out).all()
+    assert rel_err(out, dense_causal_attention(q, k, v, scale)) <= tol
 
 
 def placement_variants(big: torch.Tensor, h0: int, g: int, p: int) -> dict[str, torch.Tensor]:
@@ -240,10 +285,17 @@ def test_never_materialises_scores_or_copies_prefix(r, t, p):
 
 
 def test_rejects_mismatched_shapes():
+    """Fault caught: shape checks written as `assert` (gone under python -O, where a bad call
+    would attend with the wrong heads instead of failing)."""
     q = torch.randn(1, 6, 2, 64)
     kv = torch.randn(1, 4, 3, 64)  # Hq = 6 is not a multiple of Hkv = 4
-    with pytest.raises(AssertionError):
+    with pytest.raises(ValueError, match="Hq=6"):
         attend_chunk(q, kv, kv, kv[:, :, :2], kv[:, :, :2], 0.125)
+    q = torch.randn(1, 8, 2, 64)
+    with pytest.raises(ValueError, match="k_new"):   # new K/V of 3 tokens for a 2-token chunk
+        attend_chunk(q, kv, kv, kv, kv, 0.125)
+    with pytest.raises(ValueError, match="dtype"):
+        attend_chunk(q, kv, kv, kv[:, :, :2].double(), kv[:, :, :2], 0.125)
 
 
 def test_kernel_setting_is_validated(monkeypatch):
