@@ -19,11 +19,11 @@ class Workload:
     batch: int = 1
 
     def __post_init__(self) -> None:
-        if not isinstance(self.context, int) or self.context <= 0:
+        if not _is_int(self.context) or self.context <= 0:
             raise ValueError(f"context: must be a positive token count, got {self.context!r}")
-        if not isinstance(self.decode_tokens, int) or self.decode_tokens < 0:
-            raise ValueError(f"decode_tokens: must be >= 0, got {self.decode_tokens!r}")
-        if not isinstance(self.batch, int) or self.batch <= 0:
+        if not _is_int(self.decode_tokens) or self.decode_tokens < 0:
+            raise ValueError(f"decode_tokens: must be an integer >= 0, got {self.decode_tokens!r}")
+        if not _is_int(self.batch) or self.batch <= 0:
             raise ValueError(f"batch: must be a positive integer, got {self.batch!r}")
 
     @classmethod
@@ -34,3 +34,8 @@ class Workload:
     def kv_capacity(self) -> int:
         """Tokens of KV held per sequence by the end: the prompt plus every decode step."""
         return self.context + self.decode_tokens
+
+
+def _is_int(v: object) -> bool:
+    """An int that is not a bool (True would otherwise count as 1)."""
+    return isinstance(v, int) and not isinstance(v, bool)

@@ -1,0 +1,124 @@
+"""pipeline/cost.py and the builder's cost inputs (bytes, FLOPs, memory traffic per stage) against
+numbers worked out by hand, on a fictional machine whose four link rates (h2d, d2h, disk read,
+disk write) and three fixed costs all differ, so a formula that uses the wrong one shows.
+Models and plans: the MHA (bf16, with disk units) and GQA (fp32) cases of test_memory.py."""
+import pytest
+
+from kvpipe.pipeline.builder import build
+from kvpipe.pipeline.cost import compute_seconds, stage_seconds
+from kvpipe.pipeline.hardware import HardwareProfile
+from kvpipe.pipeline.stage import Kind, Phase, Stage
+from test_memory import GQA, GQA_PLAN, GQA_WORK, MHA, MHA_PLAN, MHA_WORK
+
+# A test machine with round numbers (not a real GPU: real ones live in hw_profiles/ with sources).
+HW = HardwareProfile(
+    name="test-machine", description="fictional: round numbers, every link rate different",
+    gpu_mem_bytes=10**10, hbm_peak_bytes_per_s=2e9, hbm_eff_bytes_per_s=1e9,
+    flops_peak_per_s={"bf16": 2e12, "fp16": 2e12, "fp32": 1e12},
+    flops_eff_per_s={"bf16": 1e12, "fp16": 1e12, "fp32": 5e11},
+    small_shape_half_flops=1e6, attention_efficiency=0.5, launch_overhead_s=1e-6, attention_plan_s=0.01,
+    h2d_alpha_s=1e-6, h2d_bytes_per_s=10e9, d2h_alpha_s=2e-6, d2h_bytes_per_s=4e9, pcie_duplex=True,
+    host_mem_bytes=10**10, disk_read_bytes_per_s=2e9, disk_write_bytes_per_s=1e9, disk_alpha_s=5e-5,
+    disk_bytes=10**11, cpu_codec_bytes_per_s=3e9)
+
+REL = 1e-12
+
+
+def test_the_machine_separates_every_link():
+    rates = (HW.h2d_bytes_per_s, HW.d2h_bytes_per_s, HW.disk_read_bytes_per_s, HW.disk_write_bytes_per_s)
+    alphas = (HW.h2d_alpha_s, HW.d2h_alpha_s, HW.disk_alpha_s)
+    assert len(set(rates)) == 4 and len(set(alphas)) == 3
+
+
+@pytest.fixture(scope="module")
+def mha():
+    return {s.name: s for s in build(MHA, MHA_WORK, MHA_PLAN).stages}
+
+
+@pytest.fixture(scope="module")
+def gqa():
+    return {s.name: s for s in build(GQA, GQA_WORK, GQA_PLAN).stages}
+
+
+def check(stage: Stage, dtype: str, *, bytes=None, ops=None, flops=None, mem=None, seconds=None):
+    if bytes is not None:
+        assert stage.bytes == bytes, stage.name
+    if ops is not None:
+        assert stage.ops == ops, stage.name
+    if flops is not None:
+        assert stage.flops == flops, stage.name
+    if mem is not None:
+        assert stage.mem_bytes == mem, stage.name
+    assert stage_seconds(stage, HW, dtype) == pytest.approx(seconds, rel=REL), stage.name
+
+
+def test_mha_copies_by_hand(mha):
+    """Faults caught: d2h timed with the h2d rate or alpha; disk reads timed with the write rate
+    (or writes with the read rate); a copy's bytes or per-(sequence, head) ops miscounted.
+    Layer 1 of the MHA plan: head 0 on the GPU, heads 1, 2 in host RAM, head 3 on disk; batch 2;
+    64 bytes of K/V per head and token."""
+    # Prefill chunk 1 (tokens 4..8), head group 1 = heads 2, 3: head 3's 4-token prefix is read
+    # from disk (2 x 4 x 64 = 512 bytes, one request per sequence), then both heads go h2d.
+    check(mha["prefill.1.L1.kv_read.g1"], "bf16", bytes=512, ops=2, seconds=2 * 5e-5 + 512 / 2e9)
+    check(mha["prefill.1.L1.kv_fetch.g1"], "bf16", bytes=1024, ops=4, seconds=4 * 1e-6 + 1024 / 10e9)
+    # The chunk's new K/V (4 tokens) of the 3 offloaded heads go d2h, head 3's then to disk.
+    check(mha["prefill.1.L1.kv_store"], "bf16", bytes=1536, ops=6, seconds=6 * 2e-6 + 1536 / 4e9)
+    check(mha["prefill.1.L1.kv_write"], "bf16", bytes=512, ops=2, seconds=2 * 5e-5 + 512 / 1e9)
+    # Decode step 0 (position 10): decode groups are single heads; head 1's 10-token prefix.
+    check(mha["decode.0.L1.kv_fetch.g1"], "bf16", bytes=1280, ops=2, seconds=2 * 1e-6 + 1280 / 10e9)
+    check(mha["decode.0.L1.kv_read.g3"], "bf16", bytes=1280, ops=2, seconds=2 * 5e-5 + 1280 / 2e9)
+    check(mha["decode.0.L1.kv_write"], "bf16", bytes=128, ops=2, seconds=2 * 5e-5 + 128 / 1e9)
+
+
+def test_mha_compute_by_hand(mha):
+    """Faults caught: qkv's memory traffic counting offloaded heads as resident (it reads only the
+    resident heads' K/V homes); attention FLOPs, traffic, efficiency or the plan-build stall wrong."""
+    # qkv of layer 1, chunk 1 (4 tokens): FLOPs 2 seq x 4 tok x 2*64*(4+2*4)*16 = 196608.
+    # Traffic: weights 64 x 12 x 16 x 2 = 24576; activations 2 x 4 x 320 x 2 = 5120; the ONE
+    # resident head's new K/V 2 x 4 x 64 = 512 -> 30208. Memory bound: 30208 / 1e9 + 6 launches.
+    check(mha["prefill.1.L1.qkv"], "bf16", flops=196608, mem=30208, seconds=30208 / 1e9 + 6e-6)
+    # Layer 0 has two resident heads: 1024 bytes of new K/V instead of 512.
+    check(mha["prefill.1.L0.qkv"], "bf16", flops=196608, mem=30720, seconds=30720 / 1e9 + 6e-6)
+    # attn layer 0, group 0 (heads 0, 1 both resident; 2 query heads), queries 4..7 over keys 0..7:
+    # 5+6+7+8 = 26 pairs x 4 x 16 x 2 heads x 2 seq = 6656 FLOPs. Traffic: keys 2 x 8 x 2 x 64 =
+    # 2048, q and out 2 x 2 x 4 x 2 x 16 x 2 = 1024, workspace written and read 2 x 2176 -> 7424.
+    # The first attention of a chunk with a prefix builds a plan: + 0.01 s.
+    check(mha["prefill.1.L0.attn.g0"], "bf16", flops=6656, mem=7424, seconds=7424 / 1e9 + 5e-6 + 0.01)
+    # Layer 1, group 0: head 0 resident, head 1 fetched: the resident head's prefix is copied into
+    # the slot too, 2 (K, V reads and writes) x 2 seq x 4 tok x 1 head x 64 = 1024 more; no plan build.
+    check(mha["prefill.1.L1.attn.g0"], "bf16", flops=6656, mem=8448, seconds=8448 / 1e9 + 5e-6)
+    # The first chunk has no prefix: no plan build, 2 launches. 4 queries: 1+2+3+4 = 10 pairs ->
+    # 2560 FLOPs; traffic 2 x 4 x 2 x 64 + 1024 + 4352 = 6400 bytes (memory bound).
+    check(mha["prefill.0.L0.attn.g0"], "bf16", flops=2560, mem=6400, seconds=6400 / 1e9 + 2e-6)
+
+
+def test_gqa_by_hand(gqa):
+    """The GQA model (4 query heads per KV head, fp32, batch 1): layer 0 has head 0 resident,
+    the other five units live in host RAM."""
+    # Decode step 0 at position 9: head 1's 9-token prefix (9 x 256 = 2304 bytes), one copy.
+    check(gqa["decode.0.L1.kv_fetch.g1"], "fp32", bytes=2304, ops=1, seconds=1e-6 + 2304 / 10e9)
+    # Its new K/V of both heads of layer 1 (2 x 256) go home in 2 copies.
+    check(gqa["decode.0.L1.kv_store"], "fp32", bytes=512, ops=2, seconds=2 * 2e-6 + 512 / 4e9)
+    # qkv, chunk 0 (5 tokens): weights 64 x 12 x 32 x 4 = 98304; activations 5 x 704 x 4 = 14080;
+    # resident K/V 5 x 256 = 1280 in layer 0, none in layer 1.
+    check(gqa["prefill.0.L0.qkv"], "fp32", flops=5 * 49152, mem=113664, seconds=113664 / 1e9 + 6e-6)
+    check(gqa["prefill.0.L1.qkv"], "fp32", flops=5 * 49152, mem=112384, seconds=112384 / 1e9 + 6e-6)
+    # attn layer 0 group 0 (heads 0, 1; 8 query heads), chunk 1 = queries 5..8 over keys 0..8:
+    # 6+7+8+9 = 30 pairs x 4 x 32 x 8 = 30720 FLOPs. Traffic: keys 9 x 2 x 256 = 4608; q and out
+    # 2 x 4 x 8 x 32 x 4 = 8192; workspace 2 x 8448; the resident head's prefix copy 2 x 5 x 256
+    # = 2560 -> 32256. Plan build (first attention of a chunk with a prefix).
+    check(gqa["prefill.1.L0.attn.g0"], "fp32", flops=30720, mem=32256, seconds=32256 / 1e9 + 5e-6 + 0.01)
+
+
+def test_compute_seconds_roofline_by_hand():
+    """Arithmetic bound: (FLOPs + the small-shape half point) / rate; attention at its efficiency."""
+    assert compute_seconds(1e9, 0, 2, HW, "bf16") == pytest.approx((1e9 + 1e6) / 1e12 + 2e-6, rel=REL)
+    assert compute_seconds(1e9, 0, 2, HW, "bf16", "attn") == pytest.approx((1e9 + 1e6) / 5e11 + 2e-6, rel=REL)
+    assert compute_seconds(1e9, 0, 0, HW, "fp32") == pytest.approx((1e9 + 1e6) / 5e11, rel=REL)
+    assert compute_seconds(1e9, 5e6, 1, HW, "bf16") == pytest.approx(5e6 / 1e9 + 1e-6, rel=REL)  # memory bound
+    assert compute_seconds(0, 0, 3, HW, "bf16") == pytest.approx(3e-6, rel=REL)
+
+
+def test_codec_stage_by_hand():
+    s = Stage(0, Kind.COMPRESS, "compress", Phase.PREFILL, 0, 0, None, (0, 1), bytes=6_000_000)
+    assert stage_seconds(s, HW, "bf16") == pytest.approx(6e6 / 3e9, rel=REL)
