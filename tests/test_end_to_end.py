@@ -65,13 +65,20 @@ def test_matches_hf_with_its_cache(tiny_model, family, kv, q, d, layers, dtype):
     decode = 9
     ref_logits, ref_tokens = hf_greedy(model, ids, decode)
     units = layers * kv
-    for plan in (headwise(kv, 29, 1, units),                          # standard: all resident, one pass
-                 headwise(1, 7, 2, units // 3, decode_group=kv),       # offloaded, chunked
-                 headwise(kv, 5, 3, 0, decode_group=1, decode_depth=1)):
+    plans = [headwise(kv, 29, 1, units),                               # standard: all resident, one pass
+             headwise(1, 7, 2, units // 3, decode_group=kv),            # offloaded, chunked
+             headwise(kv, 5, 3, 0, decode_group=1, decode_depth=1)]
+    if kv >= 4:   # groups of several heads, several groups per layer, one of them half resident
+        plans.append(headwise(kv // 2, 6, 2, layers * kv // 2 - 1, decode_group=kv // 2))
+    for plan in plans:
         res = run_kvpipe(model, ids, decode, plan)
         torch.testing.assert_close(res.step_logits, ref_logits, **TOL[dtype])
-        assert torch.equal(res.tokens, ref_tokens), (res.tokens, ref_tokens)
-        assert torch.equal(res.last_logits, res.step_logits[-1])
+        assert torch.equal(res.tokens, ref_tokens), (plan.describe(), res.tokens, ref_tokens)
+    # The production path keeps no per-step logits: its last logits (what the output digest
+    # hashes) must be the last step's, and keep_logits must change no bit.
+    lean = execute(build(HFAdapter(model).spec(), Workload(29, decode, 2), plans[-1]), model, ids)
+    assert lean.step_logits is None and torch.equal(lean.last_logits, res.step_logits[-1])
+    torch.testing.assert_close(lean.last_logits, ref_logits[-1], **TOL[dtype])
 
 
 def test_prefill_only_and_single_token_prompt(tiny_model):

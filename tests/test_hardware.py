@@ -149,8 +149,14 @@ def test_flops_rate_grows_with_kernel_size_below_eff(a, b):
 
 
 def test_imports_without_torch():
-    code = ("import sys; sys.modules['torch'] = None; "
-            "import kvpipe.pipeline.hardware, kvpipe.hw_profiles as hw_profiles; hw_profiles.load_profile('h200'); "
-            "assert 'torch' not in sys.modules or sys.modules['torch'] is None")
+    """Fault caught: pipeline/hardware.py or the profile loader importing torch, directly or
+    behind a try/except (torch is importable here, so the check is that it never got loaded)."""
+    code = ("import sys\n"
+            "import kvpipe.pipeline.hardware, kvpipe.hw_profiles as hw_profiles\n"
+            "hw_profiles.load_profile('h200')\n"
+            "loaded = sorted(m for m in ('torch', 'transformers', 'simpy') if m in sys.modules)\n"
+            "print(','.join(loaded))\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env=env)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "", f"loaded: {r.stdout.strip()}"

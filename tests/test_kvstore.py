@@ -9,6 +9,7 @@ from kvpipe.executor.adapter import HFAdapter
 from kvpipe.executor.kvstore import KVLayout, KVStore, k_of, v_of
 from kvpipe.executor.runner import execute
 from kvpipe.pipeline.builder import build
+from kvpipe.pipeline.memory import breakdown
 from kvpipe.pipeline.model import ModelSpec
 from kvpipe.pipeline.plan import Method, PhasePlan, Plan, Tier, placement
 from kvpipe.pipeline.stage import Kind, Phase
@@ -100,11 +101,16 @@ def test_run_allocates_each_kv_buffer_once(tiny_model):
     g = build(HFAdapter(model).spec(), w, plan(5, group=2, chunk=4, depth=3, decode_group=1))
     ids = torch.randint(0, 128, (2, 19), generator=torch.Generator().manual_seed(1))
     with _KVAllocations(w.kv_capacity, 16) as rec:
-        execute(g, model, ids)
+        res = execute(g, model, ids)
     lo = KVLayout.of(g)
     expected = sorted([(2, n, 25, 2, 16) for n in lo.resident if n]
                       + [(2, 4 - n, 25, 2, 16) for n in lo.resident if n < 4] + [(2, 2, 25, 2, 16)] * 3)
     assert sorted(rec.created) == expected
+    # Fault caught (fast twin of the CLI's predicted == measured host check): the planner's KV
+    # homes sized by the context alone. 7 offloaded units x batch 2 x (19 + 6) tokens x 128 bytes.
+    mem = breakdown(g.model, w, g.plan)
+    assert res.host_pinned_bytes == mem.host_kv == 7 * 2 * 25 * 128
+    assert mem.gpu_kv == 5 * 2 * 25 * 128 and mem.gpu_buffers == 3 * 2 * 2 * 25 * 128
 
 
 @pytest.mark.parametrize("resident,batch", [(0, 1), (5, 2), (7, 1)])
