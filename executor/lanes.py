@@ -3,9 +3,10 @@ awaits (on the host) that each dependency has been ENQUEUED, then on CUDA makes 
 wait for the dependency's end event and enqueues its own work between a start and an end event;
 the host never blocks on the GPU until the run is over. Actors take turns stage by stage, so a
 copy lane issues a prefetch as soon as its slot's last reader is enqueued, not only when compute
-waits for it. On CPU the same actors run the work synchronously, timed by the host clock; there
-`turns` (a seeded random.Random) shuffles whose turn comes next, so tests see many interleavings.
-Either way the result is one Span per stage."""
+waits for it. On CPU the same actors run the work synchronously, timed by the host clock.
+`turns` (a seeded random.Random) shuffles whose turn comes next: on CPU, where the work runs as it
+is issued, that is how tests see many interleavings (a missing dependency then shows as wrong
+bits). Either way the result is one Span per stage."""
 from __future__ import annotations
 
 import asyncio
