@@ -198,18 +198,3 @@ def attend_chunk(
     pre = attend_part(q_fold, k_prefix, v_prefix, scale, causal=False)
     pre = Partial(pre.out.reshape(B, Hq, T, D), pre.lse.reshape(B, Hq, T))
     return merge_partials(pre, own, q.dtype)
-
-
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Dense float64 causal attention for tests: q [B, Hq, T, D] are the last T of the S positions of
-    k, v [B, Hkv, S, D] (T == S: full prefill). Materialises the scores; never use it to serve."""
-    B, Hq, T, D = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    assert Hq % Hkv == 0 and T <= S and k.shape == v.shape == (B, Hkv, S, D), (q.shape, k.shape, v.shape)
-    r = Hq // Hkv
-    q64, k64, v64 = q.double(), repeat_kv(k.double(), r), repeat_kv(v.double(), r)
-    scores = (q64 @ k64.transpose(-1, -2)) * scale  # [B, Hq, T, S]
-    pos_q = torch.arange(S - T, S, device=q.device)[:, None]  # [T, 1]
-    pos_k = torch.arange(S, device=q.device)[None, :]  # [1, S]
-    scores = scores.masked_fill(pos_k > pos_q, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v64  # [B, Hq, T, D] float64

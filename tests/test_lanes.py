@@ -4,6 +4,7 @@ they do not stand in for anything measured), and the shuffled turn order that le
 executor explore many interleavings, with a proof that it catches a missing dependency."""
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -219,9 +220,7 @@ def test_shuffled_turns_give_many_interleavings():
 def without_deps(graph: Graph, tag: str, on_tag: str) -> Graph:
     """The graph with every dependency of `tag` stages on `on_tag` stages removed."""
     st_ = graph.stages
-    stages = [Stage(s.id, s.kind, s.tag, s.phase, s.step, s.layer, s.group, s.tokens,
-                    tuple(d for d in s.deps if not (s.tag == tag and st_[d].tag == on_tag)),
-                    s.heads, s.slot, s.flops, s.mem_bytes, s.bytes, s.ops, s.takes, s.frees)
+    stages = [replace(s, deps=tuple(d for d in s.deps if not (s.tag == tag and st_[d].tag == on_tag)))
               for s in st_]
     return Graph(graph.model, graph.workload, graph.plan, stages, graph.static)
 
