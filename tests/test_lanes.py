@@ -229,8 +229,8 @@ def without_deps(graph: Graph, tag: str, on_tag: str) -> Graph:
 def test_shuffled_turns_expose_a_missing_dependency(tiny_model, tag, on_tag):
     """The shuffled mode bites: with attention no longer waiting for its fetch (or a fetch no
     longer waiting for the slot's last reader), some interleaving gives other bits than the
-    all-resident run. In the fixed turn order the first fault goes unseen (checked below
-    too, so the test shows what the mode adds)."""
+    all-resident run. (On this graph the fixed turn order misses the first fault: the h2d lane
+    always runs ahead there.) The correct graph stays bitwise equal under the same seeds."""
     model = tiny_model("llama", kv_heads=4, q_heads=8, head_dim=16, layers=2)
     spec = HFAdapter(model).spec()
     w, plan = Workload(20, 3), headwise(1, 6, 2, 2, decode_group=2)
@@ -244,6 +244,3 @@ def test_shuffled_turns_expose_a_missing_dependency(tiny_model, tag, on_tag):
         broken = execute(bad, model, ids, keep_logits=True, turns=random.Random(seed))
         differs.append(not torch.equal(broken.step_logits, ref.step_logits))
     assert any(differs), differs
-    if tag == "attn":
-        fixed = execute(bad, model, ids, keep_logits=True)
-        assert torch.equal(fixed.step_logits, ref.step_logits)
