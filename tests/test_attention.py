@@ -96,6 +96,8 @@ def check_chunked_equals_full(case, device="cpu"):
 @settings(max_examples=100, deadline=None)
 @given(case=chunked_case(max_len=80))
 def test_chunked_equals_full(case):
+    """Fault caught: a chunked result that differs from dense causal attention (wrong mask offset,
+    prefix/chunk split, GQA mapping, scale or merge) for any chunking."""
     check_chunked_equals_full(case)
 
 
@@ -224,6 +226,8 @@ def check_placement_bitwise(case, device="cpu"):
 @settings(max_examples=60, deadline=None)
 @given(case=placement_case(CPU_DTYPES))
 def test_placement_is_bitwise_invariant(case):
+    """Fault caught: bits that depend on where or how the prefix is held (strided view, copy, via
+    host, token-major, group-only buffer)."""
     check_placement_bitwise(case)
 
 
@@ -235,6 +239,8 @@ def test_placement_is_bitwise_invariant(case):
     seed=st.integers(0, 2**31 - 1),
 )
 def test_kernel_lse_is_natural_log_per_row(dtype, d, t, seed):
+    """Fault caught: a kernel LSE in log2 units, another layout, or padded rows, which the merge
+    would misweight."""
     check_lse(dtype, d, t, seed)
 
 
@@ -299,6 +305,7 @@ def test_rejects_mismatched_shapes():
 
 
 def test_kernel_setting_is_validated(monkeypatch):
+    """Fault caught: an unknown KVPIPE_ATTN value silently falling back to a kernel."""
     monkeypatch.setenv("KVPIPE_ATTN", "fastest")
     with pytest.raises(ValueError, match="KVPIPE_ATTN='fastest': expected one of auto, flash, cudnn"):
         cuda_kernel_setting()
@@ -321,6 +328,7 @@ def cuda_case_id(case):
 @settings(max_examples=15, deadline=None)
 @given(data=st.data())
 def test_placement_is_bitwise_invariant_cuda(dtype, kernel, data):
+    """Fault caught: on CUDA, placement-dependent bits per kernel (FA2, cuDNN, memory-efficient)."""
     with mock.patch.dict(os.environ, {"KVPIPE_ATTN": kernel}):
         check_placement_bitwise(data.draw(placement_case((dtype,))), device="cuda")
 
@@ -330,6 +338,7 @@ def test_placement_is_bitwise_invariant_cuda(dtype, kernel, data):
 @settings(max_examples=15, deadline=None)
 @given(data=st.data())
 def test_chunked_equals_full_cuda(dtype, kernel, data):
+    """Fault caught: a CUDA kernel path whose chunked result leaves the dense reference."""
     case = data.draw(chunked_case(max_len=80))
     with mock.patch.dict(os.environ, {"KVPIPE_ATTN": kernel}):
         check_chunked_equals_full(dict(case, dtype=dtype), device="cuda")
@@ -340,13 +349,15 @@ def test_chunked_equals_full_cuda(dtype, kernel, data):
 @settings(max_examples=10, deadline=None)
 @given(d=st.sampled_from(HEAD_DIMS), t=st.integers(1, 300), seed=st.integers(0, 2**31 - 1))
 def test_kernel_lse_is_natural_log_per_row_cuda(dtype, kernel, d, t, seed):
+    """Fault caught: a CUDA kernel's LSE in other units or layout (cuDNN returns [B, H, T, 1])."""
     with mock.patch.dict(os.environ, {"KVPIPE_ATTN": kernel}):
         check_lse(dtype, d, t, seed, device="cuda")
 
 
 @pytest.mark.gpu
 def test_auto_uses_cudnn_for_prefill_chunks_and_flash_for_decode():
-    """`auto` on bf16: a 4096-token chunk (and its folded prefix) goes to cuDNN, a decode step to FA2."""
+    """`auto` on bf16: a 4096-token chunk (and its folded prefix) goes to cuDNN, a decode step to
+    FA2."""
     if kernel_label(torch.device("cuda"), torch.bfloat16) == "FA2":
         pytest.skip("auto keeps FA2 on this GPU (pre-Hopper or no cuDNN 9)")
     gen = torch.Generator().manual_seed(0)

@@ -25,6 +25,7 @@ REL = 1e-12
 
 
 def test_the_machine_separates_every_link():
+    """Guards the test machine itself: equal rates would let a swapped rate pass."""
     rates = (HW.h2d_bytes_per_s, HW.d2h_bytes_per_s, HW.disk_read_bytes_per_s, HW.disk_write_bytes_per_s)
     alphas = (HW.h2d_alpha_s, HW.d2h_alpha_s, HW.disk_alpha_s)
     assert len(set(rates)) == 4 and len(set(alphas)) == 3
@@ -120,5 +121,6 @@ def test_compute_seconds_roofline_by_hand():
 
 
 def test_codec_stage_by_hand():
+    """Fault caught: codec stages timed by another rate than the CPU codec pool's."""
     s = Stage(0, Kind.COMPRESS, "compress", Phase.PREFILL, 0, 0, None, (0, 1), bytes=6_000_000)
     assert stage_seconds(s, HW, "bf16") == pytest.approx(6e6 / 3e9, rel=REL)

@@ -82,6 +82,8 @@ def test_matches_hf_with_its_cache(tiny_model, family, kv, q, d, layers, dtype):
 
 
 def test_prefill_only_and_single_token_prompt(tiny_model):
+    """Fault caught: the edge workloads (no decode step; a one-token prompt) leaving HF's logits or
+    tokens."""
     model = tiny_model("llama", kv_heads=2)
     for ctx, decode in ((13, 0), (1, 4)):
         ids = torch.randint(0, 128, (1, ctx), generator=torch.Generator().manual_seed(ctx))
@@ -108,6 +110,7 @@ def test_trace_is_measured_and_reportable(tiny_model):
 
 
 def test_random_model_is_seeded_and_leaves_the_rng_alone():
+    """Fault caught: random weights that depend on global RNG state, or that disturb it."""
     cfg = dict(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48,
                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     state = torch.get_rng_state()
@@ -120,6 +123,8 @@ def test_random_model_is_seeded_and_leaves_the_rng_alone():
 
 
 def test_unsupported_architectures_are_named():
+    """Fault caught: an unsupported model run anyway, or refused without naming it and the supported
+    list."""
     with pytest.raises(ValueError, match="gpt2.*supported: llama, mistral, qwen2, qwen3"):
         random_model(dict(model_type="gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=64))
     from transformers import GPT2Config, GPT2LMHeadModel

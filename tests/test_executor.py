@@ -32,6 +32,7 @@ def headwise(group, chunk, depth, resident, decode_group=None, decode_depth=None
 
 # ---- lanes -----------------------------------------------------------------------------------
 def test_cross_lane_waits_keep_the_latest_dep_per_other_lane():
+    """Fault caught: a cross-lane wait missing, or not the latest dependency on its lane."""
     g = build(SPEC, Workload(12, 3), headwise(1, 4, 2, 2))
     waits = cross_lane_waits(g)
     for s in g.stages:
@@ -43,6 +44,7 @@ def test_cross_lane_waits_keep_the_latest_dep_per_other_lane():
 
 
 def test_actors_issue_each_lane_in_order_after_its_dependencies():
+    """Fault caught: an actor issuing out of lane order or before a dependency was enqueued."""
     g = build(SPEC, Workload(12, 4, 2), headwise(2, 5, 3, 1, decode_group=1))
     issued = []
     with Lanes(torch.device("cpu")) as lanes:
@@ -58,6 +60,7 @@ def test_actors_issue_each_lane_in_order_after_its_dependencies():
 
 
 def test_stage_hook_sees_every_stage_once_before_it_runs(tiny_model):
+    """Fault caught: the stage hook skipped or called twice (progress bars, stream stalls)."""
     model = tiny_model("qwen2", kv_heads=2, q_heads=4, head_dim=16)
     g = build(HFAdapter(model).spec(), Workload(9, 3), headwise(1, 4, 2, 1))
     seen = []
@@ -66,6 +69,7 @@ def test_stage_hook_sees_every_stage_once_before_it_runs(tiny_model):
 
 
 def test_an_error_in_a_stage_ends_the_run():
+    """Fault caught: an exception in one lane swallowed while the other lanes wait forever."""
     g = build(SPEC, Workload(12, 2), headwise(1, 4, 2, 0))
 
     def issue(s):
@@ -152,6 +156,7 @@ def test_offloaded_equals_resident_bitwise(tiny_model, case, turns):
 @settings(max_examples=6, deadline=None)
 @given(case=schedules(max_context=24, max_decode=3, families=("llama", "qwen3")), turns=turn_seeds)
 def test_offloaded_equals_resident_bitwise_float64(tiny_model, case, turns):
+    """Fault caught: as the fp32 property, in float64 (no rounding to hide behind)."""
     model = tiny_model(case["family"], kv_heads=case["kv"], q_heads=8, head_dim=case["head_dim"],
                        layers=case["layers"], dtype=torch.float64)
     check_bitwise(model, case, turns=turns)

@@ -38,11 +38,14 @@ def _error(path: str) -> str:
 
 
 def test_known_profiles_lists_bundled_files():
+    """Fault caught: a bundled profile missing from the list (or a stray file in it)."""
     assert known_profiles() == BUNDLED
 
 
 @pytest.mark.parametrize("name", BUNDLED)
 def test_bundled_profile_loads(name):
+    """Fault caught: a bundled profile that fails to load, lacks a dtype, or has effective rates
+    above peak."""
     hw = load_profile(name)
     assert isinstance(hw, HardwareProfile)
     assert hw.name == name
@@ -61,6 +64,8 @@ def test_every_number_has_a_source(name):
 
 
 def test_h200_numbers():
+    """Fault caught: H200 numbers drifting from their measured sources (fields swapped, units
+    wrong)."""
     hw = load_profile("h200")
     assert hw.flops_eff("bf16") == 780e12
     assert hw.hbm_eff_bytes_per_s == 4.21e12
@@ -71,6 +76,7 @@ def test_h200_numbers():
 
 
 def test_unknown_name_lists_known_ones():
+    """Fault caught: an unknown profile name failing without listing the known ones."""
     with pytest.raises(ProfileError) as e:
         load_profile("foo")
     assert str(e.value) == ("unknown hardware 'foo' (known: a100-80g, h100-sxm, h200, rtx4060, "
@@ -78,6 +84,7 @@ def test_unknown_name_lists_known_ones():
 
 
 def test_unknown_dtype_raises():
+    """Fault caught: a missing dtype rate returned as 0 or a default instead of an error naming it."""
     hw = load_profile("rtx4090")
     with pytest.raises(ValueError, match="fp8"):
         hw.flops_eff("fp8")
@@ -86,6 +93,7 @@ def test_unknown_dtype_raises():
 
 
 def test_user_path_loads(tmp_path):
+    """Fault caught: a user's TOML path not loaded like the bundled file it copies."""
     path = _user_toml(tmp_path, "name", '"my-gpu"')
     hw = load_profile(path)
     assert hw.name == "my-gpu"
@@ -93,6 +101,7 @@ def test_user_path_loads(tmp_path):
 
 
 def test_missing_file(tmp_path):
+    """Fault caught: a missing file surfacing as a traceback instead of a one-line error."""
     assert "not found" in _error(str(tmp_path / "nope.toml"))
 
 
@@ -105,6 +114,7 @@ def test_missing_file(tmp_path):
     ("h2d_alpha_s", "-1e-6", "field 'link.h2d_alpha_s' must be finite and >= 0"),
 ])
 def test_bad_field_names_it(tmp_path, key, value, expect):
+    """Fault caught: a bad link field accepted or reported without its name."""
     msg = _error(_user_toml(tmp_path, key, value))
     assert msg.startswith("hw profile '") and expect in msg
 
@@ -122,6 +132,7 @@ def test_bad_field_names_it(tmp_path, key, value, expect):
     ("[link]", "[link", "is not valid TOML: "),
 ])
 def test_bad_structure_names_it(tmp_path, old, new, expect):
+    """Fault caught: malformed TOML structure accepted or reported without the field."""
     assert H200_TEXT.count(old) == 1, old
     path = tmp_path / "x.toml"
     path.write_text(H200_TEXT.replace(old, new))
@@ -129,6 +140,7 @@ def test_bad_structure_names_it(tmp_path, old, new, expect):
 
 
 def test_dataclass_validates_directly():
+    """Fault caught: a HardwareProfile built in code skipping the validation the loader does."""
     hw = load_profile("h200")
     with pytest.raises(ValueError, match="h2d_bytes_per_s.*-1"):
         replace(hw, h2d_bytes_per_s=-1)
@@ -141,6 +153,7 @@ def test_dataclass_validates_directly():
 
 @given(st.floats(1.0, 1e16), st.floats(1.0, 1e16))
 def test_flops_rate_grows_with_kernel_size_below_eff(a, b):
+    """Fault caught: the small-shape efficiency curve not monotone, or reaching the effective rate."""
     hw = load_profile("rtx4090")
     lo, hi = sorted((a, b))
     assert hw.flops_rate("bf16", lo) <= hw.flops_rate("bf16", hi) < hw.flops_eff("bf16")

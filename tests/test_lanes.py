@@ -137,7 +137,7 @@ def check_waits(graph: Graph, turns=None) -> None:
 
     with lanes:
         lanes.run(graph, issue)
-    stream_of = {lane: lanes_stream for lane, lanes_stream in zip(STREAM_LANES, ["stream1", "stream2", "stream3"])}
+    stream_of = {lane: f"stream{i + 1}" for i, lane in enumerate(STREAM_LANES)}   # made in this order
     log = rec.log
     base = log[1][2]
     assert log[0] == ("follow", stream_of[STREAM_LANES[0]], None) and log[1][0] == "record"
@@ -151,9 +151,8 @@ def check_waits(graph: Graph, turns=None) -> None:
         stream = stream_of[s.lane]
         assert log[at[s.id]][1] == stream, s.name          # issued with its lane's stream current
         assert start[s.id].stream == end[s.id].stream == stream
-        # The waits this stage's stream makes after the previous stage of its lane ended.
-        i = at[s.id] - 1
-        j = i - 1
+        # The waits this stage's stream makes right before its start mark.
+        j = at[s.id] - 2
         waited = []
         while log[j][1] == stream and log[j][0] == "wait":
             waited.append(log[j][2])
@@ -183,6 +182,8 @@ def test_every_cross_lane_wait_targets_the_dependency_end_event_hand_graph():
 
 @pytest.mark.parametrize("seed", [None, 1, 2])
 def test_every_cross_lane_wait_targets_the_dependency_end_event_builder_graph(seed):
+    """The same check on a builder graph (fetches, write-backs, mixed groups), in fixed and shuffled
+    turns."""
     g = build(SPEC, Workload(12, 3, 2), headwise(1, 5, 3, 2, decode_group=2))
     check_waits(g, None if seed is None else random.Random(seed))
 

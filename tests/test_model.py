@@ -104,12 +104,14 @@ def test_attn_flops_small_case():
 @settings(max_examples=200, deadline=None)
 @given(q_start=st.integers(0, 40), n=st.integers(0, 40), k_end=st.integers(0, 90))
 def test_causal_pairs_brute_force(q_start, n, k_end):
+    """Fault caught: an off-by-one in the closed form of causal (query, key) pairs."""
     q_end = q_start + n
     brute = sum(1 for i in range(q_start, q_end) for j in range(k_end) if j <= i)
     assert causal_pairs(q_start, q_end, k_end) == brute
 
 
 def test_causal_pairs_empty_ranges():
+    """Fault caught: negative pair counts for empty ranges."""
     assert causal_pairs(5, 3, 10) == 0
     assert causal_pairs(0, 10, -1) == 0
 
@@ -118,23 +120,27 @@ def test_causal_pairs_empty_ranges():
 @pytest.mark.parametrize("field,value", [("layers", 0), ("hidden", -1), ("kv_heads", 3),
                                          ("dtype", "int8"), ("family", "gpt2")])
 def test_bad_spec_names_the_field(field, value):
+    """Fault caught: an invalid ModelSpec accepted or refused without naming the field."""
     with pytest.raises(ValueError, match=field):
         tiny(**{field: value})
 
 
 # ---- Hugging Face configs ----------------------------------------------------------------
 def test_from_hf_config_llama():
+    """Fault caught: a Llama config.json field misread (differs from the preset)."""
     m = from_hf_config(LLAMA3_8B_CFG, name="llama-3-8b")
     assert m == PRESETS["llama-3-8b"]
 
 
 def test_from_hf_config_mistral():
+    """Fault caught: a Mistral config.json field misread."""
     m = from_hf_config(MISTRAL_7B_CFG, name="mistral-7b")
     assert m == PRESETS["mistral-7b"]
     assert m.family == "mistral"
 
 
 def test_from_hf_config_qwen2():
+    """Fault caught: Qwen2's implicit q/k/v biases missed."""
     m = from_hf_config(QWEN2_7B_CFG, name="qwen2-7b")
     assert m == PRESETS["qwen2-7b"]
     assert m.qkv_bias and not m.qk_norm and m.head_dim == 128
@@ -152,6 +158,7 @@ def test_from_hf_config_qwen3():
 
 
 def test_from_hf_config_defaults():
+    """Fault caught: wrong defaults for a missing num_key_value_heads or torch_dtype."""
     cfg = {k: v for k, v in LLAMA3_8B_CFG.items() if k not in ("num_key_value_heads", "torch_dtype")}
     m = from_hf_config({**cfg, "torch_dtype": "float16"})
     assert m.dtype == "fp16"
@@ -159,6 +166,7 @@ def test_from_hf_config_defaults():
 
 
 def test_from_hf_config_unknown_type_lists_supported():
+    """Fault caught: an unknown model_type refused without naming it and the supported ones."""
     with pytest.raises(ValueError) as e:
         from_hf_config({**LLAMA3_8B_CFG, "model_type": "gpt_neox"})
     msg = str(e.value)
@@ -168,6 +176,7 @@ def test_from_hf_config_unknown_type_lists_supported():
 
 
 def test_from_hf_config_missing_field():
+    """Fault caught: a missing config field failing with a KeyError instead of naming it."""
     cfg = {k: v for k, v in LLAMA3_8B_CFG.items() if k != "intermediate_size"}
     with pytest.raises(ValueError, match="intermediate_size"):
         from_hf_config(cfg)
@@ -178,11 +187,13 @@ def test_from_hf_config_missing_field():
                                          ("128k", 131072), (" 2M ", 2097152), ("0.5K", 512),
                                          (4096, 4096)])
 def test_parse_tokens(text, tokens):
+    """Fault caught: K/M suffixes, case or whitespace parsed wrongly (1K must be 1024)."""
     assert parse_tokens(text) == tokens
 
 
 @pytest.mark.parametrize("text", ["", "abc", "1G", "1.5", "12 tokens", "1MB", "K"])
 def test_parse_tokens_rejects(text):
+    """Fault caught: malformed token counts accepted, or refused without naming the flag."""
     with pytest.raises(ValueError, match="^decode_tokens:"):
         parse_tokens(text, "decode_tokens")
     with pytest.raises(ValueError, match="^context:"):

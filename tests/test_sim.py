@@ -101,6 +101,7 @@ def check_lanes(graph: Graph, trace: Trace) -> None:
 @EXAMPLES
 @given(cases(duplex=None))
 def test_lane_runs_one_stage_at_a_time_in_issue_order(case):
+    """Fault caught: a simulated lane overlapping two stages or running them out of issue order."""
     graph, trace, _ = simulate(case)
     assert [sp.stage for sp in trace.spans] == list(range(len(graph.stages)))
     assert all(sp.end_s >= sp.start_s >= 0 for sp in trace.spans)
@@ -111,6 +112,7 @@ def test_lane_runs_one_stage_at_a_time_in_issue_order(case):
 @EXAMPLES
 @given(cases())
 def test_dependencies_end_before_a_stage_starts(case):
+    """Fault caught: a simulated stage starting before a dependency ended."""
     graph, trace, _ = simulate(case)
     for s in graph.stages:
         for d in s.deps:
@@ -142,6 +144,7 @@ faster = st.sampled_from([1.0, 1.0, 1.5, 4.0, 100.0])
 @given(cases(duplex=True), st.fixed_dictionaries(
     {"h2d": faster, "d2h": faster, "disk": faster, "hbm": faster, "flops": faster}))
 def test_more_bandwidth_or_flops_is_never_slower(case, up):
+    """Fault caught: a cost or scheduling anomaly where a faster machine predicts a slower run."""
     _, slow, _ = simulate(case)
     _, fast, _ = simulate(case, scaled(case.hw, **up))
     assert fast.end_s <= slow.end_s * (1 + REL), (up, fast.end_s, slow.end_s)
@@ -151,6 +154,7 @@ def test_more_bandwidth_or_flops_is_never_slower(case, up):
 @EXAMPLES
 @given(cases(), st.data())
 def test_more_resident_units_never_move_more_bytes(case, data):
+    """Fault caught: the builder moving bytes for resident units."""
     units, plan = case.model.units, case.plan
     more = data.draw(st.integers(plan.resident, units), label="more resident")
     fewer_off = case.graph(resident=more, disk=min(plan.disk, units - more)).transfer_bytes()
@@ -163,6 +167,7 @@ def test_more_resident_units_never_move_more_bytes(case, data):
 @settings(max_examples=50, deadline=None)
 @given(cases(duplex=None))
 def test_same_inputs_same_trace(case):
+    """Fault caught: nondeterminism (unordered ties, hidden state) in the simulator."""
     _, first, p1 = simulate(case)
     _, again, p2 = simulate(case)
     assert first.spans == again.spans
@@ -173,6 +178,7 @@ def test_same_inputs_same_trace(case):
 @EXAMPLES
 @given(cases(duplex=False))
 def test_simplex_link_never_overlaps_copies(case):
+    """Fault caught: h2d and d2h overlapping on a machine without duplex PCIe."""
     graph, trace, _ = simulate(case)
     copies = sorted((sp for sp in trace.spans if graph.stages[sp.stage].lane in (Lane.H2D, Lane.D2H)),
                     key=lambda sp: (sp.start_s, sp.end_s))

@@ -43,6 +43,7 @@ def rgb(hex_color: str) -> tuple[int, int, int]:
 
 
 def test_png_of_one_trace(tmp_path):
+    """Fault caught: the timeline plot failing or drawing nothing for a single trace."""
     out = plot_timeline(tmp_path / "sim.png", sim_trace(), title="llama-3-8b 8K on rtx4090")
     assert out == tmp_path / "sim.png"
     assert out.read_bytes()[:8] == PNG_MAGIC
@@ -64,6 +65,7 @@ def test_png_of_an_overlay(tmp_path):
 
 
 def test_given_window(tmp_path):
+    """Fault caught: an explicit zoom window ignored."""
     out = plot_timeline(tmp_path / "w.png", sim_trace(), window=(0.010, 0.020))
     assert out.read_bytes()[:8] == PNG_MAGIC
     with pytest.raises(ValueError, match="window"):
@@ -73,6 +75,7 @@ def test_given_window(tmp_path):
 
 
 def test_default_window_holds_decode_step_0_and_the_prefill_end():
+    """Fault caught: the default window missing the prefill/decode boundary."""
     tr = sim_trace()
     t0, t1 = default_window(tr)
     stages = tr.graph.stages
@@ -84,6 +87,7 @@ def test_default_window_holds_decode_step_0_and_the_prefill_end():
 
 
 def test_import_leaves_matplotlib_unloaded():
+    """Fault caught: importing analysis pulling in matplotlib (slow start of `kvpipe plan`)."""
     code = "import sys, analysis, analysis.timeline; assert 'matplotlib' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True,
                    env={"PYTHONPATH": str(ROOT), "PATH": ""})

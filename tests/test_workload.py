@@ -23,6 +23,7 @@ def test_workload_refuses_bad_values(kw, field):
 
 
 def test_workload_parse():
+    """Fault caught: Workload.parse bypassing the checks, or misreading a K suffix."""
     assert Workload.parse("2K", 3, 2) == Workload(2048, 3, 2)
     with pytest.raises(ValueError, match="^batch:"):
         Workload.parse("2K", 3, 0)
