@@ -2,7 +2,6 @@
 one MHA in bf16 and one GQA in fp32. The simulator's peak-memory law compares `breakdown()` with
 the builder, which copies its static buffers from `breakdown()`; only values fixed here, outside
 the code, catch a term that is wrong in both."""
-import pytest
 
 from kvpipe.pipeline.memory import attn_ws_bytes, breakdown, slot_bytes, step_act_bytes
 from kvpipe.pipeline.model import ModelSpec
