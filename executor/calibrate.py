@@ -236,4 +236,9 @@ def calibrate(base: HardwareProfile, name: str, kv_dir: str | None = None, quick
                 f"datasheet peak, from profile {base.name}", measured=False)
     cal.set("host.cpu_codec_bytes_per_s", base.cpu_codec_bytes_per_s,
             f"no CPU codec measured in this build; from profile {base.name}", measured=False)
+    for key, field in (("host.issue_s_per_stage", "host_issue_s_per_stage"), ("host.issue_s_per_op", "host_issue_s_per_op"),
+                       ("host.graph_replay_s", "graph_replay_s"), ("gpu.graph_node_s", "graph_node_s"),
+                       ("gpu.launch_queue_ops", "launch_queue_ops")):
+        cal.set(key, getattr(base, field), f"from profile {base.name} (benchmarks/issue_cost.py measures it)",
+                measured=False)
     return cal

@@ -9,13 +9,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpipe.pipeline.stage import Graph, Phase, Stage
+from kvpipe.pipeline.stage import Graph, Lane, Phase, Stage
 from kvpipe.pipeline.trace import Trace
 
 from .adapter import HFAdapter
 from .interpreter import Interpreter
 from .kvstore import KVLayout, KVStore
 from .lanes import Lanes
+from .replay import DecodeReplay, ReplayInterpreter, resolve_mode
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,10 @@ class RunResult:
     host_pinned_bytes: int
     moved_bytes: tuple[int, ...]
     step_logits: torch.Tensor | None = None
+    decode_issue: str = "eager"   # "graph": decode steps replayed as CUDA graphs; "issue": the same
+                                  # step code without a graph; "eager": stage by stage
+    graphs: int = 0               # CUDA graphs captured
+    capture_s: float = 0.0        # host seconds spent capturing them (before the first decode step)
 
 
 def decode_steps(graph: Graph) -> int:
@@ -54,12 +59,15 @@ def decode_steps(graph: Graph) -> int:
 
 def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
             device: str | torch.device | None = None, *, keep_logits: bool = False,
-            stage_hook: Callable[[Stage], None] | None = None, turns: random.Random | None = None) -> RunResult:
+            stage_hook: Callable[[Stage], None] | None = None, turns: random.Random | None = None,
+            replay: str = "off") -> RunResult:
     """Run `graph` with `hf_model` (already on `device`, default: the model's) on `prompt_ids`
     [B, context]. Greedy decoding; bitwise independent of where the KV cache lives.
     `stage_hook(stage)` is called on the stage's lane (its stream current) after the stage's
     dependency waits, outside its span: a progress bar, or a test delaying streams at random.
-    `turns` (seeded) randomises the lane actors' turn order (tests: many interleavings on CPU)."""
+    `turns` (seeded) randomises the lane actors' turn order (tests: many interleavings on CPU).
+    `replay` (auto|on|off, see executor/replay.py): decode steps as CUDA-graph replays; `on`
+    raises a ValueError where that is not supported (CPU, fp32, batch > 1)."""
     adapter = HFAdapter(hf_model)
     device = adapter.device if device is None else torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -80,12 +88,40 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
         tokens = torch.zeros(w.batch, n_decode + 1, dtype=torch.long, device=device)
         step_logits = (torch.empty(n_decode + 1, w.batch, graph.model.vocab, device=device)
                        if keep_logits else None)
+        issue = resolve_mode(replay, device, adapter.dtype, w.batch, adapter.head_dim) if n_decode else "eager"
+        replayed = issue != "eager"
+        extra = {}
         with KVStore(KVLayout.of(graph), device, adapter.dtype) as store, Lanes(device, turns=turns) as lanes:
-            interp = Interpreter(graph, adapter, store, lanes, prompt, tokens, step_logits)
-            spans = lanes.run(graph, interp, before=stage_hook)
+            if not replayed:
+                interp = Interpreter(graph, adapter, store, lanes, prompt, tokens, step_logits)
+                spans = lanes.run(graph, interp, before=stage_hook)
+            else:
+                interp = ReplayInterpreter(graph, adapter, store, lanes, prompt, tokens, step_logits)
+                spans, extra = _prefill_then_replay(graph, interp, lanes, tokens, step_logits, stage_hook,
+                                                    capture=issue == "graph")
             peak = torch.cuda.max_memory_allocated(device) if cuda else 0
             host = store.host_bytes
     note = "measured with CUDA events" if cuda else "measured with the host clock (CPU, no overlap)"
+    if replayed:
+        note += (f"; decode steps issued as {'CUDA-graph replays' if issue == 'graph' else 'device steps'}: "
+                 "one span per step on its head stage, the step's other compute/h2d stages empty at its end")
     trace = Trace(graph, "real", spans, note=note)
-    return RunResult(trace, interp.last_logits, tokens, peak, host, tuple(interp.moved), step_logits)
+    return RunResult(trace, interp.last_logits, tokens, peak, host, tuple(interp.moved), step_logits, **extra)
+
+
+def _prefill_then_replay(graph: Graph, interp: ReplayInterpreter, lanes: Lanes, tokens: torch.Tensor,
+                         step_logits: torch.Tensor | None, hook, capture: bool) -> tuple[list, dict]:
+    """The prefill issued stage by stage, then every decode step replayed; spans from one base."""
+    m = next(i for i, s in enumerate(graph.stages) if s.phase is Phase.DECODE)
+    assert all(s.phase is Phase.DECODE for s in graph.stages[m:]), "prefill stages come first"
+    prefill = Graph(graph.model, graph.workload, graph.plan, graph.stages[:m], graph.static)
+    base = torch.cuda.Event(enable_timing=True)
+    base.record(lanes.streams[Lane.GPU])   # the lanes' own base mark follows at once on this stream
+    spans = lanes.run(prefill, interp, before=hook)
+    with DecodeReplay(graph, interp, lanes, tokens, step_logits, capture=capture) as rep:
+        spans = spans + rep.run(base, before=hook)
+        extra = dict(decode_issue="graph" if capture else "issue", graphs=len(rep.captured),
+                     capture_s=rep.capture_s)
+    assert [sp.stage for sp in spans] == list(range(len(graph.stages)))
+    return spans, extra
 

@@ -32,13 +32,16 @@ DEFAULT_DECODE_TOKENS = 32       # the same for plan and run
 Path_ = str | os.PathLike | None
 
 
-def _predict(model, work, plan: Plan, hw, budgets, full: bool = False, max_context: int | None = None) -> Predicted:
+def _predict(model, work, plan: Plan, hw, budgets, full: bool = False, max_context: int | None = None,
+             replay: bool | None = None) -> Predicted:
+    """`replay`: decode steps as CUDA-graph replays; None: as `run --replay auto` would on a GPU."""
     from kvpipe.pipeline.memory import breakdown
     from kvpipe.pipeline.report import budget_problems
-    from kvpipe.sim.simulate import simulate
+    from kvpipe.sim.simulate import replays_decode, simulate
     plan.check(model, work)
     problems = tuple(budget_problems(breakdown(model, work, plan), budgets))
-    pred = simulate(model, work, plan, hw, full=full)
+    replay = replays_decode(model, work) if replay is None else replay
+    pred = simulate(model, work, plan, hw, full=full, replay=replay)
     return Predicted(plan, problems, pred.report, pred.trace, max_context)
 
 
@@ -99,7 +102,7 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
         host_mem: str | int | None = None, disk_mem: str | int | None = None, method: str | None = None,
         group: Knob = None, chunk: Knob = None, resident: Knob = None, plan: PlanArg = None,
         random_weights: bool = False, device: str | None = None, dtype: str | None = None, seed: int = 0,
-        prompt_file: Path_ = None, progress: bool = True, warmup: bool = True,
+        prompt_file: Path_ = None, progress: bool = True, warmup: bool = True, replay: str = "auto",
         trace: Path_ = None, plot: Path_ = None) -> RunResult:
     """Execute on this machine (torch and transformers needed) and measure next to the
     prediction. `device` defaults to cuda when available; budgets to the GPU's memory and this
@@ -128,20 +131,23 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
         more = "exceed" if len(prompt) > work.context else "fall short of"
         raise ValueError(f"prompt-file: its {len(prompt)} tokens {more} the context {work.context}; "
                          "omit --context to use the prompt's length")
+    from kvpipe.executor.replay import resolve_mode   # `replay` refused before anything is loaded
+    issue = resolve_mode(replay, dev, session.TORCH_DTYPES[spec.dtype], work.batch, spec.head_dim)
     profile = load_profile(hw or session.guess_profile(dev) or DEFAULT_HW)
     budgets = {"gpu": budget(gpu_mem, session.device_budget(dev), "gpu-mem"),
                "host": budget(host_mem, session.host_ram_bytes(), "host-mem"),
                "disk": budget(disk_mem, 0, "disk-mem") if disk_mem is not None else 0}
     check_weights(spec, budgets)
     chosen = resolve_plan(spec, work, budgets, method, group, chunk, resident, plan)
-    predicted = _predict(spec, work, chosen, profile, budgets)
+    predicted = _predict(spec, work, chosen, profile, budgets, replay=issue == "graph" and work.decode_tokens > 0)
     if predicted.problems:   # refused before anything is allocated
         raise ValueError(f"budget: the plan does not fit: {'; '.join(predicted.problems)}")
     warnings = _warnings(spec, work)
     graph = build(spec, work, chosen)
     hf = session.load_hf_model(model, random_weights, dev, session.TORCH_DTYPES[spec.dtype], seed)
     ids = session.prompt_tensor(prompt, work.batch, work.context, spec.vocab, seed)
-    measured = session.run_graph(graph, hf, ids, dev, budgets["gpu"], progress=progress, warmup=warmup)
+    measured = session.run_graph(graph, hf, ids, dev, budgets["gpu"], progress=progress, warmup=warmup,
+                                 replay=replay)
     res, real = measured.result, measured.result.trace
     mrep = Report(timing_from_trace(real), real.lane_busy_s(),
                   {"gpu": res.peak_gpu_bytes, "host": res.host_pinned_bytes, "disk": 0}, {}, (real.note,))
@@ -153,4 +159,4 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
         plot_timeline(plot_path, predicted.trace, real, title=f"{spec.name} {fmt_tokens(work.context)} on {dev}")
     return RunResult(spec, profile, work, budgets, predicted, mrep, real, res.tokens.cpu().tolist(),
                      measured.digest, str(dev), attention, "random weights" if random_weights else str(model),
-                     warnings)
+                     warnings, {"mode": res.decode_issue, "graphs": res.graphs, "capture_s": res.capture_s})

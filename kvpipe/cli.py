@@ -93,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0, help="seed of the random prompt and weights")
     r.add_argument("--prompt-file", help="whitespace-separated token ids, or text with a model tokenizer")
     r.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    r.add_argument("--replay", choices=["auto", "on", "off"], default="auto", help="decode steps as CUDA-graph replays (auto: on CUDA with bf16/fp16, batch 1)")
     r.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="time the first run in the process (CUDA: by default one prefill chunk and one "
                         "decode step run first, untimed, as HF baselines warm up)")

@@ -89,6 +89,7 @@ class RunResult:
     attention: str
     weights: str          # "random weights" or the model directory
     warnings: tuple[str, ...] = ()
+    decode_issue: dict | None = None   # {"mode": graph|issue|eager, "graphs": n, "capture_s": s}
 
     @property
     def plan(self) -> Plan:
@@ -102,4 +103,6 @@ class RunResult:
                    measured=measured, tokens=[list(t) for t in self.tokens], output_digest=self.output_digest,
                    device=self.device, attention=self.attention, budgets_bytes=dict(self.budgets),
                    warnings=list(self.warnings))
+        if self.decode_issue is not None:
+            out["decode_issue"] = dict(self.decode_issue)
         return out

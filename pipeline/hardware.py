@@ -13,7 +13,8 @@ _RATE_FIELDS = ("hbm_peak_bytes_per_s", "hbm_eff_bytes_per_s", "h2d_bytes_per_s"
                 "cpu_codec_bytes_per_s")
 # Fixed costs: zero means "none", so >= 0 is allowed.
 _OVERHEAD_FIELDS = ("small_shape_half_flops", "launch_overhead_s", "attention_plan_s", "h2d_alpha_s",
-                    "d2h_alpha_s", "disk_alpha_s")
+                    "d2h_alpha_s", "disk_alpha_s", "host_issue_s_per_stage", "host_issue_s_per_op",
+                    "graph_replay_s", "graph_node_s", "launch_queue_ops")
 
 FlopsTable = tuple[tuple[str, float], ...]  # ((dtype, FLOP/s), ...) sorted by dtype
 
@@ -78,6 +79,11 @@ class HardwareProfile:
     disk_alpha_s: float            # fixed cost of one disk request
     disk_bytes: int
     cpu_codec_bytes_per_s: float   # throughput of the CPU codec thread pool
+    host_issue_s_per_stage: float  # host seconds to issue one stage eagerly (events, actor turn) ...
+    host_issue_s_per_op: float     # ... plus this per kernel launch or copy call it makes (Stage.ops)
+    graph_replay_s: float          # host seconds per replayed decode step (buffer refresh + launch)
+    graph_node_s: float            # GPU seconds per kernel inside a replayed graph (replaces launch_overhead_s)
+    launch_queue_ops: float        # launches the host may have in flight before issuing blocks
 
     def __post_init__(self) -> None:
         for f in ("name", "description"):
