@@ -197,7 +197,7 @@ def measure(args) -> dict:
     device = session.resolve_device("cuda")
     hf = session.load_hf_model(MODEL, True, device, torch.bfloat16, 0)
     contexts = sorted({ROWS[n][0] for n in names})
-    ids_all = session.prompt_ids(None, MODEL, 1, max(contexts), spec.vocab, 0)
+    ids_all = session.prompt_tensor(None, 1, max(contexts), spec.vocab, 0)
     for c in contexts:
         if c > args.hf_max:
             continue
