@@ -24,6 +24,9 @@ from pathlib import Path
 
 CASES = {  # name -> `kvpipe run` knobs; the generate() side takes the plan kvpipe resolved
     "stream": ("--resident", "none", "--group", "8"),
+    # `kvpipe run` issued eagerly: the same attention calls as generate()'s path (graph replay
+    # attends prefix and new token in one varlen call, which changes last bits of the logits)
+    "stream-eager": ("--resident", "none", "--group", "8", "--replay", "off"),
     "resident-max": ("--resident", "max", "--group", "8"),
 }
 
