@@ -19,7 +19,7 @@ from kvpipe.pipeline.plan import Plan
 from kvpipe.pipeline.report import Report
 from kvpipe.pipeline.workload import Workload
 
-from .inputs import Knob, PlanArg, budget, check_weights, output_path, resolve_plan
+from .inputs import Knob, PlanArg, apply_tiers, budget, check_weights, free_disk, output_path, resolve_plan
 from .results import PlanResult, Predicted, RunResult
 
 log = logging.getLogger("kvpipe")
@@ -40,9 +40,21 @@ def _predict(model, work, plan: Plan, hw, budgets, full: bool = False, max_conte
     from kvpipe.sim.simulate import replays_decode, simulate
     plan.check(model, work)
     problems = tuple(budget_problems(breakdown(model, work, plan), budgets))
-    replay = replays_decode(model, work) if replay is None else replay
+    if replay is None:   # disk units run eagerly (their reads cannot sit in a CUDA graph)
+        replay = replays_decode(model, work) and not plan.disk
     pred = simulate(model, work, plan, hw, full=full, replay=replay)
     return Predicted(plan, problems, pred.report, pred.trace, max_context)
+
+
+def _tiers(spec, work, chosen: Plan, profile, disk, codec) -> Plan:
+    """--disk and --codec over the resolved plan; links given as LINK=auto get the codec the
+    simulator predicts fastest (said in the plan's source)."""
+    from kvpipe.sim.codec_choice import choose_codec
+    chosen, auto = apply_tiers(spec, chosen, disk, codec)
+    for link in auto:
+        chosen, choice = choose_codec(spec, work, chosen, profile, link)
+        chosen = chosen.with_(source=f"{chosen.source}; {choice.describe()}")
+    return chosen
 
 
 def _warnings(model: ModelSpec, work: Workload) -> tuple[str, ...]:
@@ -60,11 +72,14 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
          decode_tokens: int = DEFAULT_DECODE_TOKENS, batch: int = 1, gpu_mem: str | int | None = None,
          host_mem: str | int | None = None, disk_mem: str | int | None = None, method: str | None = None,
          group: Knob = None, chunk: Knob = None, resident: Knob = None, plan: PlanArg = None,
-         compare: bool = False, full_sim: bool = False, trace: Path_ = None, plot: Path_ = None) -> PlanResult:
+         compare: bool = False, full_sim: bool = False, trace: Path_ = None, plot: Path_ = None,
+         disk: Knob = None, kv_dir: Path_ = None, codec: str | list[str] = ()) -> PlanResult:
     """Predict latency and memory of `model` on hardware profile `hw` (no GPU, no torch).
     Budgets default to the profile's; `group`/`chunk`/`resident` None or "auto" leave them to the
-    rule; `plan` (a file, dict or Plan) replaces the knobs. `trace`/`plot` paths are checked
-    first and written last. ValueError names the argument for bad input."""
+    rule; `plan` (a file, dict or Plan) replaces the knobs. `disk` offloaded units go to disk
+    (None/auto: what host RAM cannot hold); `kv_dir`, when given, makes its free space the disk
+    budget; `codec` is LINK=NAME (or a list), NAME `auto` letting the simulator decide.
+    `trace`/`plot` paths are checked first and written last. ValueError names the argument."""
     from kvpipe.hw_profiles import load_profile
     trace_path, plot_path = output_path(trace, "trace"), output_path(plot, "plot")
     spec = load_model(model)
@@ -72,10 +87,11 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
     work = Workload.parse(context, decode_tokens, batch)
     budgets = {"gpu": budget(gpu_mem, profile.gpu_mem_bytes, "gpu-mem"),
                "host": budget(host_mem, profile.host_mem_bytes, "host-mem"),
-               "disk": budget(disk_mem, profile.disk_bytes, "disk-mem")}
+               "disk": budget(disk_mem, free_disk(kv_dir) if kv_dir is not None else profile.disk_bytes, "disk-mem")}
     check_weights(spec, budgets)
     warnings = _warnings(spec, work)
     chosen = resolve_plan(spec, work, budgets, method, group, chunk, resident, plan)
+    chosen = _tiers(spec, work, chosen, profile, disk, codec)
     main = _predict(spec, work, chosen, profile, budgets, full=full_sim)
     methods = None
     if compare:
@@ -103,11 +119,14 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
         group: Knob = None, chunk: Knob = None, resident: Knob = None, plan: PlanArg = None,
         random_weights: bool = False, device: str | None = None, dtype: str | None = None, seed: int = 0,
         prompt_file: Path_ = None, progress: bool = True, warmup: bool = True, replay: str = "auto",
-        trace: Path_ = None, plot: Path_ = None) -> RunResult:
+        trace: Path_ = None, plot: Path_ = None, disk: Knob = None, kv_dir: Path_ = None,
+        codec: str | list[str] = ()) -> RunResult:
     """Execute on this machine (torch and transformers needed) and measure next to the
     prediction. `device` defaults to cuda when available; budgets to the GPU's memory and this
-    machine's RAM (no disk); `context` to the prompt file's length, else 32K; `hw` to the bundled
-    profile of this GPU. The plan is refused before anything is allocated when it does not fit."""
+    machine's RAM and the free space of `kv_dir` (the disk tier's directory, default the system
+    temp dir, its file removed however the run ends); `context` to the prompt file's length,
+    else 32K; `hw` to the bundled profile of this GPU; `disk` and `codec` as for `plan`. The
+    plan is refused before anything is allocated when it does not fit."""
     trace_path, plot_path = output_path(trace, "trace"), output_path(plot, "plot")
     try:
         import torch  # noqa: F401
@@ -139,6 +158,14 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
                "disk": budget(disk_mem, 0, "disk-mem") if disk_mem is not None else 0}
     check_weights(spec, budgets)
     chosen = resolve_plan(spec, work, budgets, method, group, chunk, resident, plan)
+    chosen = _tiers(spec, work, chosen, profile, disk, codec)
+    free = free_disk(kv_dir)                # also checks --kv-dir
+    if chosen.disk and disk_mem is None:    # the free space where the file will go, checked before allocation
+        budgets["disk"] = free
+    if chosen.disk and issue != "eager":    # disk reads cannot sit in a CUDA graph
+        if replay != "auto":
+            raise ValueError("replay: decode replay cannot run disk units; use --replay off or auto")
+        issue, replay = "eager", "off"
     predicted = _predict(spec, work, chosen, profile, budgets, replay=issue == "graph" and work.decode_tokens > 0)
     if predicted.problems:   # refused before anything is allocated
         raise ValueError(f"budget: the plan does not fit: {'; '.join(predicted.problems)}")
@@ -147,10 +174,10 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
     hf = session.load_hf_model(model, random_weights, dev, session.TORCH_DTYPES[spec.dtype], seed)
     ids = session.prompt_tensor(prompt, work.batch, work.context, spec.vocab, seed)
     measured = session.run_graph(graph, hf, ids, dev, budgets["gpu"], progress=progress, warmup=warmup,
-                                 replay=replay)
+                                 replay=replay, kv_dir=None if kv_dir is None else str(kv_dir))
     res, real = measured.result, measured.result.trace
     mrep = Report(timing_from_trace(real), real.lane_busy_s(),
-                  {"gpu": res.peak_gpu_bytes, "host": res.host_pinned_bytes, "disk": 0}, {}, (real.note,))
+                  {"gpu": res.peak_gpu_bytes, "host": res.host_pinned_bytes, "disk": res.disk_bytes}, {}, (real.note,))
     if trace_path:
         from kvpipe.pipeline.trace import write_chrome
         write_chrome(trace_path, predicted.trace, real)
@@ -159,4 +186,5 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
         plot_timeline(plot_path, predicted.trace, real, title=f"{spec.name} {fmt_tokens(work.context)} on {dev}")
     return RunResult(spec, profile, work, budgets, predicted, mrep, real, res.tokens.cpu().tolist(),
                      measured.digest, str(dev), attention, "random weights" if random_weights else str(model),
-                     warnings, {"mode": res.decode_issue, "graphs": res.graphs, "capture_s": res.capture_s})
+                     warnings, {"mode": res.decode_issue, "graphs": res.graphs, "capture_s": res.capture_s},
+                     res.disk)

@@ -67,6 +67,13 @@ def add_workload_flags(p: argparse.ArgumentParser, *, context: str | None, hw: s
     p.add_argument("--chunk", default="auto", help="prefill chunk in tokens, or auto")
     p.add_argument("--resident", default="auto",
                    help="(layer, KV head) units kept on the GPU: all, none, N, max (as many as fit) or auto")
+    p.add_argument("--disk", default="auto",
+                   help="offloaded (layer, KV head) units on disk: N, none, or auto (what host RAM cannot hold)")
+    p.add_argument("--kv-dir", help="directory of the disk tier's file; its free space is the disk budget "
+                                     "(run default: the system temp dir)")
+    p.add_argument("--codec", action="append", default=[], metavar="LINK=NAME",
+                   help="codec on a link (h2d, d2h, disk), NAME auto to let the simulator decide; "
+                        "repeatable; `kvpipe codecs` lists them")
     p.add_argument("--plan", metavar="PLAN.json", help="a plan.json (as printed under 'plan' by --json); replaces --group/--chunk/--resident")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--trace", metavar="FILE.json", help="write the Chrome/Perfetto trace")
@@ -77,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="kvpipe", description="Long-context inference with the KV cache split by head "
                                            "across GPU, pinned host RAM and disk.", epilog=UNITS)
     ap.add_argument("--version", action="version", version=f"kvpipe {__version__}")
-    sub = ap.add_subparsers(dest="command", parser_class=_Parser, metavar="{plan,run,calibrate}")
+    sub = ap.add_subparsers(dest="command", parser_class=_Parser, metavar="{plan,run,calibrate,codecs}")
     p = sub.add_parser("plan", help="predict latency and memory on a hardware profile (no GPU needed)",
                        formatter_class=_Help, epilog=UNITS)
     add_workload_flags(p, context=api.DEFAULT_PLAN_CONTEXT, hw=api.DEFAULT_HW)
@@ -97,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="time the first run in the process (CUDA: by default one prefill chunk and one "
                         "decode step run first, untimed, as HF baselines warm up)")
+    sub.add_parser("codecs", help="list the codecs: lossless or lossy, where each runs, which links")
     c = sub.add_parser("calibrate", help="measure this machine (CUDA) and write a hardware profile TOML",
                        formatter_class=_Help)
     c.add_argument("--out", metavar="FILE.toml", default="calibrated.toml", help="where to write the profile")
@@ -139,6 +147,13 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def cmd_codecs(args) -> int:
+    from kvpipe.pipeline.codecs import describe
+    for line in describe():
+        print(line)
+    return 0
+
+
 def cmd_plan(args) -> int:
     res = _call(api.plan, args)
     if args.json:
@@ -175,12 +190,13 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger("kvpipe")
     log.addHandler(handler)
     try:
-        return {"plan": cmd_plan, "run": cmd_run, "calibrate": cmd_calibrate}[args.command](args)
+        return {"plan": cmd_plan, "run": cmd_run, "calibrate": cmd_calibrate,
+                "codecs": cmd_codecs}[args.command](args)
     except (ValueError, OSError) as e:
         return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
-    except KeyboardInterrupt:
-        print("kvpipe: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as e:   # Ctrl-C; SIGTERM during a run comes as Terminated (exit_code 143)
+        print(f"kvpipe: {str(e) or 'interrupted'}", file=sys.stderr)
+        return getattr(e, "exit_code", EXIT_INTERRUPTED)
     finally:
         log.removeHandler(handler)
 

@@ -38,7 +38,13 @@ def stage_seconds(s: Stage, hw: HardwareProfile, dtype: str, replayed: bool = Fa
     if s.kind is Kind.D2H:
         return s.ops * hw.d2h_alpha_s + s.bytes / hw.d2h_bytes_per_s
     if s.kind is Kind.DISK_READ:
-        return s.ops * hw.disk_alpha_s + s.bytes / hw.disk_read_bytes_per_s
+        return s.ops * hw.disk_alpha_s + stored_bytes(s, hw) / hw.disk_read_bytes_per_s
     if s.kind is Kind.DISK_WRITE:
-        return s.ops * hw.disk_alpha_s + s.bytes / hw.disk_write_bytes_per_s
-    return s.bytes / hw.cpu_codec_bytes_per_s  # compress / decompress on the CPU pool
+        return s.ops * hw.disk_alpha_s + stored_bytes(s, hw) / hw.disk_write_bytes_per_s
+    rates = hw.codec(s.codec)   # compress / decompress on the codec's pool
+    return s.bytes / (rates.compress_bytes_per_s if s.kind is Kind.COMPRESS else rates.decompress_bytes_per_s)
+
+
+def stored_bytes(s: Stage, hw: HardwareProfile) -> float:
+    """Bytes a transfer moves after its codec: raw bytes / the codec's ratio on this machine."""
+    return s.bytes if s.codec == "none" else s.bytes / hw.codec(s.codec).ratio

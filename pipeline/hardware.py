@@ -19,6 +19,21 @@ _OVERHEAD_FIELDS = ("small_shape_half_flops", "launch_overhead_s", "attention_pl
 FlopsTable = tuple[tuple[str, float], ...]  # ((dtype, FLOP/s), ...) sorted by dtype
 
 
+@dataclass(frozen=True)
+class CodecRates:
+    """One codec on one machine: raw bytes per second through its pool each way, and the ratio
+    raw / stored on K/V (data-dependent: each profile says on what K/V it was measured)."""
+
+    name: str
+    compress_bytes_per_s: float
+    decompress_bytes_per_s: float
+    ratio: float
+
+    def __post_init__(self) -> None:
+        for f in ("compress_bytes_per_s", "decompress_bytes_per_s", "ratio"):
+            object.__setattr__(self, f, _number(f"codec.{self.name}.{f}", getattr(self, f), False))
+
+
 class HardwareFieldError(ValueError):
     """A bad HardwareProfile field; `field` names it ('flops_eff_per_s.bf16' for a dtype entry)."""
 
@@ -84,6 +99,7 @@ class HardwareProfile:
     graph_replay_s: float          # host seconds per replayed decode step (buffer refresh + launch)
     graph_node_s: float            # GPU seconds per kernel inside a replayed graph (replaces launch_overhead_s)
     launch_queue_ops: float        # launches the host may have in flight before issuing blocks
+    codecs: tuple[CodecRates, ...] = ()   # per codec rates and ratio ([codec.<name>] tables)
 
     def __post_init__(self) -> None:
         for f in ("name", "description"):
@@ -117,6 +133,14 @@ class HardwareProfile:
         if self.hbm_eff_bytes_per_s > self.hbm_peak_bytes_per_s:
             raise HardwareFieldError("hbm_eff_bytes_per_s", f"{self.hbm_eff_bytes_per_s!r} exceeds "
                                      f"the peak {self.hbm_peak_bytes_per_s!r}")
+
+    def codec(self, name: str) -> CodecRates:
+        """Rates of codec `name` on this machine; ValueError naming the missing table."""
+        for c in self.codecs:
+            if c.name == name:
+                return c
+        raise HardwareFieldError(f"codec.{name}", f"is missing from profile {self.name!r} "
+                                                  "(a plan uses it: add its rates and ratio)")
 
     @property
     def dtypes(self) -> tuple[str, ...]:
