@@ -41,10 +41,19 @@ def stage_seconds(s: Stage, hw: HardwareProfile, dtype: str, replayed: bool = Fa
         return s.ops * hw.disk_alpha_s + stored_bytes(s, hw) / hw.disk_read_bytes_per_s
     if s.kind is Kind.DISK_WRITE:
         return s.ops * hw.disk_alpha_s + stored_bytes(s, hw) / hw.disk_write_bytes_per_s
-    rates = hw.codec(s.codec)   # compress / decompress on the codec's pool
+    rates = codec_rates(s, hw)    # compress / decompress on the codec's pool
+    if rates is None:
+        return s.bytes / hw.cpu_codec_bytes_per_s
     return s.bytes / (rates.compress_bytes_per_s if s.kind is Kind.COMPRESS else rates.decompress_bytes_per_s)
+
+
+def codec_rates(s: Stage, hw: HardwareProfile):
+    """The profile's [codec.<name>] rates of the stage's codec, or None (no codec, or a codec the
+    profile has no table for: timed at the generic cpu_codec_bytes_per_s, ratio 1)."""
+    return next((c for c in hw.codecs if c.name == s.codec), None)
 
 
 def stored_bytes(s: Stage, hw: HardwareProfile) -> float:
     """Bytes a transfer moves after its codec: raw bytes / the codec's ratio on this machine."""
-    return s.bytes if s.codec == "none" else s.bytes / hw.codec(s.codec).ratio
+    rates = codec_rates(s, hw)
+    return s.bytes if rates is None else s.bytes / rates.ratio
