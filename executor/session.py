@@ -15,7 +15,6 @@ from kvpipe.pipeline.builder import build
 from kvpipe.pipeline.stage import Graph, Phase, Stage
 from kvpipe.pipeline.workload import Workload
 
-from .disk import default_kv_dir  # noqa: F401  (the CLI's default --kv-dir)
 from .kvstore import DiskOptions
 from .runner import RunResult, execute
 
