@@ -6,17 +6,13 @@ A *row* is one sequence's K/V of one disk unit, `row_bytes` long at most, stored
 `block_bytes`. Rows only grow at their end: new bytes go into the row's in-memory tail block;
 a full tail is written to its slot in the file. A read of a row's prefix takes the full blocks
 from the file (verifying each one's crc) and the rest from the tail, so nothing is read that was
-not written, and every offset and length the kernel sees is block-aligned.
-With a codec, a full block is encoded into a frame (kept raw when that is not smaller) by
-`append` and written by `flush`; `read` fetches the frames, `decode` restores the bytes; the
-checksum covers the stored frame."""
+not written, and every offset and length the kernel sees is block-aligned. (With a codec the
+blocks are stored as frames: `executor.disk_frames`.)"""
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import shutil
-import signal
 import tempfile
 import threading
 import time
@@ -32,40 +28,6 @@ from kvpipe.pipeline.units import fmt_bytes
 from .pinned import ALIGN   # O_DIRECT alignment of addresses, offsets and lengths (safe for 512e and 4Kn disks)
 
 IO_BYTES = 8 << 20      # one read request covers at most this many bytes (several blocks)
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM during a run, raised like Ctrl-C so that every `with` block releases its resources
-    (the disk file above all); `exit_code` is the shell's 128 + SIGTERM."""
-
-    exit_code = 128 + signal.SIGTERM
-
-
-@contextlib.contextmanager
-def sigterm_raises():
-    """While inside, SIGTERM stops the run like Ctrl-C (asyncio cancels it cleanly when it owns
-    SIGINT) and surfaces as Terminated; outside the main thread nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    hit = threading.Event()
-
-    def handler(signum, frame):
-        hit.set()
-        if callable(signal.getsignal(signal.SIGINT)):
-            signal.raise_signal(signal.SIGINT)
-        else:       # SIGINT ignored (a background job): raise here
-            raise Terminated("terminated (SIGTERM)")
-
-    before = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    except KeyboardInterrupt:
-        if hit.is_set():
-            raise Terminated("terminated (SIGTERM)") from None
-        raise
-    finally:
-        signal.signal(signal.SIGTERM, before)
 
 
 class DiskError(OSError):
@@ -126,13 +88,13 @@ class DiskFile:
     exit, whatever the exit). Thread-safe across rows; one row is used by one stage at a time."""
 
     def __init__(self, kv_dir: str, rows: int, row_bytes: int, block_bytes: int, threads: int,
-                 pin: bool, codec=None, elem: int = 1) -> None:
+                 pin: bool) -> None:
         if block_bytes <= 0 or block_bytes % ALIGN:
             raise ValueError(f"block_bytes: must be a positive multiple of {ALIGN}, got {block_bytes}")
         if threads <= 0:
             raise ValueError(f"threads: must be positive, got {threads}")
         self.kv_dir, self.rows, self.row_bytes, self.block_bytes = kv_dir, rows, row_bytes, block_bytes
-        self.threads, self.pin, self.codec, self.elem = threads, pin, codec, elem
+        self.threads, self.pin = threads, pin
         self.blocks_per_row = row_bytes // block_bytes        # full blocks; the partial one stays a tail
         self.path: str | None = None
         self.fd: int | None = None
@@ -154,8 +116,6 @@ class DiskFile:
             self.tails = aligned_buffer(self.rows * self.block_bytes, pin=False)   # [rows * block]
             self.fill = [0] * self.rows                      # bytes written to each row so far
             self.crcs = [[0] * self.blocks_per_row for _ in range(self.rows)]
-            self.stored = [[0] * self.blocks_per_row for _ in range(self.rows)]   # frame bytes; 0: raw
-            self.pending: list[list[tuple[int, torch.Tensor]]] = [[] for _ in range(self.rows)]
             self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kvpipe-disk")
         except BaseException:
             self.close()
@@ -227,40 +187,11 @@ class DiskFile:
             pos += take
             self.fill[row] += take
             if at + take == B:
-                block = self.fill[row] // B - 1
-                if self.codec is None:
-                    self._write_block(row, block, tail)
-                else:
-                    self._encode_block(row, block, tail)
+                self._full_block(row, self.fill[row] // B - 1, tail)
 
-    def _encode_block(self, row: int, block: int, tail: memoryview) -> None:
-        """Frame of a full block, kept in an aligned buffer until `flush` writes it."""
-        t0 = time.perf_counter()
-        frame = self.codec.encode(tail, self.elem)
-        self.stats.add(encode_s=time.perf_counter() - t0, codec_raw_bytes=self.block_bytes,
-                       codec_stored_bytes=min(len(frame), self.block_bytes))
-        n = len(frame)
-        if n >= self.block_bytes:          # not smaller: stored raw
-            n, frame = 0, tail
-        buf = aligned_buffer(-(-(n or self.block_bytes) // ALIGN) * ALIGN, pin=False)
-        view = memoryview(buf.numpy())
-        view[:len(frame)] = frame
-        t0 = time.perf_counter()
-        self.crcs[row][block] = crc32c.crc32c(view[:n or self.block_bytes])
-        self.stats.add(checksum_s=time.perf_counter() - t0, checksum_bytes=n or self.block_bytes)
-        self.stored[row][block] = n
-        self.pending[row].append((block, buf))
-
-    def flush(self, rows: list[int]) -> int:
-        """Write the frames `append` encoded for `rows`; returns the bytes written."""
-        before = self.stats.write_bytes
-        self._parallel([(self._flush_row, row) for row in rows])
-        return self.stats.write_bytes - before
-
-    def _flush_row(self, row: int) -> None:
-        for block, buf in self.pending[row]:
-            self._write_block(row, block, memoryview(buf.numpy()), checksum=False)
-        self.pending[row] = []
+    def _full_block(self, row: int, block: int, tail: memoryview) -> None:
+        """A tail block just filled: checksum it and write it to its slot."""
+        self._write_block(row, block, tail)
 
     def _write_block(self, row: int, block: int, buf: memoryview, checksum: bool = True) -> None:
         t0 = time.perf_counter()
@@ -279,18 +210,11 @@ class DiskFile:
         self.stats.add(write_bytes=len(buf), write_s=time.perf_counter() - t1, checksum_s=t1 - t0,
                        checksum_bytes=len(buf) if checksum else 0)
 
-    def read(self, items: list[tuple[int, memoryview]], frames: list[memoryview] | None = None) -> int:
+    def read(self, items: list[tuple[int, memoryview]]) -> int:
         """Fill each (row, dst) with the row's first len(dst) bytes, which must be all it holds;
         dst must start ALIGN-aligned. Raises DiskError naming file and offset on a bad checksum.
-        With a codec, the stored frames go to `frames` (one per item, block k at k*block_bytes)
-        and `decode` fills dst later. Returns the bytes read from the file."""
+        Returns the bytes read from the file."""
         before = self.stats.read_bytes
-        if self.codec is not None:
-            assert frames is not None and len(frames) == len(items)
-            tasks = [(self._read_frame, row, k, frames[i]) for i, (row, dst) in enumerate(items)
-                     for k in range(self._full_blocks(row, len(dst)))]
-            self._parallel(tasks)
-            return self.stats.read_bytes - before
         tasks = []
         for row, dst in items:
             n = len(dst)
@@ -308,43 +232,11 @@ class DiskFile:
             raise ValueError(f"disk row {row}: read of {n} bytes, it holds {self.fill[row]}")
         return n // self.block_bytes
 
-    def _read_frame(self, row: int, k: int, frames: memoryview) -> None:
-        B, n = self.block_bytes, self.stored[row][k] or self.block_bytes
-        view = frames[k * B:k * B + -(-n // ALIGN) * ALIGN]
-        t0 = time.perf_counter()
-        done = os.preadv(self.fd, [view], self._offset(row, k))
-        t1 = time.perf_counter()
-        if done != len(view):
-            raise DiskError(errno.EIO, f"disk: short read of {self.path} at offset {self._offset(row, k)}")
-        self._verify(row, k, view[:n])
-        self.stats.add(read_bytes=len(view), read_s=t1 - t0, checksum_s=time.perf_counter() - t1,
-                       checksum_bytes=n)
-
     def _verify(self, row: int, k: int, data: memoryview) -> None:
         if crc32c.crc32c(data) != self.crcs[row][k]:
             raise DiskError(errno.EIO, f"disk: checksum mismatch in {self.path} at offset "
                                        f"{self._offset(row, k)} (block of {self.block_bytes} bytes): "
                                        "the KV file is corrupt")
-
-    def decode(self, items: list[tuple[int, memoryview]], frames: list[memoryview]) -> None:
-        """Restore each (row, dst) from the frames `read` fetched, and the row's tail."""
-        tasks = []
-        for (row, dst), fr in zip(items, frames):
-            full = self._full_blocks(row, len(dst))
-            tasks += [(self._decode_block, row, k, fr, dst) for k in range(full)]
-            if len(dst) % self.block_bytes:
-                tasks.append((self._copy_tail, row, full, dst))
-        self._parallel(tasks)
-
-    def _decode_block(self, row: int, k: int, frames: memoryview, dst: memoryview) -> None:
-        B, n = self.block_bytes, self.stored[row][k]
-        out = dst[k * B:(k + 1) * B]
-        if n:
-            t0 = time.perf_counter()
-            self.codec.decode(frames[k * B:k * B + n], out)
-            self.stats.add(decode_s=time.perf_counter() - t0)
-        else:
-            out[:] = frames[k * B:(k + 1) * B]
 
     def _read_blocks(self, row: int, b0: int, b1: int, dst: memoryview) -> None:
         B = self.block_bytes

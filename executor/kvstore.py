@@ -24,6 +24,7 @@ from kvpipe.pipeline.plan import Tier, placement
 from kvpipe.pipeline.stage import Graph
 
 from .disk import ALIGN, DiskFile, aligned_buffer, default_kv_dir
+from .disk_frames import FramedDiskFile
 from .pinned import HostArena
 
 MAX_BLOCK = 1 << 20   # checksummed disk block: large enough for full-speed requests, small for the tail
@@ -164,9 +165,9 @@ class KVStore:
             codec = load(lo.disk_codec)
             self.cstage = aligned_buffer(self.rstage.numel(), pin=False)   # stored frames, as read
         block = opts.block_bytes or min(max(1 << (W * self.token_bytes - 1).bit_length(), ALIGN), MAX_BLOCK)
-        self.disk = DiskFile(opts.kv_dir or default_kv_dir(), B * sum(lo.disk),
-                             lo.capacity * self.token_bytes, block, opts.threads, self.cuda,
-                             codec, self.dtype.itemsize)
+        args = (opts.kv_dir or default_kv_dir(), B * sum(lo.disk), lo.capacity * self.token_bytes, block,
+                opts.threads, self.cuda)
+        self.disk = DiskFile(*args) if codec is None else FramedDiskFile(*args, codec, self.dtype.itemsize)
         self.disk.open()
 
     def close(self) -> None:
@@ -300,8 +301,10 @@ class KVStore:
         group row h - base), verifying every block (with a codec: their frames, for
         `disk_decode`); returns bytes read from the file (raw: bytes delivered)."""
         items, frames = self._read_items(layer, heads, base, slot, length)
-        read = self.disk.read(items, frames or None)
-        return read if frames else sum(len(mv) for _, mv in items)
+        if frames:
+            return self.disk.read(items, frames)
+        self.disk.read(items)
+        return sum(len(mv) for _, mv in items)
 
     def disk_decode(self, layer: int, heads: tuple[int, ...], base: int, slot: int, length: int) -> int:
         """Decode the frames `disk_read` fetched into the read staging of `slot`; returns raw bytes."""

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpipe.executor.adapter import HFAdapter
-from kvpipe.executor.disk import ALIGN, DiskError, DiskFile
+from kvpipe.executor.disk import ALIGN, DiskError, DiskFile, aligned_buffer
 from kvpipe.executor.kvstore import DiskOptions
 from kvpipe.executor.runner import execute
 from kvpipe.pipeline.builder import build
@@ -49,7 +49,6 @@ def test_rows_read_back_what_was_appended_through_o_direct(tmp_path):
                 want[r] += data
                 items.append((r, memoryview(data)))
             f.append(items)
-            from kvpipe.executor.disk import aligned_buffer
             bufs = [aligned_buffer(len(w) + ALIGN, pin=False) for w in want]
             f.read([(r, memoryview(bufs[r][:len(want[r])].numpy())) for r in range(rows)])
             for r in range(rows):
