@@ -1,0 +1,140 @@
+"""Error of kvpipe's lossy options against exact attention, on the synthetic needle set
+(analysis/needles.py: Llama-3-8B head shapes, GQA 4, bf16 cache). CPU only.
+
+  python -m benchmarks.lossy_error                 # 8 cases x 8 steps x 4 query heads at 32K
+  python -m benchmarks.lossy_error --context 8K --cases 2
+
+For every method: the exact attention mass on the tokens it attended (recall), the relative L2
+error of the attention output, and the needle hit rate (the step's needle keeps at least half its
+exact mass), each against float64 softmax attention over the same bf16 K/V. Rows marked
+`reference` are not kvpipe options: they bound what any selection at that budget can reach.
+The table is printed last; JSON (with the command and date) goes to
+benchmarks/results/lossy-error-<date>.json (or --out)."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kvpipe.analysis.needles import NeedleSpec, cases, concentration, errors, exact
+from kvpipe.pipeline.units import parse_tokens
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None = None):
+    """Float64 attention of q [T, G, D] over k, v [S, D], restricted to `keep` [T, S] if given:
+    (weights [T, G, S], out [T, G, D])."""
+    q, k, v = q.double(), k.double(), v.double()
+    s = torch.einsum("tgd,sd->tgs", q, k) / math.sqrt(k.shape[-1])
+    if keep is not None:
+        s = s.masked_fill(~keep[:, None, :], float("-inf"))
+    w = torch.softmax(s, -1)
+    return w, w @ v
+
+
+def oracle(fraction: float):
+    """Reference: the top `fraction` of tokens by exact attention of the group (sum over heads)."""
+    def method(case, ref_w):
+        n = max(1, int(fraction * case.k.shape[0]))
+        idx = ref_w.sum(1).topk(n, -1).indices                 # [T, n]
+        keep = torch.zeros(ref_w.shape[0], ref_w.shape[-1], dtype=torch.bool).scatter_(1, idx, True)
+        return attend(case.q, case.k, case.v, keep)
+    return method
+
+
+def window(fraction: float, sink: int = 4):
+    """Reference: StreamingLLM's sink + recent window at the same token budget (no scoring)."""
+    def method(case, ref_w):
+        S = case.k.shape[0]
+        keep = torch.zeros(ref_w.shape[0], S, dtype=torch.bool)
+        keep[:, :sink] = True
+        keep[:, S - (max(1, int(fraction * S)) - sink):] = True
+        return attend(case.q, case.k, case.v, keep)
+    return method
+
+
+def methods(fraction: float) -> dict[str, tuple[str, object]]:
+    """name -> (kind, method(case, exact weights) -> (weights, out))."""
+    pct = f"{fraction:.0%}"
+    return {f"oracle top {pct} tokens": ("reference", oracle(fraction)),
+            f"sink + recent window {pct}": ("reference", window(fraction))}
+
+
+def summarise(errs: list, fetched: list[float]) -> dict:
+    recall = torch.cat([e.recall.flatten() for e in errs])
+    rel = torch.cat([e.rel_err.flatten() for e in errs])
+    hit = torch.cat([e.needle_hit.flatten() for e in errs])
+    return {"recall_mean": recall.mean().item(), "recall_p5": recall.quantile(0.05).item(),
+            "recall_min": recall.min().item(), "rel_err_mean": rel.mean().item(),
+            "rel_err_max": rel.max().item(), "needle_hit_rate": hit.double().mean().item(),
+            "needles": hit.numel(), "tokens_fetched": sum(fetched) / len(fetched)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--context", default="32K")
+    ap.add_argument("--cases", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--fraction", type=float, default=0.2, help="token budget of sparse rows")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", help="JSON path (default benchmarks/results/lossy-error-<date>.json)")
+    args = ap.parse_args(argv)
+    spec = NeedleSpec(context=parse_tokens(args.context), cases=args.cases, steps=args.steps, seed=args.seed)
+    torch.manual_seed(0)
+    table = methods(args.fraction)
+    errs = {name: [] for name in table}
+    fetched = {name: [] for name in table}
+    t0 = time.time()
+    shape = {"top20_mass": [], "needle_mass": [], "sink_mass": []}
+    for case in cases(spec):
+        ref_w, ref_out = exact(case)
+        shape["top20_mass"].append(concentration(ref_w, 0.2).flatten())
+        shape["sink_mass"].append(ref_w[..., 0].flatten())
+        shape["needle_mass"].append(torch.stack([ref_w[t, :, a:b].sum(-1) for t, (a, b) in enumerate(case.needles)]).flatten())
+        for name, (_, method) in table.items():
+            w, out = method(case, ref_w)
+            errs[name].append(errors(case, ref_w, ref_out, w, out))
+            fetched[name].append(((w > 0).any(1).double().mean()).item())
+    stats = {k: torch.cat(v) for k, v in shape.items()}
+    rows = {name: dict(kind=table[name][0], **summarise(errs[name], fetched[name])) for name in table}
+    result = {
+        "command": "python -m benchmarks.lossy_error " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()} {platform.processor() or ''} torch {torch.__version__} (CPU)".strip(),
+        "wall_s": round(time.time() - t0, 1),
+        "set": {"context": spec.context, "head_dim": spec.head_dim, "gqa": spec.gqa, "cases": spec.cases,
+                "steps": spec.steps, "seed": spec.seed, "dtype": spec.dtype,
+                "needle_logit": list(spec.needle_logit), "topic_logit": spec.topic_logit,
+                "sink_logit": spec.sink_logit,
+                "exact_needle_mass": {"min": stats["needle_mass"].min().item(),
+                                      "median": stats["needle_mass"].median().item()},
+                "exact_sink_mass_median": stats["sink_mass"].median().item(),
+                "exact_top20pct_mass": {"mean": stats["top20_mass"].mean().item(),
+                                        "min": stats["top20_mass"].min().item()}},
+        "rows": rows,
+    }
+    out = Path(args.out or f"benchmarks/results/lossy-error-{datetime.date.today().isoformat()}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    s = result["set"]
+    print(f"synthetic needle set: {spec.cases} cases x {spec.steps} steps x {spec.gqa} query heads, "
+          f"{spec.context} tokens, D={spec.head_dim}, {spec.dtype} cache, reference float64 attention")
+    print(f"exact attention: top 20% of tokens hold {s['exact_top20pct_mass']['mean']:.3f} of the mass "
+          f"(min {s['exact_top20pct_mass']['min']:.3f}); needle mass median {s['exact_needle_mass']['median']:.3f} "
+          f"(min {s['exact_needle_mass']['min']:.2g}); sink median {s['exact_sink_mass_median']:.3f}")
+    print(f"{'method':34}{'kind':>10}{'fetched':>9}{'recall':>8}{'rec p5':>8}{'rel err':>10}{'max':>10}{'needles':>9}")
+    for name, r in rows.items():
+        print(f"{name:34}{r['kind']:>10}{r['tokens_fetched']:>9.3f}{r['recall_mean']:>8.3f}{r['recall_p5']:>8.3f}"
+              f"{r['rel_err_mean']:>10.2e}{r['rel_err_max']:>10.2e}{r['needle_hit_rate']:>9.1%}")
+    print(f"json: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
