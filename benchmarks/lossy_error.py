@@ -7,7 +7,8 @@
 For every method: the exact attention mass on the tokens it attended (recall), the relative L2
 error of the attention output, and the needle hit rate (the step's needle keeps at least half its
 exact mass), each against float64 softmax attention over the same bf16 K/V. Rows marked
-`reference` are not kvpipe options: they bound what any selection at that budget can reach.
+`reference` are not kvpipe options: they bound what any selection at that budget can reach;
+`variant` rows are settings kvpipe does not use by default, kept to show why.
 The table is printed last; JSON (with the command and date) goes to
 benchmarks/results/lossy-error-<date>.json (or --out)."""
 from __future__ import annotations
@@ -24,6 +25,8 @@ from pathlib import Path
 import torch
 
 from kvpipe.analysis.needles import NeedleSpec, cases, concentration, errors, exact
+from kvpipe.executor.quant import dequantize, quantize
+from kvpipe.pipeline.lossy import LossySpec
 from kvpipe.pipeline.units import parse_tokens
 
 
@@ -59,11 +62,27 @@ def window(fraction: float, sink: int = 4):
     return method
 
 
+def quantised(quant: str, k_axis: int = 0, group: int | None = None):
+    """kvpipe --lossy QUANT: K and V quantised (groups along tokens unless k_axis=-1: along channels,
+    per token), attended in float64 after dequantisation."""
+    spec = LossySpec(quant, group=group)
+
+    def method(case, ref_w):
+        k = dequantize(quantize(case.k, spec.bits, spec.group, axis=k_axis))
+        v = dequantize(quantize(case.v, spec.bits, spec.group, axis=0))
+        return attend(case.q, k, v)
+    return method
+
+
 def methods(fraction: float) -> dict[str, tuple[str, object]]:
     """name -> (kind, method(case, exact weights) -> (weights, out))."""
     pct = f"{fraction:.0%}"
     return {f"oracle top {pct} tokens": ("reference", oracle(fraction)),
-            f"sink + recent window {pct}": ("reference", window(fraction))}
+            f"sink + recent window {pct}": ("reference", window(fraction)),
+            "int8 (group 64)": ("kvpipe", quantised("int8")),
+            "int4 (group 32)": ("kvpipe", quantised("int4")),
+            "int8, K per token (group 64)": ("variant", quantised("int8", k_axis=-1)),
+            "int4, group 64": ("variant", quantised("int4", group=64))}
 
 
 def summarise(errs: list, fetched: list[float]) -> dict:

@@ -1,0 +1,85 @@
+"""Group-wise asymmetric min-max quantisation of KV to int8 or int4 (FlexGen, LeoAM): every `group`
+consecutive values along one axis share a scale and a zero-point (the group minimum), stored in
+float16 (float32 for float32/float64 input); int4 codes are packed two per byte, the even element
+in the low nibble. Lossy: `dequantize(quantize(x))` differs from x by at most half a step per
+value (plus the metadata's float16 rounding of the minimum). Device-agnostic torch; quantise and
+dequantise run wherever the tensor lives.
+
+The axis matters for K: its outlier channels (analysis/needles.py) widen every per-token group
+they fall in, so KIVI quantises K per channel (groups along tokens) and V per token."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+LEVELS = {8: 255, 4: 15}
+_META = {torch.bfloat16: torch.float16, torch.float16: torch.float16,
+         torch.float32: torch.float32, torch.float64: torch.float32}
+_FP16_MAX = 65504.0
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """`codes` [..., groups, group * bits / 8] uint8; `scale`, `zero` [..., groups]. `shape` is the
+    original shape with `axis` moved last; `length` the unpadded size of that axis."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    bits: int
+    group: int
+    axis: int
+    shape: tuple[int, ...]
+    length: int
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes stored: codes plus metadata (what crosses the link instead of the exact KV)."""
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
+
+
+def quantize(x: torch.Tensor, bits: int, group: int = 64, axis: int = -1) -> Quantized:
+    """Quantise `x` in groups of `group` consecutive values along `axis` (the last group is padded
+    by repeating the axis' last value)."""
+    if bits not in LEVELS:
+        raise ValueError(f"bits: must be 8 or 4, got {bits!r}")
+    if group <= 0 or group % 2:
+        raise ValueError(f"group: must be a positive even integer, got {group!r}")
+    if x.dtype not in _META:
+        raise ValueError(f"dtype: cannot quantise {x.dtype}")
+    meta = _META[x.dtype]
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    axis = axis % x.dim()
+    y = x.movedim(axis, -1).to(work)
+    shape, n = tuple(y.shape), y.shape[-1]
+    if meta == torch.float16 and y.numel() and y.abs().max() > _FP16_MAX:
+        raise ValueError("kv: values beyond the float16 range of the quantisation metadata")
+    pad = -n % group
+    if pad:
+        y = torch.cat([y, y[..., -1:].expand(*shape[:-1], pad)], -1)
+    y = y.reshape(*shape[:-1], -1, group)                                   # [..., groups, group]
+    lo, hi = y.amin(-1), y.amax(-1)
+    zero = lo.to(meta)
+    step = (hi - zero.to(work)) / LEVELS[bits]
+    scale = step.to(meta)
+    low = scale.to(work) < step                  # rounded down: bump so the top code still covers hi
+    scale = torch.where(low, (step * (1 + 2.0 ** -9)).to(meta), scale)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))           # constant group
+    codes = torch.round((y - zero.to(work)[..., None]) / scale.to(work)[..., None])
+    codes = codes.clamp_(0, LEVELS[bits]).to(torch.uint8)
+    if bits == 4:
+        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return Quantized(codes, scale, zero, bits, group, axis, shape, n, x.dtype)
+
+
+def dequantize(q: Quantized, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The tensor `q` stands for, in `dtype` (default: the original dtype), original shape."""
+    c = q.codes
+    if q.bits == 4:
+        c = torch.stack([c & 0xF, c >> 4], -1).flatten(-2)                   # [..., groups, group]
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    y = c.to(work) * q.scale.to(work)[..., None] + q.zero.to(work)[..., None]
+    y = y.flatten(-2)[..., :q.length]
+    return y.to(dtype or q.dtype).movedim(-1, q.axis)
