@@ -18,6 +18,7 @@ import datetime
 import json
 import math
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ import torch
 
 from kvpipe.analysis.needles import NeedleSpec, cases, concentration, errors, exact
 from kvpipe.executor.quant import dequantize, quantize
+from kvpipe.executor.sparse import chunk_scores, even_bounds, select, select_refined, summarise
 from kvpipe.pipeline.lossy import LossySpec
 from kvpipe.pipeline.units import parse_tokens
 
@@ -74,6 +76,37 @@ def quantised(quant: str, k_axis: int = 0, group: int | None = None):
     return method
 
 
+def sparse(fraction: float, chunk: int = 64, adaptive: bool = False, quant: str | None = None):
+    """kvpipe --sparse F: per step, chunks ranked by their key-summary bound for the step's query
+    group, sink 64 + recent 256 tokens, budget F of the tokens. `adaptive`: 64-token chunks
+    holding the best 2x budget are refined to 8-token chunks each step (select_refined)."""
+    spec = LossySpec(quant, sparse=fraction, chunk=chunk)
+
+    def method(case, ref_w):
+        S = case.k.shape[0]
+        budget = spec.fetched_tokens(S)
+        bounds = even_bounds(S, chunk)
+        lo, hi = summarise(case.k, bounds)
+        if adaptive:
+            fb = even_bounds(S, 8)
+            fine = (fb, *summarise(case.k, fb))
+            picks = [select_refined(case.q[t], (bounds, lo, hi), fine, budget, spec.sink, spec.recent)
+                     for t in range(case.q.shape[0])]
+            keep = torch.stack([p[0] for p in picks])
+            scored = statistics.fmean(p[1] for p in picks)
+        else:
+            keep = torch.stack([select(chunk_scores(case.q[t], lo, hi), bounds, budget, spec.sink, spec.recent)
+                                for t in range(case.q.shape[0])])
+            scored = bounds.numel() - 1
+        k, v = case.k, case.v
+        if quant:
+            k = dequantize(quantize(k, spec.bits, spec.group, axis=0))
+            v = dequantize(quantize(v, spec.bits, spec.group, axis=0))
+        w, out = attend(case.q, k, v, keep)
+        return w, out, scored
+    return method
+
+
 def methods(fraction: float) -> dict[str, tuple[str, object]]:
     """name -> (kind, method(case, exact weights) -> (weights, out))."""
     pct = f"{fraction:.0%}"
@@ -81,11 +114,15 @@ def methods(fraction: float) -> dict[str, tuple[str, object]]:
             f"sink + recent window {pct}": ("reference", window(fraction)),
             "int8 (group 64)": ("kvpipe", quantised("int8")),
             "int4 (group 32)": ("kvpipe", quantised("int4")),
+            f"sparse {pct}, chunks 64": ("kvpipe", sparse(fraction)),
+            f"sparse {pct}, refined 64->8": ("kvpipe", sparse(fraction, adaptive=True)),
+            f"sparse {pct} refined + int4": ("kvpipe", sparse(fraction, adaptive=True, quant="int4")),
+            f"sparse {pct}, chunks 8": ("variant", sparse(fraction, chunk=8)),
             "int8, K per token (group 64)": ("variant", quantised("int8", k_axis=-1)),
             "int4, group 64": ("variant", quantised("int4", group=64))}
 
 
-def summarise(errs: list, fetched: list[float]) -> dict:
+def summarise_errors(errs: list, fetched: list[float]) -> dict:
     recall = torch.cat([e.recall.flatten() for e in errs])
     rel = torch.cat([e.rel_err.flatten() for e in errs])
     hit = torch.cat([e.needle_hit.flatten() for e in errs])
@@ -109,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     table = methods(args.fraction)
     errs = {name: [] for name in table}
     fetched = {name: [] for name in table}
+    chunks = {name: [] for name in table}
     t0 = time.time()
     shape = {"top20_mass": [], "needle_mass": [], "sink_mass": []}
     for case in cases(spec):
@@ -117,11 +155,14 @@ def main(argv: list[str] | None = None) -> int:
         shape["sink_mass"].append(ref_w[..., 0].flatten())
         shape["needle_mass"].append(torch.stack([ref_w[t, :, a:b].sum(-1) for t, (a, b) in enumerate(case.needles)]).flatten())
         for name, (_, method) in table.items():
-            w, out = method(case, ref_w)
+            w, out, *extra = method(case, ref_w)
+            chunks[name].append(extra[0] if extra else None)
             errs[name].append(errors(case, ref_w, ref_out, w, out))
             fetched[name].append(((w > 0).any(1).double().mean()).item())
     stats = {k: torch.cat(v) for k, v in shape.items()}
-    rows = {name: dict(kind=table[name][0], **summarise(errs[name], fetched[name])) for name in table}
+    rows = {name: dict(kind=table[name][0], **summarise_errors(errs[name], fetched[name]),
+                       summaries_per_step=(statistics.fmean(chunks[name]) if chunks[name][0] else None))
+            for name in table}
     result = {
         "command": "python -m benchmarks.lossy_error " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -1,0 +1,103 @@
+"""Sparse decode by chunk key summaries (LeoAM's IAKM/LKA, Quest): the keys of one KV head are cut
+into chunks; a chunk's summary is its per-channel minimum and maximum. For a query q the bound
+  sum_c max(q_c * lo_c, q_c * hi_c)  >=  q . k   for every key k of the chunk
+holds channel by channel, so it bounds the chunk's best score without reading its keys. A decode
+step fetches the sink tokens, a recent window, and then the chunks of highest bound (GQA: the
+best over the group's query heads, each head's bounds taken relative to its own maximum) until
+a token budget is spent. Chunk sizes adapt per step (`select_refined`): the best coarse chunks
+are split into fine ones (64 -> 8 tokens) where the budget is decided, flat cold regions stay whole. Lossy: the
+tokens not fetched are not attended.
+
+Tensors: keys [..., S, D]; partition `bounds` [C+1] token offsets 0 = b0 < ... < bC = S;
+summaries lo, hi [..., C, D]; queries [..., G, D]; scores [..., G, C]."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+_U = 2.0 ** -53   # float64 unit roundoff
+
+
+def even_bounds(length: int, chunk: int) -> torch.Tensor:
+    """Partition of `length` tokens into `chunk`-token chunks (the last one shorter)."""
+    if length <= 0 or chunk <= 0:
+        raise ValueError(f"length/chunk: must be positive, got {length}, {chunk}")
+    return torch.cat([torch.arange(0, length, chunk), torch.tensor([length])])
+
+
+def summarise(k: torch.Tensor, bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-chunk, per-channel (min, max) of keys k [..., S, D]: two [..., C, D] tensors."""
+    S, C = k.shape[-2], bounds.numel() - 1
+    if int(bounds[0]) != 0 or int(bounds[-1]) != S or not bool((bounds[1:] > bounds[:-1]).all()):
+        raise ValueError(f"bounds: must rise strictly from 0 to {S}")
+    idx = torch.searchsorted(bounds[1:].to(k.device), torch.arange(S, device=k.device), right=True)
+    idx = idx.view(*([1] * (k.dim() - 2)), S, 1).expand_as(k)
+    shape = (*k.shape[:-2], C, k.shape[-1])
+    lo = torch.empty(shape, dtype=k.dtype, device=k.device).scatter_reduce_(-2, idx, k, "amin", include_self=False)
+    hi = torch.empty(shape, dtype=k.dtype, device=k.device).scatter_reduce_(-2, idx, k, "amax", include_self=False)
+    return lo, hi
+
+
+def upper_bound(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """Upper bound of q . k (unscaled) over each chunk's keys, for q [..., G, D] and summaries
+    [..., C, D]: [..., G, C] in float64. A margin of (D + 2) unit roundoffs times the sum of
+    |terms| covers float64 rounding, so the bound holds exactly, not only up to rounding."""
+    q64 = q.double()[..., :, None, :]                                   # [..., G, 1, D]
+    a, b = q64 * lo.double()[..., None, :, :], q64 * hi.double()[..., None, :, :]
+    terms = torch.maximum(a, b)                                         # [..., G, C, D]
+    s = terms.sum(-1)
+    margin = (q.shape[-1] + 2) * _U * terms.abs().sum(-1)
+    return s + margin
+
+
+def chunk_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """Ranking key of each chunk for a KV head's query group q [..., G, D]: the best over heads of
+    the scaled bound minus that head's largest bound (a log-density bound): [..., C]."""
+    b = upper_bound(q, lo, hi) / math.sqrt(q.shape[-1])
+    return (b - b.amax(-1, keepdim=True)).amax(-2)
+
+
+def select(scores: torch.Tensor, bounds: torch.Tensor, budget: int, sink: int, recent: int) -> torch.Tensor:
+    """Tokens one step fetches for scores [C] of a partition: the first `sink`, the last `recent`,
+    then whole chunks by decreasing score while the total stays within `budget` tokens: [S] bool."""
+    S = int(bounds[-1])
+    keep = torch.zeros(S, dtype=torch.bool, device=scores.device)
+    keep[:min(sink, S)] = True
+    keep[max(0, S - recent):] = True
+    sizes = (bounds[1:] - bounds[:-1]).to(scores.device)
+    starts = bounds[:-1].to(scores.device)
+    covered = torch.zeros_like(sizes)
+    covered += (torch.clamp(torch.minimum(starts + sizes, torch.full_like(starts, sink)) - starts, min=0))
+    covered += torch.clamp(starts + sizes - torch.maximum(starts, torch.full_like(starts, S - recent)), min=0)
+    new = (sizes - covered).clamp(min=0)
+    order = torch.argsort(scores, descending=True, stable=True)
+    room = budget - int(keep.sum())
+    take = order[torch.cumsum(new[order], 0) <= room]
+    chosen = torch.zeros(sizes.numel(), dtype=torch.bool, device=scores.device)
+    chosen[take] = True
+    keep |= torch.repeat_interleave(chosen, sizes)
+    return keep
+
+
+def select_refined(q: torch.Tensor, coarse: tuple, fine: tuple, budget: int, sink: int, recent: int,
+                   hot: float = 2.0) -> tuple[torch.Tensor, int]:
+    """Two-level selection, LeoAM's split where scores concentrate: the coarse chunks (`coarse` =
+    (bounds, lo, hi)) are ranked for the query group q [G, D]; those holding the best `hot` x
+    `budget` tokens are split into their fine chunks (`fine`, nested in the coarse ones), which are
+    ranked and selected under the budget; flat, cold regions stay whole and unfetched. Returns
+    (keep [S] bool, summaries scored)."""
+    cb, clo, chi = coarse
+    fb, flo, fhi = fine
+    cs = chunk_scores(q, clo, chi)                                        # [C]
+    sizes = cb[1:] - cb[:-1]
+    order = torch.argsort(cs, descending=True, stable=True)
+    is_hot = torch.zeros_like(cs, dtype=torch.bool)
+    is_hot[order[torch.cumsum(sizes[order].to(cs.device), 0) <= hot * budget]] = True
+    parent = torch.searchsorted(cb[1:].to(fb.device), fb[:-1], right=True)  # coarse chunk of each fine one
+    if not bool((cb[parent] <= fb[:-1]).all() and (fb[1:] <= cb[parent + 1]).all()):
+        raise ValueError("fine: chunks must nest in the coarse chunks")
+    use = is_hot[parent.to(cs.device)]
+    fs = torch.full((fb.numel() - 1,), -math.inf, dtype=torch.float64, device=cs.device)
+    fs[use] = chunk_scores(q, flo[use], fhi[use])
+    return select(fs, fb, budget, sink, recent), cs.numel() + int(use.sum())
