@@ -73,12 +73,15 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
          host_mem: str | int | None = None, disk_mem: str | int | None = None, method: str | None = None,
          group: Knob = None, chunk: Knob = None, resident: Knob = None, plan: PlanArg = None,
          compare: bool = False, full_sim: bool = False, trace: Path_ = None, plot: Path_ = None,
-         disk: Knob = None, kv_dir: Path_ = None, codec: str | list[str] = ()) -> PlanResult:
+         disk: Knob = None, kv_dir: Path_ = None, codec: str | list[str] = (),
+         lossy: str | None = None, sparse: float | None = None) -> PlanResult:
     """Predict latency and memory of `model` on hardware profile `hw` (no GPU, no torch).
     Budgets default to the profile's; `group`/`chunk`/`resident` None or "auto" leave them to the
     rule; `plan` (a file, dict or Plan) replaces the knobs. `disk` offloaded units go to disk
     (None/auto: what host RAM cannot hold); `kv_dir`, when given, makes its free space the disk
-    budget; `codec` is LINK=NAME (or a list), NAME `auto` letting the simulator decide.
+    budget; `codec` is LINK=NAME (or a list), NAME `auto` letting the simulator decide. LOSSY
+    opt-ins, never chosen for the user: `lossy` "int8"/"int4" quantises the offloaded KV, `sparse`
+    F fetches a fraction F of the tokens per decode step (pipeline/lossy.py).
     `trace`/`plot` paths are checked first and written last. ValueError names the argument."""
     from kvpipe.hw_profiles import load_profile
     trace_path, plot_path = output_path(trace, "trace"), output_path(plot, "plot")
@@ -92,6 +95,9 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
     warnings = _warnings(spec, work)
     chosen = resolve_plan(spec, work, budgets, method, group, chunk, resident, plan)
     chosen = _tiers(spec, work, chosen, profile, disk, codec)
+    if lossy is not None or sparse is not None:   # explicit opt-in only
+        from kvpipe.pipeline.lossy import LossySpec
+        chosen = chosen.with_(lossy=LossySpec(lossy, sparse=sparse))
     main = _predict(spec, work, chosen, profile, budgets, full=full_sim)
     methods = None
     if compare:
@@ -158,6 +164,8 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
                "disk": budget(disk_mem, 0, "disk-mem") if disk_mem is not None else 0}
     check_weights(spec, budgets)
     chosen = resolve_plan(spec, work, budgets, method, group, chunk, resident, plan)
+    if chosen.lossy is not None:
+        raise ValueError("lossy: kvpipe run executes exact plans only (lossy options are plan-only for now)")
     chosen = _tiers(spec, work, chosen, profile, disk, codec)
     free = free_disk(kv_dir)                # also checks --kv-dir
     if chosen.disk and disk_mem is None:    # the free space where the file will go, checked before allocation

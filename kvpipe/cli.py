@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_flags(p, context=api.DEFAULT_PLAN_CONTEXT, hw=api.DEFAULT_HW)
     p.add_argument("--compare", action="store_true", help="all four methods side by side")
     p.add_argument("--full-sim", action="store_true", help="simulate every decode step (no shortcut)")
+    p.add_argument("--lossy", choices=["int8", "int4"], help="LOSSY opt-in: quantise the offloaded KV")
+    p.add_argument("--sparse", type=float, metavar="F",
+                   help="LOSSY opt-in: each decode step fetches a fraction F of the offloaded tokens")
     r = sub.add_parser("run", help="execute on this machine's GPU (or CPU) and print measured next to predicted",
                        formatter_class=_Help, epilog=UNITS)
     add_workload_flags(r, context=None, hw=None)

@@ -62,12 +62,23 @@ class PlanResult:
         out = _head(self.model, self.hardware, self.workload)
         p = self.predicted
         out.update(plan=p.plan.to_json(), fits=p.fits, problems=list(p.problems), predicted=p.report.to_json(),
-                   budgets_bytes=dict(self.budgets), warnings=list(self.warnings))
+                   budgets_bytes=dict(self.budgets), warnings=list(self.warnings), lossy=lossy_json(p.plan))
         if self.methods is not None:
             out["methods"] = {n: {"fits": r.fits, "problems": list(r.problems), "plan": r.plan.to_json(),
                                   "predicted": r.report.to_json(), "max_context": r.max_context}
                               for n, r in self.methods.items()}
         return out
+
+
+def lossy_json(plan: Plan) -> dict | None:
+    """None for an exact plan; else what is lossy and its measured error (a plan measures none)."""
+    if plan.lossy is None:
+        return None
+    out = plan.lossy.to_json()
+    if out["measured_error"] is None:
+        out["error_note"] = ("not measured by plan: python -m benchmarks.lossy_error measures it on a "
+                             "synthetic needle set")
+    return out
 
 
 @dataclass(frozen=True)
@@ -103,7 +114,7 @@ class RunResult:
         out.update(plan=self.plan.to_json(), fits=True, predicted=self.predicted.report.to_json(),
                    measured=measured, tokens=[list(t) for t in self.tokens], output_digest=self.output_digest,
                    device=self.device, attention=self.attention, budgets_bytes=dict(self.budgets),
-                   warnings=list(self.warnings), disk=self.disk)
+                   warnings=list(self.warnings), disk=self.disk, lossy=lossy_json(self.plan))
         if self.decode_issue is not None:
             out["decode_issue"] = dict(self.decode_issue)
         return out

@@ -16,7 +16,8 @@ def _print_workload_plan(work, plan) -> None:
 
 def print_plan(res: PlanResult) -> None:
     hw, p = res.hardware, res.predicted
-    print(f"kvpipe plan: {res.model.name} on {hw.name} — {hw.description}")
+    lossy = f"LOSSY ({p.plan.lossy.describe()}) " if p.plan.lossy else ""
+    print(f"kvpipe plan: {lossy}{res.model.name} on {hw.name} — {hw.description}")
     _print_workload_plan(res.workload, p.plan)
     budget = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in res.budgets.items())
     if p.fits:

@@ -60,7 +60,8 @@ class _Builder:
                          flops=B * n * m.qkv_flops_per_token,
                          mem_bytes=qkv_w + la + B * n * resident * unit_tok, ops=6,
                          takes=((Pool.GPU, la),))
-            attns = [self.group(phase, idx, layer, g, start, n, pp, q) for g in range(m.kv_heads // G)]
+            scored = self.score(phase, idx, layer, start, q)
+            attns = [self.group(phase, idx, layer, g, start, n, pp, scored) for g in range(m.kv_heads // G)]
             self.store(phase, idx, layer, start, n, q)
             last = layer == m.layers - 1 and not with_head
             prev = self.add(Kind.COMPUTE, "mlp", phase, idx, layer, None, (start, end), attns,
@@ -86,12 +87,30 @@ class _Builder:
             self._members[key] = (heads, tuple(h for h in off if h in heads), tuple(h for h in disk if h in heads))
         return self._members[key]
 
+    def score(self, phase: Phase, idx: int, layer: int, start: int, qkv: int) -> int:
+        """LOSSY, sparse decode: one GPU stage scores the chunk summaries of the layer's offloaded
+        heads for this step's queries, before any of their fetches (which it decides); returns it,
+        or `qkv` when there is nothing to score."""
+        lossy, off = self.plan.lossy, self.offloaded[layer][0]
+        if lossy is None or lossy.sparse is None or phase is not Phase.DECODE or not off or start == 0:
+            return qkv
+        m, B = self.m, self.w.batch
+        cost = lossy.score_cost(start, m.gqa_ratio, m.head_dim, m.dtype_bytes)
+        return self.add(Kind.COMPUTE, "score", phase, idx, layer, None, (0, start), (qkv,), heads=off, ops=3,
+                        **{k: B * len(off) * v for k, v in cost.items()})
+
     def store(self, phase: Phase, idx: int, layer: int, start: int, n: int, qkv: int) -> None:
         """Write the step's new K/V of the layer's offloaded heads home (d2h, then disk)."""
         off, disk = self.offloaded[layer]
         if not off:
             return
         nbytes = self.w.batch * n * self.m.kv_unit_bytes_per_token
+        lossy = self.plan.lossy
+        if lossy is not None and lossy.quant:   # LOSSY: quantised on the GPU, smaller bytes go home
+            qbytes = self.w.batch * lossy.unit_bytes(n, self.m.head_dim, self.m.dtype_bytes)
+            qkv = self.add(Kind.COMPUTE, "quant", phase, idx, layer, None, (start, start + n), (qkv,), heads=off,
+                           mem_bytes=(nbytes + qbytes) * len(off), ops=2 * len(off))
+            nbytes = qbytes
         # Disk heads' new K/V pass through the layer's host write staging: the store waits until
         # the previous write of the layer has left it.
         staged = [self.last_write.get((layer, h)) for h in disk]
@@ -115,26 +134,40 @@ class _Builder:
         """Fetch (if needed), attention and write-back of one head group; returns the attn id."""
         m, B, unit_tok = self.m, self.w.batch, self.m.kv_unit_bytes_per_token
         heads, off, disk = self.members(layer, g, pp.group)
-        fetch = slot = None
+        fetch = slot = score = None
+        deq = 0
+        lossy = self.plan.lossy
+        sparse = lossy is not None and lossy.sparse is not None and phase is Phase.DECODE
+        # bytes of one unit's prefix as it crosses the links (LOSSY: quantised, sparse)
+        unit_fetch = (B * (lossy.fetch_bytes(start, m.head_dim, m.dtype_bytes) if sparse else
+                           lossy.unit_bytes(start, m.head_dim, m.dtype_bytes))) if lossy else B * start * unit_tok
         if off and start > 0:
             slot = self.fetches % pp.depth
             self.fetches += 1
             written = [self.last_write.get((layer, h)) for h in off]
+            if sparse:   # LOSSY: `qkv` is the layer's `score` stage; nothing moves before it
+                score = qkv
+                written.append(score)
             read = None
             if disk:
-                codec, raw = self.disk_codec(phase), B * start * len(disk) * unit_tok
+                codec, raw = self.disk_codec(phase), unit_fetch * len(disk)
                 read = self.add(Kind.DISK_READ, "kv_read", phase, idx, layer, g, (0, start),
                                 [self.last_write.get((layer, h)) for h in disk]
-                                + [self.staging_user.get(slot)], heads=disk, slot=slot,
+                                + [self.staging_user.get(slot), score], heads=disk, slot=slot,
                                 bytes=raw, ops=B * len(disk), codec=codec)
                 if codec != "none":   # decompressed into the host staging on the CPU pool
                     read = self.add(Kind.DECOMPRESS, "kv_decompress", phase, idx, layer, g, (0, start),
                                     (read,), heads=disk, slot=slot, bytes=raw, ops=B * len(disk), codec=codec)
             fetch = self.add(Kind.H2D, "kv_fetch", phase, idx, layer, g, (0, start),
                              written + [self.slot_user.get(slot), read], heads=off, slot=slot,
-                             bytes=B * start * len(off) * unit_tok, ops=B * len(off))
+                             bytes=unit_fetch * len(off), ops=B * len(off))
             if disk:
                 self.staging_user[slot] = fetch
+            if lossy is not None and lossy.quant:   # LOSSY: dequantised on the GPU after the fetch
+                deq = B * (lossy.fetched_tokens(start) if sparse else start) * len(off) * unit_tok
+                fetch = self.add(Kind.COMPUTE, "dequant", phase, idx, layer, g, (0, start), (fetch,), heads=off,
+                                 slot=slot, mem_bytes=unit_fetch * len(off) + deq, ops=2 * len(off),
+                                 takes=((Pool.GPU, deq),))   # freed by the attention that reads it
         ws = attn_ws_bytes(m, B, n, pp.group)
         q_heads = pp.group * m.gqa_ratio
         copy_in = 2 * B * start * (len(heads) - len(off)) * unit_tok if off else 0  # resident heads of a mixed group
@@ -142,7 +175,7 @@ class _Builder:
                         heads=heads, slot=slot, flops=B * m.attn_flops(start, start + n, start + n, q_heads),
                         mem_bytes=B * (start + n) * len(heads) * unit_tok
                         + 2 * B * n * q_heads * m.head_dim * m.dtype_bytes + 2 * ws + copy_in,
-                        ops=5 if start else 2, takes=((Pool.GPU, ws),), frees=((Pool.GPU, ws),))
+                        ops=5 if start else 2, takes=((Pool.GPU, ws),), frees=((Pool.GPU, ws + deq),))
         if fetch is not None:
             self.slot_user[slot] = attn
         return attn

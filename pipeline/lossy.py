@@ -19,7 +19,9 @@ class LossySpec:
     """`quant`: None, "int8" or "int4" (asymmetric min-max, one scale and zero-point per `group`
     elements). `sparse`: None or the fraction of each decode step's offloaded tokens fetched, in
     (0, 1], chosen by key summaries (per-channel min/max) of `chunk`-token chunks, `sink` first
-    tokens and the `recent` last tokens always included. `error` is a measured error to report
+    tokens and the `recent` last tokens always included; with `leaf`, the chunks holding the best
+    2x budget are refined into `leaf`-token chunks each step (executor/sparse.py select_refined),
+    whose summaries live in host RAM beside the KV and cross the link with it. `error` is a measured error to report
     (e.g. {"attn_rel_err": ...}), or None where nothing was measured."""
 
     quant: str | None = None
@@ -28,6 +30,7 @@ class LossySpec:
     chunk: int = 64
     sink: int = 64
     recent: int = 256
+    leaf: int | None = 8
     error: tuple[tuple[str, float], ...] | None = None
 
     def __post_init__(self) -> None:
@@ -41,6 +44,8 @@ class LossySpec:
             v = getattr(self, f)
             if not isinstance(v, int) or v <= 0 or v % 2:
                 raise ValueError(f"{f}: must be a positive even integer, got {v!r}")
+        if self.leaf is not None and (not isinstance(self.leaf, int) or self.leaf <= 0 or self.chunk % self.leaf):
+            raise ValueError(f"leaf: must divide chunk {self.chunk}, got {self.leaf!r}")
         for f in ("sink", "recent"):
             v = getattr(self, f)
             if not isinstance(v, int) or v < 0:
@@ -70,17 +75,46 @@ class LossySpec:
             return prefix
         return min(prefix, max(math.ceil(self.sparse * prefix), self.sink + self.recent))
 
-    def summary_bytes(self, prefix: int, head_dim: int, dtype_bytes: int) -> int:
-        """Key summaries of one (layer, KV head) unit: per-channel min and max per chunk."""
+    def unit_bytes(self, tokens: int, head_dim: int, dtype_bytes: int) -> int:
+        """K and V of `tokens` tokens of one (layer, KV head) unit as stored (quantised or not)."""
+        return self.stored_bytes(tokens * 2 * head_dim, dtype_bytes)
+
+    def coarse_summary_bytes(self, prefix: int, head_dim: int, dtype_bytes: int) -> int:
+        """Per-channel key min and max of every `chunk`-token chunk of one unit (kept on the GPU)."""
         return 0 if self.sparse is None else math.ceil(prefix / self.chunk) * 2 * head_dim * dtype_bytes
+
+    def fine_summary_bytes(self, prefix: int, head_dim: int, dtype_bytes: int) -> int:
+        """The same per `leaf`-token chunk (kept in host RAM beside the KV)."""
+        if self.sparse is None or self.leaf is None:
+            return 0
+        return math.ceil(prefix / self.leaf) * 2 * head_dim * dtype_bytes
+
+    def fetch_bytes(self, prefix: int, head_dim: int, dtype_bytes: int) -> int:
+        """Bytes one decode step moves for one unit with a `prefix`-token cache: the selected tokens
+        (quantised or not) plus the fine summaries of the hot chunks (twice the budget)."""
+        tokens = self.fetched_tokens(prefix)
+        fine = 0 if self.sparse is None or self.leaf is None else \
+            self.fine_summary_bytes(min(prefix, 2 * tokens), head_dim, dtype_bytes)
+        return self.unit_bytes(tokens, head_dim, dtype_bytes) + fine
+
+    def score_cost(self, prefix: int, q_heads: int, head_dim: int, dtype_bytes: int) -> dict:
+        """Cost inputs of scoring one unit's chunks on the GPU for `q_heads` query heads: every
+        coarse summary, plus the fine summaries of the hot chunks (3 FLOPs per channel and bound:
+        two products and a max, then the sum)."""
+        summaries = math.ceil(prefix / self.chunk)
+        if self.leaf is not None:
+            summaries += math.ceil(min(prefix, 2 * self.fetched_tokens(prefix)) / self.leaf)
+        return {"flops": 3 * 2 * head_dim * q_heads * summaries,
+                "mem_bytes": summaries * 2 * head_dim * dtype_bytes}
 
     def describe(self) -> str:
         parts = []
         if self.quant:
             parts.append(f"{self.quant} KV (group {self.group})")
         if self.sparse is not None:
-            parts.append(f"sparse decode {self.sparse:.0%} of tokens (chunks {self.chunk}, sink {self.sink}, "
-                         f"recent {self.recent})")
+            parts.append(f"sparse decode {self.sparse:.0%} of tokens (chunks {self.chunk}"
+                         + (f" refined to {self.leaf}" if self.leaf else "")
+                         + f", sink {self.sink}, recent {self.recent})")
         return ", ".join(parts)
 
     def to_json(self) -> dict:
@@ -88,12 +122,14 @@ class LossySpec:
                 "chunk": self.chunk if self.sparse is not None else None,
                 "sink": self.sink if self.sparse is not None else None,
                 "recent": self.recent if self.sparse is not None else None,
+                "leaf": self.leaf if self.sparse is not None else None,
                 "measured_error": dict(self.error) if self.error else None}
 
     @classmethod
     def from_json(cls, obj: dict | None) -> "LossySpec | None":
         if obj is None:
             return None
-        keep = {k: obj[k] for k in ("quant", "group", "sparse", "chunk", "sink", "recent") if obj.get(k) is not None}
+        keep = {k: obj[k] for k in ("quant", "group", "sparse", "chunk", "sink", "recent", "leaf")
+                if k in obj and (obj[k] is not None or k == "leaf")}
         err = obj.get("measured_error")
         return cls(**keep, error=tuple(sorted(err.items())) if err else None)

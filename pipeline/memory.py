@@ -103,6 +103,13 @@ def breakdown(m: ModelSpec, work: Workload, plan: Plan) -> MemoryBreakdown:
         act = max(act, step_act_bytes(m, work.batch, sizes[0], plan.prefill.group, False))
     if work.decode_tokens:
         act = max(act, step_act_bytes(m, work.batch, 1, plan.decode.group, True))
-    return MemoryBreakdown(weights=m.weight_bytes, gpu_kv=count[Tier.GPU] * unit, gpu_buffers=slots,
-                           activations=act, host_kv=count[Tier.HOST] * unit, host_buffers=staging,
-                           disk_kv=count[Tier.DISK] * unit)
+    gpu_kv, home = count[Tier.GPU] * unit, unit
+    if plan.lossy is not None:   # LOSSY: offloaded homes hold quantised KV and fine key summaries,
+        cap = work.kv_capacity   # the GPU the coarse summaries of every offloaded unit
+        off = count[Tier.HOST] + count[Tier.DISK]
+        home = work.batch * (plan.lossy.unit_bytes(cap, m.head_dim, m.dtype_bytes)
+                             + plan.lossy.fine_summary_bytes(cap, m.head_dim, m.dtype_bytes))
+        gpu_kv += off * work.batch * plan.lossy.coarse_summary_bytes(cap, m.head_dim, m.dtype_bytes)
+    return MemoryBreakdown(weights=m.weight_bytes, gpu_kv=gpu_kv, gpu_buffers=slots,
+                           activations=act, host_kv=count[Tier.HOST] * home, host_buffers=staging,
+                           disk_kv=count[Tier.DISK] * home)

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, replace
 
 from .codecs import LINKS, REGISTRY
+from .lossy import LossySpec
 from .model import ModelSpec
 from .workload import Workload
 
@@ -60,6 +61,7 @@ class Plan:
     resident: int
     disk: int = 0
     source: str = "user"   # where the plan came from: a rule, the user, the planner
+    lossy: LossySpec | None = None   # opt-in lossy KV (quantised / sparse); None = exact
 
     def __post_init__(self) -> None:
         if not isinstance(self.resident, int) or self.resident < 0:
@@ -88,12 +90,16 @@ class Plan:
         return (f"{self.method.value}: prefill group={p.group} chunk={p.chunk} depth={p.depth}; "
                 f"decode group={d.group} depth={d.depth}; resident units={self.resident}, "
                 f"disk units={self.disk}" + "".join(f"; {link} codec {name}" for link, name in p.codecs
-                                                    if name != "none"))
+                                                    if name != "none")
+                + (f"; LOSSY: {self.lossy.describe()}" if self.lossy else ""))
 
     def to_json(self) -> dict:
         phase = lambda p: {"group": p.group, "chunk": p.chunk, "depth": p.depth, "codecs": dict(p.codecs)}
-        return {"method": self.method.value, "prefill": phase(self.prefill), "decode": phase(self.decode),
-                "resident": self.resident, "disk": self.disk, "source": self.source}
+        out = {"method": self.method.value, "prefill": phase(self.prefill), "decode": phase(self.decode),
+               "resident": self.resident, "disk": self.disk, "source": self.source}
+        if self.lossy is not None:
+            out["lossy"] = self.lossy.to_json()
+        return out
 
     @classmethod
     def from_json(cls, obj: object) -> "Plan":
@@ -131,7 +137,8 @@ class Plan:
         if method not in {m.value for m in Method}:
             raise ValueError(f"plan.method: unknown {method!r} (known: {', '.join(m.value for m in Method)})")
         return cls(Method(method), phase("prefill"), phase("decode"), field(obj, "resident", int, ""),
-                   field(obj, "disk", int, "", 0), field(obj, "source", str, "", "plan file"))
+                   field(obj, "disk", int, "", 0), field(obj, "source", str, "", "plan file"),
+                   LossySpec.from_json(field(obj, "lossy", dict, "", None) if obj.get("lossy") is not None else None))
 
 
 _REQUIRED = object()

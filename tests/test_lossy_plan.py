@@ -1,0 +1,160 @@
+"""Lossy options in the vocabulary, graph, simulator and `kvpipe plan` (pipeline/lossy.py and its
+small hooks in plan, builder, memory and the CLI). Expected figures are worked out by hand here."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from kvpipe.cli import main
+from kvpipe.hw_profiles import load_profile
+from kvpipe.pipeline.builder import build
+from kvpipe.pipeline.lossy import LossySpec
+from kvpipe.pipeline.memory import breakdown
+from kvpipe.pipeline.model import PRESETS
+from kvpipe.pipeline.plan import Method, PhasePlan, Plan
+from kvpipe.pipeline.stage import Kind, Phase
+from kvpipe.pipeline.workload import Workload
+from kvpipe.sim.simulate import simulate
+
+M = PRESETS["llama-3-8b"]
+
+
+def _plan(lossy=None, resident=0, group=8):
+    return Plan(Method.HEADWISE, PhasePlan(group, 2048), PhasePlan(group, 1), resident, lossy=lossy)
+
+
+@pytest.mark.parametrize("kw,field", [({"quant": "int3"}, "lossy"), ({"sparse": 0.0}, "sparse"),
+                                      ({"sparse": 1.5}, "sparse"), ({"quant": "int8", "group": 3}, "group"),
+                                      ({"sparse": 0.2, "leaf": 7}, "leaf"), ({}, "lossy"),
+                                      ({"sparse": 0.2, "sink": -1}, "sink")])
+def test_bad_specs_raise_naming_the_field(kw, field):
+    # Fault caught: a spec that silently accepts nonsense (int3, fractions outside (0, 1], a leaf
+    # that does not nest in the chunk) or an empty "lossy" spec that is in fact exact.
+    with pytest.raises(ValueError, match=field):
+        LossySpec(**kw)
+
+
+def test_byte_formulas_by_hand():
+    # Fault caught: metadata left out of the quantised size (the simulator would overstate the gain),
+    # or int4 counted as one byte per value. bf16: int8 group 64 = (64 + 2*2) / (64*2) bytes per byte;
+    # int4 group 32 = (16 + 4) / 64.
+    assert LossySpec("int8").ratio(2) == (64 + 4) / 128
+    assert LossySpec("int4").ratio(2) == (16 + 4) / 64
+    s = LossySpec(sparse=0.2)
+    assert s.fetched_tokens(100_000) == 20_000 and s.fetched_tokens(1000) == 64 + 256
+    assert s.fetched_tokens(100) == 100
+    # 20% of 128K tokens of one unit (4 * 128 bytes a token) + fine summaries of the hot 40%, 8-token chunks
+    n = 131072
+    assert s.fetch_bytes(n, 128, 2) == math.ceil(0.2 * n) * 512 + math.ceil(2 * math.ceil(0.2 * n) / 8) * 512
+
+
+def test_exact_plans_have_no_lossy_stages_and_lossy_ones_label_themselves():
+    # Fault caught: lossy stages leaking into exact plans (the bitwise contract), or a lossy plan
+    # that does not say so in its description and JSON.
+    w = Workload(8192, 2, 1)
+    g = build(M, w, _plan())
+    assert not {s.tag for s in g.stages} & {"quant", "dequant", "score"}
+    p = _plan(LossySpec("int4", sparse=0.2))
+    assert "LOSSY" in p.describe() and Plan.from_json(json.loads(json.dumps(p.to_json()))).lossy == p.lossy
+    assert "lossy" not in _plan().to_json()
+
+
+def test_quantised_graph_moves_the_quantised_bytes_and_dequantises_before_attention():
+    # Fault caught: fetch/store bytes not scaled, dequant missing or not between fetch and attention.
+    w = Workload(8192, 2, 1)
+    exact, lossy = build(M, w, _plan()), build(M, w, _plan(LossySpec("int4")))
+    spec = LossySpec("int4")
+    for kind in (Kind.H2D, Kind.D2H):
+        a = [s for s in exact.stages if s.kind is kind]
+        b = [s for s in lossy.stages if s.kind is kind]
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            tokens = x.tokens[1] - x.tokens[0]
+            assert y.bytes == len(y.heads) * spec.unit_bytes(tokens, M.head_dim, 2)
+    st = lossy.stages
+    for s in st:
+        if s.tag == "attn" and s.tokens[0] > 0:
+            (deq,) = [st[d] for d in s.deps if st[d].tag == "dequant"]
+            assert any(st[d].kind is Kind.H2D for d in deq.deps)
+        if s.kind is Kind.D2H:
+            assert any(st[d].tag == "quant" for d in s.deps)
+
+
+def test_sparse_scores_each_layer_before_its_fetches_and_only_in_decode():
+    # Fault caught: fetches that start before the step's queries exist (selection needs them), or
+    # sparse applied to prefill (which attends everything).
+    w = Workload(16384, 2, 1)
+    spec = LossySpec(sparse=0.2)
+    g = build(M, w, _plan(spec))
+    st = g.stages
+    for s in st:
+        if s.kind is Kind.H2D:
+            scored = [st[d] for d in s.deps if st[d].tag == "score"]
+            if s.phase is Phase.DECODE:
+                assert len(scored) == 1 and scored[0].layer == s.layer and scored[0].step == s.step
+                assert s.bytes == len(s.heads) * spec.fetch_bytes(s.tokens[1], M.head_dim, 2)
+            else:
+                assert not scored and s.bytes == len(s.heads) * s.tokens[1] * M.kv_unit_bytes_per_token
+
+
+def test_memory_counts_quantised_homes_and_summaries():
+    # Fault caught: host RAM sized for exact KV under quantisation, or summaries not counted.
+    w = Workload(65536, 4, 1)
+    e, q = breakdown(M, w, _plan()), breakdown(M, w, _plan(LossySpec("int4", sparse=0.2)))
+    cap, units = w.kv_capacity, M.units
+    spec = LossySpec("int4", sparse=0.2)
+    assert q.host_kv == units * (spec.unit_bytes(cap, 128, 2) + math.ceil(cap / 8) * 2 * 128 * 2)
+    assert q.gpu_kv - e.gpu_kv == units * math.ceil(cap / 64) * 2 * 128 * 2
+    assert q.host_kv < 0.45 * e.host_kv          # 0.3125 int4 + 0.125 fine summaries
+
+
+def test_simulated_decode_gets_faster_with_fewer_bytes_on_a_pcie_bound_plan():
+    # Fault caught: the simulator ignoring the smaller fetches (no gain) or the new stages' cost
+    # (gain equal to the byte ratio even when scoring and dequant take time).
+    hw = load_profile("h200")
+    w = Workload(131072, 4, 1)
+    t = {name: simulate(M, w, _plan(l), hw).report.timing.decode_s_per_token
+         for name, l in [("exact", None), ("int8", LossySpec("int8")), ("int4", LossySpec("int4")),
+                         ("sparse", LossySpec(sparse=0.2)), ("both", LossySpec("int4", sparse=0.2))]}
+    assert t["exact"] > t["int8"] > t["int4"] > t["both"] and t["exact"] > t["sparse"] > t["both"]
+    assert t["exact"] / t["int8"] <= 1 / LossySpec("int8").ratio(2)        # never beyond the byte ratio
+    assert t["exact"] / t["int4"] <= 1 / LossySpec("int4").ratio(2)
+
+
+def test_cli_plan_labels_lossy_runs_and_json_says_null_for_exact(capsys):
+    # Fault caught: a lossy prediction indistinguishable from an exact one, or `lossy` missing from
+    # exact JSON (the issue asks for an explicit null).
+    args = ["plan", "--hw", "h200", "--context", "32K", "--decode-tokens", "2", "--gpu-mem", "24GB"]
+    assert main(args + ["--lossy", "int4", "--sparse", "0.2"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("kvpipe plan: LOSSY") and "int4" in first and "20%" in first
+    assert main(args + ["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["lossy"] is None
+    assert main(args + ["--json", "--lossy", "int8"]) == 0
+    lossy = json.loads(capsys.readouterr().out)["lossy"]
+    assert lossy["quant"] == "int8" and lossy["sparse"] is None and lossy["measured_error"] is None
+
+
+@pytest.mark.parametrize("extra,field", [(["--sparse", "0"], "sparse"), (["--sparse", "x"], "sparse"),
+                                         (["--lossy", "int2"], "lossy")])
+def test_cli_bad_lossy_input_is_one_line_exit_2(extra, field):
+    # Fault caught: a traceback or a silent default on a bad opt-in value.
+    r = subprocess.run([sys.executable, "-m", "kvpipe", "plan", "--context", "8K", *extra],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and field in r.stderr
+
+
+def test_run_refuses_a_lossy_plan_file(tmp_path, capsys):
+    # Fault caught: `kvpipe run` executing a lossy plan as if it were exact (it cannot yet).
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(_plan(LossySpec("int8")).to_json()))
+    cfg = dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=8, num_key_value_heads=8, head_dim=8)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    rc = main(["run", "--model", str(tmp_path / "config.json"), "--random-weights", "--context", "64",
+               "--decode-tokens", "1", "--device", "cpu", "--plan", str(path)])
+    assert rc == 2 and "lossy" in capsys.readouterr().err
