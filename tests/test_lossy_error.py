@@ -37,14 +37,15 @@ def test_needles_are_planted_where_the_queries_look(case):
     # Fault caught: needles planted off the query direction (the set would test nothing).
     w, _ = exact(case)
     for t, (a, b) in enumerate(case.needles):
-        per_tok = w[t, :, a:b].mean(-1)                        # mean weight on a needle token
-        assert (per_tok > 50 * w[t].mean(-1)).all()
+        per_tok = w[t, :, a:b].mean()                          # mean weight on a needle token (group)
+        assert per_tok > 10 * w[t].mean()                      # off-direction needles get ~1x
 
 
 def test_same_seed_same_set_other_seed_other_set():
     # Fault caught: a generator that ignores the seed, or global RNG state leaking in.
-    a, b = make_case(SPEC, 0), make_case(SPEC, 0)
-    c = make_case(NeedleSpec(context=2048, cases=1, steps=4, seed=1), 0)
+    small = NeedleSpec(context=1536, cases=1, steps=4)
+    a, b = make_case(small, 0), make_case(small, 0)
+    c = make_case(NeedleSpec(context=1536, cases=1, steps=4, seed=1), 0)
     assert torch.equal(a.k, b.k) and torch.equal(a.q, b.q) and not torch.equal(a.k, c.k)
 
 

@@ -83,15 +83,19 @@ def _rel_err(case, k, v, ref_out):
     return (out - ref_out).norm(dim=-1) / ref_out.norm(dim=-1)
 
 
+@pytest.fixture(scope="module")
+def needle_cases():
+    spec = NeedleSpec(context=4096, cases=2, steps=4)
+    return [(case, exact(case)[1]) for case in (make_case(spec, i) for i in range(spec.cases))]
+
+
 @pytest.mark.parametrize("quant,target", [("int8", 1e-2), ("int4", 1e-1)])
-def test_attention_output_error_on_the_needle_set_meets_the_target(quant, target):
+def test_attention_output_error_on_the_needle_set_meets_the_target(needle_cases, quant, target):
     # Fault caught: a quantiser (or default grouping) whose error misses the targets on the
     # synthetic needle set: mean relative error of the attention output over steps and heads.
     spec = LossySpec(quant)
     errs = []
-    for i in range(2):
-        case = make_case(NeedleSpec(context=4096, cases=2, steps=4), i)
-        _, ref_out = exact(case)
+    for case, ref_out in needle_cases:
         k = dequantize(quantize(case.k, spec.bits, spec.group, axis=0))
         v = dequantize(quantize(case.v, spec.bits, spec.group, axis=0))
         errs.append(_rel_err(case, k, v, ref_out).flatten())

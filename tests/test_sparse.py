@@ -88,7 +88,7 @@ def test_group_score_takes_the_best_head():
 
 
 def _recall_and_hits(refined: bool):
-    spec = NeedleSpec(context=4096, cases=2, steps=4)
+    spec = NeedleSpec(context=4096, cases=1, steps=8)
     recall, hits = [], []
     for i in range(spec.cases):
         case = make_case(spec, i)
