@@ -1,0 +1,254 @@
+"""Speed of kvpipe's lossy options on the KV path of a decode step, against the exact streamed KV
+path measured in the same run (Llama-3-8B shapes: 32 layers x 8 KV heads x 128, GQA 4, bf16, the
+whole cache in pinned host RAM, batch 1).
+
+  python -m benchmarks.lossy_speed                      # 128K and 512K, on the H200
+  python -m benchmarks.lossy_speed --context 8K --device cpu --steps 1   # smoke test of the code
+
+What is timed is the KV part of a decode step, not a whole model step: for each of the 32 layers,
+the 8 KV heads' cache crosses PCIe and is attended by the 32 query heads. (`kvpipe run` does not
+execute lossy plans yet; the weights' share of a step is ~4 ms of the exact step's ~310 ms at 128K,
+see benchmarks/README.md.) Variants:
+  exact        whole layer copied (one H2D per layer, next layer prefetched during attention)
+  int8 / int4  the quantised layer copied (codes + float16 scales/zero-points, groups of 64 / 32
+               tokens per channel), dequantised on the GPU, attended
+  sparse       chunk summaries (per-channel key min/max per 64 tokens, resident on the GPU) scored
+               for the layer's queries, the best 20% of tokens (incl. the first chunk and the last
+               4) gathered from pinned host memory by a zero-copy GPU kernel, attended; the fetch
+               waits for the layer's queries, so nothing is prefetched across layers
+  sparse+int4  the same selection over the int4 cache, dequantised after the gather
+Only `--layers-distinct` layers hold distinct data (the others reuse them), to keep pinned
+memory small; every layer still moves its own bytes. Median of `--steps` steps after one warm-up.
+JSON (command, date, GPU, per-variant ms per step and speed-up over exact) goes to
+benchmarks/results/lossy-speed-<date>.json (or --out); the table is printed last."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kvpipe.executor.quant import Quantized, dequantize, quantize
+from kvpipe.executor.sparse import chunk_scores, summarise, even_bounds
+from kvpipe.pipeline.units import parse_tokens
+
+LAYERS, KV_HEADS, Q_HEADS, D = 32, 8, 32, 128
+CHUNK, SINK_CHUNKS, RECENT_CHUNKS = 64, 1, 4
+
+
+def _triton_gather():
+    """A GPU kernel copying whole rows of a pinned host tensor (zero-copy over PCIe) into device
+    memory, or None without Triton."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def kernel(src, idx, dst, W, BLOCK: tl.constexpr):
+        r, b = tl.program_id(0), tl.program_id(1)
+        row = tl.load(idx + r).to(tl.int64)
+        offs = b * BLOCK + tl.arange(0, BLOCK)
+        m = offs < W
+        tl.store(dst + r.to(tl.int64) * W + offs, tl.load(src + row * W + offs, mask=m), mask=m)
+
+    def gather(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
+        W = src.shape[1]
+        kernel[(idx.numel(), triton.cdiv(W, 4096))](src, idx, out, W, BLOCK=4096)
+    return gather
+
+
+def gather_rows(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, kernel) -> None:
+    """out[i] = src[idx[i]] for a 2-D src (pinned host) into out (device)."""
+    if kernel is not None and out.is_cuda:
+        kernel(src, idx, out)
+    else:
+        out.copy_(src[idx.cpu()])
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [1, 32, 1, D]; k, v [1, 8, S, D] (GQA)."""
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
+class Cache:
+    """The KV of `distinct` layers in pinned host RAM, exact and quantised, plus GPU summaries."""
+
+    def __init__(self, S: int, distinct: int, device: torch.device, variants: set[str]) -> None:
+        pin = device.type == "cuda"
+        g = torch.Generator(device=device).manual_seed(0)
+        self.S, self.distinct = S, distinct
+        self.exact, self.quant, self.summ = [], {8: [], 4: []}, []
+        for _ in range(distinct):
+            kv = torch.randn(KV_HEADS, S, 2, D, generator=g, device=device, dtype=torch.bfloat16)  # [H, S, 2, D]
+            self.exact.append(kv.cpu().pin_memory() if pin else kv.cpu())
+            if variants & {"sparse", "sparse+int4"}:
+                self.summ.append(summarise(kv[:, :, 0], even_bounds(S, CHUNK)))   # lo, hi [H, C, D]
+            for bits, group in ((8, 64), (4, 32)):
+                if not variants & {f"int{bits}", "sparse+int4" if bits == 4 else ""}:
+                    continue
+                qz = quantize(kv.view(KV_HEADS, S, 2 * D), bits, group, axis=1)  # codes [H, 2D, G, B]
+                # token-group-major so that a chunk's codes are contiguous: [H, G, 2D, B]
+                parts = (qz.codes.permute(0, 2, 1, 3), qz.scale.permute(0, 2, 1), qz.zero.permute(0, 2, 1))
+                host = [p.contiguous().cpu() for p in parts]
+                self.quant[bits].append(([p.pin_memory() for p in host] if pin else host, qz))
+
+
+def _deq(codes, scale, zero, like: Quantized, tokens: int) -> torch.Tensor:
+    """Dequantise token-group-major parts back to [1, H, tokens, 2, D] bf16."""
+    q = Quantized(codes.permute(0, 2, 1, 3), scale.permute(0, 2, 1), zero.permute(0, 2, 1), like.bits,
+                  like.group, 1, (KV_HEADS, 2 * D, tokens), tokens, like.dtype)
+    return dequantize(q).reshape(1, KV_HEADS, tokens, 2, D)
+
+
+def run_variant(name: str, cache: Cache, device: torch.device, steps: int, fraction: float, kernel) -> list[float]:
+    S, cuda = cache.S, device.type == "cuda"
+    copy = torch.cuda.Stream(device) if cuda else None
+    q = torch.randn(1, Q_HEADS, 1, D, device=device, dtype=torch.bfloat16)
+    C = S // CHUNK
+    n_sel = max(SINK_CHUNKS + RECENT_CHUNKS, math.ceil(fraction * S / CHUNK))
+    times = []
+    for step in range(steps + 1):
+        t0 = time.perf_counter()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        streamed = name in ("exact", "int8", "int4")
+        bits = {"exact": None, "int8": 8, "int4": 4}.get(name)
+
+        def fetch(d: int) -> list[torch.Tensor]:
+            """Issue the copy of distinct layer d on the copy stream."""
+            src = [cache.exact[d]] if bits is None else cache.quant[bits][d][0]
+            with torch.cuda.stream(copy) if cuda else _null():
+                return [s.to(device, non_blocking=True) for s in src]
+        nxt = fetch(0) if streamed else None
+        for layer in range(LAYERS):
+            d = layer % cache.distinct
+            if streamed:
+                cur = nxt
+                if cuda:
+                    torch.cuda.current_stream(device).wait_stream(copy)
+                    for t in cur:
+                        t.record_stream(torch.cuda.current_stream(device))
+                if layer + 1 < LAYERS:   # prefetch the next layer while this one is attended
+                    nxt = fetch((layer + 1) % cache.distinct)
+                kv = cur[0].unsqueeze(0) if bits is None else _deq(*cur, cache.quant[bits][d][1], S)
+            else:
+                lo, hi = cache.summ[d]
+                qg = q.view(KV_HEADS, Q_HEADS // KV_HEADS, D)
+                score = chunk_scores(qg, lo, hi)                                  # [H, C]
+                score[:, :SINK_CHUNKS] = math.inf
+                score[:, C - RECENT_CHUNKS:] = math.inf
+                sel = score.topk(n_sel, -1).indices.sort(-1).values                # [H, n_sel]
+                rows = (sel + torch.arange(KV_HEADS, device=device)[:, None] * C).flatten()
+                if name == "sparse":
+                    src = cache.exact[d].view(KV_HEADS * C, -1)                  # a row = one chunk of one head
+                    out = torch.empty(rows.numel(), src.shape[1], device=device, dtype=src.dtype)
+                    gather_rows(src, rows, out, kernel)
+                    kv = out.view(1, KV_HEADS, n_sel * CHUNK, 2, D)
+                else:
+                    (codes, scale, zero), like = cache.quant[4][d]
+                    per = CHUNK // like.group                                     # groups per chunk
+                    grows = (rows[:, None] * per + torch.arange(per, device=device)).flatten()
+                    parts = []
+                    for p in (codes, scale, zero):
+                        flat = p.view(KV_HEADS * p.shape[1], -1)
+                        o = torch.empty(grows.numel(), flat.shape[1], device=device, dtype=p.dtype)
+                        gather_rows(flat, grows, o, kernel)
+                        parts.append(o.view(KV_HEADS, n_sel * per, *p.shape[2:]))
+                    kv = _deq(*parts, like, n_sel * CHUNK)
+            out = attend(q, kv[:, :, :, 0], kv[:, :, :, 1])
+        if cuda:
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            ms = (time.perf_counter() - t0) * 1e3
+        if step:   # the first step warms up
+            times.append(ms)
+    return times
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def check_gather(device: torch.device, kernel) -> str:
+    """Does the zero-copy gather return the right rows? ('ok' or the error)."""
+    if kernel is None or device.type != "cuda":
+        return "no zero-copy kernel (Triton missing or CPU): rows gathered by the host"
+    try:
+        src = torch.arange(64 * 1000, dtype=torch.int32).view(64, 1000).pin_memory()
+        idx = torch.tensor([5, 0, 63, 7], device=device)
+        out = torch.empty(4, 1000, device=device, dtype=torch.int32)
+        kernel(src, idx, out)
+        return "ok" if torch.equal(out.cpu(), src[idx.cpu()]) else "WRONG ROWS"
+    except Exception as e:   # reported, not hidden: the sparse rows then are not measured
+        return f"failed: {type(e).__name__}: {e}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--context", nargs="+", default=["128K", "512K"])
+    ap.add_argument("--variants", nargs="+", default=["exact", "int8", "int4", "sparse", "sparse+int4"])
+    ap.add_argument("--fraction", type=float, default=0.2)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--layers-distinct", type=int, default=4)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    kernel = _triton_gather() if device.type == "cuda" else None
+    gather_status = check_gather(device, kernel)
+    if gather_status != "ok" and device.type == "cuda":
+        print(f"zero-copy gather: {gather_status}", file=sys.stderr)
+    res = {"command": "python -m benchmarks.lossy_speed " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "torch": torch.__version__, "what": "KV path of one decode step (32 layers), not a whole model step",
+           "zero_copy_gather": gather_status, "results": {}}
+    out = Path(args.out or f"benchmarks/results/lossy-speed-{datetime.date.today().isoformat()}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for ctx in args.context:
+        S = parse_tokens(ctx)
+        cache = Cache(S, args.layers_distinct, device, set(args.variants))
+        rows = {}
+        for name in args.variants:
+            if name.startswith("sparse") and device.type == "cuda" and gather_status != "ok":
+                rows[name] = {"error": f"zero-copy gather {gather_status}"}
+                continue
+            ms = statistics.median(run_variant(name, cache, device, args.steps, args.fraction, kernel))
+            rows[name] = {"ms_per_step": ms}
+        base = rows.get("exact", {}).get("ms_per_step")
+        for r in rows.values():
+            if base and "ms_per_step" in r:
+                r["speedup_vs_exact"] = base / r["ms_per_step"]
+        res["results"][ctx] = rows
+        del cache
+        out.write_text(json.dumps(res, indent=2) + "\n")   # saved after every context
+    print(f"KV path of a decode step, Llama-3-8B shapes, {res['device']}; zero-copy gather: {gather_status}")
+    print(f"{'context':>8}{'variant':>14}{'ms/step':>10}{'vs exact':>10}")
+    for ctx, rows in res["results"].items():
+        for name, r in rows.items():
+            if "error" in r:
+                print(f"{ctx:>8}{name:>14}  not measured: {r['error']}")
+            else:
+                print(f"{ctx:>8}{name:>14}{r['ms_per_step']:>10.1f}{r.get('speedup_vs_exact', float('nan')):>9.2f}x")
+    print(f"json: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
