@@ -109,7 +109,8 @@ def _deq(codes, scale, zero, like: Quantized, tokens: int) -> torch.Tensor:
     return dequantize(q).reshape(1, KV_HEADS, tokens, 2, D)
 
 
-def run_variant(name: str, cache: Cache, device: torch.device, steps: int, fraction: float, kernel) -> list[float]:
+def run_variant(name: str, cache: Cache, device: torch.device, steps: int, fraction: float, kernel,
+                layers: int = LAYERS) -> list[float]:
     S, cuda = cache.S, device.type == "cuda"
     copy = torch.cuda.Stream(device) if cuda else None
     q = torch.randn(1, Q_HEADS, 1, D, device=device, dtype=torch.bfloat16)
@@ -130,7 +131,7 @@ def run_variant(name: str, cache: Cache, device: torch.device, steps: int, fract
             with torch.cuda.stream(copy) if cuda else _null():
                 return [s.to(device, non_blocking=True) for s in src]
         nxt = fetch(0) if streamed else None
-        for layer in range(LAYERS):
+        for layer in range(layers):
             d = layer % cache.distinct
             if streamed:
                 cur = nxt
@@ -138,7 +139,7 @@ def run_variant(name: str, cache: Cache, device: torch.device, steps: int, fract
                     torch.cuda.current_stream(device).wait_stream(copy)
                     for t in cur:
                         t.record_stream(torch.cuda.current_stream(device))
-                if layer + 1 < LAYERS:   # prefetch the next layer while this one is attended
+                if layer + 1 < layers:   # prefetch the next layer while this one is attended
                     nxt = fetch((layer + 1) % cache.distinct)
                 kv = cur[0].unsqueeze(0) if bits is None else _deq(*cur, cache.quant[bits][d][1], S)
             else:
@@ -206,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fraction", type=float, default=0.2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--layers-distinct", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=LAYERS, help="layers per step (32 for Llama-3-8B)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
@@ -218,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "what": "KV path of one decode step (32 layers), not a whole model step",
-           "zero_copy_gather": gather_status, "results": {}}
+           "zero_copy_gather": gather_status, "layers": args.layers, "results": {}}
     out = Path(args.out or f"benchmarks/results/lossy-speed-{datetime.date.today().isoformat()}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     for ctx in args.context:
@@ -229,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             if name.startswith("sparse") and device.type == "cuda" and gather_status != "ok":
                 rows[name] = {"error": f"zero-copy gather {gather_status}"}
                 continue
-            ms = statistics.median(run_variant(name, cache, device, args.steps, args.fraction, kernel))
+            ms = statistics.median(run_variant(name, cache, device, args.steps, args.fraction, kernel, args.layers))
             rows[name] = {"ms_per_step": ms}
         base = rows.get("exact", {}).get("ms_per_step")
         for r in rows.values():
