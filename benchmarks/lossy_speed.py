@@ -99,7 +99,8 @@ class Cache:
                 # token-group-major so that a chunk's codes are contiguous: [H, G, 2D, B]
                 parts = (qz.codes.permute(0, 2, 1, 3), qz.scale.permute(0, 2, 1), qz.zero.permute(0, 2, 1))
                 host = [p.contiguous().cpu() for p in parts]
-                self.quant[bits].append(([p.pin_memory() for p in host] if pin else host, qz))
+                meta = Quantized(*(torch.empty(0),) * 3, qz.bits, qz.group, qz.axis, qz.shape, qz.length, qz.dtype)
+                self.quant[bits].append(([p.pin_memory() for p in host] if pin else host, meta))
 
 
 def _deq(codes, scale, zero, like: Quantized, tokens: int) -> torch.Tensor:

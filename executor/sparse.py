@@ -41,14 +41,14 @@ def summarise(k: torch.Tensor, bounds: torch.Tensor) -> tuple[torch.Tensor, torc
 
 def upper_bound(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     """Upper bound of q . k (unscaled) over each chunk's keys, for q [..., G, D] and summaries
-    [..., C, D]: [..., G, C] in float64. A margin of (D + 2) unit roundoffs times the sum of
-    |terms| covers float64 rounding, so the bound holds exactly, not only up to rounding."""
-    q64 = q.double()[..., :, None, :]                                   # [..., G, 1, D]
-    a, b = q64 * lo.double()[..., None, :, :], q64 * hi.double()[..., None, :, :]
-    terms = torch.maximum(a, b)                                         # [..., G, C, D]
-    s = terms.sum(-1)
-    margin = (q.shape[-1] + 2) * _U * terms.abs().sum(-1)
-    return s + margin
+    [..., C, D]: [..., G, C]. Products are exact (float32 for bf16/fp16 inputs, whose products fit
+    its 24-bit mantissa; float64 otherwise) and a margin of (D + 2) unit roundoffs times the sum of
+    |terms| covers the rounding of the sum, so the bound holds exactly, not only up to rounding."""
+    half = q.dtype in (torch.bfloat16, torch.float16) and lo.dtype in (torch.bfloat16, torch.float16)
+    work, u = (torch.float32, 2.0 ** -24) if half else (torch.float64, _U)
+    qw = q.to(work)[..., :, None, :]                                    # [..., G, 1, D]
+    terms = torch.maximum(qw * lo.to(work)[..., None, :, :], qw * hi.to(work)[..., None, :, :])  # [..., G, C, D]
+    return terms.sum(-1) + (q.shape[-1] + 2) * u * terms.abs().sum(-1)
 
 
 def chunk_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
@@ -99,5 +99,5 @@ def select_refined(q: torch.Tensor, coarse: tuple, fine: tuple, budget: int, sin
         raise ValueError("fine: chunks must nest in the coarse chunks")
     use = is_hot[parent.to(cs.device)]
     fs = torch.full((fb.numel() - 1,), -math.inf, dtype=torch.float64, device=cs.device)
-    fs[use] = chunk_scores(q, flo[use], fhi[use])
+    fs[use] = chunk_scores(q, flo[use], fhi[use]).double()
     return select(fs, fb, budget, sink, recent), cs.numel() + int(use.sum())
