@@ -27,7 +27,8 @@ import torch
 
 from kvpipe.analysis.needles import NeedleSpec, cases, concentration, errors, exact
 from kvpipe.executor.quant import dequantize, quantize
-from kvpipe.executor.sparse import chunk_scores, even_bounds, select, select_refined, summarise
+from kvpipe.executor.sparse import (chunk_scores, even_bounds, pack_fine, select, select_refined, summarise,
+                                    unpack_fine)
 from kvpipe.pipeline.lossy import LossySpec
 from kvpipe.pipeline.units import parse_tokens
 
@@ -76,10 +77,12 @@ def quantised(quant: str, k_axis: int = 0, group: int | None = None):
     return method
 
 
-def sparse(fraction: float, chunk: int = 64, adaptive: bool = False, quant: str | None = None):
+def sparse(fraction: float, chunk: int = 64, adaptive: bool = False, quant: str | None = None,
+           packed: bool = True):
     """kvpipe --sparse F: per step, chunks ranked by their key-summary bound for the step's query
     group, sink 64 + recent 256 tokens, budget F of the tokens. `adaptive`: 64-token chunks
-    holding the best 2x budget are refined to 8-token chunks each step (select_refined)."""
+    holding the best 2x budget are refined to 8-token chunks each step (select_refined), whose
+    summaries are uint8 codes within the coarse chunk's range (pack_fine) unless packed=False."""
     spec = LossySpec(quant, sparse=fraction, chunk=chunk)
 
     def method(case, ref_w):
@@ -90,6 +93,8 @@ def sparse(fraction: float, chunk: int = 64, adaptive: bool = False, quant: str 
         if adaptive:
             fb = even_bounds(S, 8)
             fine = (fb, *summarise(case.k, fb))
+            if packed:   # fine summaries as uint8 codes within their coarse chunk's range
+                fine = (fb, *unpack_fine((bounds, lo, hi), fb, pack_fine((bounds, lo, hi), fine)))
             picks = [select_refined(case.q[t], (bounds, lo, hi), fine, budget, spec.sink, spec.recent)
                      for t in range(case.q.shape[0])]
             keep = torch.stack([p[0] for p in picks])
@@ -117,6 +122,7 @@ def methods(fraction: float) -> dict[str, tuple[str, object]]:
             f"sparse {pct}, chunks 64": ("kvpipe", sparse(fraction)),
             f"sparse {pct}, refined 64->8": ("kvpipe", sparse(fraction, adaptive=True)),
             f"sparse {pct} refined + int4": ("kvpipe", sparse(fraction, adaptive=True, quant="int4")),
+            f"sparse {pct}, refined, bf16 fine summ.": ("variant", sparse(fraction, adaptive=True, packed=False)),
             f"sparse {pct}, chunks 8": ("variant", sparse(fraction, chunk=8)),
             "int8, K per token (group 64)": ("variant", quantised("int8", k_axis=-1)),
             "int4, group 64": ("variant", quantised("int4", group=64))}

@@ -80,6 +80,34 @@ def select(scores: torch.Tensor, bounds: torch.Tensor, budget: int, sink: int, r
     return keep
 
 
+def pack_fine(coarse: tuple, fine: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fine summaries as uint8 codes relative to their coarse chunk's range (which the GPU holds):
+    the minimum rounded down, the maximum rounded up, so the bound stays a bound. Half the bytes
+    of bf16 summaries. Returns (lo codes, hi codes), each [..., F, D]."""
+    base, step, _ = _fine_grid(coarse, fine)
+    lo = torch.floor((fine[1].double() - base) / step).clamp_(0, 255)
+    hi = torch.ceil((fine[2].double() - base) / step).clamp_(0, 255)
+    return lo.to(torch.uint8), hi.to(torch.uint8)
+
+
+def unpack_fine(coarse: tuple, fine_bounds: torch.Tensor, codes: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 (lo, hi) from `pack_fine` codes, widened by the float32 rounding of the decode so
+    that lo <= every key and hi >= every key of the fine chunk."""
+    base, step, parent = _fine_grid(coarse, (fine_bounds,))
+    base, step = base.float(), step.float()
+    slack = 2.0 ** -21 * (base.abs() + 255 * step)
+    return base + codes[0].float() * step - slack, base + codes[1].float() * step + slack
+
+
+def _fine_grid(coarse: tuple, fine: tuple):
+    """Per fine chunk: its coarse chunk's minimum and 1/255 of its range, [..., F, D] (float64)."""
+    cb, clo, chi = coarse
+    parent = torch.searchsorted(cb[1:].to(fine[0].device), fine[0][:-1], right=True).to(clo.device)
+    base = clo.double().index_select(-2, parent)
+    step = ((chi.double() - clo.double()) / 255).index_select(-2, parent).clamp(min=1e-30)
+    return base, step, parent
+
+
 def select_refined(q: torch.Tensor, coarse: tuple, fine: tuple, budget: int, sink: int, recent: int,
                    hot: float = 2.0) -> tuple[torch.Tensor, int]:
     """Two-level selection, LeoAM's split where scores concentrate: the coarse chunks (`coarse` =

@@ -12,6 +12,7 @@ QUANT_BITS = {"int8": 8, "int4": 4}
 # the synthetic needle set (benchmarks/lossy_error.py: group 64 gave 0.12, group 32 about 0.09).
 DEFAULT_GROUP = {"int8": 64, "int4": 32}
 META_BYTES = 2     # scale and zero-point (the group minimum) are float16 each
+FINE_CODE_BYTES = 1   # a fine summary's min/max: a uint8 code within its coarse chunk's range
 
 
 @dataclass(frozen=True)
@@ -84,10 +85,11 @@ class LossySpec:
         return 0 if self.sparse is None else math.ceil(prefix / self.chunk) * 2 * head_dim * dtype_bytes
 
     def fine_summary_bytes(self, prefix: int, head_dim: int, dtype_bytes: int) -> int:
-        """The same per `leaf`-token chunk (kept in host RAM beside the KV)."""
+        """The same per `leaf`-token chunk, as one-byte codes within the coarse chunk's range
+        (executor/sparse.py pack_fine; kept in host RAM beside the KV)."""
         if self.sparse is None or self.leaf is None:
             return 0
-        return math.ceil(prefix / self.leaf) * 2 * head_dim * dtype_bytes
+        return math.ceil(prefix / self.leaf) * 2 * head_dim * FINE_CODE_BYTES
 
     def fetch_bytes(self, prefix: int, head_dim: int, dtype_bytes: int) -> int:
         """Bytes one decode step moves for one unit with a `prefix`-token cache: the selected tokens

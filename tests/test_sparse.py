@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, strategies as st
 
 from kvpipe.analysis.needles import NeedleSpec, exact, make_case
-from kvpipe.executor.sparse import (chunk_scores, even_bounds, select, select_refined, summarise,
-                                    upper_bound)
+from kvpipe.executor.sparse import (chunk_scores, even_bounds, pack_fine, select, select_refined,
+                                    summarise, unpack_fine, upper_bound)
 
 
 @st.composite
@@ -113,3 +113,22 @@ def test_refined_selection_beats_fixed_chunks_on_the_needle_set():
     # no better than chance: at 20% of tokens, a random pick recalls about 0.2 of the mass.
     fixed, refined = _recall_and_hits(False), _recall_and_hits(True)
     assert fixed[0] > 0.5 and refined[0] > fixed[0] and refined[1] >= fixed[1]
+
+
+@given(S=st.integers(1, 300), D=st.integers(1, 16), scale=st.floats(1e-3, 1e4),
+       offset=st.floats(-1e4, 1e4), seed=st.integers(0, 2**16),
+       dtype=st.sampled_from([torch.bfloat16, torch.float32]))
+def test_packed_fine_summaries_still_enclose_every_key(S, D, scale, offset, seed, dtype):
+    # Fault caught: codes rounded to nearest (the minimum could land above a key, breaking the
+    # bound), decode rounding not widened, or codes taken from the wrong coarse chunk.
+    g = torch.Generator().manual_seed(seed)
+    k = (torch.randn(S, D, generator=g, dtype=torch.float64) * scale + offset).to(dtype)
+    cb, fb = even_bounds(S, 64), even_bounds(S, 8)
+    coarse, fine = (cb, *summarise(k, cb)), (fb, *summarise(k, fb))
+    codes = pack_fine(coarse, fine)
+    assert codes[0].dtype == torch.uint8 and codes[0].shape == fine[1].shape
+    lo, hi = unpack_fine(coarse, fb, codes)
+    assert torch.all(lo.double() <= fine[1].double()) and torch.all(hi.double() >= fine[2].double())
+    # and not uselessly loose: within 2/255 of the coarse range (+ float32 slack)
+    width = (coarse[2].double() - coarse[1].double()).max()
+    assert torch.all(fine[1].double() - lo.double() <= 2 * width / 255 + 1e-5 * (abs(offset) + scale * 10))
