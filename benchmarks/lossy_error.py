@@ -91,7 +91,7 @@ def sparse(fraction: float, chunk: int = 64, adaptive: bool = False, quant: str 
         bounds = even_bounds(S, chunk)
         lo, hi = summarise(case.k, bounds)
         if adaptive:
-            fb = even_bounds(S, 8)
+            fb = even_bounds(S, spec.fine)        # 8 tokens; a whole quantisation group with quant
             fine = (fb, *summarise(case.k, fb))
             if packed:   # fine summaries as uint8 codes within their coarse chunk's range
                 fine = (fb, *unpack_fine((bounds, lo, hi), fb, pack_fine((bounds, lo, hi), fine)))
@@ -121,7 +121,7 @@ def methods(fraction: float) -> dict[str, tuple[str, object]]:
             "int4 (group 32)": ("kvpipe", quantised("int4")),
             f"sparse {pct}, chunks 64": ("kvpipe", sparse(fraction)),
             f"sparse {pct}, refined 64->8": ("kvpipe", sparse(fraction, adaptive=True)),
-            f"sparse {pct} refined + int4": ("kvpipe", sparse(fraction, adaptive=True, quant="int4")),
+            f"sparse {pct} refined (32) + int4": ("kvpipe", sparse(fraction, adaptive=True, quant="int4")),
             f"sparse {pct}, refined, bf16 fine summ.": ("variant", sparse(fraction, adaptive=True, packed=False)),
             f"sparse {pct}, chunks 8": ("variant", sparse(fraction, chunk=8)),
             "int8, K per token (group 64)": ("variant", quantised("int8", k_axis=-1)),

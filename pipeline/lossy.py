@@ -55,6 +55,14 @@ class LossySpec:
             raise ValueError("lossy: a lossy spec needs quant or sparse (exact runs have no spec)")
 
     @property
+    def fine(self) -> int | None:
+        """Tokens of a refined chunk: `leaf`, but never below a quantisation group (a fetch moves
+        whole groups of tokens, so finer selection would not move fewer bytes)."""
+        if self.leaf is None:
+            return None
+        return max(self.leaf, self.group) if self.quant else self.leaf
+
+    @property
     def bits(self) -> int | None:
         return QUANT_BITS.get(self.quant) if self.quant else None
 
@@ -89,7 +97,7 @@ class LossySpec:
         (executor/sparse.py pack_fine; kept in host RAM beside the KV)."""
         if self.sparse is None or self.leaf is None:
             return 0
-        return math.ceil(prefix / self.leaf) * 2 * head_dim * FINE_CODE_BYTES
+        return math.ceil(prefix / self.fine) * 2 * head_dim * FINE_CODE_BYTES
 
     def fetch_bytes(self, prefix: int, head_dim: int, dtype_bytes: int) -> int:
         """Bytes one decode step moves for one unit with a `prefix`-token cache: the selected tokens
@@ -105,7 +113,7 @@ class LossySpec:
         two products and a max, then the sum)."""
         summaries = math.ceil(prefix / self.chunk)
         if self.leaf is not None:
-            summaries += math.ceil(min(prefix, 2 * self.fetched_tokens(prefix)) / self.leaf)
+            summaries += math.ceil(min(prefix, 2 * self.fetched_tokens(prefix)) / self.fine)
         return {"flops": 3 * 2 * head_dim * q_heads * summaries,
                 "mem_bytes": summaries * 2 * head_dim * dtype_bytes}
 
@@ -115,7 +123,7 @@ class LossySpec:
             parts.append(f"{self.quant} KV (group {self.group})")
         if self.sparse is not None:
             parts.append(f"sparse decode {self.sparse:.0%} of tokens (chunks {self.chunk}"
-                         + (f" refined to {self.leaf}" if self.leaf else "")
+                         + (f" refined to {self.fine}" if self.leaf else "")
                          + f", sink {self.sink}, recent {self.recent})")
         return ", ".join(parts)
 
