@@ -16,7 +16,10 @@ see benchmarks/README.md.) Variants:
                for the layer's queries, the best 20% of tokens (incl. the first chunk and the last
                4) gathered from pinned host memory by a zero-copy GPU kernel, attended; the fetch
                waits for the layer's queries, so nothing is prefetched across layers
-  sparse+int4  the same selection over the int4 cache, dequantised after the gather
+  sparse-refined  as sparse, then the chunks holding the best 2x budget are refined to 8 tokens:
+               their packed summaries (uint8 within the coarse range) are gathered from host RAM
+               and scored, and the best 8-token chunks gathered (kvpipe's default sparse method)
+  sparse+int4  the 64-token selection over the int4 cache, dequantised after the gather
 Only `--layers-distinct` layers hold distinct data (the others reuse them), to keep pinned
 memory small; every layer still moves its own bytes. Median of `--steps` steps after one warm-up.
 JSON (command, date, GPU, per-variant ms per step and speed-up over exact) goes to
@@ -36,11 +39,11 @@ import torch
 import torch.nn.functional as F
 
 from kvpipe.executor.quant import Quantized, dequantize, quantize
-from kvpipe.executor.sparse import chunk_scores, summarise, even_bounds
+from kvpipe.executor.sparse import chunk_scores, even_bounds, pack_fine, summarise
 from kvpipe.pipeline.units import parse_tokens
 
 LAYERS, KV_HEADS, Q_HEADS, D = 32, 8, 32, 128
-CHUNK, SINK_CHUNKS, RECENT_CHUNKS = 64, 1, 4
+CHUNK, FINE, SINK_CHUNKS, RECENT_CHUNKS = 64, 8, 1, 4
 
 
 def _triton_gather():
@@ -86,12 +89,18 @@ class Cache:
         pin = device.type == "cuda"
         g = torch.Generator(device=device).manual_seed(0)
         self.S, self.distinct = S, distinct
-        self.exact, self.quant, self.summ = [], {8: [], 4: []}, []
+        self.exact, self.quant, self.summ, self.fine = [], {8: [], 4: []}, [], []
         for _ in range(distinct):
             kv = torch.randn(KV_HEADS, S, 2, D, generator=g, device=device, dtype=torch.bfloat16)  # [H, S, 2, D]
             self.exact.append(kv.cpu().pin_memory() if pin else kv.cpu())
-            if variants & {"sparse", "sparse+int4"}:
-                self.summ.append(summarise(kv[:, :, 0], even_bounds(S, CHUNK)))   # lo, hi [H, C, D]
+            if variants & {"sparse", "sparse+int4", "sparse-refined"}:
+                cb = even_bounds(S, CHUNK)
+                self.summ.append(summarise(kv[:, :, 0], cb))                      # lo, hi [H, C, D]
+            if "sparse-refined" in variants:   # packed 8-token summaries in host RAM: [H, F, 2, D] uint8
+                fb = even_bounds(S, FINE)
+                codes = pack_fine((cb, *self.summ[-1]), (fb, *summarise(kv[:, :, 0], fb)))
+                host = torch.stack(codes, -2).cpu()
+                self.fine.append(host.pin_memory() if pin else host)
             for bits, group in ((8, 64), (4, 32)):
                 if not variants & {f"int{bits}", "sparse+int4" if bits == 4 else ""}:
                     continue
@@ -149,8 +158,13 @@ def run_variant(name: str, cache: Cache, device: torch.device, steps: int, fract
                 score = chunk_scores(qg, lo, hi)                                  # [H, C]
                 score[:, :SINK_CHUNKS] = math.inf
                 score[:, C - RECENT_CHUNKS:] = math.inf
+                heads = torch.arange(KV_HEADS, device=device)[:, None]
+                if name == "sparse-refined":
+                    kv = _refined(cache, d, qg, lo, hi, score, n_sel, kernel, device)
+                    out = attend(q, kv[:, :, :, 0], kv[:, :, :, 1])
+                    continue
                 sel = score.topk(n_sel, -1).indices.sort(-1).values                # [H, n_sel]
-                rows = (sel + torch.arange(KV_HEADS, device=device)[:, None] * C).flatten()
+                rows = (sel + heads * C).flatten()
                 if name == "sparse":
                     src = cache.exact[d].view(KV_HEADS * C, -1)                  # a row = one chunk of one head
                     out = torch.empty(rows.numel(), src.shape[1], device=device, dtype=src.dtype)
@@ -179,6 +193,36 @@ def run_variant(name: str, cache: Cache, device: torch.device, steps: int, fract
     return times
 
 
+def _refined(cache: Cache, d: int, qg, lo, hi, score, n_sel: int, kernel, device) -> torch.Tensor:
+    """LeoAM-style refinement: the 64-token chunks holding the best 2x budget are split into
+    8-token chunks whose packed summaries are gathered from host RAM, unpacked (min rounded down,
+    max up), scored, and the best of them (budget in tokens) gathered: [1, H, tokens, 2, D]."""
+    per, C = CHUNK // FINE, score.shape[-1]
+    F = C * per
+    heads = torch.arange(KV_HEADS, device=device)[:, None]
+    n_hot = min(C, 2 * n_sel)
+    hot = score.topk(n_hot, -1).indices                                   # [H, n_hot]
+    fid = (hot[..., None] * per + torch.arange(per, device=device)).flatten(1)   # [H, n_hot*per] fine ids
+    src = cache.fine[d].view(KV_HEADS * F, -1)                            # a row = one fine chunk's codes
+    codes = torch.empty(fid.numel(), src.shape[1], device=device, dtype=torch.uint8)
+    gather_rows(src, (fid + heads * F).flatten(), codes, kernel)
+    codes = codes.view(KV_HEADS, -1, 2, D).float()
+    parent = fid // per
+    base = lo.float().gather(1, parent[..., None].expand(-1, -1, D))      # [H, n_hot*per, D]
+    step = ((hi.float() - lo.float()) / 255).gather(1, parent[..., None].expand(-1, -1, D))
+    slack = 2.0 ** -21 * (base.abs() + 255 * step)
+    flo, fhi = base + codes[:, :, 0] * step - slack, base + codes[:, :, 1] * step + slack
+    fs = chunk_scores(qg, flo, fhi)                                       # [H, n_hot*per]
+    forced = torch.isinf(score.gather(1, parent))                         # sink / recent chunks
+    fs = fs.masked_fill(forced, math.inf)
+    pick = fs.topk(n_sel * per, -1).indices
+    rows = (fid.gather(1, pick).sort(-1).values + heads * F).flatten()
+    kvsrc = cache.exact[d].view(KV_HEADS * F, -1)                         # a row = 8 tokens of one head
+    out = torch.empty(rows.numel(), kvsrc.shape[1], device=device, dtype=kvsrc.dtype)
+    gather_rows(kvsrc, rows, out, kernel)
+    return out.view(1, KV_HEADS, n_sel * CHUNK, 2, D)
+
+
 class _null:
     def __enter__(self):
         return self
@@ -204,7 +248,8 @@ def check_gather(device: torch.device, kernel) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--context", nargs="+", default=["128K", "512K"])
-    ap.add_argument("--variants", nargs="+", default=["exact", "int8", "int4", "sparse", "sparse+int4"])
+    ap.add_argument("--variants", nargs="+",
+                    default=["exact", "int8", "int4", "sparse", "sparse-refined", "sparse+int4"])
     ap.add_argument("--fraction", type=float, default=0.2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--layers-distinct", type=int, default=4)
@@ -232,8 +277,11 @@ def main(argv: list[str] | None = None) -> int:
             if name.startswith("sparse") and device.type == "cuda" and gather_status != "ok":
                 rows[name] = {"error": f"zero-copy gather {gather_status}"}
                 continue
-            ms = statistics.median(run_variant(name, cache, device, args.steps, args.fraction, kernel, args.layers))
-            rows[name] = {"ms_per_step": ms}
+            try:
+                ms = statistics.median(run_variant(name, cache, device, args.steps, args.fraction, kernel, args.layers))
+                rows[name] = {"ms_per_step": ms}
+            except Exception as e:   # one variant failing must not lose the others' figures
+                rows[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         base = rows.get("exact", {}).get("ms_per_step")
         for r in rows.values():
             if base and "ms_per_step" in r:
@@ -242,13 +290,13 @@ def main(argv: list[str] | None = None) -> int:
         del cache
         out.write_text(json.dumps(res, indent=2) + "\n")   # saved after every context
     print(f"KV path of a decode step, Llama-3-8B shapes, {res['device']}; zero-copy gather: {gather_status}")
-    print(f"{'context':>8}{'variant':>14}{'ms/step':>10}{'vs exact':>10}")
+    print(f"{'context':>8}{'variant':>16}{'ms/step':>10}{'vs exact':>10}")
     for ctx, rows in res["results"].items():
         for name, r in rows.items():
             if "error" in r:
-                print(f"{ctx:>8}{name:>14}  not measured: {r['error']}")
+                print(f"{ctx:>8}{name:>16}  not measured: {r['error']}")
             else:
-                print(f"{ctx:>8}{name:>14}{r['ms_per_step']:>10.1f}{r.get('speedup_vs_exact', float('nan')):>9.2f}x")
+                print(f"{ctx:>8}{name:>16}{r['ms_per_step']:>10.1f}{r.get('speedup_vs_exact', float('nan')):>9.2f}x")
     print(f"json: {out}")
     return 0
 

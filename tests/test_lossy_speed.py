@@ -21,7 +21,7 @@ def test_every_variant_runs_and_is_reported(tmp_path):
     assert lossy_speed.main(["--context", "512", "--device", "cpu", "--steps", "1", "--layers-distinct", "1",
                              "--layers", "2", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]["512"]
-    assert set(rows) == {"exact", "int8", "int4", "sparse", "sparse+int4"}
+    assert set(rows) == {"exact", "int8", "int4", "sparse", "sparse-refined", "sparse+int4"}
     assert all(r["ms_per_step"] > 0 for r in rows.values()) and rows["exact"]["speedup_vs_exact"] == 1
 
 
