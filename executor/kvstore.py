@@ -113,7 +113,9 @@ class KVStore:
     """The KV buffers of one run on `device` in `dtype`; a context manager (allocates on enter)."""
 
     def __init__(self, layout: KVLayout, device: torch.device, dtype: torch.dtype,
-                 disk: DiskOptions | None = None) -> None:
+                 disk: DiskOptions | None = None, replay: bool = False) -> None:
+        """`replay`: decode steps will be captured as CUDA graphs (the KV homes are then pinned
+        by torch's allocator, which graph capture requires; see pinned.HostArena)."""
         self.layout, self.device, self.dtype = layout, torch.device(device), dtype
         self.cuda = self.device.type == "cuda"
         self.disk_opts = disk or DiskOptions()
@@ -125,7 +127,7 @@ class KVStore:
         self.rstage: torch.Tensor | None = None
         self.cstage: torch.Tensor | None = None
         self.row_base: list[int] = []
-        self.arena = HostArena(self.cuda)
+        self.arena = HostArena(self.cuda, torch_pinned=replay)
 
     # ---- lifetime ----------------------------------------------------------------------
     def open(self) -> "KVStore":

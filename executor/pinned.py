@@ -16,10 +16,16 @@ def _aligned(nbytes: int) -> torch.Tensor:
 
 
 class HostArena:
-    """Makes page-aligned host buffers, pinned when `pin` (CUDA); a context manager."""
+    """Makes page-aligned host buffers, pinned when `pin` (CUDA); a context manager.
 
-    def __init__(self, pin: bool) -> None:
+    With `torch_pinned`, `empty()` takes torch's own pinned allocator instead of registering:
+    torch refuses to capture a copy (CUDA-graph replay) from memory it did not pin itself, even
+    when the driver has it registered, so decode replay needs torch-pinned KV homes. The cost is
+    torch's power-of-two rounding of each buffer; plans that replay have no disk units."""
+
+    def __init__(self, pin: bool, torch_pinned: bool = False) -> None:
         self.pin = pin
+        self.torch_pinned = torch_pinned
         self.registered: list[torch.Tensor] = []
 
     def bytes(self, nbytes: int) -> torch.Tensor:
@@ -35,8 +41,8 @@ class HostArena:
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised contiguous tensor of `shape`: in a registered buffer when the arena
         pins, else a plain allocation (no alignment needed off the disk path)."""
-        if not self.pin:
-            return torch.empty(shape, dtype=dtype)
+        if not self.pin or self.torch_pinned:
+            return torch.empty(shape, dtype=dtype, pin_memory=self.pin)
         n = 1
         for d in shape:
             n *= d

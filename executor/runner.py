@@ -99,7 +99,7 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
             issue = "eager"
         replayed = issue != "eager"
         extra = {}
-        with sigterm_raises(), KVStore(KVLayout.of(graph), device, adapter.dtype, disk) as store, \
+        with sigterm_raises(), KVStore(KVLayout.of(graph), device, adapter.dtype, disk, replay=replayed) as store, \
                 Lanes(device, turns=turns) as lanes:
             if not replayed:
                 interp = Interpreter(graph, adapter, store, lanes, prompt, tokens, step_logits)

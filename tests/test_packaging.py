@@ -41,3 +41,18 @@ def test_vocabulary_layer_imports_nothing_above_it():
            if ln.strip().startswith(("from kvpipe.", "import kvpipe"))
            and not ln.strip().startswith(("from kvpipe.pipeline", "import kvpipe.pipeline"))]
     assert not bad, bad
+
+
+def test_every_layer_subpackage_is_listed_for_a_regular_install():
+    # Fault caught: a new subpackage (e.g. executor/codecs/) that the editable install finds by
+    # path but a regular `pip install .` leaves out (ModuleNotFoundError on the GPU machine).
+    import tomllib
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    cfg = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed, dirs = set(cfg["packages"]), cfg["package-dir"]
+    for name, folder in dirs.items():
+        for init in (root / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(root / folder)
+            pkg = ".".join([name, *rel.parts]) if rel.parts else name
+            assert pkg in listed, f"{pkg} ({init.parent}) is missing from [tool.setuptools] packages"
