@@ -57,13 +57,14 @@ def _step_ends(tr: Trace) -> dict[int, float]:
     return ends
 
 
-def _step_busy(tr: Trace, step: int) -> dict[str, float]:
-    """Busy seconds per lane of one prefill step (a function of the stages only, not of timing)."""
-    busy = {}
+def _steps_busy(tr: Trace) -> dict[int, dict[str, float]]:
+    """Busy seconds per lane of each prefill step (a function of the stages only, not of timing)."""
+    st, busy = tr.graph.stages, {}
     for sp in tr.spans:
-        s = tr.graph.stages[sp.stage]
-        if s.phase is Phase.PREFILL and s.step == step:
-            busy[s.lane.value] = busy.get(s.lane.value, 0.0) + sp.end_s - sp.start_s
+        s = st[sp.stage]
+        if s.phase is Phase.PREFILL:
+            lanes = busy.setdefault(s.step, {})
+            lanes[s.lane.value] = lanes.get(s.lane.value, 0.0) + sp.end_s - sp.start_s
     return busy
 
 
@@ -102,7 +103,8 @@ class _PrefillShortcut:
         ends = _step_ends(tr)
         centre = statistics.fmean(steady)
         self.dur[centre] = statistics.fmean(ends[i] - ends[i - 1] for i in steady)
-        busy = [_step_busy(tr, i) for i in steady]
+        per_step = _steps_busy(tr)
+        busy = [per_step.get(i, {}) for i in steady]
         self.busy[centre] = {lane: statistics.fmean(b.get(lane, 0.0) for b in busy) for lane in busy[0]}
         return centre
 
@@ -159,7 +161,8 @@ def simulate(model: ModelSpec, work: Workload, plan: Plan, hw: HardwareProfile, 
         peaks = ps.peaks
         zb = z.lane_busy_s()["prefill"]
         ab = a.lane_busy_s()["prefill"]
-        own = {lane: sum(_step_busy(z, i).get(lane, 0.0) for i in range(z0, C)) for lane in zb}
+        zs = _steps_busy(z)
+        own = {lane: sum(zs.get(i, {}).get(lane, 0.0) for i in range(z0, C)) for lane in zb}
         prefill_busy = {lane: ab[lane] + own[lane]
                         + ps.sum_between(W, z0 - 1, {c: b.get(lane, 0.0) for c, b in ps.busy.items()})
                         for lane in zb}
