@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from .model import ModelSpec
 from .workload import Workload
 
+PLAN_SCHEMA = 2   # version of Plan.to_json's layout; 1 had no `schema` and no `model` field
 CODECS = ("none",)  # lossless codecs first; lossy ones are added as explicit opt-ins
 LINKS = ("h2d", "d2h", "disk")
 
@@ -87,15 +88,29 @@ class Plan:
                 f"decode group={d.group} depth={d.depth}; resident units={self.resident}, "
                 f"disk units={self.disk}")
 
-    def to_json(self) -> dict:
+    def to_json(self, model: ModelSpec | None = None) -> dict:
+        """The plan as JSON, with its schema version; with `model`, the model it was made for."""
         phase = lambda p: {"group": p.group, "chunk": p.chunk, "depth": p.depth, "codecs": dict(p.codecs)}
-        return {"method": self.method.value, "prefill": phase(self.prefill), "decode": phase(self.decode),
-                "resident": self.resident, "disk": self.disk, "source": self.source}
+        out: dict = {"schema": PLAN_SCHEMA}
+        if model is not None:
+            out["model"] = model.name
+        out.update({"method": self.method.value, "prefill": phase(self.prefill), "decode": phase(self.decode),
+                    "resident": self.resident, "disk": self.disk, "source": self.source})
+        return out
 
     @classmethod
-    def from_json(cls, obj: object) -> "Plan":
+    def from_json(cls, obj: object, model: ModelSpec | None = None) -> "Plan":
         """The plan printed under 'plan' by `--json`. Every field is checked for its JSON type
-        (a whole number is an int, never a string or a bool); errors name the field."""
+        (a whole number is an int, never a string or a bool); errors name the field. A plan of
+        another schema version, or (given `model`) made for another model, is refused."""
+        if isinstance(obj, dict):
+            schema = obj.get("schema", 1)
+            if schema != PLAN_SCHEMA:
+                raise ValueError(f"plan.schema: {schema!r} is not this kvpipe's plan schema {PLAN_SCHEMA} "
+                                 f"(make the plan again with `kvpipe plan --out`)")
+            if model is not None and obj.get("model") != model.name:
+                raise ValueError(f"plan.model: the plan file is for {obj.get('model')!r}, not --model "
+                                 f"{model.name!r}")
         def expect(value: object, kind: type, name: str) -> object:
             where = f"plan.{name}" if name else "plan"
             if kind is int and type(value) is not int:

@@ -96,23 +96,47 @@ def _bound(busy: dict[str, float], hw: HardwareProfile) -> float:
 
 @dataclass(frozen=True)
 class Estimate:
-    """Lower bounds per lane and phase (`prefill_busy`, `decode_busy`: seconds), the decode's
-    busiest lane per steady step, and a ranking estimate of the whole workload."""
+    """Lower bounds from lane busy (seconds) and, for ranking, estimates that sum the busiest lane
+    of each step. `prefill_busy` and `decode_busy` are lower bounds of the lanes' totals;
+    `last_prefill` and `decode_step` are the busy of the last prefill chunk and of the longest
+    decode step; `depth` transfer slots let that many fetches run ahead of their step."""
 
     prefill_busy: dict[str, float]
     decode_busy: dict[str, float]
-    decode_step_gpu_s: float
+    last_prefill: dict[str, float]
+    decode_step: dict[str, float]
+    decode_tokens: int
+    depth: int
     prefill_s: float          # ranking estimate: sum over steps of the busiest lane
     decode_s_per_token: float | None
     total_s: float
 
+    def ttft_bound(self) -> float:
+        """Every prefill compute, fetch and disk read ends before the first token (the last
+        chunk's disk writes may not)."""
+        p = self.prefill_busy
+        return max(p["gpu"], p["h2d"], p["disk"] - self.last_prefill["disk"])
+
+    def _after(self, lane: str, steps: float) -> float:
+        """Busy of `steps` decode steps on `lane` that cannot run before the first of them starts."""
+        # A step's busy grows with its start, so the last `steps` steps hold at least that share.
+        share = self.decode_busy[lane] * steps / self.decode_tokens
+        return max(0.0, share - self.depth * self.decode_step[lane])
+
     def lower_bound(self, objective: str) -> float:
-        """A value the simulated objective cannot go under (full simulation; lane busy is serial)."""
+        """A value the fully simulated objective cannot go under: each lane runs one stage at a
+        time, decode compute waits for the first token, and fetches run at most `depth` ahead."""
+        M = self.decode_tokens
         if objective == "ttft":
-            return max(self.prefill_busy["gpu"], self.prefill_busy["h2d"])
-        if objective == "decode":
-            return self.decode_step_gpu_s
-        return max(self.prefill_busy[lane] + self.decode_busy[lane] for lane in LANES)
+            return self.ttft_bound()
+        if objective == "decode" and M > 1:
+            gpu = self.decode_busy["gpu"] / M
+            return max(gpu, max(self._after(lane, M - 1) for lane in ("h2d", "disk")) / (M - 1))
+        whole = max(self.prefill_busy[lane] + self.decode_busy[lane] for lane in LANES)
+        if not M:
+            return whole
+        after = max(self.decode_busy["gpu"], self._after("h2d", M), self._after("disk", M))
+        return max(whole, self.ttft_bound() + after)
 
     def score(self, objective: str) -> float:
         if objective == "ttft":
@@ -122,21 +146,22 @@ class Estimate:
         return self.total_s
 
 
-def prefill_estimate(model, work, hw, classes, G: int, chunk: int) -> tuple[dict[str, float], float]:
-    """(lane busy lower bounds, ranking estimate) of the prefill."""
+def prefill_estimate(model, work, hw, classes, G: int, chunk: int):
+    """(lane busy lower bounds, busy of the last chunk, ranking estimate) of the prefill."""
     sizes = chunk_sizes(work.context, chunk)
     C = len(sizes)
     busy = dict.fromkeys(LANES, 0.0)
     est = 0.0
 
-    def add(count: int, start: float, n: int, head: bool) -> None:
+    def add(count: int, start: float, n: int, head: bool) -> dict[str, float]:
         nonlocal est
         b = step_busy(model, work, hw, classes, G, True, int(start), n, head)
         for lane in LANES:
             busy[lane] += count * b[lane]
         est += count * _bound(b, hw)
+        return b
 
-    add(1, 0, sizes[0], C == 1)
+    last = add(1, 0, sizes[0], C == 1)
     if C > 2:   # chunks 1 .. C-2: equal size, convex in the start; runs at their mean start
         mids = list(range(1, C - 1))
         per = max(1, -(-len(mids) // SEGMENTS))
@@ -144,15 +169,15 @@ def prefill_estimate(model, work, hw, classes, G: int, chunk: int) -> tuple[dict
             run = mids[i:i + per]
             add(len(run), chunk * (run[0] + run[-1]) / 2, chunk, False)
     if C > 1:
-        add(1, chunk * (C - 1), sizes[-1], True)
-    return busy, est
+        last = add(1, chunk * (C - 1), sizes[-1], True)
+    return busy, last, est
 
 
-def decode_estimate(model, work, hw, classes, G: int) -> tuple[dict[str, float], float, float | None]:
-    """(lane busy lower bounds, GPU busy of a mean steady step, busiest lane per step)."""
+def decode_estimate(model, work, hw, classes, G: int):
+    """(lane busy lower bounds, busy of the longest step, busiest lane of a mean step)."""
     M = work.decode_tokens
     if not M:
-        return dict.fromkeys(LANES, 0.0), 0.0, None
+        return dict.fromkeys(LANES, 0.0), dict.fromkeys(LANES, 0.0), None
     b = step_busy(model, work, hw, classes, G, False, int(work.context + (M - 1) / 2), 1, True)
-    steady = step_busy(model, work, hw, classes, G, False, int(work.context + M / 2), 1, True)
-    return {lane: M * b[lane] for lane in LANES}, steady["gpu"], _bound(b, hw)
+    longest = step_busy(model, work, hw, classes, G, False, work.context + M - 1, 1, True)
+    return {lane: M * b[lane] for lane in LANES}, longest, _bound(b, hw)

@@ -183,9 +183,10 @@ class _Search:
         dk = (plan.decode.group,) + rd
         if dk not in self.dec:
             self.dec[dk] = decode_estimate(self.model, self.work, self.hw, cls, plan.decode.group)
-        (pb, pe), (db, dgpu, dstep) = self.pre[pk], self.dec[dk]
+        (pb, plast, pe), (db, dlong, dstep) = self.pre[pk], self.dec[dk]
         total = pe + (dstep or 0.0) * self.work.decode_tokens
-        return Estimate(pb, db, dgpu, pe, dstep, total)
+        depth = max(plan.prefill.depth, plan.decode.depth)
+        return Estimate(pb, db, plast, dlong, self.work.decode_tokens, depth, pe, dstep, total)
 
 
 def _key(plan: Plan) -> tuple:
