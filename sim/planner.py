@@ -3,9 +3,10 @@ depth, resident units, host/disk split) under GPU, host and disk budgets for the
 simulator predicts best on an objective (total time, time to first token or decode rate).
 
 Coarse to fine: every plan of the space that fits is ranked by the closed-form lane estimate
-(`sim/estimate.py`); plans are simulated in that order, skipping any whose lane lower bound is
-already no better than the best simulated one, up to `MAX_SIMS`; then the winner's neighbours
-(deeper buffers, half and double chunk) are simulated. Knobs the user gives pin their dimension.
+(`sim/estimate.py`); plans are simulated in that order (branch and bound), skipping any whose lane
+lower bound is already no better than the best simulated one, until `SIM_BUDGET` stages have been
+simulated. Resident units: as many as the GPU holds, or that count rounded down to whole head
+groups; disk units: the fewest the host budget allows. Knobs the user gives pin their dimension.
 Hooks: codecs per link and graph replay become dimensions of `Space` once `PhasePlan` has lossless
 codecs and `Plan` a replay switch (the estimate then needs their costs: codec rate, host issue)."""
 from __future__ import annotations
@@ -26,9 +27,8 @@ from .simulate import Prediction, simulate
 
 OBJECTIVES = ("total", "ttft", "decode")
 CHUNKS = (1024, 2048, 4096, 8192, 16384, 32768)   # prefill chunk candidates (tokens)
-DEPTHS = (2, 3, 4)                                # transfer slots; 2 is screened, 3 and 4 refined
-MAX_SIMS = 4                                      # simulations in the ranked pass
-MAX_REFINE = 3                                    # simulations of the winner's neighbours
+DEPTHS = (2, 3, 4)                                # transfer slots
+SIM_BUDGET = 150_000                              # stages simulated before the search stops early
 SOURCE = "planner"
 
 
@@ -189,53 +189,47 @@ class _Search:
         return Estimate(pb, db, plast, dlong, self.work.decode_tokens, depth, pe, dstep, total)
 
 
+def sim_cost(model: ModelSpec, work: Workload, plan: Plan, full: bool = False) -> int:
+    """About how many stages simulating `plan` runs (the shortcuts' windows, not the whole run)."""
+    from .simulate import DECODE_WINDOW, PREFILL_MIN_CHUNKS, PREFILL_WINDOW
+    chunks = -(-work.context // plan.prefill.chunk)
+    pre = chunks if full or chunks < PREFILL_MIN_CHUNKS else min(chunks, 3 * PREFILL_WINDOW + 1)
+    dec = work.decode_tokens if full else min(work.decode_tokens, 2 * DECODE_WINDOW)
+    per = lambda g: model.layers * (3 + 3 * model.kv_heads // g)
+    return pre * per(plan.prefill.group) + dec * per(plan.decode.group)
+
+
 def _key(plan: Plan) -> tuple:
     return (plan.prefill, plan.decode, plan.resident, plan.disk)
 
 
 def search(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dict[str, int],
-           pins: Pins = Pins(), objective: str = "total", *, max_sims: int = MAX_SIMS,
-           max_refine: int = MAX_REFINE,
+           pins: Pins = Pins(), objective: str = "total", *, sim_budget: int = SIM_BUDGET,
            full: bool = False) -> PlannerResult:
-    """The best plan the simulator finds for `objective`, with the two runners-up."""
+    """The best plan the simulator finds for `objective`, with the two runners-up. Plans are
+    simulated best estimate first until every other one is pruned by its lower bound or the
+    stages simulated pass `sim_budget` (then the search is anytime, not exhaustive)."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective: {objective!r} is not one of {', '.join(OBJECTIVES)}")
     s = _Search(model, work, hw, budgets)
     space = Space.of(model, work, pins)
-    screen = [d for d in space.depths if d == 2] or [space.depths[0]]
-    plans = s.candidates(space, pins, screen)
+    plans = s.candidates(space, pins, space.depths)
     if not plans:
         raise NoPlanFits(_smallest_budget(s, space, pins))
-    ranked = sorted(plans, key=lambda p: (s.estimate(p).score(objective), s.estimate(p).total_s))
+    ranked = sorted(plans, key=lambda p: (s.estimate(p).score(objective), s.estimate(p).total_s,
+                                          p.prefill.depth))
     done: dict[tuple, Scored] = {}
-    pruned = 0
-
-    def sim(plan: Plan) -> None:
-        pred = simulate(model, work, plan, hw, full=full)
-        done[_key(plan)] = Scored(plan, pred, objective_value(pred, objective))
-
+    pruned, spent = 0, 0
     for plan in ranked:
         best = min((c.value for c in done.values()), default=math.inf)
         if s.estimate(plan).lower_bound(objective) >= best:
-            pruned += 1
+            pruned += 1       # cannot beat the best: its lanes alone take longer
             continue
-        if len(done) >= max_sims:
-            break
-        sim(plan)
-    # Refine around the winner: deeper buffers and neighbouring chunks (resident refilled).
-    top = min(done.values(), key=lambda c: c.value).plan
-    refined = 0
-    for depth in space.depths:
-        for chunk in {top.prefill.chunk // 2, top.prefill.chunk, top.prefill.chunk * 2} & set(space.chunks):
-            base = top.with_(prefill=PhasePlan(top.prefill.group, chunk, depth),
-                             decode=PhasePlan(top.decode.group, 1, depth), resident=0, disk=0)
-            r = pins.resident if pins.resident is not None else s.max_resident(base)
-            plan = s.place(base, r)
-            if plan is None or _key(plan) in done or (plan.resident == model.units and depth != 2):
-                continue
-            if refined < max_refine and s.estimate(plan).lower_bound(objective) < min(c.value for c in done.values()):
-                sim(plan)
-                refined += 1
+        if spent >= sim_budget and len(done) >= 3:
+            break             # anytime: the rest ranks worse on the estimate and may not be pruned
+        pred = simulate(model, work, plan, hw, full=full)
+        done[_key(plan)] = Scored(plan, pred, objective_value(pred, objective))
+        spent += sim_cost(model, work, plan, full)
     order = sorted(done.values(), key=lambda c: (c.value, c.prediction.report.timing.total_s))
     best = order[0]
     return PlannerResult(best, tuple(order[1:3]), _reason(s, best, order[1:3], objective), objective,
@@ -268,16 +262,21 @@ def _smallest_budget(s: _Search, space: Space, pins: Pins) -> str:
     r = pins.resident if pins.resident is not None else s.max_resident(lean)
     gpu = breakdown(m, work, lean.with_(resident=r)).gpu
     if gpu > s.budgets["gpu"]:
-        return (f"gpu-mem: no plan fits in {fmt_bytes(s.budgets['gpu'])}; the leanest needs "
-                f"{fmt_bytes(gpu)} (--gpu-mem {math.ceil(gpu / 2**30 * 10) / 10}GiB)")
+        return (f"gpu-mem: no plan fits: gpu needs {fmt_bytes(gpu)}, {fmt_bytes(s.budgets['gpu'])} available "
+                f"(smallest that fits: --gpu-mem {_size_flag(gpu)})")
     off = (m.units - r) * unit
-    host_alone = (off + 0) / HOST_KV_FRACTION
     ring = breakdown(m, work, lean.with_(resident=r, disk=1)).host_buffers
-    disk_need = off + ring - s.budgets["host"] * HOST_KV_FRACTION
-    return (f"host-mem: {fmt_bytes(off)} of KV must leave the GPU and no plan fits host "
-            f"{fmt_bytes(s.budgets['host'])} + disk {fmt_bytes(s.budgets['disk'])}; smallest that fits: "
-            f"--host-mem {math.ceil(host_alone / 2**30 * 10) / 10}GiB, or --disk-mem "
-            f"{math.ceil(max(disk_need, unit) / 2**30 * 10) / 10}GiB with this host budget")
+    disk_need = max(1, math.ceil((off + ring - s.budgets["host"] * HOST_KV_FRACTION) / unit)) * unit
+    return (f"host-mem: no plan fits: {fmt_bytes(off)} of KV must leave the GPU, host "
+            f"{fmt_bytes(s.budgets['host'])} and disk {fmt_bytes(s.budgets['disk'])} available (smallest that "
+            f"fits: --host-mem {_size_flag(off / HOST_KV_FRACTION)}, or --disk-mem {_size_flag(disk_need)} "
+            f"with this host budget)")
+
+
+def _size_flag(n: float) -> str:
+    """A budget flag value at least `n` bytes, one decimal in GiB or MiB."""
+    unit, scale = ("GiB", 2**30) if n >= 2**30 else ("MiB", 2**20)
+    return f"{math.ceil(n / scale * 10) / 10}{unit}"
 
 
 def max_context(model: ModelSpec, decode_tokens: int, batch: int, budgets: dict[str, int],
