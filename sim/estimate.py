@@ -129,6 +129,8 @@ class Estimate:
         M = self.decode_tokens
         if objective == "ttft":
             return self.ttft_bound()
+        if objective == "decode" and M == 1:     # the one step's compute follows the first token
+            return self.decode_busy["gpu"]
         if objective == "decode" and M > 1:
             gpu = self.decode_busy["gpu"] / M
             return max(gpu, max(self._after(lane, M - 1) for lane in ("h2d", "disk")) / (M - 1))

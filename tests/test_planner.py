@@ -57,9 +57,10 @@ def problems(draw):
     hw = draw(machines())
     lean = breakdown(model, work, Plan(Method.HEADWISE, PhasePlan(1, 1024, 2), PhasePlan(1, 1, 2), 0))
     kv_all = model.units * work.kv_capacity * model.kv_unit_bytes_per_token
-    budgets = {"gpu": int(lean.gpu * draw(st.floats(0.98, 1.0)) + kv_all * draw(st.floats(0, 1.3))),
-               "host": int(kv_all * draw(st.floats(0, 1.5))) + 1,
-               "disk": int(kv_all * draw(st.floats(0, 1.2))) + 1}
+    host = draw(st.floats(0.05, 1.5))     # share of the KV cache the host holds; disk about the rest
+    budgets = {"gpu": int(lean.gpu * draw(st.floats(0.97, 1.1)) + kv_all * draw(st.floats(0, 1.3))),
+               "host": int(kv_all * host / HOST_KV_FRACTION) + 1,
+               "disk": int(kv_all * (max(0.0, 1.0 - host) + draw(st.floats(-0.05, 0.3)))) + 1}
     return model, work, hw, budgets
 
 
