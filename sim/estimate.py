@@ -44,9 +44,17 @@ def _group_kinds(off: tuple, dsk: tuple, H: int, G: int) -> Counter:
     return kinds
 
 
-def step_busy(model: ModelSpec, work: Workload, hw: HardwareProfile, classes: Counter, G: int,
+def phase_layout(model: ModelSpec, classes: Counter, G: int) -> tuple:
+    """Per layer class: (layers, offloaded heads, heads on disk, ((offloaded, on disk) per group ->
+    groups)); what a step's cost needs of the placement, computed once per plan and group size."""
+    return tuple((count, len(off), len(dsk), tuple(_group_kinds(off, dsk, model.kv_heads, G).items()))
+                 for (off, dsk), count in classes.items())
+
+
+def step_busy(model: ModelSpec, work: Workload, hw: HardwareProfile, layout: tuple, G: int,
               prefill: bool, start: int, n: int, with_head: bool) -> dict[str, float]:
-    """Busy seconds per lane of one step over tokens [start, start+n), as the builder's stages cost."""
+    """Busy seconds per lane of one step over tokens [start, start+n), as the builder's stages cost;
+    `layout` from `phase_layout` for group size G."""
     m, B = model, work.batch
     b, ut, dt = m.dtype_bytes, m.kv_unit_bytes_per_token, m.dtype
     busy = dict.fromkeys(LANES, 0.0)
@@ -59,12 +67,12 @@ def step_busy(model: ModelSpec, work: Workload, hw: HardwareProfile, classes: Co
     ws = attn_ws_bytes(m, B, n, G)
     attn_flops = B * m.attn_flops(start, start + n, start + n, q_heads)
     mlp = compute_seconds(B * n * m.mlp_flops_per_token, mlp_w + ma + la, 8, hw, dt, "mlp")
-    for (off, dsk), count in classes.items():
-        resident = m.kv_heads - len(off)
+    for count, n_off, n_dsk, kinds in layout:
+        resident = m.kv_heads - n_off
         layer = compute_seconds(B * n * m.qkv_flops_per_token, qkv_w + la + B * n * resident * ut, 6,
                                 hw, dt, "qkv") + mlp
         h2d = disk = 0.0
-        for (o, d), k in _group_kinds(off, dsk, m.kv_heads, G).items():
+        for (o, d), k in kinds:
             copy_in = 2 * B * start * (G - o) * ut if o else 0
             mem = B * (start + n) * G * ut + 2 * B * n * q_heads * m.head_dim * b + 2 * ws + copy_in
             layer += k * compute_seconds(attn_flops, mem, 5 if start else 2, hw, dt, "attn")
@@ -73,10 +81,10 @@ def step_busy(model: ModelSpec, work: Workload, hw: HardwareProfile, classes: Co
             if d and start > 0:
                 disk += k * (B * d * hw.disk_alpha_s + B * start * d * ut / hw.disk_read_bytes_per_s)
         d2h = 0.0
-        if off:
-            d2h = B * len(off) * hw.d2h_alpha_s + B * n * len(off) * ut / hw.d2h_bytes_per_s
-        if dsk:
-            disk += B * len(dsk) * hw.disk_alpha_s + B * n * len(dsk) * ut / hw.disk_write_bytes_per_s
+        if n_off:
+            d2h = B * n_off * hw.d2h_alpha_s + B * n * n_off * ut / hw.d2h_bytes_per_s
+        if n_dsk:
+            disk += B * n_dsk * hw.disk_alpha_s + B * n * n_dsk * ut / hw.disk_write_bytes_per_s
         for lane, v in (("gpu", layer), ("h2d", h2d), ("d2h", d2h), ("disk", disk)):
             busy[lane] += count * v
     if prefill and start > 0:
@@ -148,7 +156,7 @@ class Estimate:
         return self.total_s
 
 
-def prefill_estimate(model, work, hw, classes, G: int, chunk: int):
+def prefill_estimate(model, work, hw, layout: tuple, G: int, chunk: int):
     """(lane busy lower bounds, busy of the last chunk, ranking estimate) of the prefill."""
     sizes = chunk_sizes(work.context, chunk)
     C = len(sizes)
@@ -157,7 +165,7 @@ def prefill_estimate(model, work, hw, classes, G: int, chunk: int):
 
     def add(count: int, start: float, n: int, head: bool) -> dict[str, float]:
         nonlocal est
-        b = step_busy(model, work, hw, classes, G, True, int(start), n, head)
+        b = step_busy(model, work, hw, layout, G, True, int(start), n, head)
         for lane in LANES:
             busy[lane] += count * b[lane]
         est += count * _bound(b, hw)
@@ -175,11 +183,11 @@ def prefill_estimate(model, work, hw, classes, G: int, chunk: int):
     return busy, last, est
 
 
-def decode_estimate(model, work, hw, classes, G: int):
+def decode_estimate(model, work, hw, layout: tuple, G: int):
     """(lane busy lower bounds, busy of the longest step, busiest lane of a mean step)."""
     M = work.decode_tokens
     if not M:
         return dict.fromkeys(LANES, 0.0), dict.fromkeys(LANES, 0.0), None
-    b = step_busy(model, work, hw, classes, G, False, int(work.context + (M - 1) / 2), 1, True)
-    longest = step_busy(model, work, hw, classes, G, False, work.context + M - 1, 1, True)
+    b = step_busy(model, work, hw, layout, G, False, int(work.context + (M - 1) / 2), 1, True)
+    longest = step_busy(model, work, hw, layout, G, False, work.context + M - 1, 1, True)
     return {lane: M * b[lane] for lane in LANES}, longest, _bound(b, hw)

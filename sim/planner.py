@@ -22,13 +22,14 @@ from kvpipe.pipeline.rules import GPU_FILL_FRACTION, HOST_KV_FRACTION, first_tru
 from kvpipe.pipeline.units import fmt_bytes
 from kvpipe.pipeline.workload import Workload
 
-from .estimate import Estimate, decode_estimate, layer_classes, prefill_estimate
+from .estimate import Estimate, decode_estimate, layer_classes, phase_layout, prefill_estimate
 from .simulate import Prediction, simulate
 
 OBJECTIVES = ("total", "ttft", "decode")
 CHUNKS = (1024, 2048, 4096, 8192, 16384, 32768)   # prefill chunk candidates (tokens)
 DEPTHS = (2, 3, 4)                                # transfer slots
 SIM_BUDGET = 150_000                              # stages simulated before the search stops early
+TIE = 0.001                                       # estimates closer than this rank as equal
 SOURCE = "planner"
 
 
@@ -118,6 +119,7 @@ class _Search:
     hw: HardwareProfile
     budgets: dict[str, int]
     classes: dict = field(default_factory=dict)
+    layouts: dict = field(default_factory=dict)
     pre: dict = field(default_factory=dict)
     dec: dict = field(default_factory=dict)
 
@@ -172,17 +174,22 @@ class _Search:
                             out.setdefault(_key(plan), plan)
         return list(out.values())
 
+    def layout(self, rd: tuple[int, int], group: int) -> tuple:
+        key = rd + (group,)
+        if key not in self.layouts:
+            if rd not in self.classes:
+                self.classes[rd] = layer_classes(self.model, *rd)
+            self.layouts[key] = phase_layout(self.model, self.classes[rd], group)
+        return self.layouts[key]
+
     def estimate(self, plan: Plan) -> Estimate:
         rd = (plan.resident, plan.disk)
-        if rd not in self.classes:
-            self.classes[rd] = layer_classes(self.model, *rd)
-        cls = self.classes[rd]
         pk = (plan.prefill.group, plan.prefill.chunk) + rd
         if pk not in self.pre:
-            self.pre[pk] = prefill_estimate(self.model, self.work, self.hw, cls, *pk[:2])
+            self.pre[pk] = prefill_estimate(self.model, self.work, self.hw, self.layout(rd, pk[0]), *pk[:2])
         dk = (plan.decode.group,) + rd
         if dk not in self.dec:
-            self.dec[dk] = decode_estimate(self.model, self.work, self.hw, cls, plan.decode.group)
+            self.dec[dk] = decode_estimate(self.model, self.work, self.hw, self.layout(rd, dk[0]), dk[0])
         (pb, plast, pe), (db, dlong, dstep) = self.pre[pk], self.dec[dk]
         total = pe + (dstep or 0.0) * self.work.decode_tokens
         depth = max(plan.prefill.depth, plan.decode.depth)
@@ -216,8 +223,11 @@ def search(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dict[
     plans = s.candidates(space, pins, space.depths)
     if not plans:
         raise NoPlanFits(_smallest_budget(s, space, pins))
-    ranked = sorted(plans, key=lambda p: (s.estimate(p).score(objective), s.estimate(p).total_s,
-                                          p.prefill.depth))
+    # Best estimate first; estimates within TIE of each other count as equal (the estimate is no
+    # closer to the simulator than that), and among equals the cheaper to simulate goes first.
+    tie = lambda x: math.floor(math.log(max(x, 1e-30)) / math.log1p(TIE))
+    ranked = sorted(plans, key=lambda p: (tie(s.estimate(p).score(objective)),
+                                          sim_cost(model, work, p, full), s.estimate(p).score(objective)))
     done: dict[tuple, Scored] = {}
     pruned, spent = 0, 0
     for plan in ranked:

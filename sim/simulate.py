@@ -32,8 +32,8 @@ from kvpipe.pipeline.workload import Workload
 
 from .engine import run
 
-DECODE_WINDOW = 8
-PREFILL_WINDOW = 4        # chunks per sampled prefill window; chunks 2.. of a window are steady
+DECODE_WINDOW = 4
+PREFILL_WINDOW = 3        # chunks per sampled prefill window; chunks 2.. of a window are steady
 PREFILL_MIN_CHUNKS = 24   # fewer chunks than this: the prefill is simulated in full
 PREFILL_TOL = 0.01        # relative gap between a sampled chunk time and the line that splits an interval
 PREFILL_MAX_SAMPLES = 8   # interior windows at most

@@ -111,16 +111,16 @@ def test_step_busy_sums_to_the_simulated_lane_busy(case, hw_name):
     layers, kv, ctx, dec, gp, gd, chunk, r, d = case
     model, work, hw = tiny(layers, kv), Workload(ctx, dec), load_profile(hw_name)
     plan = Plan(Method.HEADWISE, PhasePlan(gp, chunk, 2), PhasePlan(gd, 1, 2), r, d)
-    from kvpipe.sim.estimate import layer_classes
+    from kvpipe.sim.estimate import layer_classes, phase_layout
     cls = layer_classes(model, r, d)
     sizes = chunk_sizes(ctx, chunk)
     pre = {lane: 0.0 for lane in LANES}
     for i, n in enumerate(sizes):
-        b = step_busy(model, work, hw, cls, gp, True, i * chunk, n, i == len(sizes) - 1)
+        b = step_busy(model, work, hw, phase_layout(model, cls, gp), gp, True, i * chunk, n, i == len(sizes) - 1)
         pre = {lane: pre[lane] + b[lane] for lane in LANES}
     decb = {lane: 0.0 for lane in LANES}
     for k in range(dec):
-        b = step_busy(model, work, hw, cls, gd, False, ctx + k, 1, True)
+        b = step_busy(model, work, hw, phase_layout(model, cls, gd), gd, False, ctx + k, 1, True)
         decb = {lane: decb[lane] + b[lane] for lane in LANES}
     sim = simulate(model, work, plan, hw, full=True).report.phase_busy_s
     for lane in LANES:
