@@ -19,7 +19,7 @@ from kvpipe.pipeline.plan import Plan
 from kvpipe.pipeline.report import Report
 from kvpipe.pipeline.workload import Workload
 
-from .inputs import Knob, PlanArg, budget, check_weights, output_path, resolve_plan
+from .inputs import Knob, PlanArg, budget, check_weights, method_of, output_path, planner_pins, resolve_plan
 from .results import PlanResult, Predicted, RunResult
 
 log = logging.getLogger("kvpipe")
@@ -32,14 +32,48 @@ DEFAULT_DECODE_TOKENS = 32       # the same for plan and run
 Path_ = str | os.PathLike | None
 
 
-def _predict(model, work, plan: Plan, hw, budgets, full: bool = False, max_context: int | None = None) -> Predicted:
+def _predict(model, work, plan: Plan, hw, budgets, full: bool = False, max_context: int | None = None,
+             pred=None) -> Predicted:
     from kvpipe.pipeline.memory import breakdown
     from kvpipe.pipeline.report import budget_problems
     from kvpipe.sim.simulate import simulate
     plan.check(model, work)
     problems = tuple(budget_problems(breakdown(model, work, plan), budgets))
-    pred = simulate(model, work, plan, hw, full=full)
+    pred = pred or simulate(model, work, plan, hw, full=full)
     return Predicted(plan, problems, pred.report, pred.trace, max_context)
+
+
+def _searches(method, plan: PlanArg) -> bool:
+    """Head-wise plans without a plan file come from the planner; the other methods from their rule."""
+    from kvpipe.pipeline.plan import Method
+    return plan is None and method_of(method) is Method.HEADWISE
+
+
+def _choose(spec, work, profile, budgets, method, group, chunk, resident, plan, objective, full=False):
+    """(the plan's prediction, the planner's result or None)."""
+    if _searches(method, plan):
+        from kvpipe.sim.planner import search
+        found = search(spec, work, profile, budgets, planner_pins(spec, group, chunk, resident), objective,
+                       full=full)
+        return _predict(spec, work, found.best.plan, profile, budgets, pred=found.best.prediction), found
+    chosen = resolve_plan(spec, work, budgets, method, group, chunk, resident, plan)
+    return _predict(spec, work, chosen, profile, budgets, full=full), None
+
+
+def _max_context(spec, work, budgets, method, group=None, chunk=None, resident=None, plan=None) -> int:
+    """Largest prompt that fits: over the planner's space for head-wise, the rule's plan otherwise."""
+    from kvpipe.pipeline.plan import Method
+    if _searches(method, plan):
+        from kvpipe.sim.planner import max_context
+        return max_context(spec, work.decode_tokens, work.batch, budgets, planner_pins(spec, group, chunk, resident))
+    from kvpipe.pipeline.rules import max_context
+    m = read_plan_method(plan, spec) if plan is not None else method_of(method, Method.HEADWISE)
+    return max_context(m, spec, work.decode_tokens, work.batch, budgets)
+
+
+def read_plan_method(plan: PlanArg, spec: ModelSpec):
+    from .inputs import read_plan
+    return read_plan(plan, spec).method
 
 
 def _warnings(model: ModelSpec, work: Workload) -> tuple[str, ...]:
@@ -57,13 +91,18 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
          decode_tokens: int = DEFAULT_DECODE_TOKENS, batch: int = 1, gpu_mem: str | int | None = None,
          host_mem: str | int | None = None, disk_mem: str | int | None = None, method: str | None = None,
          group: Knob = None, chunk: Knob = None, resident: Knob = None, plan: PlanArg = None,
-         compare: bool = False, full_sim: bool = False, trace: Path_ = None, plot: Path_ = None) -> PlanResult:
+         compare: bool = False, full_sim: bool = False, trace: Path_ = None, plot: Path_ = None,
+         objective: str = "total", out: Path_ = None, max_context: bool = False) -> PlanResult:
     """Predict latency and memory of `model` on hardware profile `hw` (no GPU, no torch).
-    Budgets default to the profile's; `group`/`chunk`/`resident` None or "auto" leave them to the
-    rule; `plan` (a file, dict or Plan) replaces the knobs. `trace`/`plot` paths are checked
-    first and written last. ValueError names the argument for bad input."""
+    Budgets default to the profile's. Head-wise plans come from the planner (sim/planner.py),
+    which minimises `objective` (total, ttft or decode); `group`/`chunk`/`resident` other than
+    None or "auto" pin those dimensions; `plan` (a file, dict or Plan) replaces the search.
+    `max_context` answers the largest context that fits, with its plan; `out` writes the plan
+    for `run(plan=...)`. `trace`/`plot` paths are checked first and written last. ValueError
+    names the argument for bad input."""
     from kvpipe.hw_profiles import load_profile
     trace_path, plot_path = output_path(trace, "trace"), output_path(plot, "plot")
+    out_path = output_path(out, "trace") if out is not None else None   # a .json in an existing folder
     spec = load_model(model)
     profile = load_profile(hw)
     work = Workload.parse(context, decode_tokens, batch)
@@ -71,19 +110,30 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
                "host": budget(host_mem, profile.host_mem_bytes, "host-mem"),
                "disk": budget(disk_mem, profile.disk_bytes, "disk-mem")}
     check_weights(spec, budgets)
+    largest = None
+    if max_context:
+        largest = _max_context(spec, work, budgets, method, group, chunk, resident, plan)
+        if not largest:
+            raise ValueError("context: no context fits the budgets (raise --gpu-mem, --host-mem or --disk-mem)")
+        work = Workload(largest, work.decode_tokens, work.batch)
     warnings = _warnings(spec, work)
-    chosen = resolve_plan(spec, work, budgets, method, group, chunk, resident, plan)
-    main = _predict(spec, work, chosen, profile, budgets, full=full_sim)
+    main, found = _choose(spec, work, profile, budgets, method, group, chunk, resident, plan, objective, full_sim)
+    chosen = main.plan
     methods = None
     if compare:
         from kvpipe.pipeline.plan import Method
-        from kvpipe.pipeline.rules import max_context
         methods = {}
         for m in Method:
-            p = chosen if m is chosen.method else resolve_plan(spec, work, budgets, m)
-            pred = main if p is chosen else _predict(spec, work, p, profile, budgets, full=full_sim)
-            ctx = max_context(m, spec, work.decode_tokens, work.batch, budgets)
+            if m is chosen.method:
+                pred = main
+            else:
+                pred, _ = _choose(spec, work, profile, budgets, m, None, None, None, None, objective, full_sim)
+            ctx = (_max_context(spec, work, budgets, method, group, chunk, resident, plan) if m is chosen.method
+                   else _max_context(spec, work, budgets, m))
             methods[m.value] = Predicted(pred.plan, pred.problems, pred.report, pred.trace, ctx)
+    if out_path:
+        import json
+        out_path.write_text(json.dumps(chosen.to_json(spec), indent=2))
     if trace_path:
         from kvpipe.pipeline.trace import write_chrome
         write_chrome(trace_path, main.trace)
@@ -91,7 +141,7 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
         from kvpipe.analysis.timeline import plot_timeline
         from kvpipe.pipeline.units import fmt_tokens
         plot_timeline(plot_path, main.trace, title=f"{spec.name} on {profile.name}, {fmt_tokens(work.context)}")
-    return PlanResult(spec, profile, work, budgets, main, methods, warnings)
+    return PlanResult(spec, profile, work, budgets, main, methods, warnings, found, largest)
 
 
 def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | None = None,
@@ -100,7 +150,7 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
         group: Knob = None, chunk: Knob = None, resident: Knob = None, plan: PlanArg = None,
         random_weights: bool = False, device: str | None = None, dtype: str | None = None, seed: int = 0,
         prompt_file: Path_ = None, progress: bool = True, warmup: bool = True,
-        trace: Path_ = None, plot: Path_ = None) -> RunResult:
+        trace: Path_ = None, plot: Path_ = None, objective: str = "total") -> RunResult:
     """Execute on this machine (torch and transformers needed) and measure next to the
     prediction. `device` defaults to cuda when available; budgets to the GPU's memory and this
     machine's RAM (no disk); `context` to the prompt file's length, else 32K; `hw` to the bundled
@@ -133,8 +183,8 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
                "host": budget(host_mem, session.host_ram_bytes(), "host-mem"),
                "disk": budget(disk_mem, 0, "disk-mem") if disk_mem is not None else 0}
     check_weights(spec, budgets)
-    chosen = resolve_plan(spec, work, budgets, method, group, chunk, resident, plan)
-    predicted = _predict(spec, work, chosen, profile, budgets)
+    predicted, found = _choose(spec, work, profile, budgets, method, group, chunk, resident, plan, objective)
+    chosen = predicted.plan
     if predicted.problems:   # refused before anything is allocated
         raise ValueError(f"budget: the plan does not fit: {'; '.join(predicted.problems)}")
     warnings = _warnings(spec, work)
@@ -153,4 +203,4 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
         plot_timeline(plot_path, predicted.trace, real, title=f"{spec.name} {fmt_tokens(work.context)} on {dev}")
     return RunResult(spec, profile, work, budgets, predicted, mrep, real, res.tokens.cpu().tolist(),
                      measured.digest, str(dev), attention, "random weights" if random_weights else str(model),
-                     warnings)
+                     warnings, found)
