@@ -108,7 +108,7 @@ class Plan:
             if schema != PLAN_SCHEMA:
                 raise ValueError(f"plan.schema: {schema!r} is not this kvpipe's plan schema {PLAN_SCHEMA} "
                                  f"(make the plan again with `kvpipe plan --out`)")
-            if model is not None and obj.get("model") != model.name:
+            if model is not None and "model" in obj and obj["model"] != model.name:
                 raise ValueError(f"plan.model: the plan file is for {obj.get('model')!r}, not --model "
                                  f"{model.name!r}")
         def expect(value: object, kind: type, name: str) -> object:

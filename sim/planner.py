@@ -29,6 +29,7 @@ OBJECTIVES = ("total", "ttft", "decode")
 CHUNKS = (1024, 2048, 4096, 8192, 16384, 32768)   # prefill chunk candidates (tokens)
 DEPTHS = (2, 3, 4)                                # transfer slots
 SIM_BUDGET = 150_000                              # stages simulated before the search stops early
+RUNNERS_UP = 2                                    # simulated besides the winner, to show beside it
 TIE = 0.001                                       # estimates closer than this rank as equal
 SOURCE = "planner"
 
@@ -232,17 +233,18 @@ def search(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dict[
     pruned, spent = 0, 0
     for plan in ranked:
         best = min((c.value for c in done.values()), default=math.inf)
-        if s.estimate(plan).lower_bound(objective) >= best:
+        if len(done) >= 1 + RUNNERS_UP and s.estimate(plan).lower_bound(objective) >= best:
             pruned += 1       # cannot beat the best: its lanes alone take longer
             continue
-        if spent >= sim_budget and len(done) >= 3:
+        if spent >= sim_budget and len(done) >= 1 + RUNNERS_UP:
             break             # anytime: the rest ranks worse on the estimate and may not be pruned
         pred = simulate(model, work, plan, hw, full=full)
         done[_key(plan)] = Scored(plan, pred, objective_value(pred, objective))
         spent += sim_cost(model, work, plan, full)
     order = sorted(done.values(), key=lambda c: (c.value, c.prediction.report.timing.total_s))
     best = order[0]
-    return PlannerResult(best, tuple(order[1:3]), _reason(s, best, order[1:3], objective), objective,
+    rest = order[1:1 + RUNNERS_UP]
+    return PlannerResult(best, tuple(rest), _reason(s, best, rest, objective), objective,
                          len(plans), len(done), pruned)
 
 

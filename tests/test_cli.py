@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from kvpipe.pipeline.plan import PLAN_SCHEMA
+
 GiB = 2**30
 
 
@@ -161,7 +163,7 @@ def assert_one_line_exit_2(rc: int, err: str, needle: str) -> None:
     assert "Traceback" not in err
 
 
-GOOD_PLAN = {"method": "headwise", "prefill": {"group": 1, "chunk": 4096}, "decode": {"group": 1, "chunk": 1},
+GOOD_PLAN = {"schema": PLAN_SCHEMA, "method": "headwise", "prefill": {"group": 1, "chunk": 4096}, "decode": {"group": 1, "chunk": 1},
              "resident": 0}
 
 
