@@ -20,7 +20,8 @@ def _print_search(search) -> None:
         return
     print(f"      why: {search.reason}")
     print(f"      searched {search.fitting} fitting plans, simulated {search.simulated}, "
-          f"pruned {search.pruned} by lower bound")
+          f"pruned {search.pruned} by lower bound"
+          + (f", {search.unexplored} left unsimulated (simulation budget)" if search.unexplored else ""))
     for i, alt in enumerate(search.alternatives, 1):
         t = alt.prediction.report.timing
         print(f"  runner-up {i}: {alt.plan.describe()}")

@@ -96,6 +96,7 @@ class PlannerResult:
     fitting: int                       # plans of the space that fit the budgets
     simulated: int
     pruned: int                        # skipped because their lower bound could not win
+    unexplored: int = 0                # neither simulated nor pruned: the simulation budget ran out
 
 
 class NoPlanFits(ValueError):
@@ -230,13 +231,14 @@ def search(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dict[
     ranked = sorted(plans, key=lambda p: (tie(s.estimate(p).score(objective)),
                                           sim_cost(model, work, p, full), s.estimate(p).score(objective)))
     done: dict[tuple, Scored] = {}
-    pruned, spent = 0, 0
-    for plan in ranked:
+    pruned, spent, unexplored = 0, 0, 0
+    for i, plan in enumerate(ranked):
         best = min((c.value for c in done.values()), default=math.inf)
         if len(done) >= 1 + RUNNERS_UP and s.estimate(plan).lower_bound(objective) >= best:
             pruned += 1       # cannot beat the best: its lanes alone take longer
             continue
         if spent >= sim_budget and len(done) >= 1 + RUNNERS_UP:
+            unexplored = sum(s.estimate(p).lower_bound(objective) < best for p in ranked[i:])
             break             # anytime: the rest ranks worse on the estimate and may not be pruned
         pred = simulate(model, work, plan, hw, full=full)
         done[_key(plan)] = Scored(plan, pred, objective_value(pred, objective))
@@ -245,7 +247,7 @@ def search(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dict[
     best = order[0]
     rest = order[1:1 + RUNNERS_UP]
     return PlannerResult(best, tuple(rest), _reason(s, best, rest, objective), objective,
-                         len(plans), len(done), pruned)
+                         len(plans), len(done), pruned, unexplored)
 
 
 def _reason(s: _Search, best: Scored, rest, objective: str) -> str:
