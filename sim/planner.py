@@ -5,8 +5,9 @@ simulator predicts best on an objective (total time, time to first token or deco
 Coarse to fine: every plan of the space that fits is ranked by the closed-form lane estimate
 (`sim/estimate.py`); plans are simulated in that order (branch and bound), skipping any whose lane
 lower bound is already no better than the best simulated one, until `SIM_BUDGET` stages have been
-simulated. Resident units: as many as the GPU holds, or that count rounded down to whole head
-groups; disk units: the fewest the host budget allows. Knobs the user gives pin their dimension.
+simulated. Resident units: as many as the GPU holds, that count rounded down to whole head
+groups, or none (every count up to the most for models of at most `EVERY_RESIDENT_UNITS` units);
+disk units: the fewest the host budget allows. Knobs the user gives pin their dimension.
 Hooks: codecs per link and graph replay become dimensions of `Space` once `PhasePlan` has lossless
 codecs and `Plan` a replay switch (the estimate then needs their costs: codec rate, host issue)."""
 from __future__ import annotations
@@ -30,6 +31,7 @@ CHUNKS = (1024, 2048, 4096, 8192, 16384, 32768)   # prefill chunk candidates (to
 DEPTHS = (2, 3, 4)                                # transfer slots
 SIM_BUDGET = 150_000                              # stages simulated before the search stops early
 RUNNERS_UP = 2                                    # simulated besides the winner, to show beside it
+EVERY_RESIDENT_UNITS = 64                         # models with at most this many units try every resident count
 TIE = 0.001                                       # estimates closer than this rank as equal
 SOURCE = "planner"
 
@@ -129,9 +131,10 @@ class _Search:
     def unit_bytes(self) -> int:
         return self.work.batch * self.work.kv_capacity * self.model.kv_unit_bytes_per_token
 
-    def place(self, plan: Plan, resident: int) -> Plan | None:
+    def place(self, plan: Plan, resident: int, pinned: bool = False) -> Plan | None:
         """`plan` with `resident` units and the fewest disk units the host budget allows, or None
-        when it does not fit."""
+        when it does not fit. Resident units the search chose must also leave the allocator its
+        slack (GPU_FILL_FRACTION of the budget); a count the user pinned needs only the budget."""
         U, unit = self.model.units, self.unit_bytes
         host_cap = self.budgets["host"] * HOST_KV_FRACTION
         off = U - resident
@@ -142,6 +145,8 @@ class _Search:
         placed = plan.with_(resident=resident, disk=disk)
         mem = breakdown(self.model, self.work, placed)
         if mem.host > host_cap or any(v > self.budgets[p] for p, v in mem.pools().items()):
+            return None
+        if resident and not pinned and mem.gpu > self.budgets["gpu"] * GPU_FILL_FRACTION:
             return None
         return placed
 
@@ -166,9 +171,11 @@ class _Search:
                             rs = {pins.resident}
                         else:
                             top = self.max_resident(base)
-                            rs = {top} | {top // (L * g) * L * g for g in (gp, gd)}
+                            rs = {top, 0} | {top // (L * g) * L * g for g in (gp, gd)}
+                            if m.units <= EVERY_RESIDENT_UNITS:
+                                rs = set(range(top + 1))
                         for r in rs:
-                            plan = self.place(base, r)
+                            plan = self.place(base, r, pins.resident is not None)
                             if plan is None:
                                 continue
                             if plan.resident == m.units:   # nothing streams: depth is moot
@@ -309,7 +316,7 @@ def max_context(model: ModelSpec, decode_tokens: int, batch: int, budgets: dict[
             lean = Plan(Method.HEADWISE, PhasePlan(space.groups[0], chunk, min(space.depths)),
                         PhasePlan(space.groups[0], 1, min(space.depths)), 0, 0, SOURCE)
             r = pins.resident if pins.resident is not None else s.max_resident(lean)
-            if s.place(lean, r) is not None:
+            if s.place(lean, r, pins.resident is not None) is not None:
                 return True
         return False
     return first_true(1, limit + 1, lambda ctx: not ok(ctx)) - 1

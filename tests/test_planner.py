@@ -24,6 +24,7 @@ from kvpipe.sim.simulate import simulate
 
 GiB = 2**30
 FLOAT_TOL = 1e-9
+TIE_TOL = 1e-6
 
 
 def tiny(layers=2, kv_heads=2, gqa=2, head_dim=32) -> ModelSpec:
@@ -49,18 +50,21 @@ def machines(draw) -> HardwareProfile:
 
 
 @st.composite
-def problems(draw):
-    """(model, workload, machine, budgets): budgets from 'the leanest plan barely fits' to roomy."""
-    layers, kv = draw(st.sampled_from([(1, 2), (2, 2), (1, 4)]))
+def problems(draw, tight: bool = True, shapes=((1, 2), (2, 2), (1, 4))):
+    """(model, workload, machine, budgets): budgets from 'the leanest plan barely fits' to roomy;
+    `tight` also draws budgets a little under that (nothing fits)."""
+    layers, kv = draw(st.sampled_from(shapes))
     model = tiny(layers, kv, draw(st.sampled_from([1, 2])), draw(st.sampled_from([16, 64])))
     work = Workload(draw(st.integers(1100, 3500)), draw(st.integers(0, 4)))
     hw = draw(machines())
     lean = breakdown(model, work, Plan(Method.HEADWISE, PhasePlan(1, 1024, 2), PhasePlan(1, 1, 2), 0))
     kv_all = model.units * work.kv_capacity * model.kv_unit_bytes_per_token
     host = draw(st.floats(0.05, 1.5))     # share of the KV cache the host holds; disk about the rest
-    budgets = {"gpu": int(lean.gpu * draw(st.floats(0.97, 1.1)) + kv_all * draw(st.floats(0, 1.3))),
-               "host": int(kv_all * host / HOST_KV_FRACTION) + 1,
-               "disk": int(kv_all * (max(0.0, 1.0 - host) + draw(st.floats(-0.05, 0.3)))) + 1}
+    slack = -0.05 if tight else 0.02
+    staging = max(DEPTHS) * model.kv_heads * work.kv_capacity * model.kv_unit_bytes_per_token  # disk reads land here
+    budgets = {"gpu": int(lean.gpu * draw(st.floats(1 + slack, 1.1)) + kv_all * draw(st.floats(0, 1.3))),
+               "host": int((kv_all * host + (0 if tight else staging)) / HOST_KV_FRACTION) + 1,
+               "disk": int(kv_all * (max(0.0, 1.0 - host) + draw(st.floats(slack, 0.3)))) + 1}
     return model, work, hw, budgets
 
 
@@ -161,18 +165,18 @@ def test_search_never_returns_a_plan_that_does_not_fit(problem, objective):
         assert all(cand.prediction.report.peak_bytes[p] <= budgets[p] for p in budgets)
 
 
-@settings(max_examples=10)
-@given(problems(), st.sampled_from(OBJECTIVES))
+@settings(max_examples=6)
+@given(problems(tight=False, shapes=((1, 2), (2, 2))), st.sampled_from(OBJECTIVES))   # <= 540 plans to simulate
 def test_search_finds_the_brute_force_optimum(problem, objective):
     """Catches a search that prunes or ranks the best plan away: on machines small enough to
-    simulate every fitting plan of the space, its choice is as good as the best of them."""
+    simulate every fitting plan of the space, its choice is as good as the best of them (to
+    TIE_TOL: plans whose schedules differ only in summation order tie up to float rounding)."""
     model, work, hw, budgets = problem
     fitting = [p for p in every_plan(model, work) if fits_planner_rules(model, work, p, budgets)]
-    if not fitting:
-        return
+    assert fitting, "the drawn budgets fit the leanest plan"
     best = min(objective_value(simulate(model, work, p, hw, full=True), objective) for p in fitting)
     res = search(model, work, hw, budgets, objective=objective, full=True)
-    assert res.best.value <= best * (1 + FLOAT_TOL), (res.best.plan.describe(), res.best.value, best)
+    assert res.best.value <= best * (1 + TIE_TOL), (res.best.plan.describe(), res.best.value, best)
 
 
 def test_llama2_7b_on_a100_at_128k_fills_the_gpu_with_resident_heads():
