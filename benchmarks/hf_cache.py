@@ -24,6 +24,9 @@ from pathlib import Path
 
 CASES = {  # name -> `kvpipe run` knobs; the generate() side takes the plan kvpipe resolved
     "stream": ("--resident", "none", "--group", "8"),
+    # `kvpipe run` issued eagerly: the same attention calls as generate()'s path (graph replay
+    # attends prefix and new token in one varlen call, which changes last bits of the logits)
+    "stream-eager": ("--resident", "none", "--group", "8", "--replay", "off"),
     "resident-max": ("--resident", "max", "--group", "8"),
 }
 
@@ -63,7 +66,7 @@ def worker(args) -> None:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
     model = session.load_hf_model(args.model, True, device, session.TORCH_DTYPES[spec.dtype], args.seed)
-    ids = session.prompt_ids(None, args.model, 1, args.context, spec.vocab, args.seed).to(device)
+    ids = session.prompt_tensor(None, 1, args.context, spec.vocab, args.seed).to(device)
     plan = Plan.from_json(json.loads(args.plan_json))
     new = args.decode_tokens + 1
     greedy = dict(do_sample=False, eos_token_id=None, pad_token_id=0)

@@ -73,10 +73,13 @@ class HFAdapter:
                                  f"the workload holds {tokens}; sliding windows are not supported")
 
     # ---- pieces ------------------------------------------------------------------------
-    def embed(self, ids: torch.Tensor, start: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """ids [B, T] -> hidden [B, T, hidden] and the rotary (cos, sin) [1, T, D] of the positions."""
+    def embed(self, ids: torch.Tensor, start: int, positions: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """ids [B, T] -> hidden [B, T, hidden] and the rotary (cos, sin) [1, T, D] of the positions
+        [start, start+T), or of `positions` [1, T] (a device tensor: graph replay) when given."""
         hidden = self.body.embed_tokens(ids)
-        pos = torch.arange(start, start + ids.shape[1], device=ids.device)[None]  # [1, T]
+        pos = positions if positions is not None else \
+            torch.arange(start, start + ids.shape[1], device=ids.device)[None]  # [1, T]
         return hidden, self.body.rotary_emb(hidden, pos)
 
     def qkv(self, layer: int, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]

@@ -15,6 +15,12 @@ The environment variable KVPIPE_ATTN=auto|flash|cudnn overrides the bf16/fp16 CU
 (`flash`: FA2 always; `cudnn`: cuDNN always, an error where cuDNN attention is unavailable).
 Decode stays on FA2 in `auto`: its prefix length changes every step and cuDNN builds one
 execution plan per shape.
+
+`attend_decode` is the decode kernel of graph replay (executor/replay.py): FA2's varlen forward
+over an interleaved KV buffer, the number of keys read from a device tensor (`seqused_k`) and the
+capacity only an upper bound, so one captured launch serves every prefix length. It attends the
+step's own K/V in the same call (written into the buffer first), so its bits differ from the eager
+prefix + own + merge path (same function, other rounding); both are exact in placement.
 """
 
 import functools
@@ -198,3 +204,23 @@ def attend_chunk(
     pre = attend_part(q_fold, k_prefix, v_prefix, scale, causal=False)
     pre = Partial(pre.out.reshape(B, Hq, T, D), pre.lse.reshape(B, Hq, T))
     return merge_partials(pre, own, q.dtype)
+
+
+def attend_decode(q: torch.Tensor, kv: torch.Tensor, lens: torch.Tensor, cu_q: torch.Tensor,
+                  cu_k: torch.Tensor, scale: float) -> torch.Tensor:
+    """One decode token of one head group over its keys, the length read on the device.
+
+    q [1, Hq, 1, D] (last dim contiguous); kv [1, G, S, 2, D] interleaved (a layer's resident heads
+    or a transfer slot), the step's own K/V already at position lens-1; lens int32 [1] on the device,
+    1 <= lens <= S; cu_q = (0, 1) and cu_k = (0, S) int32 on the device. Returns [1, 1, Hq, D].
+    CUDA bf16/fp16 only (FA2 varlen with split-KV; splits are fixed by S, not by lens)."""
+    B, Hq, T, D = q.shape
+    G, S = kv.shape[1], kv.shape[2]
+    assert B == 1 and T == 1 and kv.shape == (1, G, S, 2, D) and Hq % G == 0, (q.shape, kv.shape)
+    assert q.device.type == "cuda" and q.dtype in _CUDA_FLASH_DTYPES and kv.dtype == q.dtype, (q.device, q.dtype)
+    assert lens.dtype == cu_q.dtype == cu_k.dtype == torch.int32 and lens.shape == (1,), (lens.dtype, lens.shape)
+    k = kv[0, :, :, 0].transpose(0, 1)  # [S, G, D], strides (2D, S*2D, 1): read in place
+    v = kv[0, :, :, 1].transpose(0, 1)
+    res = torch.ops.aten._flash_attention_forward(q[0, :, 0].unsqueeze(0), k, v, cu_q, cu_k, 1, S, 0.0,
+                                                  False, False, scale=scale, seqused_k=lens)
+    return res[0].reshape(1, 1, Hq, D)  # [total_q=1, Hq, D] -> [B, T, Hq, D]

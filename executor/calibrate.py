@@ -62,20 +62,42 @@ def gemm(cal: Calibration, quick: bool, hidden: int = 4096, inner: int = 14336) 
     return eff["bf16"]
 
 
-def launch(cal: Calibration, n: int = 2000) -> None:
-    """GPU time per tiny kernel issued back to back, and the host's Python cost to issue one."""
+def launch(cal: Calibration, n: int = 500) -> None:
+    """GPU time per tiny kernel with the host far ahead (the kernels are queued behind a sleep
+    kernel, so the host's issue rate cannot show), and the host's Python cost to issue one."""
     x = torch.zeros(16, device="cuda")
+    x.add_(1.0)
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(2_000_000_000)        # ~1 s of GPU cycles: longer than issuing n kernels
     a.record()
+    t0 = time.perf_counter()
     for _ in range(n):
         x.add_(1.0)
     host = (time.perf_counter() - t0) / n
     b.record()
     b.synchronize()
-    cal.set("gpu.launch_overhead_s", a.elapsed_time(b) / 1e3 / n, f"{n} tiny kernels back to back, GPU time each")
+    gpu = a.elapsed_time(b) / 1e3 / n
+    if host * n > 0.8:
+        raise RuntimeError(f"calibrate: issuing {n} kernels took {host * n:.3f} s, longer than the sleep ahead of them")
+    cal.set("gpu.launch_overhead_s", gpu, f"{n} tiny kernels queued behind a sleep kernel, GPU time each")
     cal.extra["host_issue_s_per_kernel"] = host
+
+
+def host_issue(cal: Calibration) -> None:
+    """Per-stage and per-launch host issue cost of the executor, host cost of a replayed decode
+    step, GPU cost of a graph node (executor/issue_probe.py: small runs where the host binds)."""
+    from .issue_probe import fit, graph_node_s, run_plans
+    eager = run_plans("off", log=lambda s: None)
+    per_stage, per_op = fit(eager)
+    how = "least squares of decode step time = a*stages + b*ops over 4 eager plans of a 2-layer Llama-3-8B-shaped model"
+    cal.set("host.issue_s_per_stage", max(0.0, per_stage), how + " (a)")
+    cal.set("host.issue_s_per_op", max(0.0, per_op), how + " (b)")
+    cal.set("gpu.graph_node_s", graph_node_s(), "a captured graph of 2000 tiny kernels replayed, GPU time per node")
+    replay = run_plans("on", log=lambda s: None)
+    cal.set("host.graph_replay_s", statistics.median(r["host_s_per_step"] for r in replay if r["resident"]),
+            "host seconds of one replayed decode step (same model, resident plans), median")
+    cal.extra["issue_probe"] = {"eager": eager, "replay": replay}
 
 
 def hbm(cal: Calibration) -> None:
@@ -224,6 +246,7 @@ def calibrate(base: HardwareProfile, name: str, kv_dir: str | None = None, quick
     steps.append(("attention", lambda: attention(cal, eff["bf16"], quick)))
     steps.append(("PCIe links", lambda: links(cal, quick)))
     steps.append(("disk", lambda: disk(cal, kv_dir, quick)))
+    steps.append(("host issue", lambda: host_issue(cal)))
     for i, (label, step) in enumerate(steps, 1):
         t0 = time.perf_counter()
         step()
@@ -236,4 +259,6 @@ def calibrate(base: HardwareProfile, name: str, kv_dir: str | None = None, quick
                 f"datasheet peak, from profile {base.name}", measured=False)
     cal.set("host.cpu_codec_bytes_per_s", base.cpu_codec_bytes_per_s,
             f"no CPU codec measured in this build; from profile {base.name}", measured=False)
+    cal.set("gpu.launch_queue_ops", base.launch_queue_ops, f"assumption carried from profile {base.name}",
+            measured=False)
     return cal

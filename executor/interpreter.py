@@ -40,7 +40,9 @@ class Interpreter:
         self._cur: _Step | None = None
         self._kv: dict[tuple, list] = {}   # (phase, step, layer) -> [new K/V [B, H, T, 2, D], users left]
         self._ops = {"embed": self._embed, "qkv": self._qkv, "attn": self._attn, "mlp": self._mlp,
-                     "head": self._head, "kv_fetch": self._fetch, "kv_store": self._store}
+                     "head": self._head, "kv_fetch": self._fetch, "kv_store": self._store,
+                     "kv_read": self._disk_read, "kv_write": self._disk_write,
+                     "kv_compress": self._compress, "kv_decompress": self._decompress}
 
     def __call__(self, s: Stage) -> None:
         op = self._ops.get(s.tag)
@@ -117,6 +119,28 @@ class Interpreter:
         self.lanes.protect(kv, Lane.D2H)   # allocated on the compute stream, read on d2h
         self.moved[s.id] = self.store.store(s.layer, s.heads, kv, s.tokens[0])
         self._release(key)
+
+    # ---- disk lane (runs on a worker thread, after the CUDA work it depends on is done) -------
+    def _disk_read(self, s: Stage) -> None:
+        assert s.tokens[0] == 0 and s.slot is not None, (s.name, s.tokens, s.slot)
+        base = s.group * self.group[s.phase]
+        self.moved[s.id] = self.store.disk_read(s.layer, s.heads, base, s.slot, s.tokens[1])
+
+    def _disk_write(self, s: Stage) -> None:
+        if s.codec != "none":        # kv_compress encoded the frames
+            self.moved[s.id] = self.store.disk_flush(s.layer, s.heads)
+            return
+        start, end = s.tokens
+        self.moved[s.id] = self.store.disk_write(s.layer, s.heads, start, end - start)
+
+    # ---- cpu lane: the disk link's codec ----------------------------------------------------
+    def _compress(self, s: Stage) -> None:
+        start, end = s.tokens
+        self.moved[s.id] = self.store.disk_write(s.layer, s.heads, start, end - start)
+
+    def _decompress(self, s: Stage) -> None:
+        base = s.group * self.group[s.phase]
+        self.moved[s.id] = self.store.disk_decode(s.layer, s.heads, base, s.slot, s.tokens[1])
 
     def _release(self, key: tuple) -> None:
         entry = self._kv[key]

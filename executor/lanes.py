@@ -6,7 +6,9 @@ copy lane issues a prefetch as soon as its slot's last reader is enqueued, not o
 waits for it. On CPU the same actors run the work synchronously, timed by the host clock.
 `turns` (a seeded random.Random) shuffles whose turn comes next: on CPU, where the work runs as it
 is issued, that is how tests see many interleavings (a missing dependency then shows as wrong
-bits). Either way the result is one Span per stage."""
+bits). Host lanes (disk, cpu) run each stage on a worker thread once the stream work it depends
+on has finished, timed by the host clock; such a stage counts as enqueued when it is done.
+Either way the result is one Span per stage."""
 from __future__ import annotations
 
 import asyncio
@@ -14,6 +16,7 @@ import contextlib
 import random
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -21,6 +24,7 @@ from kvpipe.pipeline.stage import Graph, Lane, Stage
 from kvpipe.pipeline.trace import Span
 
 STREAM_LANES = (Lane.GPU, Lane.H2D, Lane.D2H)
+HOST_LANES = (Lane.DISK, Lane.CPU)   # a worker thread each: disk I/O, CPU codecs
 TURN_YIELDS = (0, 0, 1, 1, 2, 3, 8, 40)   # turns an actor lets pass after a stage, in shuffled mode
 
 
@@ -74,6 +78,10 @@ class CudaStreams:
     def seconds(self, base: torch.cuda.Event, event: torch.cuda.Event) -> float:
         return base.elapsed_time(event) / 1e3
 
+    def finish(self, event: torch.cuda.Event) -> None:
+        """Block the calling host thread until `event` has happened (host lanes)."""
+        event.synchronize()
+
 
 class Lanes:
     """The lanes of one device: a stream each (made in `open()`), or the host on CPU.
@@ -116,8 +124,8 @@ class Lanes:
         returns the spans, in seconds from the start of the run. `before(stage)`, if given, runs
         on the lane after the stage's dependency waits and outside its span (progress, tests)."""
         used = {s.lane for s in graph.stages}
-        if not used <= set(STREAM_LANES):
-            raise ValueError(f"lanes: {sorted(l.value for l in used - set(STREAM_LANES))} have no actor yet")
+        if not used <= set(STREAM_LANES + HOST_LANES):
+            raise ValueError(f"lanes: {sorted(l.value for l in used - set(STREAM_LANES + HOST_LANES))} have no actor")
         return asyncio.run(self._run(graph, issue, before))
 
     async def _pass_turns(self) -> None:
@@ -137,8 +145,11 @@ class Lanes:
         if ops is not None:  # the run starts after whatever the caller enqueued (inputs, buffers)
             ops.follow_current(self.streams[Lane.GPU])
         base = self._mark(None)
+        host_base = self._host_base(base) if any(s.lane in HOST_LANES for s in graph.stages) else None
 
         async def actor(lane: Lane, order: list[Stage]) -> None:
+            if lane in HOST_LANES:
+                return await self._host_actor(graph, order, issue, before, waits, marks, host_s, enqueued)
             stream = self.streams.get(lane)
             if stream is not None:
                 ops.wait(stream, base)   # nothing of this run starts before the base mark
@@ -152,7 +163,8 @@ class Lanes:
                 with ctx:
                     if stream is not None:
                         for d in waits[s.id]:
-                            ops.wait(stream, marks[d][1])   # the dependency's END event
+                            if graph.stages[d].lane not in HOST_LANES:   # host lanes: already done
+                                ops.wait(stream, marks[d][1])   # the dependency's END event
                     if before is not None:
                         before(s)
                     t0 = time.perf_counter()
@@ -169,10 +181,45 @@ class Lanes:
         await asyncio.gather(*(actor(lane, order) for lane, order in actors))
         if ops is not None:
             ops.synchronize()
-            sec = lambda ev: ops.seconds(base, ev)
+            sec = lambda ev: ev - host_base if isinstance(ev, float) else ops.seconds(base, ev)
         else:
             sec = lambda t: t - base
         return [Span(i, sec(a), sec(b), host_s[i]) for i, (a, b) in enumerate(marks)]
+
+    def _host_base(self, base) -> float:
+        """The host clock at the base mark (on a GPU: once it reaches the mark)."""
+        if self.ops is None:
+            return base
+        self.ops.finish(base)
+        return time.perf_counter()
+
+    async def _host_actor(self, graph, order, issue, before, waits, marks, host_s, enqueued) -> None:
+        """A host lane: each stage waits (on its worker thread) until the stream work it depends
+        on has finished, then runs there; its marks are host-clock seconds, and it counts as
+        enqueued once done, so stream lanes after it need no event."""
+        loop = asyncio.get_running_loop()
+
+        def work(s: Stage, events) -> tuple[float, float]:
+            for ev in events:
+                self.ops.finish(ev)
+            if before is not None:
+                before(s)
+            t0 = time.perf_counter()
+            issue(s)
+            return t0, time.perf_counter()
+
+        with ThreadPoolExecutor(1, thread_name_prefix="kvpipe-lane") as pool:
+            for s in order:
+                for d in s.deps:
+                    if not enqueued[d].done():
+                        await asyncio.shield(enqueued[d])
+                events = [marks[d][1] for d in waits[s.id]
+                          if self.ops is not None and graph.stages[d].lane not in HOST_LANES]
+                t0, t1 = await asyncio.shield(loop.run_in_executor(pool, work, s, events))
+                marks[s.id] = (t0, t1)
+                host_s[s.id] = t1 - t0
+                enqueued[s.id].set_result(None)
+                await self._pass_turns()
 
     def _mark(self, stream):
         """A point in time on `stream` (None: the compute stream for the base mark)."""

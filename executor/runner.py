@@ -9,13 +9,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpipe.pipeline.stage import Graph, Phase, Stage
+from kvpipe.pipeline.stage import Graph, Lane, Phase, Stage
 from kvpipe.pipeline.trace import Trace
 
 from .adapter import HFAdapter
+from .interrupts import sigterm_raises
 from .interpreter import Interpreter
-from .kvstore import KVLayout, KVStore
-from .lanes import Lanes
+from .kvstore import DiskOptions, KVLayout, KVStore
+from .lanes import HOST_LANES, Lanes
+from .replay import DecodeReplay, ReplayInterpreter, resolve_mode
 
 
 @dataclass(frozen=True)
@@ -27,7 +29,8 @@ class RunResult:
     step; `tokens` [B, decode steps + 1] greedy ids (the first from the prefill). `peak_gpu_bytes`
     torch.cuda.max_memory_allocated over the run (0 on CPU); `host_pinned_bytes` the host KV tier
     (pinned on CUDA). `moved_bytes[i]` bytes stage i copied over its lane (0 for compute).
-    `step_logits` [decode steps + 1, B, vocab] fp32, only when asked for."""
+    `step_logits` [decode steps + 1, B, vocab] fp32, only when asked for. `disk_bytes` the size
+    of the disk tier's file (0 without disk units) and `disk` what its I/O did (DiskStats.to_json)."""
 
     trace: Trace
     last_logits: torch.Tensor
@@ -36,12 +39,16 @@ class RunResult:
     host_pinned_bytes: int
     moved_bytes: tuple[int, ...]
     step_logits: torch.Tensor | None = None
+    decode_issue: str = "eager"   # "graph": decode steps replayed as CUDA graphs; "issue": the same
+                                  # step code without a graph; "eager": stage by stage
+    graphs: int = 0               # CUDA graphs captured
+    capture_s: float = 0.0        # host seconds spent capturing them (before the first decode step)
+    disk_bytes: int = 0
+    disk: dict | None = None
 
 
 def decode_steps(graph: Graph) -> int:
     """Decode steps in the graph; ValueError unless it is a whole run (prefill, steps 0..n-1)."""
-    if graph.plan.disk > 0:
-        raise ValueError("disk tier: not supported by the executor yet")
     phases = {s.phase for s in graph.stages}
     if Phase.PREFILL not in phases:
         raise ValueError("graph: has no prefill; the executor runs whole workloads "
@@ -54,12 +61,17 @@ def decode_steps(graph: Graph) -> int:
 
 def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
             device: str | torch.device | None = None, *, keep_logits: bool = False,
-            stage_hook: Callable[[Stage], None] | None = None, turns: random.Random | None = None) -> RunResult:
+            stage_hook: Callable[[Stage], None] | None = None, turns: random.Random | None = None,
+            replay: str = "off", disk: DiskOptions | None = None) -> RunResult:
     """Run `graph` with `hf_model` (already on `device`, default: the model's) on `prompt_ids`
     [B, context]. Greedy decoding; bitwise independent of where the KV cache lives.
     `stage_hook(stage)` is called on the stage's lane (its stream current) after the stage's
     dependency waits, outside its span: a progress bar, or a test delaying streams at random.
-    `turns` (seeded) randomises the lane actors' turn order (tests: many interleavings on CPU)."""
+    `turns` (seeded) randomises the lane actors' turn order (tests: many interleavings on CPU).
+    `replay` (auto|on|off, see executor/replay.py): decode steps as CUDA-graph replays; `on`
+    raises a ValueError where that is not supported (CPU, fp32, batch > 1, disk units).
+    `disk` says where the disk units' file goes (default: the system temp dir); it is removed
+    when the run ends, however it ends."""
     adapter = HFAdapter(hf_model)
     device = adapter.device if device is None else torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -80,12 +92,47 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
         tokens = torch.zeros(w.batch, n_decode + 1, dtype=torch.long, device=device)
         step_logits = (torch.empty(n_decode + 1, w.batch, graph.model.vocab, device=device)
                        if keep_logits else None)
-        with KVStore(KVLayout.of(graph), device, adapter.dtype) as store, Lanes(device, turns=turns) as lanes:
-            interp = Interpreter(graph, adapter, store, lanes, prompt, tokens, step_logits)
-            spans = lanes.run(graph, interp, before=stage_hook)
+        issue = resolve_mode(replay, device, adapter.dtype, w.batch, adapter.head_dim) if n_decode else "eager"
+        if issue != "eager" and any(s.lane in HOST_LANES for s in graph.stages):
+            if replay != "auto":
+                raise ValueError("replay: decode replay cannot run disk units or codec stages; use --replay off")
+            issue = "eager"
+        replayed = issue != "eager"
+        extra = {}
+        with sigterm_raises(), KVStore(KVLayout.of(graph), device, adapter.dtype, disk) as store, \
+                Lanes(device, turns=turns) as lanes:
+            if not replayed:
+                interp = Interpreter(graph, adapter, store, lanes, prompt, tokens, step_logits)
+                spans = lanes.run(graph, interp, before=stage_hook)
+            else:
+                interp = ReplayInterpreter(graph, adapter, store, lanes, prompt, tokens, step_logits)
+                spans, extra = _prefill_then_replay(graph, interp, lanes, tokens, step_logits, stage_hook,
+                                                    capture=issue == "graph")
             peak = torch.cuda.max_memory_allocated(device) if cuda else 0
-            host = store.host_bytes
+            host, disk_bytes = store.host_bytes, store.disk_bytes
+            disk_stats = store.disk.stats.to_json() if store.disk is not None else None
     note = "measured with CUDA events" if cuda else "measured with the host clock (CPU, no overlap)"
+    if replayed:
+        note += (f"; decode steps issued as {'CUDA-graph replays' if issue == 'graph' else 'device steps'}: "
+                 "one span per step on its head stage, the step's other compute/h2d stages empty at its end")
     trace = Trace(graph, "real", spans, note=note)
-    return RunResult(trace, interp.last_logits, tokens, peak, host, tuple(interp.moved), step_logits)
+    return RunResult(trace, interp.last_logits, tokens, peak, host, tuple(interp.moved), step_logits,
+                     disk_bytes=disk_bytes, disk=disk_stats, **extra)
+
+
+def _prefill_then_replay(graph: Graph, interp: ReplayInterpreter, lanes: Lanes, tokens: torch.Tensor,
+                         step_logits: torch.Tensor | None, hook, capture: bool) -> tuple[list, dict]:
+    """The prefill issued stage by stage, then every decode step replayed; spans from one base."""
+    m = next(i for i, s in enumerate(graph.stages) if s.phase is Phase.DECODE)
+    assert all(s.phase is Phase.DECODE for s in graph.stages[m:]), "prefill stages come first"
+    prefill = Graph(graph.model, graph.workload, graph.plan, graph.stages[:m], graph.static)
+    base = torch.cuda.Event(enable_timing=True)
+    base.record(lanes.streams[Lane.GPU])   # the lanes' own base mark follows at once on this stream
+    spans = lanes.run(prefill, interp, before=hook)
+    with DecodeReplay(graph, interp, lanes, tokens, step_logits, capture=capture) as rep:
+        spans = spans + rep.run(base, before=hook)
+        extra = dict(decode_issue="graph" if capture else "issue", graphs=len(rep.captured),
+                     capture_s=rep.capture_s)
+    assert [sp.stage for sp in spans] == list(range(len(graph.stages)))
+    return spans, extra
 

@@ -15,6 +15,7 @@ from kvpipe.pipeline.builder import build
 from kvpipe.pipeline.stage import Graph, Phase, Stage
 from kvpipe.pipeline.workload import Workload
 
+from .kvstore import DiskOptions
 from .runner import RunResult, execute
 
 WARMUP_MAX_TOKENS = 8192   # the warm-up runs one prefill chunk, at most this long
@@ -148,7 +149,8 @@ def output_digest(result: RunResult) -> str:
     return h.hexdigest()
 
 
-def warm_up(graph: Graph, hf_model: torch.nn.Module, ids: torch.Tensor, device: torch.device) -> int:
+def warm_up(graph: Graph, hf_model: torch.nn.Module, ids: torch.Tensor, device: torch.device,
+            replay: str = "off", disk: DiskOptions | None = None) -> int:
     """Run the same plan, untimed, on the first prefill chunk and one decode step: CUDA context,
     cuBLAS/cuDNN handles, kernel loading and the chunk's own attention plan are paid here, not in
     the measurement (HF's baselines warm up the same way). Returns the tokens run."""
@@ -156,7 +158,7 @@ def warm_up(graph: Graph, hf_model: torch.nn.Module, ids: torch.Tensor, device: 
     context = min(w.context, plan.prefill.chunk, WARMUP_MAX_TOKENS)  # `standard`'s chunk is the prompt
     small_plan = replace(plan, prefill=replace(plan.prefill, chunk=context))
     small = build(graph.model, Workload(context, 1, w.batch), small_plan)
-    execute(small, hf_model, ids[:, :context], device)
+    execute(small, hf_model, ids[:, :context], device, replay=replay, disk=disk)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()  # the real run starts from the same allocator state as a cold one
@@ -164,14 +166,15 @@ def warm_up(graph: Graph, hf_model: torch.nn.Module, ids: torch.Tensor, device: 
 
 
 def run_graph(graph: Graph, hf_model: torch.nn.Module, ids: torch.Tensor, device: torch.device,
-              gpu_budget: int, progress: bool = True, warmup: bool = True) -> Measured:
+              gpu_budget: int, progress: bool = True, warmup: bool = True, replay: str = "off",
+              kv_dir: str | None = None) -> Measured:
     """Execute with the GPU allocator capped at `gpu_budget` and a progress bar over steps (on
-    CUDA after an untimed warm-up unless `warmup` is False)."""
+    CUDA after an untimed warm-up unless `warmup` is False); `replay` as in `runner.execute`."""
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_budget / total), device)
         if warmup:
-            n = warm_up(graph, hf_model, ids, device)
+            n = warm_up(graph, hf_model, ids, device, replay=replay, disk=DiskOptions(kv_dir))
             print(f"kvpipe: warmed up on {n} tokens and 1 decode step (untimed)", file=sys.stderr, flush=True)
     steps = len({(s.phase, s.step) for s in graph.stages if s.tag == "embed"})
     last_layer = graph.model.layers - 1
@@ -190,7 +193,8 @@ def run_graph(graph: Graph, hf_model: torch.nn.Module, ids: torch.Tensor, device
             bar.update(1)
 
     try:
-        result = execute(graph, hf_model, ids, device, stage_hook=tick if bar else None)
+        result = execute(graph, hf_model, ids, device, stage_hook=tick if bar else None, replay=replay,
+                         disk=DiskOptions(kv_dir))
     finally:
         if bar:
             bar.close()

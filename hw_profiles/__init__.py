@@ -10,7 +10,7 @@ try:
 except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib  # type: ignore[no-redef]
 
-from kvpipe.pipeline.hardware import HardwareFieldError, HardwareProfile
+from kvpipe.pipeline.hardware import CodecRates, HardwareFieldError, HardwareProfile
 
 _HERE = Path(__file__).resolve().parent
 # TOML key -> (HardwareProfile field, kind). The [gpu.compute.<dtype>] tables are read apart.
@@ -31,12 +31,18 @@ _FIELDS = {
     "link.pcie_duplex": ("pcie_duplex", bool),
     "host.mem_bytes": ("host_mem_bytes", int),
     "host.cpu_codec_bytes_per_s": ("cpu_codec_bytes_per_s", float),
+    "host.issue_s_per_stage": ("host_issue_s_per_stage", float),
+    "host.issue_s_per_op": ("host_issue_s_per_op", float),
+    "host.graph_replay_s": ("graph_replay_s", float),
+    "gpu.graph_node_s": ("graph_node_s", float),
+    "gpu.launch_queue_ops": ("launch_queue_ops", float),
     "disk.read_bytes_per_s": ("disk_read_bytes_per_s", float),
     "disk.write_bytes_per_s": ("disk_write_bytes_per_s", float),
     "disk.alpha_s": ("disk_alpha_s", float),
     "disk.bytes": ("disk_bytes", int),
 }
 _COMPUTE = {"peak_flops_per_s": "flops_peak_per_s", "effective_flops_per_s": "flops_eff_per_s"}
+_CODEC = ("compress_bytes_per_s", "decompress_bytes_per_s", "ratio")   # [codec.<name>] fields
 
 
 class ProfileError(ValueError):
@@ -75,7 +81,8 @@ def _load(path: Path, label: str) -> HardwareProfile:
         raise fail(f"cannot read: {e}") from None
     flat = _flatten(doc)
     compute = {k: v for k, v in flat.items() if k.startswith("gpu.compute.")}
-    unknown = sorted(set(flat) - set(_FIELDS) - set(compute))
+    codec_keys = {k: v for k, v in flat.items() if k.startswith("codec.")}
+    unknown = sorted(set(flat) - set(_FIELDS) - set(compute) - set(codec_keys))
     if unknown:
         raise fail(f"field '{unknown[0]}' is not a known field")
     kwargs: dict[str, object] = {}
@@ -102,7 +109,23 @@ def _load(path: Path, label: str) -> HardwareProfile:
     unknown = sorted(set(compute) - {f"gpu.compute.{d}.{n}" for d in dtypes for n in _COMPUTE})
     if unknown:
         raise fail(f"field '{unknown[0]}' is not a known field")
+    codecs = []
+    for name in sorted({k.split(".")[1] for k in codec_keys}):
+        values = {}
+        for f in _CODEC:
+            key = f"codec.{name}.{f}"
+            if key not in flat:
+                raise fail(f"field '{key}' is missing")
+            try:
+                values[f] = _typed(flat[key], float)
+            except ValueError as e:
+                raise fail(f"field '{key}' {e}") from None
+        codecs.append((name, values))
+    unknown = sorted(set(codec_keys) - {f"codec.{n}.{f}" for n, _ in codecs for f in _CODEC})
+    if unknown:
+        raise fail(f"field '{unknown[0]}' is not a known field")
     try:
+        kwargs["codecs"] = tuple(CodecRates(n, **v) for n, v in codecs)
         return HardwareProfile(**kwargs, **tables)
     except HardwareFieldError as e:
         raise fail(f"field '{_toml_key(e.field)}' {e.problem}") from None

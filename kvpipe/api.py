@@ -19,7 +19,8 @@ from kvpipe.pipeline.plan import Plan
 from kvpipe.pipeline.report import Report
 from kvpipe.pipeline.workload import Workload
 
-from .inputs import Knob, PlanArg, budget, check_weights, method_of, output_path, planner_pins, resolve_plan
+from .inputs import (Knob, PlanArg, apply_tiers, budget, check_weights, free_disk, method_of, output_path,
+                     planner_pins, resolve_plan)
 from .results import PlanResult, Predicted, RunResult
 
 log = logging.getLogger("kvpipe")
@@ -33,13 +34,17 @@ Path_ = str | os.PathLike | None
 
 
 def _predict(model, work, plan: Plan, hw, budgets, full: bool = False, max_context: int | None = None,
-             pred=None) -> Predicted:
+             replay: bool | None = None, pred=None) -> Predicted:
+    """`replay`: decode steps as CUDA-graph replays; None: as `run --replay auto` would on a GPU.
+    `pred`: a prediction already simulated for this plan (the planner's)."""
     from kvpipe.pipeline.memory import breakdown
     from kvpipe.pipeline.report import budget_problems
-    from kvpipe.sim.simulate import simulate
+    from kvpipe.sim.simulate import replays_decode, simulate
     plan.check(model, work)
     problems = tuple(budget_problems(breakdown(model, work, plan), budgets))
-    pred = pred or simulate(model, work, plan, hw, full=full)
+    if replay is None:   # disk units run eagerly (their reads cannot sit in a CUDA graph)
+        replay = replays_decode(model, work) and not plan.disk
+    pred = pred or simulate(model, work, plan, hw, full=full, replay=replay)
     return Predicted(plan, problems, pred.report, pred.trace, max_context)
 
 
@@ -49,14 +54,21 @@ def _searches(method, plan: PlanArg) -> bool:
     return plan is None and method_of(method) is Method.HEADWISE
 
 
-def _choose(spec, work, profile, budgets, method, group, chunk, resident, plan, objective, full=False):
-    """(the plan's prediction, the planner's result or None)."""
+def _choose(spec, work, profile, budgets, method, group, chunk, resident, plan, objective, full=False,
+            disk=None, codec=()):
+    """(the plan's prediction, the planner's result or None). --disk/--codec are not dimensions of
+    the search yet: given, they apply over the planner's plan, which is then simulated again."""
+    from .inputs import _is_auto
     if _searches(method, plan):
         from kvpipe.sim.planner import search
         found = search(spec, work, profile, budgets, planner_pins(spec, group, chunk, resident), objective,
                        full=full)
-        return _predict(spec, work, found.best.plan, profile, budgets, pred=found.best.prediction), found
+        if _is_auto(disk) and not codec:
+            return _predict(spec, work, found.best.plan, profile, budgets, pred=found.best.prediction), found
+        chosen = _tiers(spec, work, found.best.plan, profile, disk, codec)
+        return _predict(spec, work, chosen, profile, budgets, full=full), found
     chosen = resolve_plan(spec, work, budgets, method, group, chunk, resident, plan)
+    chosen = _tiers(spec, work, chosen, profile, disk, codec)
     return _predict(spec, work, chosen, profile, budgets, full=full), None
 
 
@@ -76,6 +88,17 @@ def read_plan_method(plan: PlanArg, spec: ModelSpec):
     return read_plan(plan, spec).method
 
 
+def _tiers(spec, work, chosen: Plan, profile, disk, codec) -> Plan:
+    """--disk and --codec over the resolved plan; links given as LINK=auto get the codec the
+    simulator predicts fastest (said in the plan's source)."""
+    from kvpipe.sim.codec_choice import choose_codec
+    chosen, auto = apply_tiers(spec, chosen, disk, codec)
+    for link in auto:
+        chosen, choice = choose_codec(spec, work, chosen, profile, link)
+        chosen = chosen.with_(source=f"{chosen.source}; {choice.describe()}")
+    return chosen
+
+
 def _warnings(model: ModelSpec, work: Workload) -> tuple[str, ...]:
     """Logged at once (before a long run), and kept in the result."""
     out = []
@@ -92,12 +115,15 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
          host_mem: str | int | None = None, disk_mem: str | int | None = None, method: str | None = None,
          group: Knob = None, chunk: Knob = None, resident: Knob = None, plan: PlanArg = None,
          compare: bool = False, full_sim: bool = False, trace: Path_ = None, plot: Path_ = None,
+         disk: Knob = None, kv_dir: Path_ = None, codec: str | list[str] = (),
          objective: str = "total", out: Path_ = None, max_context: bool = False) -> PlanResult:
     """Predict latency and memory of `model` on hardware profile `hw` (no GPU, no torch).
     Budgets default to the profile's. Head-wise plans come from the planner (sim/planner.py),
     which minimises `objective` (total, ttft or decode); `group`/`chunk`/`resident` other than
     None or "auto" pin those dimensions; `plan` (a file, dict or Plan) replaces the search.
-    `max_context` answers the largest context that fits, with its plan; `out` writes the plan
+    `disk` offloaded units go to disk (None/auto: what host RAM cannot hold); `kv_dir`, when
+    given, makes its free space the disk budget; `codec` is LINK=NAME (or a list), NAME `auto`
+    letting the simulator decide. `max_context` answers the largest context that fits, with its plan; `out` writes the plan
     for `run(plan=...)`. `trace`/`plot` paths are checked first and written last. ValueError
     names the argument for bad input."""
     from kvpipe.hw_profiles import load_profile
@@ -108,7 +134,7 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
     work = Workload.parse(context, decode_tokens, batch)
     budgets = {"gpu": budget(gpu_mem, profile.gpu_mem_bytes, "gpu-mem"),
                "host": budget(host_mem, profile.host_mem_bytes, "host-mem"),
-               "disk": budget(disk_mem, profile.disk_bytes, "disk-mem")}
+               "disk": budget(disk_mem, free_disk(kv_dir) if kv_dir is not None else profile.disk_bytes, "disk-mem")}
     check_weights(spec, budgets)
     largest = None
     if max_context:
@@ -117,7 +143,8 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
             raise ValueError("context: no context fits the budgets (raise --gpu-mem, --host-mem or --disk-mem)")
         work = Workload(largest, work.decode_tokens, work.batch)
     warnings = _warnings(spec, work)
-    main, found = _choose(spec, work, profile, budgets, method, group, chunk, resident, plan, objective, full_sim)
+    main, found = _choose(spec, work, profile, budgets, method, group, chunk, resident, plan, objective, full_sim,
+                          disk, codec)
     chosen = main.plan
     methods = None
     if compare:
@@ -149,12 +176,15 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
         host_mem: str | int | None = None, disk_mem: str | int | None = None, method: str | None = None,
         group: Knob = None, chunk: Knob = None, resident: Knob = None, plan: PlanArg = None,
         random_weights: bool = False, device: str | None = None, dtype: str | None = None, seed: int = 0,
-        prompt_file: Path_ = None, progress: bool = True, warmup: bool = True,
-        trace: Path_ = None, plot: Path_ = None, objective: str = "total") -> RunResult:
+        prompt_file: Path_ = None, progress: bool = True, warmup: bool = True, replay: str = "auto",
+        trace: Path_ = None, plot: Path_ = None, disk: Knob = None, kv_dir: Path_ = None,
+        codec: str | list[str] = (), objective: str = "total") -> RunResult:
     """Execute on this machine (torch and transformers needed) and measure next to the
     prediction. `device` defaults to cuda when available; budgets to the GPU's memory and this
-    machine's RAM (no disk); `context` to the prompt file's length, else 32K; `hw` to the bundled
-    profile of this GPU. The plan is refused before anything is allocated when it does not fit."""
+    machine's RAM and the free space of `kv_dir` (the disk tier's directory, default the system
+    temp dir, its file removed however the run ends); `context` to the prompt file's length,
+    else 32K; `hw` to the bundled profile of this GPU; `disk` and `codec` as for `plan`. The
+    plan is refused before anything is allocated when it does not fit."""
     trace_path, plot_path = output_path(trace, "trace"), output_path(plot, "plot")
     try:
         import torch  # noqa: F401
@@ -178,23 +208,35 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
         more = "exceed" if len(prompt) > work.context else "fall short of"
         raise ValueError(f"prompt-file: its {len(prompt)} tokens {more} the context {work.context}; "
                          "omit --context to use the prompt's length")
+    from kvpipe.executor.replay import resolve_mode   # `replay` refused before anything is loaded
+    issue = resolve_mode(replay, dev, session.TORCH_DTYPES[spec.dtype], work.batch, spec.head_dim)
     profile = load_profile(hw or session.guess_profile(dev) or DEFAULT_HW)
     budgets = {"gpu": budget(gpu_mem, session.device_budget(dev), "gpu-mem"),
                "host": budget(host_mem, session.host_ram_bytes(), "host-mem"),
                "disk": budget(disk_mem, 0, "disk-mem") if disk_mem is not None else 0}
     check_weights(spec, budgets)
-    predicted, found = _choose(spec, work, profile, budgets, method, group, chunk, resident, plan, objective)
-    chosen = predicted.plan
+    first, found = _choose(spec, work, profile, budgets, method, group, chunk, resident, plan, objective,
+                           disk=disk, codec=codec)
+    chosen = first.plan
+    free = free_disk(kv_dir)                # also checks --kv-dir
+    if chosen.disk and disk_mem is None:    # the free space where the file will go, checked before allocation
+        budgets["disk"] = free
+    if chosen.disk and issue != "eager":    # disk reads cannot sit in a CUDA graph
+        if replay != "auto":
+            raise ValueError("replay: decode replay cannot run disk units; use --replay off or auto")
+        issue, replay = "eager", "off"
+    predicted = _predict(spec, work, chosen, profile, budgets, replay=issue == "graph" and work.decode_tokens > 0)
     if predicted.problems:   # refused before anything is allocated
         raise ValueError(f"budget: the plan does not fit: {'; '.join(predicted.problems)}")
     warnings = _warnings(spec, work)
     graph = build(spec, work, chosen)
     hf = session.load_hf_model(model, random_weights, dev, session.TORCH_DTYPES[spec.dtype], seed)
     ids = session.prompt_tensor(prompt, work.batch, work.context, spec.vocab, seed)
-    measured = session.run_graph(graph, hf, ids, dev, budgets["gpu"], progress=progress, warmup=warmup)
+    measured = session.run_graph(graph, hf, ids, dev, budgets["gpu"], progress=progress, warmup=warmup,
+                                 replay=replay, kv_dir=None if kv_dir is None else str(kv_dir))
     res, real = measured.result, measured.result.trace
     mrep = Report(timing_from_trace(real), real.lane_busy_s(),
-                  {"gpu": res.peak_gpu_bytes, "host": res.host_pinned_bytes, "disk": 0}, {}, (real.note,))
+                  {"gpu": res.peak_gpu_bytes, "host": res.host_pinned_bytes, "disk": res.disk_bytes}, {}, (real.note,))
     if trace_path:
         from kvpipe.pipeline.trace import write_chrome
         write_chrome(trace_path, predicted.trace, real)
@@ -203,4 +245,5 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
         plot_timeline(plot_path, predicted.trace, real, title=f"{spec.name} {fmt_tokens(work.context)} on {dev}")
     return RunResult(spec, profile, work, budgets, predicted, mrep, real, res.tokens.cpu().tolist(),
                      measured.digest, str(dev), attention, "random weights" if random_weights else str(model),
-                     warnings, found)
+                     warnings, {"mode": res.decode_issue, "graphs": res.graphs, "capture_s": res.capture_s},
+                     res.disk, found)

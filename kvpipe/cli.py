@@ -67,6 +67,13 @@ def add_workload_flags(p: argparse.ArgumentParser, *, context: str | None, hw: s
     p.add_argument("--chunk", default="auto", help="prefill chunk in tokens, or auto")
     p.add_argument("--resident", default="auto",
                    help="(layer, KV head) units kept on the GPU: all, none, N, max (as many as fit) or auto")
+    p.add_argument("--disk", default="auto",
+                   help="offloaded (layer, KV head) units on disk: N, none, or auto (what host RAM cannot hold)")
+    p.add_argument("--kv-dir", help="directory of the disk tier's file; its free space is the disk budget "
+                                     "(run default: the system temp dir)")
+    p.add_argument("--codec", action="append", default=[], metavar="LINK=NAME",
+                   help="codec on a link (h2d, d2h, disk), NAME auto to let the simulator decide; "
+                        "repeatable; `kvpipe codecs` lists them")
     p.add_argument("--plan", metavar="PLAN.json", help="a plan.json (written by plan --out); replaces the search and --group/--chunk/--resident")
     p.add_argument("--objective", default="total", choices=["total", "ttft", "decode"],
                    help="what the planner minimises: total time, time to first token or decode time per token")
@@ -79,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="kvpipe", description="Long-context inference with the KV cache split by head "
                                            "across GPU, pinned host RAM and disk.", epilog=UNITS)
     ap.add_argument("--version", action="version", version=f"kvpipe {__version__}")
-    sub = ap.add_subparsers(dest="command", parser_class=_Parser, metavar="{plan,run,calibrate}")
+    sub = ap.add_subparsers(dest="command", parser_class=_Parser, metavar="{plan,run,calibrate,codecs}")
     p = sub.add_parser("plan", help="predict latency and memory on a hardware profile (no GPU needed)",
                        formatter_class=_Help, epilog=UNITS)
     add_workload_flags(p, context=api.DEFAULT_PLAN_CONTEXT, hw=api.DEFAULT_HW)
@@ -97,9 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0, help="seed of the random prompt and weights")
     r.add_argument("--prompt-file", help="whitespace-separated token ids, or text with a model tokenizer")
     r.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    r.add_argument("--replay", choices=["auto", "on", "off"], default="auto", help="decode steps as CUDA-graph replays (auto: on CUDA with bf16/fp16, batch 1)")
     r.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="time the first run in the process (CUDA: by default one prefill chunk and one "
                         "decode step run first, untimed, as HF baselines warm up)")
+    sub.add_parser("codecs", help="list the codecs: lossless or lossy, where each runs, which links")
     c = sub.add_parser("calibrate", help="measure this machine (CUDA) and write a hardware profile TOML",
                        formatter_class=_Help)
     c.add_argument("--out", metavar="FILE.toml", default="calibrated.toml", help="where to write the profile")
@@ -142,6 +151,13 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def cmd_codecs(args) -> int:
+    from kvpipe.pipeline.codecs import describe
+    for line in describe():
+        print(line)
+    return 0
+
+
 def cmd_plan(args) -> int:
     res = _call(api.plan, args)
     if args.json:
@@ -178,12 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger("kvpipe")
     log.addHandler(handler)
     try:
-        return {"plan": cmd_plan, "run": cmd_run, "calibrate": cmd_calibrate}[args.command](args)
+        return {"plan": cmd_plan, "run": cmd_run, "calibrate": cmd_calibrate,
+                "codecs": cmd_codecs}[args.command](args)
     except (ValueError, OSError) as e:
         return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
-    except KeyboardInterrupt:
-        print("kvpipe: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as e:   # Ctrl-C; SIGTERM during a run comes as Terminated (exit_code 143)
+        print(f"kvpipe: {str(e) or 'interrupted'}", file=sys.stderr)
+        return getattr(e, "exit_code", EXIT_INTERRUPTED)
     finally:
         log.removeHandler(handler)
 

@@ -125,6 +125,35 @@ def planner_pins(model: ModelSpec, group: Knob = None, chunk: Knob = None, resid
     return Pins(group=g, chunk=c, resident=None if r == "max" else r)
 
 
+def apply_tiers(model: ModelSpec, plan: Plan, disk: Knob = None, codec=()) -> tuple[Plan, list[str]]:
+    """--disk N (offloaded units on disk; auto: the rule's spill) and --codec LINK=NAME applied to
+    `plan`; returns it and the links given as LINK=auto (for the simulator to decide)."""
+    from kvpipe.pipeline.codecs import parse_codec
+    if not _is_auto(disk):
+        n = 0 if str(disk).strip().lower() == "none" else _resident(disk, model)
+        if not isinstance(n, int):
+            raise ValueError(f"disk: expected a count of units, none or auto, got {disk!r}")
+        if n > model.units - plan.resident:
+            raise ValueError(f"disk: {n} exceeds the {model.units - plan.resident} offloaded units")
+        plan = plan.with_(disk=n)
+    pairs = [parse_codec(c) for c in ([codec] if isinstance(codec, str) else codec or ())]
+    fixed = {link: name for link, name in pairs if name != "auto"}
+    if fixed:
+        pick = lambda p: replace(p, codecs=tuple(sorted({**dict(p.codecs), **fixed}.items())))
+        plan = plan.with_(prefill=pick(plan.prefill), decode=pick(plan.decode))
+    return plan, [link for link, name in pairs if name == "auto"]
+
+
+def free_disk(kv_dir: str | os.PathLike | None) -> int:
+    """Free bytes where the disk tier's file goes (the system temp dir by default)."""
+    import shutil
+    import tempfile
+    d = tempfile.gettempdir() if kv_dir is None else str(kv_dir)
+    if not os.path.isdir(d):
+        raise ValueError(f"kv-dir: {d!r} is not a directory")
+    return shutil.disk_usage(d).free
+
+
 def _resident(value: Knob, model: ModelSpec) -> int | str:
     """`all`, `none`, `max` or a count of (layer, KV head) units (0 allowed)."""
     if isinstance(value, str):

@@ -105,6 +105,8 @@ class RunResult:
     attention: str
     weights: str          # "random weights" or the model directory
     warnings: tuple[str, ...] = ()
+    decode_issue: dict | None = None   # {"mode": graph|issue|eager, "graphs": n, "capture_s": s}
+    disk: dict | None = None   # the disk tier's I/O: bytes, seconds, checksum cost, notes (None: no disk units)
     search: object = None  # sim.planner.PlannerResult when the planner chose the plan
 
     @property
@@ -119,5 +121,7 @@ class RunResult:
         out.update(plan=self.plan.to_json(self.model), fits=True, predicted=self.predicted.report.to_json(),
                    measured=measured, tokens=[list(t) for t in self.tokens], output_digest=self.output_digest,
                    device=self.device, attention=self.attention, budgets_bytes=dict(self.budgets),
-                   warnings=list(self.warnings))
+                   warnings=list(self.warnings), disk=self.disk)
+        if self.decode_issue is not None:
+            out["decode_issue"] = dict(self.decode_issue)
         return out

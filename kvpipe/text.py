@@ -80,3 +80,8 @@ def print_run(res: RunResult) -> None:
     tokens = res.tokens[0]
     print(f"tokens: {tokens[:16]}{' ...' if len(tokens) > 16 else ''}")
     print(f"output digest: {res.output_digest}")
+    if res.disk:
+        d = res.disk
+        print(f"disk: read {fmt_bytes(d['read_bytes'])}, wrote {fmt_bytes(d['write_bytes'])}; crc32c of "
+              f"{fmt_bytes(d['checksum_bytes'])} took {fmt_s(d['checksum_s'])} (summed over threads)"
+              + "".join(f"; {n}" for n in d["notes"]))

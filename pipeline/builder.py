@@ -4,7 +4,9 @@ baselines are plans too (standard = all resident, one chunk; layerwise = whole-l
 Per step (a prefill chunk or a decode token) and layer the compute lane runs `qkv`, one `attn`
 per head group, then `mlp`. A group with offloaded heads first has its prefix fetched into a
 transfer slot (`kv_fetch` on h2d; `kv_read` on disk first for disk units); the chunk's new K/V
-of the layer's offloaded heads go home with one `kv_store` on d2h (and `kv_write` to disk). Slots are reused round-robin, so a fetch
+of the layer's offloaded heads go home with one `kv_store` on d2h (and `kv_write` to disk). With a
+codec on the disk link, `kv_compress` runs before each write and `kv_decompress` after each read,
+on the cpu lane. Slots are reused round-robin, so a fetch
 waits only for the attention that last read its slot: the h2d lane runs ahead across group and
 layer boundaries by `depth` slots (ping-pong prefetch with cross-layer lookahead)."""
 from __future__ import annotations
@@ -71,6 +73,9 @@ class _Builder:
                             takes=((Pool.GPU, lg),), frees=((Pool.GPU, lg + hid),))
         return prev
 
+    def disk_codec(self, phase: Phase) -> str:
+        return (self.plan.prefill if phase is Phase.PREFILL else self.plan.decode).codec("disk")
+
     def members(self, layer: int, g: int, size: int) -> tuple[tuple[int, ...], ...]:
         """Heads of group `g` in `layer`, those of them offloaded, and those on disk (memoised:
         the builder asks once per step for the same few groups)."""
@@ -87,13 +92,21 @@ class _Builder:
         if not off:
             return
         nbytes = self.w.batch * n * self.m.kv_unit_bytes_per_token
-        store = self.add(Kind.D2H, "kv_store", phase, idx, layer, None, (start, start + n), (qkv,),
+        # Disk heads' new K/V pass through the layer's host write staging: the store waits until
+        # the previous write of the layer has left it.
+        staged = [self.last_write.get((layer, h)) for h in disk]
+        store = self.add(Kind.D2H, "kv_store", phase, idx, layer, None, (start, start + n), [qkv] + staged,
                          heads=off, bytes=nbytes * len(off), ops=self.w.batch * len(off))
         for h in off:
             self.last_write[(layer, h)] = store
         if disk:
+            codec, raw = self.disk_codec(phase), nbytes * len(disk)
+            src = store
+            if codec != "none":   # compressed on the CPU pool, then written
+                src = self.add(Kind.COMPRESS, "kv_compress", phase, idx, layer, None, (start, start + n),
+                               (store,), heads=disk, bytes=raw, ops=self.w.batch * len(disk), codec=codec)
             write = self.add(Kind.DISK_WRITE, "kv_write", phase, idx, layer, None, (start, start + n),
-                             (store,), heads=disk, bytes=nbytes * len(disk), ops=self.w.batch * len(disk))
+                             (src,), heads=disk, bytes=raw, ops=self.w.batch * len(disk), codec=codec)
             for h in disk:
                 self.last_write[(layer, h)] = write
 
@@ -109,10 +122,14 @@ class _Builder:
             written = [self.last_write.get((layer, h)) for h in off]
             read = None
             if disk:
+                codec, raw = self.disk_codec(phase), B * start * len(disk) * unit_tok
                 read = self.add(Kind.DISK_READ, "kv_read", phase, idx, layer, g, (0, start),
                                 [self.last_write.get((layer, h)) for h in disk]
                                 + [self.staging_user.get(slot)], heads=disk, slot=slot,
-                                bytes=B * start * len(disk) * unit_tok, ops=B * len(disk))
+                                bytes=raw, ops=B * len(disk), codec=codec)
+                if codec != "none":   # decompressed into the host staging on the CPU pool
+                    read = self.add(Kind.DECOMPRESS, "kv_decompress", phase, idx, layer, g, (0, start),
+                                    (read,), heads=disk, slot=slot, bytes=raw, ops=B * len(disk), codec=codec)
             fetch = self.add(Kind.H2D, "kv_fetch", phase, idx, layer, g, (0, start),
                              written + [self.slot_user.get(slot), read], heads=off, slot=slot,
                              bytes=B * start * len(off) * unit_tok, ops=B * len(off))

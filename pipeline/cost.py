@@ -7,13 +7,14 @@ from .stage import Kind, Phase, Stage
 
 
 def compute_seconds(flops: float, mem_bytes: float, ops: int, hw: HardwareProfile, dtype: str,
-                    tag: str = "") -> float:
+                    tag: str = "", replayed: bool = False) -> float:
     """Roofline with an efficiency that falls for small shapes: a kernel of `f` FLOPs runs at
     eff * f / (f + half), i.e. takes (f + half) / eff; memory traffic at the effective HBM rate;
-    plus a launch overhead per kernel."""
+    plus a launch overhead per kernel (the graph node time when replayed)."""
     rate = hw.flops_eff(dtype) * (hw.attention_efficiency if tag == "attn" else 1.0)
     arith = (flops + hw.small_shape_half_flops) / rate if flops else 0.0
-    return max(arith, mem_bytes / hw.hbm_eff_bytes_per_s) + ops * hw.launch_overhead_s
+    launch = hw.graph_node_s if replayed else hw.launch_overhead_s
+    return max(arith, mem_bytes / hw.hbm_eff_bytes_per_s) + ops * launch
 
 
 def new_attention_shape(s: Stage) -> bool:
@@ -22,16 +23,37 @@ def new_attention_shape(s: Stage) -> bool:
     return s.tag == "attn" and s.phase is Phase.PREFILL and s.layer == 0 and s.group == 0 and s.tokens[0] > 0
 
 
-def stage_seconds(s: Stage, hw: HardwareProfile, dtype: str) -> float:
+def host_issue_seconds(s: Stage, hw: HardwareProfile) -> float:
+    """Host seconds to issue `s` eagerly: a fixed cost per stage plus one per launch or copy call."""
+    return hw.host_issue_s_per_stage + s.ops * hw.host_issue_s_per_op
+
+
+def stage_seconds(s: Stage, hw: HardwareProfile, dtype: str, replayed: bool = False) -> float:
+    """Device seconds of `s` on its lane; `replayed`: issued inside a CUDA graph (decode replay)."""
     if s.kind is Kind.COMPUTE:
         plan_build = hw.attention_plan_s if new_attention_shape(s) else 0.0
-        return compute_seconds(s.flops, s.mem_bytes, s.ops, hw, dtype, s.tag) + plan_build
+        return compute_seconds(s.flops, s.mem_bytes, s.ops, hw, dtype, s.tag, replayed) + plan_build
     if s.kind is Kind.H2D:
         return s.ops * hw.h2d_alpha_s + s.bytes / hw.h2d_bytes_per_s
     if s.kind is Kind.D2H:
         return s.ops * hw.d2h_alpha_s + s.bytes / hw.d2h_bytes_per_s
     if s.kind is Kind.DISK_READ:
-        return s.ops * hw.disk_alpha_s + s.bytes / hw.disk_read_bytes_per_s
+        return s.ops * hw.disk_alpha_s + stored_bytes(s, hw) / hw.disk_read_bytes_per_s
     if s.kind is Kind.DISK_WRITE:
-        return s.ops * hw.disk_alpha_s + s.bytes / hw.disk_write_bytes_per_s
-    return s.bytes / hw.cpu_codec_bytes_per_s  # compress / decompress on the CPU pool
+        return s.ops * hw.disk_alpha_s + stored_bytes(s, hw) / hw.disk_write_bytes_per_s
+    rates = codec_rates(s, hw)    # compress / decompress on the codec's pool
+    if rates is None:
+        return s.bytes / hw.cpu_codec_bytes_per_s
+    return s.bytes / (rates.compress_bytes_per_s if s.kind is Kind.COMPRESS else rates.decompress_bytes_per_s)
+
+
+def codec_rates(s: Stage, hw: HardwareProfile):
+    """The profile's [codec.<name>] rates of the stage's codec, or None (no codec, or a codec the
+    profile has no table for: timed at the generic cpu_codec_bytes_per_s, ratio 1)."""
+    return next((c for c in hw.codecs if c.name == s.codec), None)
+
+
+def stored_bytes(s: Stage, hw: HardwareProfile) -> float:
+    """Bytes a transfer moves after its codec: raw bytes / the codec's ratio on this machine."""
+    rates = codec_rates(s, hw)
+    return s.bytes if rates is None else s.bytes / rates.ratio

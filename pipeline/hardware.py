@@ -13,9 +13,25 @@ _RATE_FIELDS = ("hbm_peak_bytes_per_s", "hbm_eff_bytes_per_s", "h2d_bytes_per_s"
                 "cpu_codec_bytes_per_s")
 # Fixed costs: zero means "none", so >= 0 is allowed.
 _OVERHEAD_FIELDS = ("small_shape_half_flops", "launch_overhead_s", "attention_plan_s", "h2d_alpha_s",
-                    "d2h_alpha_s", "disk_alpha_s")
+                    "d2h_alpha_s", "disk_alpha_s", "host_issue_s_per_stage", "host_issue_s_per_op",
+                    "graph_replay_s", "graph_node_s", "launch_queue_ops")
 
 FlopsTable = tuple[tuple[str, float], ...]  # ((dtype, FLOP/s), ...) sorted by dtype
+
+
+@dataclass(frozen=True)
+class CodecRates:
+    """One codec on one machine: raw bytes per second through its pool each way, and the ratio
+    raw / stored on K/V (data-dependent: each profile says on what K/V it was measured)."""
+
+    name: str
+    compress_bytes_per_s: float
+    decompress_bytes_per_s: float
+    ratio: float
+
+    def __post_init__(self) -> None:
+        for f in ("compress_bytes_per_s", "decompress_bytes_per_s", "ratio"):
+            object.__setattr__(self, f, _number(f"codec.{self.name}.{f}", getattr(self, f), False))
 
 
 class HardwareFieldError(ValueError):
@@ -78,6 +94,12 @@ class HardwareProfile:
     disk_alpha_s: float            # fixed cost of one disk request
     disk_bytes: int
     cpu_codec_bytes_per_s: float   # throughput of the CPU codec thread pool
+    host_issue_s_per_stage: float  # host seconds to issue one stage eagerly (events, actor turn) ...
+    host_issue_s_per_op: float     # ... plus this per kernel launch or copy call it makes (Stage.ops)
+    graph_replay_s: float          # host seconds per replayed decode step (buffer refresh + launch)
+    graph_node_s: float            # GPU seconds per kernel inside a replayed graph (replaces launch_overhead_s)
+    launch_queue_ops: float        # launches the host may have in flight before issuing blocks
+    codecs: tuple[CodecRates, ...] = ()   # per codec rates and ratio ([codec.<name>] tables)
 
     def __post_init__(self) -> None:
         for f in ("name", "description"):
@@ -111,6 +133,14 @@ class HardwareProfile:
         if self.hbm_eff_bytes_per_s > self.hbm_peak_bytes_per_s:
             raise HardwareFieldError("hbm_eff_bytes_per_s", f"{self.hbm_eff_bytes_per_s!r} exceeds "
                                      f"the peak {self.hbm_peak_bytes_per_s!r}")
+
+    def codec(self, name: str) -> CodecRates:
+        """Rates of codec `name` on this machine; ValueError naming the missing table."""
+        for c in self.codecs:
+            if c.name == name:
+                return c
+        raise HardwareFieldError(f"codec.{name}", f"is missing from profile {self.name!r} "
+                                                  "(a plan uses it: add its rates and ratio)")
 
     @property
     def dtypes(self) -> tuple[str, ...]:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 
+from .codecs import LINKS, REGISTRY
 from .model import ModelSpec
 from .workload import Workload
 
 PLAN_SCHEMA = 2   # version of Plan.to_json's layout; 1 had no `schema` and no `model` field
-CODECS = ("none",)  # lossless codecs first; lossy ones are added as explicit opt-ins
-LINKS = ("h2d", "d2h", "disk")
+CODECS = tuple(REGISTRY)  # lossless codecs first; lossy ones are added as explicit opt-ins
 
 
 class Method(str, enum.Enum):
@@ -42,6 +42,8 @@ class PhasePlan:
                 raise ValueError(f"codec link: unknown {link!r} (known: {', '.join(LINKS)})")
             if codec not in CODECS:
                 raise ValueError(f"codec: unknown {codec!r} on {link} (known: {', '.join(CODECS)})")
+            if link not in REGISTRY[codec].links:
+                raise ValueError(f"codec: {codec} cannot serve the {link} link")
 
     def codec(self, link: str) -> str:
         return dict(self.codecs).get(link, "none")
@@ -86,7 +88,8 @@ class Plan:
         p, d = self.prefill, self.decode
         return (f"{self.method.value}: prefill group={p.group} chunk={p.chunk} depth={p.depth}; "
                 f"decode group={d.group} depth={d.depth}; resident units={self.resident}, "
-                f"disk units={self.disk}")
+                f"disk units={self.disk}" + "".join(f"; {link} codec {name}" for link, name in p.codecs
+                                                    if name != "none"))
 
     def to_json(self, model: ModelSpec | None = None) -> dict:
         """The plan as JSON, with its schema version; with `model`, the model it was made for."""

@@ -53,7 +53,7 @@ class Stage:
     compute, the prefix being fetched for an h2d/disk read, the new tokens for a store.
     `heads` are the KV heads (of `layer`) the stage moves or attends with; `slot` is the transfer
     buffer it fills or reads. Cost inputs: `flops`, `mem_bytes` (device memory traffic),
-    `bytes` (bytes moved over the lane), `ops` (kernel launches or copy calls)."""
+    `bytes` (raw bytes moved over the lane, before any codec), `ops` (kernel launches or copy calls)."""
 
     id: int
     kind: Kind
@@ -72,6 +72,7 @@ class Stage:
     ops: int = 1
     takes: tuple[tuple[Pool, int], ...] = ()
     frees: tuple[tuple[Pool, int], ...] = ()
+    codec: str = "none"   # a disk read/write moves `bytes` through this codec; (de)compress runs it
 
     @property
     def lane(self) -> Lane:

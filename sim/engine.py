@@ -1,12 +1,24 @@
 """Runs a stage graph in SimPy: one process per lane consuming its stages in issue order, each
-waiting on its dependencies' events, then for the stage's cost. Memory pools track the peak."""
+waiting on its dependencies' events and on the host having issued it, then for the stage's cost.
+Memory pools track the peak.
+
+The host is a resource too: one process issues the stages in graph order, each costing
+`host_issue_seconds`; it waits for the GPU only when `launch_queue_ops` launches are in flight
+(CUDA's launch queue is full), so where the GPU's share of a stage is smaller
+than its issue cost the host binds. With `replay` the decode steps are CUDA-graph replays (as
+executor/replay.py runs them): the host synchronises after the prefill, captures (one eager
+issue of a step), then per step pays `graph_replay_s` and issues the step's write-backs eagerly;
+on the device each replayed kernel costs `graph_node_s` instead of a launch, and a step starts
+only when the previous one (its write-backs included) is done."""
 from __future__ import annotations
+
+from collections import deque
 
 import simpy
 
-from kvpipe.pipeline.cost import stage_seconds
+from kvpipe.pipeline.cost import host_issue_seconds, stage_seconds
 from kvpipe.pipeline.hardware import HardwareProfile
-from kvpipe.pipeline.stage import Graph, Lane, Pool
+from kvpipe.pipeline.stage import Graph, Kind, Lane, Phase, Pool
 from kvpipe.pipeline.trace import Span, Trace
 
 
@@ -28,22 +40,71 @@ class Pools:
             self.used[pool] -= n
 
 
-def run(graph: Graph, hw: HardwareProfile) -> tuple[Trace, Pools]:
-    """Simulate `graph` on `hw`; returns the trace and the pools (with peaks)."""
+def run(graph: Graph, hw: HardwareProfile, replay: bool = False) -> tuple[Trace, Pools]:
+    """Simulate `graph` on `hw` (decode steps replayed as CUDA graphs if `replay`); returns the
+    trace and the pools (with peaks)."""
     env = simpy.Environment()
     dtype = graph.model.dtype
     stages = graph.stages
     done = [env.event() for _ in stages]
+    issued = [env.event() for _ in stages]
     spans: list[Span | None] = [None] * len(stages)
     pools = Pools(graph)
     # Without duplex, the two copy directions queue on one link.
     link = None if hw.pcie_duplex else simpy.Resource(env, capacity=1)
 
-    seconds = [stage_seconds(s, hw, dtype) for s in stages]
+    in_graph = [replay and s.phase is Phase.DECODE and s.kind is not Kind.D2H for s in stages]
+    seconds = [stage_seconds(s, hw, dtype, in_graph[s.id]) for s in stages]
     timeout = env.timeout
+    steps: dict[int, list[int]] = {}     # replayed decode step -> its stage ids
+    if replay:
+        for s in stages:
+            if s.phase is Phase.DECODE:
+                steps.setdefault(s.step, []).append(s.id)
+    left = {k: len(ids) for k, ids in steps.items()}
+    step_done = {k: env.event() for k in steps}
+    gate = {}                            # stage id -> the step it must wait for
+    step_order = sorted(steps)
+    for prev, k in zip(step_order, step_order[1:]):
+        for i in steps[k]:
+            gate[i] = prev
+
+    def host_proc():
+        eager = [s for s in stages if not (replay and s.phase is Phase.DECODE)]
+        ahead: deque[tuple[int, int]] = deque()   # issued stages not yet known done, with their ops
+        queued = 0
+        for s in eager:
+            while ahead and queued + s.ops > hw.launch_queue_ops:   # the launch queue is full
+                i, n = ahead.popleft()
+                if not done[i].processed:
+                    yield done[i]
+                queued -= n
+            yield timeout(host_issue_seconds(s, hw))
+            issued[s.id].succeed()
+            ahead.append((s.id, s.ops))
+            queued += s.ops
+        if not steps:
+            return
+        for s in eager:                  # synchronise with the prefill, then capture
+            if not done[s.id].processed:
+                yield done[s.id]
+        yield timeout(sum(host_issue_seconds(stages[i], hw) for i in steps[step_order[0]] if in_graph[i]))
+        for k in step_order:
+            yield timeout(hw.graph_replay_s)
+            for i in steps[k]:
+                if in_graph[i]:
+                    issued[i].succeed()
+            for i in steps[k]:
+                if not in_graph[i]:      # write-backs, issued eagerly after the replay
+                    yield timeout(host_issue_seconds(stages[i], hw))
+                    issued[i].succeed()
 
     def lane_proc(order, shared):
         for s in order:
+            if not issued[s.id].processed:
+                yield issued[s.id]
+            if s.id in gate and not step_done[gate[s.id]].processed:
+                yield step_done[gate[s.id]]
             for d in s.deps:
                 ev = done[d]
                 if not ev.processed:
@@ -62,7 +123,12 @@ def run(graph: Graph, hw: HardwareProfile) -> tuple[Trace, Pools]:
                 shared.release(req)
             spans[s.id] = Span(s.id, start, env.now)
             done[s.id].succeed()
+            if s.id in steps.get(s.step, ()) and s.phase is Phase.DECODE:
+                left[s.step] -= 1
+                if left[s.step] == 0:
+                    step_done[s.step].succeed()
 
+    env.process(host_proc())
     for lane, order in graph.lane_order().items():
         if order:
             env.process(lane_proc(order, link if lane in (Lane.H2D, Lane.D2H) else None))

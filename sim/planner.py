@@ -24,7 +24,7 @@ from kvpipe.pipeline.units import fmt_bytes
 from kvpipe.pipeline.workload import Workload
 
 from .estimate import Estimate, decode_estimate, layer_classes, phase_layout, prefill_estimate
-from .simulate import Prediction, simulate
+from .simulate import Prediction, replays_decode, simulate
 
 OBJECTIVES = ("total", "ttft", "decode")
 CHUNKS = (1024, 2048, 4096, 8192, 16384, 32768)   # prefill chunk candidates (tokens)
@@ -221,10 +221,11 @@ def _key(plan: Plan) -> tuple:
 
 def search(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dict[str, int],
            pins: Pins = Pins(), objective: str = "total", *, sim_budget: int = SIM_BUDGET,
-           full: bool = False) -> PlannerResult:
+           full: bool = False, replay: bool | None = None) -> PlannerResult:
     """The best plan the simulator finds for `objective`, with the two runners-up. Plans are
     simulated best estimate first until every other one is pruned by its lower bound or the
-    stages simulated pass `sim_budget` (then the search is anytime, not exhaustive)."""
+    stages simulated pass `sim_budget` (then the search is anytime, not exhaustive). `replay`:
+    decode steps as CUDA-graph replays; None: as `run --replay auto` would on a GPU."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective: {objective!r} is not one of {', '.join(OBJECTIVES)}")
     s = _Search(model, work, hw, budgets)
@@ -247,7 +248,8 @@ def search(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dict[
         if spent >= sim_budget and len(done) >= 1 + RUNNERS_UP:
             unexplored = sum(s.estimate(p).lower_bound(objective) < best for p in ranked[i:])
             break             # anytime: the rest ranks worse on the estimate and may not be pruned
-        pred = simulate(model, work, plan, hw, full=full)
+        rep = replay if replay is not None else replays_decode(model, work) and not plan.disk
+        pred = simulate(model, work, plan, hw, full=full, replay=rep)
         done[_key(plan)] = Scored(plan, pred, objective_value(pred, objective))
         spent += sim_cost(model, work, plan, full)
     order = sorted(done.values(), key=lambda c: (c.value, c.prediction.report.timing.total_s))

@@ -13,8 +13,8 @@ are summed from that piecewise-linear chunk time, and the last window is placed 
 Decode: steps are nearly identical and their cost is affine in the step index (the context grows
 by one token a step), so the first `window` steps are simulated after the prefill, a second
 `window` at the end of the decode from a cache already home, and the steps between are summed from
-the line through the two windows' steady steps. `tests/test_simulate.py` holds both shortcuts
-against the full simulation."""
+the line through the two windows' steady steps, none of them shorter than the host's issue time
+for a step. `tests/test_simulate.py` holds both shortcuts against the full simulation."""
 from __future__ import annotations
 
 import statistics
@@ -26,6 +26,7 @@ from kvpipe.pipeline.memory import MemoryBreakdown, breakdown, chunk_sizes
 from kvpipe.pipeline.model import ModelSpec
 from kvpipe.pipeline.plan import Plan
 from kvpipe.pipeline.report import Report, Timing, decode_head_ends, timing_from_trace
+from kvpipe.pipeline.cost import host_issue_seconds
 from kvpipe.pipeline.stage import Kind, Phase, Pool
 from kvpipe.pipeline.trace import Span, Trace
 from kvpipe.pipeline.workload import Workload
@@ -38,6 +39,23 @@ PREFILL_MIN_CHUNKS = 24   # fewer chunks than this: the prefill is simulated in 
 PREFILL_TOL = 0.01        # relative gap between a sampled chunk time and the line that splits an interval
 PREFILL_MAX_SAMPLES = 8   # interior windows at most
 RAMP = 2                  # chunks a window needs to reach its steady state
+
+
+def replays_decode(model: ModelSpec, work: Workload) -> bool:
+    """Whether `kvpipe run --replay auto` replays this workload's decode steps on a CUDA GPU
+    (mirrors executor.replay.replay_supported: bf16/fp16 FA2 varlen, batch 1)."""
+    return model.dtype in ("bf16", "fp16") and work.batch == 1 and model.head_dim % 8 == 0 \
+        and model.head_dim <= 256 and work.decode_tokens > 0
+
+
+def host_step_s(graph, hw: HardwareProfile, replay: bool) -> float:
+    """Host seconds to issue one decode step of `graph` (its first): every stage eagerly, or one
+    replay plus the eager write-backs."""
+    first = min(s.step for s in graph.stages if s.phase is Phase.DECODE)
+    step = [s for s in graph.stages if s.phase is Phase.DECODE and s.step == first]
+    if replay:
+        return hw.graph_replay_s + sum(host_issue_seconds(s, hw) for s in step if s.kind is Kind.D2H)
+    return sum(host_issue_seconds(s, hw) for s in step)
 
 
 @dataclass(frozen=True)
@@ -81,9 +99,9 @@ def _interp(points: list[tuple[float, float]], x: float) -> float:
 class _PrefillShortcut:
     """Samples prefill windows and answers the chunk time and per-lane busy of any chunk."""
 
-    def __init__(self, model, work, plan, hw) -> None:
+    def __init__(self, model, work, plan, hw, replay: bool) -> None:
         self.args = (model, work, plan)
-        self.hw = hw
+        self.hw, self.replay = hw, replay
         self.chunks = len(chunk_sizes(work.context, plan.prefill.chunk))
         self.dur: dict[float, float] = {}                 # centre index -> steady chunk time
         self.busy: dict[float, dict[str, float]] = {}     # centre index -> lane busy of one chunk
@@ -93,7 +111,7 @@ class _PrefillShortcut:
     def window(self, k: int, n: int, decode: range = range(0)) -> Trace:
         """Simulate chunks [k, k+n) (and `decode` steps) from a cache home up to chunk k."""
         model, work, plan = self.args
-        tr, pools = run(build(model, work, plan, prefill=range(k, k + n), decode=decode), self.hw)
+        tr, pools = run(build(model, work, plan, prefill=range(k, k + n), decode=decode), self.hw, self.replay)
         self.peaks.append(pools.peak)
         self.windows += 1
         return tr
@@ -131,7 +149,9 @@ def _shifted(tr: Trace, shift: float, note: str) -> Trace:
 
 
 def simulate(model: ModelSpec, work: Workload, plan: Plan, hw: HardwareProfile, *,
-             full: bool = False, window: int = DECODE_WINDOW) -> Prediction:
+             full: bool = False, window: int = DECODE_WINDOW, replay: bool = False) -> Prediction:
+    """Predict `work` under `plan` on `hw`; `replay`: decode steps as CUDA-graph replays (as
+    `kvpipe run --replay` executes them), else issued stage by stage."""
     mem = breakdown(model, work, plan)
     M = work.decode_tokens
     whole_decode = full or M <= 2 * window
@@ -139,14 +159,14 @@ def simulate(model: ModelSpec, work: Workload, plan: Plan, hw: HardwareProfile, 
     C = len(chunk_sizes(work.context, plan.prefill.chunk))
     notes = []
     if full or C < PREFILL_MIN_CHUNKS:
-        trace, pools = run(build(model, work, plan, decode=first_decode), hw)
+        trace, pools = run(build(model, work, plan, decode=first_decode), hw, replay)
         peaks, shift = [pools.peak], 0.0
         prefill_busy = trace.lane_busy_s()["prefill"]
         head = timing_from_trace(trace)
         prefill_s, ttft_s = head.prefill_s, head.ttft_s
     else:
         W = PREFILL_WINDOW
-        ps = _PrefillShortcut(model, work, plan, hw)
+        ps = _PrefillShortcut(model, work, plan, hw, replay)
         a = ps.window(0, W)
         z0 = C - W - 1                                   # the last window: chunks z0 .. C-1
         z = ps.window(z0, W + 1, first_decode)
@@ -179,9 +199,13 @@ def simulate(model: ModelSpec, work: Workload, plan: Plan, hw: HardwareProfile, 
         timing = Timing(prefill_s, ttft_s, per_token, trace.end_s)
         busy = {"prefill": prefill_busy, "decode": trace.lane_busy_s()["decode"]}
     else:
-        late, late_pools = run(build(model, work, plan, prefill=False, decode=range(M - window, M)), hw)
+        # The end window runs after `lead` steps of lead-in, so that the host has fallen into its
+        # steady distance ahead of the GPU (the launch queue fills over a few steps).
+        lead = min(window, M - 2 * window)
+        late, late_pools = run(build(model, work, plan, prefill=False, decode=range(M - window - lead, M)),
+                               hw, replay)
         peaks.append(late_pools.peak)
-        e1, e2 = decode_head_ends(trace), decode_head_ends(late)
+        e1, e2 = decode_head_ends(trace), decode_head_ends(late)[lead:]
         d1 = [b - a for a, b in zip(e1, e1[1:])]          # steps 1 .. window-1
         d2 = [b - a for a, b in zip(e2, e2[1:])]          # steps M-window+1 .. M-1
         half = window // 2
@@ -189,12 +213,16 @@ def simulate(model: ModelSpec, work: Workload, plan: Plan, hw: HardwareProfile, 
         dl, kl = statistics.fmean(d2[half - 1:]), statistics.fmean(range(M - window + half, M))
         slope = (dl - de) / (kl - ke)
         n = M - window
-        between = n * de + slope * ((window + M - 1) * n / 2 - n * ke)
+        # A step never takes less than the host needs to issue it: the early window may still
+        # run on work the host queued during the prefill, the line through it would not see that.
+        host = host_step_s(late.graph, hw, replay)
+        between = sum(max(de + slope * (k - ke), host) for k in range(window, M))
         tail = trace.end_s - e1[-1]
         total = e1[-1] + between + tail
         per_token = (sum(d1) + between) / (M - 1)
         timing = Timing(prefill_s, ttft_s, per_token, total)
-        b1, b2 = trace.lane_busy_s()["decode"], late.lane_busy_s()["decode"]
+        b1 = trace.lane_busy_s()["decode"]
+        b2 = {lane: v * window / (window + lead) for lane, v in late.lane_busy_s()["decode"].items()}
         busy = {"prefill": prefill_busy,
                 "decode": {lane: b1[lane] + n * (b1[lane] + b2[lane]) / (2 * window) for lane in b1}}
         notes.append(f"decode steps 0..{window - 1} simulated after the prefill; steps {window}..{M - 1} "

@@ -19,7 +19,8 @@ HW = HardwareProfile(
     small_shape_half_flops=1e6, attention_efficiency=0.5, launch_overhead_s=1e-6, attention_plan_s=0.01,
     h2d_alpha_s=1e-6, h2d_bytes_per_s=10e9, d2h_alpha_s=2e-6, d2h_bytes_per_s=4e9, pcie_duplex=True,
     host_mem_bytes=10**10, disk_read_bytes_per_s=2e9, disk_write_bytes_per_s=1e9, disk_alpha_s=5e-5,
-    disk_bytes=10**11, cpu_codec_bytes_per_s=3e9)
+    disk_bytes=10**11, cpu_codec_bytes_per_s=3e9, host_issue_s_per_stage=1e-4, host_issue_s_per_op=1e-5,
+    graph_replay_s=2e-4, graph_node_s=2e-6, launch_queue_ops=1000)
 
 REL = 1e-12
 

@@ -87,8 +87,6 @@ def test_refuses_what_it_cannot_run_exactly(tiny_model):
     assert (spec.layers, spec.kv_heads, spec.head_dim) == (3, 4, 16)
     ids = torch.zeros(1, 12, dtype=torch.long)
     w = Workload(12, 2)
-    with pytest.raises(ValueError, match="disk tier: not supported by the executor yet"):
-        execute(build(spec, w, headwise(1, 4, 2, 0, disk=3)), model, ids)
     with pytest.raises(ValueError, match="prompt_ids"):
         execute(build(spec, w, headwise(1, 4, 2, 0)), model, ids[:, :11])
     with pytest.raises(ValueError, match="model.kv_heads"):

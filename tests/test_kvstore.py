@@ -36,10 +36,14 @@ def test_layout_follows_placement(resident):
     assert (lo.slots, lo.slot_heads) == ((3, 4) if resident < 12 else (0, 4))
 
 
-def test_disk_plans_are_refused():
-    g = build(SPEC, Workload(17, 4), plan(0, disk=2))
-    with pytest.raises(ValueError, match="disk tier: not supported by the executor yet"):
-        KVLayout.of(g)
+def test_disk_units_are_each_layers_top_heads():
+    """Catches a layout whose disk heads are not the ones placement() put on disk (the store
+    would read another head's rows)."""
+    g = build(SPEC, Workload(17, 4), plan(1, disk=5))
+    lo, tiers = KVLayout.of(g), placement(SPEC, g.plan)
+    assert lo.disk == tuple(sum(tiers[(l, h)] is Tier.DISK for h in range(4)) for l in range(3))
+    assert sum(lo.disk) == 5 and lo.write_tokens == 5
+    assert all(tiers[(l, h)] is Tier.DISK for l in range(3) for h in range(lo.first_disk(l), 4))
 
 
 def test_buffers_are_allocated_at_open_and_released_at_close():

@@ -1,0 +1,33 @@
+#!/bin/bash
+# One device call: install kvpipe (and the wheels carried in .whl/ for what the GPU image lacks:
+# simpy, crc32c, zstandard), then run the named steps, each under its own time limit, logs and
+# JSON under $OUT. Runs from /tmp so the checkout's kvpipe/ folder cannot shadow the install.
+#   bash benchmarks/device_session.sh STEP[:SECONDS] ...
+# Steps: gputests calibrate hfcache32 hfcache regimes tiers lossy regret
+set -u
+R=$(pwd)
+OUT=${OUT:-$R/benchmarks/results}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+python3 -m pip install -q --no-deps --no-build-isolation . 2>&1 | grep -v "root' user" | tail -3
+mkdir -p /tmp/bp && ln -sfn "$R/benchmarks" /tmp/bp/benchmarks
+export PYTHONPATH=/tmp/bp:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+cd /tmp
+python3 -c "import torch, transformers, simpy, kvpipe.executor.replay; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cudnn', torch.backends.cudnn.version())"
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$OUT/nvidia-smi.txt"
+for spec in "$@"; do
+  step=${spec%%:*}; lim=${spec#*:}; [ "$lim" = "$spec" ] && lim=300
+  echo "=== $step (limit $lim s) $(date -u +%H:%M:%S)"
+  case $step in
+    gputests) timeout "$lim" python3 -m pytest -q -m gpu -p no:cacheprovider --rootdir "$R" "$R/tests" 2>&1 | tail -30 | tee "$OUT/gpu-tests.log" ;;
+    calibrate) timeout "$lim" python3 -m kvpipe calibrate --quick --name h200-testbox --base h200 --kv-dir /tmp --out "$OUT/h200-testbox.toml" 2>&1 | tail -12 ;;
+    hfcache32) timeout "$lim" python3 -m benchmarks.hf_cache --contexts 32768 --cases stream --out "$OUT/hf-cache.json" 2>&1 | tail -12 ;;
+    hfcache) timeout "$lim" python3 -m benchmarks.hf_cache --contexts 32768,131072 --cases stream --out "$OUT/hf-cache.json" 2>&1 | tail -12 ;;
+    hfeager) timeout "$lim" python3 -m benchmarks.hf_cache --contexts 32768 --cases stream-eager --out "$OUT/hf-cache-eager.json" 2>&1 | tail -12 ;;
+    tiers) timeout "$lim" python3 -m benchmarks.tiers disk --kv-dir /tmp --probe-gib 4 --out "$OUT/tiers-disk.json" 2>&1 | tail -14 ;;
+    regimes) timeout "$lim" python3 -m benchmarks.regimes --decode 8 --out "$OUT/regimes.json" 2>&1 | tail -32 ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
+echo "=== done $(date -u +%H:%M:%S)"

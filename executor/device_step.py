@@ -1,0 +1,92 @@
+"""The decode step as graph replay needs it: every input of the step (token, position, keys
+attended) in static device buffers (`DeviceStep`), and the interpreter's decode ops rewritten to
+read them (`ReplayInterpreter`): new K/V written at a device-held index, attention that reads its
+length on the device (`attention.attend_decode`), prefix copies of a fixed bucket length. The
+same ops serve a captured graph and eager issue; prefill runs the eager ops unchanged."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpipe.pipeline.stage import Phase, Stage
+
+from .attention import attend_decode
+from .interpreter import Interpreter, _Step
+
+
+@dataclass(frozen=True)
+class DeviceStep:
+    """Static device buffers one decode step reads and writes (replay overwrites their contents).
+    ids [B, 1] long: the token embedded, then the greedy next token; pos [1] long: its position
+    (= keys cached before it); lens [1] int32: keys attended (pos + 1); logits [B, V] fp32;
+    cu_q (0, 1), cu_k (0, capacity) int32; copy_len: tokens each prefix copy moves (host int,
+    baked into a graph)."""
+
+    ids: torch.Tensor
+    pos: torch.Tensor
+    lens: torch.Tensor
+    logits: torch.Tensor
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    copy_len: int = 0
+
+
+class ReplayInterpreter(Interpreter):
+    """The interpreter with decode ops that read their step from `dev` (a DeviceStep) instead of
+    host integers; prefill (and decode while `dev` is None) runs the eager ops unchanged."""
+
+    dev: DeviceStep | None = None
+
+    def _device_step(self, s: Stage) -> bool:
+        return s.phase is Phase.DECODE and self.dev is not None
+
+    def _embed(self, s: Stage) -> None:
+        if not self._device_step(s):
+            return super()._embed(s)
+        hidden, rope = self.adapter.embed(self.dev.ids, 0, positions=self.dev.pos.view(1, 1))
+        self._cur = _Step(s.phase, s.step, s.tokens[0], hidden, rope)
+
+    def _qkv(self, s: Stage) -> None:
+        if not self._device_step(s):
+            return super()._qkv(s)
+        cur, lo = self._step(s), self.store.layout
+        q, kv = self.adapter.qkv(s.layer, cur.hidden, cur.rope)  # [1, Hq, 1, D], [1, H, 1, 2, D]
+        n = lo.resident[s.layer]
+        if n:
+            self.store.gpu[s.layer].index_copy_(2, self.dev.pos, kv[:, :n])  # at the device-held position
+        B, Hq, T, D = q.shape
+        cur.q, cur.out = q, q.new_empty(B, T, Hq, D)
+        self._kv[(s.phase, s.step, s.layer)] = [kv, 1 + (n < lo.kv_heads)]
+
+    def _attn(self, s: Stage) -> None:
+        if not self._device_step(s):
+            return super()._attn(s)
+        cur = self._step(s)
+        h0, G, r = s.heads[0], len(s.heads), self.adapter.r
+        new = self._kv[(s.phase, s.step, s.layer)][0][:, h0:h0 + G]   # [1, G, 1, 2, D]
+        if s.slot is not None:   # offloaded heads were fetched into the slot; add the rest and the new token
+            self.store.fill_resident(s.layer, s.heads, s.slot, self.dev.copy_len)
+            buf = self.store.slots[s.slot][:, :G]                      # [1, G, S, 2, D]
+            buf.index_copy_(2, self.dev.pos, new)
+        else:                    # resident: the new token was written home by qkv
+            buf = self.store.gpu[s.layer][:, h0:h0 + G]                # [1, G, S, 2, D]
+        qs = slice(h0 * r, (h0 + G) * r)
+        scale = self.adapter.body.layers[s.layer].self_attn.scaling
+        cur.out[:, :, qs] = attend_decode(cur.q[:, qs], buf, self.dev.lens, self.dev.cu_q, self.dev.cu_k, scale)
+
+    def _head(self, s: Stage) -> None:
+        if not self._device_step(s):
+            return super()._head(s)
+        cur = self._step(s)
+        logits = self.adapter.head(cur.hidden)                          # [B, V] fp32
+        self.dev.logits.copy_(logits)
+        self.dev.ids.copy_(logits.argmax(-1, keepdim=True))             # greedy, the next step's input
+        self.last_logits = self.dev.logits
+        self._cur = None
+
+    def _fetch(self, s: Stage) -> None:
+        if not self._device_step(s):
+            return super()._fetch(s)
+        base = s.group * self.group[s.phase]
+        self.moved[s.id] = self.store.fetch(s.layer, s.heads, base, s.slot, self.dev.copy_len)

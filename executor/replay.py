@@ -1,0 +1,245 @@
+"""Graph replay of decode steps: each decode step is captured once as a CUDA graph across the
+compute and h2d streams (events as edges) and replayed, so the host issues one launch per step
+instead of hundreds of stages.
+
+Nothing a step reads changes shape from one step to the next: the token id, its position and
+the number of keys attended live in static device buffers that the host refreshes before each
+replay (`DeviceStep`); attention reads the length on the device (`attention.attend_decode`), new
+K/V are written at a device-held index, and prefix copies move a fixed bucket of `bucket` tokens
+(rounded up; the extra tokens are never attended), so one graph serves up to `bucket`
+consecutive steps and a run captures ceil(steps / bucket) + 1 graphs at most, all before its
+first decode step, in one memory pool. The write-back of each step's new K/V to pinned host RAM
+(its host offset moves every step) is issued eagerly on the d2h stream after the replay, and the
+next replay waits for it. Eager issue (`capture=False`) runs the very same step code without a
+graph: the fallback, and the reference the replay is tested against bitwise.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from kvpipe.pipeline.stage import Graph, Kind, Lane, Phase, Stage
+from kvpipe.pipeline.trace import Span
+
+from .device_step import DeviceStep, ReplayInterpreter
+from .lanes import Lanes, cross_lane_waits
+
+BUCKET_TOKENS = 128      # prefix copies are rounded up to this many tokens (<= 0.4% extra at 32K)
+MODES = ("auto", "on", "off", "issue")   # issue: the replay's step code issued eagerly (tests, fallback)
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def replay_supported(device: torch.device, dtype: torch.dtype, batch: int, head_dim: int) -> str | None:
+    """Why decode steps cannot be replayed here, or None when they can."""
+    if torch.device(device).type != "cuda":
+        return "needs a CUDA device"
+    if dtype not in _DTYPES:
+        return f"needs bf16 or fp16 (FA2 varlen), got {dtype}"
+    if batch != 1:
+        return f"needs batch 1, got {batch}"
+    if head_dim % 8 or head_dim > 256:
+        return f"needs a head dim that is a multiple of 8 and <= 256, got {head_dim}"
+    return None
+
+
+def resolve_mode(mode: str, device: torch.device, dtype: torch.dtype, batch: int, head_dim: int) -> str:
+    """How decode steps are issued: 'graph' (replayed), 'issue' (the same step code without a
+    graph) or 'eager' (the interpreter stage by stage). `auto` replays where supported; `on` and
+    `issue` raise a ValueError where not supported; `off` is eager."""
+    if mode not in MODES:
+        raise ValueError(f"replay: expected one of {', '.join(MODES)}, got {mode!r}")
+    why = replay_supported(device, dtype, batch, head_dim)
+    if mode in ("on", "issue") and why:
+        raise ValueError(f"replay: {why}")
+    if mode == "off" or why:
+        return "eager"
+    return "issue" if mode == "issue" else "graph"
+
+
+def bucket_len(prefix: int, bucket: int, capacity: int) -> int:
+    """Tokens a prefix copy moves for a step with `prefix` cached tokens: rounded up to `bucket`."""
+    return min(capacity, -(-prefix // bucket) * bucket)
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph | None
+    template: int                           # the step whose stages were captured
+    kv: dict[int, torch.Tensor]             # layer -> the step's new K/V [1, H, 1, 2, D] (static)
+
+
+class DecodeReplay:
+    """Runs every decode step of `graph` after its prefill, by graph replay (`capture=True`) or by
+    eager issue of the same step code. Use as a context manager (frees the graphs on exit)."""
+
+    def __init__(self, graph: Graph, interp: ReplayInterpreter, lanes: Lanes, tokens: torch.Tensor,
+                 step_logits: torch.Tensor | None, *, capture: bool = True,
+                 bucket: int = BUCKET_TOKENS) -> None:
+        if bucket <= 0:
+            raise ValueError(f"bucket: must be positive, got {bucket}")
+        self.graph, self.interp, self.lanes = graph, interp, lanes
+        self.store = interp.store
+        self.tokens, self.step_logits = tokens, step_logits
+        self.capture, self.bucket = capture, bucket
+        self.context = graph.workload.context
+        self.steps: list[list[Stage]] = []
+        for s in graph.stages:
+            if s.phase is Phase.DECODE:
+                while len(self.steps) <= s.step:
+                    self.steps.append([])
+                self.steps[s.step].append(s)
+        self.waits = cross_lane_waits(graph)
+        self.captured: dict[int, _Captured] = {}
+        self.capture_s = 0.0
+        self.dev: DeviceStep | None = None
+
+    # ---- lifetime ------------------------------------------------------------------------
+    def __enter__(self) -> "DecodeReplay":
+        lo, device = self.store.layout, self.store.device
+        if lo.batch != 1:
+            raise ValueError(f"replay: needs batch 1, got {lo.batch}")
+        n = len(self.steps)
+        i32 = dict(dtype=torch.int32, device=device)
+        self.pos_all = torch.arange(self.context, self.context + n, dtype=torch.long, device=device)
+        self.lens_all = (self.pos_all + 1).to(torch.int32)
+        self.dev = DeviceStep(ids=torch.empty(1, 1, dtype=torch.long, device=device),
+                              pos=torch.empty(1, dtype=torch.long, device=device),
+                              lens=torch.empty(1, **i32),
+                              logits=torch.empty(1, self.graph.model.vocab, dtype=torch.float32, device=device),
+                              cu_q=torch.tensor([0, 1], **i32), cu_k=torch.tensor([0, lo.capacity], **i32))
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.synchronize(self.store.device)
+        for c in self.captured.values():
+            if c.graph is not None:
+                c.graph.reset()
+        self.captured.clear()
+        self.interp.dev = None
+
+    # ---- keys and capture ----------------------------------------------------------------
+    def key(self, k: int) -> int:
+        """The copy length step k's graph bakes in (0 when the step copies no prefix)."""
+        copies = any(s.kind is Kind.H2D or (s.tag == "attn" and s.slot is not None) for s in self.steps[k])
+        return bucket_len(self.context + k, self.bucket, self.store.layout.capacity) if copies else 0
+
+    def _issue(self, stages: list[Stage]) -> dict[int, torch.cuda.Event]:
+        """Issue one step's stages (not its d2h write-backs) on their lanes' streams, cross-lane
+        dependencies inside the step as events; the other streams fork from and join the compute
+        stream, so under capture they belong to the graph."""
+        streams, gpu = self.lanes.streams, self.lanes.streams[Lane.GPU]
+        step_ids = {s.id for s in stages}
+        fork = torch.cuda.Event()
+        fork.record(gpu)
+        lanes = {s.lane for s in stages if s.kind is not Kind.D2H} - {Lane.GPU}
+        for lane in lanes:
+            streams[lane].wait_event(fork)
+        ev: dict[int, torch.cuda.Event] = {}
+        last: dict[Lane, torch.cuda.Event] = {}
+        for s in stages:
+            if s.kind is Kind.D2H:
+                continue
+            stream = streams[s.lane]
+            with torch.cuda.stream(stream):
+                for d in self.waits[s.id]:
+                    if d in step_ids:
+                        assert d in ev, f"{s.name} waits on this step's write-back {self.graph.stages[d].name}"
+                        stream.wait_event(ev[d])
+                self.interp(s)
+                e = torch.cuda.Event()
+                e.record(stream)
+            ev[s.id] = last[s.lane] = e
+        for lane, e in last.items():
+            if lane is not Lane.GPU:
+                gpu.wait_event(e)
+        return ev
+
+    def _take_kv(self, k: int) -> dict[int, torch.Tensor]:
+        """The new K/V of step k's layers that still await their write-back."""
+        keys = [key for key in self.interp._kv if key[0] is Phase.DECODE and key[1] == k]
+        return {key[2]: self.interp._kv.pop(key)[0] for key in keys}
+
+    def _capture_all(self) -> None:
+        t0 = time.perf_counter()
+        gpu = self.lanes.streams[Lane.GPU]
+        for k in range(len(self.steps)):
+            key = self.key(k)
+            if key in self.captured:
+                continue
+            self.interp.dev = replace(self.dev, copy_len=key)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool, stream=gpu):
+                self._issue(self.steps[k])
+            self.captured[key] = _Captured(g, k, self._take_kv(k))
+        torch.cuda.synchronize(self.store.device)
+        self.capture_s = time.perf_counter() - t0
+
+    # ---- the decode ------------------------------------------------------------------------
+    def run(self, base: torch.cuda.Event, before=None) -> list[Span]:
+        """Every decode step, after the prefill already enqueued; spans in seconds from `base`.
+        A replayed step has one measured span, on its `head` stage (the whole replay); its other
+        compute and h2d stages get empty spans at the step's end; write-backs are timed."""
+        streams = self.lanes.streams
+        gpu, d2h = streams[Lane.GPU], streams[Lane.D2H]
+        for lane in (Lane.H2D, Lane.D2H):
+            gpu.wait_stream(streams[lane])   # the prefill's copies are home before any step
+        if self.capture:
+            self._capture_all()
+        dev = self.dev
+        marks: dict[int, tuple] = {}
+        host: dict[int, float] = {}
+        moved = self.interp.moved
+        with torch.cuda.stream(gpu):
+            dev.ids.copy_(self.tokens[:, 0:1])
+        for k, stages in enumerate(self.steps):
+            t0 = time.perf_counter()
+            key = self.key(k)
+            gpu.wait_stream(d2h)             # last step's write-backs done: host prefix whole, K/V free
+            with torch.cuda.stream(gpu):
+                if before is not None:
+                    for s in stages:
+                        before(s)
+                start = _event(gpu)
+                dev.pos.copy_(self.pos_all[k:k + 1])
+                dev.lens.copy_(self.lens_all[k:k + 1])
+                if self.capture:
+                    c = self.captured[key]
+                    c.graph.replay()
+                    kv = c.kv
+                    for s, t in zip(stages, self.steps[c.template]):
+                        moved[s.id] = moved[t.id]
+                else:
+                    self.interp.dev = replace(dev, copy_len=key)
+                    self._issue(stages)
+                    kv = self._take_kv(k)
+                self.tokens[:, k + 1:k + 2].copy_(dev.ids)
+                if self.step_logits is not None:
+                    self.step_logits[k + 1].copy_(dev.logits)
+                end = _event(gpu)
+            d2h.wait_stream(gpu)
+            with torch.cuda.stream(d2h):
+                for s in stages:
+                    if s.kind is Kind.D2H:
+                        a = _event(d2h)
+                        if not self.capture:
+                            self.lanes.protect(kv[s.layer], Lane.D2H)
+                        moved[s.id] = self.store.store(s.layer, s.heads, kv[s.layer], s.tokens[0])
+                        marks[s.id] = (a, _event(d2h))
+            for s in stages:
+                if s.kind is not Kind.D2H:
+                    marks[s.id] = (start, end) if s.tag == "head" else (end, end)
+            head = next(s.id for s in stages if s.tag == "head")
+            host[head] = time.perf_counter() - t0   # refresh, replay (or issue) and write-backs
+        self.interp.last_logits = dev.logits
+        torch.cuda.synchronize(self.store.device)
+        sec = lambda ev: base.elapsed_time(ev) / 1e3
+        return [Span(i, sec(a), sec(b), host.get(i, 0.0)) for i, (a, b) in sorted(marks.items())]
+
+
+def _event(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record(stream)
+    return ev

@@ -1,0 +1,66 @@
+"""What the planner knows of each codec, torch-free: its name, whether it is lossless, the lane
+it runs on and the links it may serve. The implementations live in `executor/codecs/` (one file
+each); rates and ratios live in the hardware profile (`[codec.<name>]`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LINKS = ("h2d", "d2h", "disk")
+
+
+@dataclass(frozen=True)
+class CodecInfo:
+    """`lane` is where it runs ("cpu" thread pool or "gpu"); `links` the links it can serve;
+    `module` the Python package it needs at run time (empty: none)."""
+
+    name: str
+    lossless: bool
+    lane: str
+    links: tuple[str, ...]
+    module: str
+    description: str
+
+    def __post_init__(self) -> None:
+        if self.lane not in ("cpu", "gpu", "-"):
+            raise ValueError(f"lane: {self.lane!r} is not cpu or gpu")
+        if not set(self.links) <= set(LINKS):
+            raise ValueError(f"links: {self.links!r} names a link outside {LINKS}")
+
+
+REGISTRY: dict[str, CodecInfo] = {c.name: c for c in (
+    CodecInfo("none", True, "-", LINKS, "", "no compression"),
+    CodecInfo("zstd-planes", True, "cpu", ("disk",), "zstandard",
+              "byte planes of bf16/fp16 (high byte: sign and exponent, apart) then zstd level 1"),
+)}
+
+
+def codec_info(name: str) -> CodecInfo:
+    if name not in REGISTRY:
+        raise ValueError(f"codec: unknown {name!r} (known: {', '.join(REGISTRY)})")
+    return REGISTRY[name]
+
+
+def parse_codec(text: str) -> tuple[str, str]:
+    """`disk=zstd-planes` -> ('disk', 'zstd-planes'), checked against the registry."""
+    link, sep, name = text.partition("=")
+    if not sep or link not in LINKS:
+        raise ValueError(f"codec: expected LINK=NAME with LINK one of {', '.join(LINKS)}, got {text!r}")
+    if name == "auto":   # the simulator picks (sim.codec_choice)
+        return link, name
+    info = codec_info(name)
+    if link not in info.links:
+        raise ValueError(f"codec: {name} cannot serve the {link} link (it serves {', '.join(info.links)})")
+    return link, name
+
+
+def installed(info: CodecInfo) -> bool:
+    """Whether the package the codec needs can be imported here (nothing is imported)."""
+    import importlib.util
+    return not info.module or importlib.util.find_spec(info.module) is not None
+
+
+def describe() -> list[str]:
+    """One line per codec, as `kvpipe codecs` prints them."""
+    return [f"{c.name:14} {'lossless' if c.lossless else 'LOSSY':9} runs on {c.lane:4} links "
+            f"{','.join(c.links):13} {c.description}"
+            + ("" if installed(c) else f" [not installed: pip install {c.module}]") for c in REGISTRY.values()]

@@ -1,0 +1,95 @@
+"""`kvpipe run` with disk units through a subprocess on the CPU: same digest as host RAM, the
+file removed on SIGTERM and Ctrl-C, a plan larger than the free disk refused with the numbers."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+TINY = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "max_position_embeddings": 8192, "torch_dtype": "float32"}
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "config.json"
+    path.write_text(json.dumps(TINY))
+    return str(path)
+
+
+def cmd(config, kv_dir, *args):
+    return [sys.executable, "-m", "kvpipe", "run", "--device", "cpu", "--no-progress", "--model", config,
+            "--random-weights", "--kv-dir", str(kv_dir), "--resident", "none", "--group", "1", *args]
+
+
+def test_disk_units_and_host_units_print_the_same_digest(tiny_config, tmp_path, capsys):
+    """Catches a disk tier that changes a bit of the output, end to end through the CLI (in
+    process: the flags, the plan, the run and the JSON)."""
+    from kvpipe.cli import main
+    common = ("--context", "200", "--decode-tokens", "6", "--chunk", "48", "--json")
+    out = {}
+    for disk in ("0", "3"):
+        assert main(cmd(tiny_config, tmp_path, "--disk", disk, *common)[3:]) == 0
+        out[disk] = json.loads(capsys.readouterr().out)
+    assert out["3"]["plan"]["disk"] == 3 and out["0"]["plan"]["disk"] == 0
+    assert out["3"]["output_digest"] == out["0"]["output_digest"]
+    assert out["3"]["measured"]["peak_bytes"]["disk"] > 0 and out["3"]["disk"]["read_bytes"] > 0
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_kv_file_is_removed_on_sigterm_and_ctrl_c(tiny_config, tmp_path):
+    """Catches a KV file left on disk when the run is terminated (SIGTERM) or interrupted
+    (Ctrl-C) mid-way. Both runs go at once, each in its own directory."""
+    cases = {signal.SIGTERM: (143, "kvpipe: terminated (SIGTERM)"), signal.SIGINT: (130, "kvpipe: interrupted")}
+    procs = {}
+    try:
+        for sig in cases:
+            d = tmp_path / sig.name
+            d.mkdir()
+            procs[sig] = (d, subprocess.Popen(cmd(tiny_config, d, "--disk", "2", "--context", "256", "--chunk", "64",
+                                                  "--decode-tokens", "4000", "--no-warmup"),
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        deadline = time.monotonic() + 120
+        for sig, (d, p) in procs.items():
+            while not os.listdir(d):
+                assert p.poll() is None and time.monotonic() < deadline, "the run never made its file"
+                time.sleep(0.05)
+        time.sleep(0.5)                      # well into the runs
+        for sig, (d, p) in procs.items():
+            p.send_signal(sig)
+        for sig, (d, p) in procs.items():
+            _, err = p.communicate(timeout=120)
+            code, line = cases[sig]
+            assert p.returncode == code, (sig, err[-2000:])
+            assert err.strip().splitlines()[-1] == line
+            assert os.listdir(d) == [], sig
+    finally:
+        for _, p in procs.values():
+            if p.poll() is None:
+                p.kill()
+
+
+def test_a_plan_needing_more_disk_than_is_free_is_refused_with_the_numbers(tiny_config, tmp_path):
+    """Catches a run that starts (allocates, writes) although its disk units cannot fit: on a
+    real 64 KiB tmpfs in a private mount namespace, the refusal is one line with both sizes."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare (util-linux)")
+    kv_dir = tmp_path / "small"
+    kv_dir.mkdir()
+    run = " ".join(f"'{a}'" for a in cmd(tiny_config, kv_dir, "--disk", "4", "--context", "4096",
+                                         "--decode-tokens", "1"))
+    r = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs '{kv_dir}' && {run}"],
+                       capture_output=True, text=True, timeout=300)
+    if "mount" in r.stderr and r.returncode != 2:
+        pytest.skip(f"cannot mount a private tmpfs here: {r.stderr.strip()[:200]}")
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr
+    assert "disk needs 2.0 MiB, 64.0 KiB available" in lines[0], lines[0]
