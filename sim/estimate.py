@@ -52,30 +52,31 @@ def phase_layout(model: ModelSpec, classes: Counter, G: int) -> tuple:
 
 
 def step_busy(model: ModelSpec, work: Workload, hw: HardwareProfile, layout: tuple, G: int,
-              prefill: bool, start: int, n: int, with_head: bool) -> dict[str, float]:
+              prefill: bool, start: int, n: int, with_head: bool, replayed: bool = False) -> dict[str, float]:
     """Busy seconds per lane of one step over tokens [start, start+n), as the builder's stages cost;
-    `layout` from `phase_layout` for group size G."""
+    `layout` from `phase_layout` for group size G; `replayed`: a decode step inside a CUDA graph
+    (its kernels cost the graph node time instead of a launch)."""
     m, B = model, work.batch
     b, ut, dt = m.dtype_bytes, m.kv_unit_bytes_per_token, m.dtype
     busy = dict.fromkeys(LANES, 0.0)
     hid = hidden_bytes(m, B, n)
-    gpu = compute_seconds(0.0, 2 * hid, 1, hw, dt, "embed")
+    gpu = compute_seconds(0.0, 2 * hid, 1, hw, dt, "embed", replayed)
     qkv_w = m.hidden * (m.q_heads + 2 * m.kv_heads) * m.head_dim * b
     mlp_w = m.layer_weight_bytes - qkv_w
     la, ma = layer_act_bytes(m, B, n), mlp_act_bytes(m, B, n)
     q_heads = G * m.gqa_ratio
     ws = attn_ws_bytes(m, B, n, G)
     attn_flops = B * m.attn_flops(start, start + n, start + n, q_heads)
-    mlp = compute_seconds(B * n * m.mlp_flops_per_token, mlp_w + ma + la, 8, hw, dt, "mlp")
+    mlp = compute_seconds(B * n * m.mlp_flops_per_token, mlp_w + ma + la, 8, hw, dt, "mlp", replayed)
     for count, n_off, n_dsk, kinds in layout:
         resident = m.kv_heads - n_off
         layer = compute_seconds(B * n * m.qkv_flops_per_token, qkv_w + la + B * n * resident * ut, 6,
-                                hw, dt, "qkv") + mlp
+                                hw, dt, "qkv", replayed) + mlp
         h2d = disk = 0.0
         for (o, d), k in kinds:
             copy_in = 2 * B * start * (G - o) * ut if o else 0
             mem = B * (start + n) * G * ut + 2 * B * n * q_heads * m.head_dim * b + 2 * ws + copy_in
-            layer += k * compute_seconds(attn_flops, mem, 5 if start else 2, hw, dt, "attn")
+            layer += k * compute_seconds(attn_flops, mem, 5 if start else 2, hw, dt, "attn", replayed)
             if o and start > 0:
                 h2d += k * (B * o * hw.h2d_alpha_s + B * start * o * ut / hw.h2d_bytes_per_s)
             if d and start > 0:
@@ -91,7 +92,7 @@ def step_busy(model: ModelSpec, work: Workload, hw: HardwareProfile, layout: tup
         busy["gpu"] += hw.attention_plan_s
     if with_head:
         gpu += compute_seconds(B * m.head_flops_per_token, m.head_weight_bytes + logits_bytes(m, B), 3,
-                               hw, dt, "head")
+                               hw, dt, "head", replayed)
     busy["gpu"] += gpu
     return busy
 
@@ -183,11 +184,11 @@ def prefill_estimate(model, work, hw, layout: tuple, G: int, chunk: int):
     return busy, last, est
 
 
-def decode_estimate(model, work, hw, layout: tuple, G: int):
+def decode_estimate(model, work, hw, layout: tuple, G: int, replayed: bool = False):
     """(lane busy lower bounds, busy of the longest step, busiest lane of a mean step)."""
     M = work.decode_tokens
     if not M:
         return dict.fromkeys(LANES, 0.0), dict.fromkeys(LANES, 0.0), None
-    b = step_busy(model, work, hw, layout, G, False, int(work.context + (M - 1) / 2), 1, True)
-    longest = step_busy(model, work, hw, layout, G, False, work.context + M - 1, 1, True)
+    b = step_busy(model, work, hw, layout, G, False, int(work.context + (M - 1) / 2), 1, True, replayed)
+    longest = step_busy(model, work, hw, layout, G, False, work.context + M - 1, 1, True, replayed)
     return {lane: M * b[lane] for lane in LANES}, longest, _bound(b, hw)

@@ -124,6 +124,10 @@ class _Search:
     budgets: dict[str, int]
     classes: dict = field(default_factory=dict)
     layouts: dict = field(default_factory=dict)
+    replay: bool | None = None       # decode as CUDA-graph replays; None: as `run --replay auto` would
+
+    def replays(self, plan: Plan) -> bool:
+        return self.replay if self.replay is not None else replays_decode(self.model, self.work) and not plan.disk
     pre: dict = field(default_factory=dict)
     dec: dict = field(default_factory=dict)
 
@@ -198,7 +202,8 @@ class _Search:
             self.pre[pk] = prefill_estimate(self.model, self.work, self.hw, self.layout(rd, pk[0]), *pk[:2])
         dk = (plan.decode.group,) + rd
         if dk not in self.dec:
-            self.dec[dk] = decode_estimate(self.model, self.work, self.hw, self.layout(rd, dk[0]), dk[0])
+            self.dec[dk] = decode_estimate(self.model, self.work, self.hw, self.layout(rd, dk[0]), dk[0],
+                                           self.replays(plan))
         (pb, plast, pe), (db, dlong, dstep) = self.pre[pk], self.dec[dk]
         total = pe + (dstep or 0.0) * self.work.decode_tokens
         depth = max(plan.prefill.depth, plan.decode.depth)
@@ -228,7 +233,7 @@ def search(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dict[
     decode steps as CUDA-graph replays; None: as `run --replay auto` would on a GPU."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective: {objective!r} is not one of {', '.join(OBJECTIVES)}")
-    s = _Search(model, work, hw, budgets)
+    s = _Search(model, work, hw, budgets, replay=replay)
     space = Space.of(model, work, pins)
     plans = s.candidates(space, pins, space.depths)
     if not plans:
@@ -248,8 +253,7 @@ def search(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dict[
         if spent >= sim_budget and len(done) >= 1 + RUNNERS_UP:
             unexplored = sum(s.estimate(p).lower_bound(objective) < best for p in ranked[i:])
             break             # anytime: the rest ranks worse on the estimate and may not be pruned
-        rep = replay if replay is not None else replays_decode(model, work) and not plan.disk
-        pred = simulate(model, work, plan, hw, full=full, replay=rep)
+        pred = simulate(model, work, plan, hw, full=full, replay=s.replays(plan))
         done[_key(plan)] = Scored(plan, pred, objective_value(pred, objective))
         spent += sim_cost(model, work, plan, full)
     order = sorted(done.values(), key=lambda c: (c.value, c.prediction.report.timing.total_s))
