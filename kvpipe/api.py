@@ -19,7 +19,8 @@ from kvpipe.pipeline.plan import Plan
 from kvpipe.pipeline.report import Report
 from kvpipe.pipeline.workload import Workload
 
-from .inputs import Knob, PlanArg, apply_tiers, budget, check_weights, free_disk, output_path, resolve_plan
+from .inputs import (Knob, PlanArg, apply_tiers, budget, check_weights, free_disk, method_of, output_path,
+                     planner_pins, resolve_plan)
 from .results import PlanResult, Predicted, RunResult
 
 log = logging.getLogger("kvpipe")
@@ -33,8 +34,9 @@ Path_ = str | os.PathLike | None
 
 
 def _predict(model, work, plan: Plan, hw, budgets, full: bool = False, max_context: int | None = None,
-             replay: bool | None = None) -> Predicted:
-    """`replay`: decode steps as CUDA-graph replays; None: as `run --replay auto` would on a GPU."""
+             replay: bool | None = None, pred=None) -> Predicted:
+    """`replay`: decode steps as CUDA-graph replays; None: as `run --replay auto` would on a GPU.
+    `pred`: a prediction already simulated for this plan (the planner's)."""
     from kvpipe.pipeline.memory import breakdown
     from kvpipe.pipeline.report import budget_problems
     from kvpipe.sim.simulate import replays_decode, simulate
@@ -42,8 +44,48 @@ def _predict(model, work, plan: Plan, hw, budgets, full: bool = False, max_conte
     problems = tuple(budget_problems(breakdown(model, work, plan), budgets))
     if replay is None:   # disk units run eagerly (their reads cannot sit in a CUDA graph)
         replay = replays_decode(model, work) and not plan.disk
-    pred = simulate(model, work, plan, hw, full=full, replay=replay)
+    pred = pred or simulate(model, work, plan, hw, full=full, replay=replay)
     return Predicted(plan, problems, pred.report, pred.trace, max_context)
+
+
+def _searches(method, plan: PlanArg) -> bool:
+    """Head-wise plans without a plan file come from the planner; the other methods from their rule."""
+    from kvpipe.pipeline.plan import Method
+    return plan is None and method_of(method) is Method.HEADWISE
+
+
+def _choose(spec, work, profile, budgets, method, group, chunk, resident, plan, objective, full=False,
+            disk=None, codec=()):
+    """(the plan's prediction, the planner's result or None). --disk/--codec are not dimensions of
+    the search yet: given, they apply over the planner's plan, which is then simulated again."""
+    from .inputs import _is_auto
+    if _searches(method, plan):
+        from kvpipe.sim.planner import search
+        found = search(spec, work, profile, budgets, planner_pins(spec, group, chunk, resident), objective,
+                       full=full)
+        if _is_auto(disk) and not codec:
+            return _predict(spec, work, found.best.plan, profile, budgets, pred=found.best.prediction), found
+        chosen = _tiers(spec, work, found.best.plan, profile, disk, codec)
+        return _predict(spec, work, chosen, profile, budgets, full=full), found
+    chosen = resolve_plan(spec, work, budgets, method, group, chunk, resident, plan)
+    chosen = _tiers(spec, work, chosen, profile, disk, codec)
+    return _predict(spec, work, chosen, profile, budgets, full=full), None
+
+
+def _max_context(spec, work, budgets, method, group=None, chunk=None, resident=None, plan=None) -> int:
+    """Largest prompt that fits: over the planner's space for head-wise, the rule's plan otherwise."""
+    from kvpipe.pipeline.plan import Method
+    if _searches(method, plan):
+        from kvpipe.sim.planner import max_context
+        return max_context(spec, work.decode_tokens, work.batch, budgets, planner_pins(spec, group, chunk, resident))
+    from kvpipe.pipeline.rules import max_context
+    m = read_plan_method(plan, spec) if plan is not None else method_of(method, Method.HEADWISE)
+    return max_context(m, spec, work.decode_tokens, work.batch, budgets)
+
+
+def read_plan_method(plan: PlanArg, spec: ModelSpec):
+    from .inputs import read_plan
+    return read_plan(plan, spec).method
 
 
 def _tiers(spec, work, chosen: Plan, profile, disk, codec) -> Plan:
@@ -74,17 +116,22 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
          group: Knob = None, chunk: Knob = None, resident: Knob = None, plan: PlanArg = None,
          compare: bool = False, full_sim: bool = False, trace: Path_ = None, plot: Path_ = None,
          disk: Knob = None, kv_dir: Path_ = None, codec: str | list[str] = (),
-         lossy: str | None = None, sparse: float | None = None) -> PlanResult:
+         lossy: str | None = None, sparse: float | None = None,
+         objective: str = "total", out: Path_ = None, max_context: bool = False) -> PlanResult:
     """Predict latency and memory of `model` on hardware profile `hw` (no GPU, no torch).
-    Budgets default to the profile's; `group`/`chunk`/`resident` None or "auto" leave them to the
-    rule; `plan` (a file, dict or Plan) replaces the knobs. `disk` offloaded units go to disk
-    (None/auto: what host RAM cannot hold); `kv_dir`, when given, makes its free space the disk
-    budget; `codec` is LINK=NAME (or a list), NAME `auto` letting the simulator decide. LOSSY
-    opt-ins, never chosen for the user: `lossy` "int8"/"int4" quantises the offloaded KV, `sparse`
-    F fetches a fraction F of the tokens per decode step (pipeline/lossy.py).
-    `trace`/`plot` paths are checked first and written last. ValueError names the argument."""
+    Budgets default to the profile's. Head-wise plans come from the planner (sim/planner.py),
+    which minimises `objective` (total, ttft or decode); `group`/`chunk`/`resident` other than
+    None or "auto" pin those dimensions; `plan` (a file, dict or Plan) replaces the search.
+    `disk` offloaded units go to disk (None/auto: what host RAM cannot hold); `kv_dir`, when
+    given, makes its free space the disk budget; `codec` is LINK=NAME (or a list), NAME `auto`
+    letting the simulator decide. LOSSY opt-ins, never chosen for the user: `lossy` "int8"/"int4"
+    quantises the offloaded KV, `sparse` F fetches a fraction F of the tokens per decode step
+    (pipeline/lossy.py). `max_context` answers the largest context that fits, with its plan;
+    `out` writes the plan for `run(plan=...)`. `trace`/`plot` paths are checked first and written
+    last. ValueError names the argument for bad input."""
     from kvpipe.hw_profiles import load_profile
     trace_path, plot_path = output_path(trace, "trace"), output_path(plot, "plot")
+    out_path = output_path(out, "trace") if out is not None else None   # a .json in an existing folder
     spec = load_model(model)
     profile = load_profile(hw)
     work = Workload.parse(context, decode_tokens, batch)
@@ -92,23 +139,35 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
                "host": budget(host_mem, profile.host_mem_bytes, "host-mem"),
                "disk": budget(disk_mem, free_disk(kv_dir) if kv_dir is not None else profile.disk_bytes, "disk-mem")}
     check_weights(spec, budgets)
+    largest = None
+    if max_context:
+        largest = _max_context(spec, work, budgets, method, group, chunk, resident, plan)
+        if not largest:
+            raise ValueError("context: no context fits the budgets (raise --gpu-mem, --host-mem or --disk-mem)")
+        work = Workload(largest, work.decode_tokens, work.batch)
     warnings = _warnings(spec, work)
-    chosen = resolve_plan(spec, work, budgets, method, group, chunk, resident, plan)
-    chosen = _tiers(spec, work, chosen, profile, disk, codec)
-    if lossy is not None or sparse is not None:   # explicit opt-in only
+    main, found = _choose(spec, work, profile, budgets, method, group, chunk, resident, plan, objective, full_sim,
+                          disk, codec)
+    chosen = main.plan
+    if lossy is not None or sparse is not None:   # explicit opt-in only, over the exact plan
         from kvpipe.pipeline.lossy import LossySpec
         chosen = chosen.with_(lossy=LossySpec(lossy, sparse=sparse))
-    main = _predict(spec, work, chosen, profile, budgets, full=full_sim)
+        main = _predict(spec, work, chosen, profile, budgets, full=full_sim)
     methods = None
     if compare:
         from kvpipe.pipeline.plan import Method
-        from kvpipe.pipeline.rules import max_context
         methods = {}
         for m in Method:
-            p = chosen if m is chosen.method else resolve_plan(spec, work, budgets, m)
-            pred = main if p is chosen else _predict(spec, work, p, profile, budgets, full=full_sim)
-            ctx = max_context(m, spec, work.decode_tokens, work.batch, budgets)
+            if m is chosen.method:
+                pred = main
+            else:
+                pred, _ = _choose(spec, work, profile, budgets, m, None, None, None, None, objective, full_sim)
+            ctx = (_max_context(spec, work, budgets, method, group, chunk, resident, plan) if m is chosen.method
+                   else _max_context(spec, work, budgets, m))
             methods[m.value] = Predicted(pred.plan, pred.problems, pred.report, pred.trace, ctx)
+    if out_path:
+        import json
+        out_path.write_text(json.dumps(chosen.to_json(spec), indent=2))
     if trace_path:
         from kvpipe.pipeline.trace import write_chrome
         write_chrome(trace_path, main.trace)
@@ -116,7 +175,7 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
         from kvpipe.analysis.timeline import plot_timeline
         from kvpipe.pipeline.units import fmt_tokens
         plot_timeline(plot_path, main.trace, title=f"{spec.name} on {profile.name}, {fmt_tokens(work.context)}")
-    return PlanResult(spec, profile, work, budgets, main, methods, warnings)
+    return PlanResult(spec, profile, work, budgets, main, methods, warnings, found, largest)
 
 
 def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | None = None,
@@ -126,7 +185,7 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
         random_weights: bool = False, device: str | None = None, dtype: str | None = None, seed: int = 0,
         prompt_file: Path_ = None, progress: bool = True, warmup: bool = True, replay: str = "auto",
         trace: Path_ = None, plot: Path_ = None, disk: Knob = None, kv_dir: Path_ = None,
-        codec: str | list[str] = ()) -> RunResult:
+        codec: str | list[str] = (), objective: str = "total") -> RunResult:
     """Execute on this machine (torch and transformers needed) and measure next to the
     prediction. `device` defaults to cuda when available; budgets to the GPU's memory and this
     machine's RAM and the free space of `kv_dir` (the disk tier's directory, default the system
@@ -163,10 +222,13 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
                "host": budget(host_mem, session.host_ram_bytes(), "host-mem"),
                "disk": budget(disk_mem, 0, "disk-mem") if disk_mem is not None else 0}
     check_weights(spec, budgets)
-    chosen = resolve_plan(spec, work, budgets, method, group, chunk, resident, plan)
-    if chosen.lossy is not None:
-        raise ValueError("lossy: kvpipe run executes exact plans only (lossy options are plan-only for now)")
-    chosen = _tiers(spec, work, chosen, profile, disk, codec)
+    if plan is not None:
+        from .inputs import read_plan
+        if read_plan(plan, spec).lossy is not None:   # refused before anything else is checked or allocated
+            raise ValueError("lossy: kvpipe run executes exact plans only (lossy options are plan-only for now)")
+    first, found = _choose(spec, work, profile, budgets, method, group, chunk, resident, plan, objective,
+                           disk=disk, codec=codec)
+    chosen = first.plan
     free = free_disk(kv_dir)                # also checks --kv-dir
     if chosen.disk and disk_mem is None:    # the free space where the file will go, checked before allocation
         budgets["disk"] = free
@@ -195,4 +257,4 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
     return RunResult(spec, profile, work, budgets, predicted, mrep, real, res.tokens.cpu().tolist(),
                      measured.digest, str(dev), attention, "random weights" if random_weights else str(model),
                      warnings, {"mode": res.decode_issue, "graphs": res.graphs, "capture_s": res.capture_s},
-                     res.disk)
+                     res.disk, found)

@@ -74,7 +74,9 @@ def add_workload_flags(p: argparse.ArgumentParser, *, context: str | None, hw: s
     p.add_argument("--codec", action="append", default=[], metavar="LINK=NAME",
                    help="codec on a link (h2d, d2h, disk), NAME auto to let the simulator decide; "
                         "repeatable; `kvpipe codecs` lists them")
-    p.add_argument("--plan", metavar="PLAN.json", help="a plan.json (as printed under 'plan' by --json); replaces --group/--chunk/--resident")
+    p.add_argument("--plan", metavar="PLAN.json", help="a plan.json (written by plan --out); replaces the search and --group/--chunk/--resident")
+    p.add_argument("--objective", default="total", choices=["total", "ttft", "decode"],
+                   help="what the planner minimises: total time, time to first token or decode time per token")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--trace", metavar="FILE.json", help="write the Chrome/Perfetto trace")
     p.add_argument("--plot", metavar="FILE.png", help="draw the timeline (needs kvpipe[plot]); .png, .pdf, .svg ...")
@@ -89,10 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=_Help, epilog=UNITS)
     add_workload_flags(p, context=api.DEFAULT_PLAN_CONTEXT, hw=api.DEFAULT_HW)
     p.add_argument("--compare", action="store_true", help="all four methods side by side")
-    p.add_argument("--full-sim", action="store_true", help="simulate every decode step (no shortcut)")
+    p.add_argument("--full-sim", action="store_true", help="simulate every prefill chunk and decode step (no shortcut)")
     p.add_argument("--lossy", choices=["int8", "int4"], help="LOSSY opt-in: quantise the offloaded KV")
     p.add_argument("--sparse", type=float, metavar="F",
                    help="LOSSY opt-in: each decode step fetches a fraction F of the offloaded tokens")
+    p.add_argument("--out", metavar="PLAN.json", help="write the chosen plan for `kvpipe run --plan`")
+    p.add_argument("--max-context", action="store_true", help="the largest context that fits, with its plan")
     r = sub.add_parser("run", help="execute on this machine's GPU (or CPU) and print measured next to predicted",
                        formatter_class=_Help, epilog=UNITS)
     add_workload_flags(r, context=None, hw=None)

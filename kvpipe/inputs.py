@@ -57,12 +57,13 @@ def _positive(value: Knob, field: str, parse=int) -> int:
     return n
 
 
-def read_plan(plan: PlanArg) -> Plan:
-    """A Plan object, a dict as printed under 'plan' by --json, or the path of such a file."""
+def read_plan(plan: PlanArg, model: ModelSpec | None = None) -> Plan:
+    """A Plan object, a dict as printed under 'plan' by --json, or the path of such a file (refused
+    when made for another model than `model` or in another schema)."""
     if isinstance(plan, Plan):
         return plan
     if isinstance(plan, dict):
-        return Plan.from_json(plan)
+        return Plan.from_json(plan, model)
     try:
         with open(plan) as f:
             obj = json.load(f)
@@ -70,7 +71,7 @@ def read_plan(plan: PlanArg) -> Plan:
         raise ValueError(f"plan: cannot read {str(plan)!r} ({e.strerror})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"plan: {str(plan)!r} is not valid JSON ({getattr(e, 'msg', e)})") from None
-    return Plan.from_json(obj)
+    return Plan.from_json(obj, model)
 
 
 def resolve_plan(model: ModelSpec, work: Workload, budgets: dict[str, int], method: Method | str | None,
@@ -84,7 +85,7 @@ def resolve_plan(model: ModelSpec, work: Workload, budgets: dict[str, int], meth
         if knobs:
             raise ValueError(f"plan: a plan file fixes group, chunk and resident; drop {', '.join(knobs)} "
                              "or edit the file")
-        given = read_plan(plan)
+        given = read_plan(plan, model)
         if method is not None and method_of(method) is not given.method:
             raise ValueError(f"method: {method_of(method).value} disagrees with the plan file's "
                              f"{given.method.value}; drop --method or edit the file")
@@ -112,6 +113,16 @@ def resolve_plan(model: ModelSpec, work: Workload, budgets: dict[str, int], meth
     if r == "max" and method not in ALL_ON_GPU:
         out = max_resident(model, work, out, budgets["gpu"])
     return spill_to_disk(model, work, out, budgets["host"]) if out.resident < model.units else out.with_(disk=0)
+
+
+def planner_pins(model: ModelSpec, group: Knob = None, chunk: Knob = None, resident: Knob = None):
+    """The knobs the user gave as the planner's pins (None: the search decides; `max` is what the
+    search does anyway)."""
+    from kvpipe.sim.planner import Pins
+    g = None if _is_auto(group) else _positive(group, "group")
+    c = None if _is_auto(chunk) else _positive(chunk, "chunk", lambda t: parse_tokens(t, "chunk"))
+    r = None if _is_auto(resident) else _resident(resident, model)
+    return Pins(group=g, chunk=c, resident=None if r == "max" else r)
 
 
 def apply_tiers(model: ModelSpec, plan: Plan, disk: Knob = None, codec=()) -> tuple[Plan, list[str]]:

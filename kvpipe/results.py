@@ -22,6 +22,17 @@ def _head(model: ModelSpec, hw: HardwareProfile, work: Workload) -> dict:
             "workload": {"context": work.context, "decode_tokens": work.decode_tokens, "batch": work.batch}}
 
 
+def _search_json(search, model: ModelSpec) -> dict:
+    """The planner's runners-up and why its choice won (nothing for a rule's or a user's plan)."""
+    if search is None:
+        return {}
+    return {"alternatives": [{"plan": a.plan.to_json(model), "predicted": a.prediction.report.to_json()}
+                             for a in search.alternatives],
+            "planner": {"objective": search.objective, "reason": search.reason, "fitting_plans": search.fitting,
+                        "simulated": search.simulated, "pruned": search.pruned,
+                        "unexplored": search.unexplored}}
+
+
 @dataclass(frozen=True)
 class Predicted:
     """One plan's prediction: whether it fits the budgets (else `problems`, one line per pool),
@@ -49,6 +60,8 @@ class PlanResult:
     predicted: Predicted
     methods: dict[str, Predicted] | None = None
     warnings: tuple[str, ...] = ()
+    search: object = None            # sim.planner.PlannerResult when the planner chose the plan
+    max_context: int | None = None   # set by max_context=True: the workload's context is it
 
     @property
     def plan(self) -> Plan:
@@ -61,10 +74,14 @@ class PlanResult:
     def to_json(self) -> dict:
         out = _head(self.model, self.hardware, self.workload)
         p = self.predicted
-        out.update(plan=p.plan.to_json(), fits=p.fits, problems=list(p.problems), predicted=p.report.to_json(),
-                   budgets_bytes=dict(self.budgets), warnings=list(self.warnings), lossy=lossy_json(p.plan))
+        out.update(plan=p.plan.to_json(self.model), fits=p.fits, problems=list(p.problems),
+                   predicted=p.report.to_json(), budgets_bytes=dict(self.budgets), warnings=list(self.warnings),
+                   lossy=lossy_json(p.plan))
+        out.update(_search_json(self.search, self.model))
+        if self.max_context is not None:
+            out["max_context"] = self.max_context
         if self.methods is not None:
-            out["methods"] = {n: {"fits": r.fits, "problems": list(r.problems), "plan": r.plan.to_json(),
+            out["methods"] = {n: {"fits": r.fits, "problems": list(r.problems), "plan": r.plan.to_json(self.model),
                                   "predicted": r.report.to_json(), "max_context": r.max_context}
                               for n, r in self.methods.items()}
         return out
@@ -102,6 +119,7 @@ class RunResult:
     warnings: tuple[str, ...] = ()
     decode_issue: dict | None = None   # {"mode": graph|issue|eager, "graphs": n, "capture_s": s}
     disk: dict | None = None   # the disk tier's I/O: bytes, seconds, checksum cost, notes (None: no disk units)
+    search: object = None  # sim.planner.PlannerResult when the planner chose the plan
 
     @property
     def plan(self) -> Plan:
@@ -111,7 +129,8 @@ class RunResult:
         out = _head(self.model, self.hardware, self.workload)
         measured = self.measured.to_json()
         measured.pop("gpu_breakdown_bytes")
-        out.update(plan=self.plan.to_json(), fits=True, predicted=self.predicted.report.to_json(),
+        out.update(_search_json(self.search, self.model))
+        out.update(plan=self.plan.to_json(self.model), fits=True, predicted=self.predicted.report.to_json(),
                    measured=measured, tokens=[list(t) for t in self.tokens], output_digest=self.output_digest,
                    device=self.device, attention=self.attention, budgets_bytes=dict(self.budgets),
                    warnings=list(self.warnings), disk=self.disk, lossy=lossy_json(self.plan))

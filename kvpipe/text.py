@@ -14,11 +14,29 @@ def _print_workload_plan(work, plan) -> None:
     print(f"      from {plan.source}")
 
 
+def _print_search(search) -> None:
+    """Why the planner's choice won, and its two runners-up with their predicted figures."""
+    if search is None:
+        return
+    print(f"      why: {search.reason}")
+    print(f"      searched {search.fitting} fitting plans, simulated {search.simulated}, "
+          f"pruned {search.pruned} by lower bound"
+          + (f", {search.unexplored} left unsimulated (simulation budget)" if search.unexplored else ""))
+    for i, alt in enumerate(search.alternatives, 1):
+        t = alt.prediction.report.timing
+        print(f"  runner-up {i}: {alt.plan.describe()}")
+        print(f"      prefill {fmt_s(t.prefill_s)}, first token {fmt_s(t.ttft_s)}, decode "
+              f"{fmt_s(t.decode_s_per_token)}/token, total {fmt_s(t.total_s)}")
+
+
 def print_plan(res: PlanResult) -> None:
     hw, p = res.hardware, res.predicted
     lossy = f"LOSSY ({p.plan.lossy.describe()}) " if p.plan.lossy else ""
     print(f"kvpipe plan: {lossy}{res.model.name} on {hw.name} — {hw.description}")
+    if res.max_context is not None:
+        print(f"max context: {fmt_tokens(res.max_context)} ({res.max_context} tokens) fits the budgets")
     _print_workload_plan(res.workload, p.plan)
+    _print_search(res.search)
     budget = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in res.budgets.items())
     if p.fits:
         print(f"fits: yes   (budgets: {budget})")
@@ -42,7 +60,8 @@ def print_compare(res: PlanResult) -> None:
             ("peak disk", lambda r: fmt_bytes(r.report.peak_bytes["disk"])),
             ("critical lane", lambda r: r.report.critical_lane),
             ("max context", lambda r: fmt_tokens(r.max_context))]
-    print(f"\ncompare at {fmt_tokens(res.workload.context)} (each method's rule plan; max context under the budgets):")
+    print(f"\ncompare at {fmt_tokens(res.workload.context)} (headwise: the planner's plan, the others their "
+          f"rule's; max context under the budgets):")
     print(f"  {'':22}" + "".join(f"{n:>14}" for n in methods))
     for label, get in rows:
         print(f"  {label:22}" + "".join(f"{get(r):>14}" for r in methods.values()))
@@ -55,6 +74,7 @@ def print_run(res: RunResult) -> None:
     print(f"kvpipe run: {res.model.name} on {res.device} ({res.weights}); "
           f"attention kernel {res.attention}; predicted on profile {res.hardware.name}")
     _print_workload_plan(res.workload, res.plan)
+    _print_search(res.search)
     for line in format_report(res.predicted.report, res.measured):
         print(line)
     print(f"  measured critical lane: {res.measured.critical_lane}; {res.real_trace.note}")

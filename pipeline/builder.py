@@ -181,11 +181,11 @@ class _Builder:
         return attn
 
 
-def build(model: ModelSpec, work: Workload, plan: Plan, *, prefill: bool = True,
+def build(model: ModelSpec, work: Workload, plan: Plan, *, prefill: bool | range = True,
           decode: range | None = None) -> Graph:
-    """The graph of the prefill (if `prefill`) and the decode steps in `decode` (default: all).
-    A graph of a decode window alone starts with the cache already home (used by the simulator's
-    steady-state shortcut)."""
+    """The graph of the prefill (if `prefill`; a range: those prefill chunks only) and the decode
+    steps in `decode` (default: all). A graph that starts past chunk 0 or with a decode window
+    starts with the cache before it already home (used by the simulator's steady-state shortcuts)."""
     plan.check(model, work)
     b = _Builder(model, work, plan)
     mem = breakdown(model, work, plan)
@@ -193,10 +193,11 @@ def build(model: ModelSpec, work: Workload, plan: Plan, *, prefill: bool = True,
                       Alloc(Pool.GPU, "buffers", mem.gpu_buffers), Alloc(Pool.HOST, "kv", mem.host_kv),
                       Alloc(Pool.HOST, "buffers", mem.host_buffers), Alloc(Pool.DISK, "kv", mem.disk_kv)]
     last = None
-    if prefill:
+    if prefill is not False:
         chunk = plan.prefill.chunk
         starts = range(0, work.context, chunk)
-        for i, start in enumerate(starts):
+        for i in (range(len(starts)) if prefill is True else prefill):
+            start = starts[i]
             n = min(chunk, work.context - start)
             last = b.step(Phase.PREFILL, i, start, n, plan.prefill, i == len(starts) - 1, None)
     for k in (range(work.decode_tokens) if decode is None else decode):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .model import ModelSpec
-from .plan import Plan, Tier, placement
+from .plan import Plan, Tier
 from .workload import Workload
 
 FP32 = 4
@@ -89,9 +89,11 @@ def chunk_sizes(context: int, chunk: int) -> list[int]:
 
 
 def breakdown(m: ModelSpec, work: Workload, plan: Plan) -> MemoryBreakdown:
-    tiers = placement(m, plan)
     unit = work.batch * work.kv_capacity * m.kv_unit_bytes_per_token
-    count = {t: sum(1 for v in tiers.values() if v is t) for t in Tier}
+    # Tier counts of `placement` without building it (the planner asks for thousands of plans).
+    resident = min(plan.resident, m.units)
+    disk = min(plan.disk, m.units - resident)
+    count = {Tier.GPU: resident, Tier.DISK: disk, Tier.HOST: m.units - resident - disk}
     phases = [plan.prefill] + ([plan.decode] if work.decode_tokens else [])
     # Slots are shared by the phases: as many as the deepest phase, each as large as the largest group.
     ring = max(p.depth for p in phases) * slot_bytes(m, work, max(p.group for p in phases))

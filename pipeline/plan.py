@@ -10,6 +10,7 @@ from .lossy import LossySpec
 from .model import ModelSpec
 from .workload import Workload
 
+PLAN_SCHEMA = 2   # version of Plan.to_json's layout; 1 had no `schema` and no `model` field
 CODECS = tuple(REGISTRY)  # lossless codecs first; lossy ones are added as explicit opt-ins
 
 
@@ -93,18 +94,31 @@ class Plan:
                                                     if name != "none")
                 + (f"; LOSSY: {self.lossy.describe()}" if self.lossy else ""))
 
-    def to_json(self) -> dict:
+    def to_json(self, model: ModelSpec | None = None) -> dict:
+        """The plan as JSON, with its schema version; with `model`, the model it was made for."""
         phase = lambda p: {"group": p.group, "chunk": p.chunk, "depth": p.depth, "codecs": dict(p.codecs)}
-        out = {"method": self.method.value, "prefill": phase(self.prefill), "decode": phase(self.decode),
-               "resident": self.resident, "disk": self.disk, "source": self.source}
+        out: dict = {"schema": PLAN_SCHEMA}
+        if model is not None:
+            out["model"] = model.name
+        out.update({"method": self.method.value, "prefill": phase(self.prefill), "decode": phase(self.decode),
+                    "resident": self.resident, "disk": self.disk, "source": self.source})
         if self.lossy is not None:
             out["lossy"] = self.lossy.to_json()
         return out
 
     @classmethod
-    def from_json(cls, obj: object) -> "Plan":
+    def from_json(cls, obj: object, model: ModelSpec | None = None) -> "Plan":
         """The plan printed under 'plan' by `--json`. Every field is checked for its JSON type
-        (a whole number is an int, never a string or a bool); errors name the field."""
+        (a whole number is an int, never a string or a bool); errors name the field. A plan of
+        another schema version, or (given `model`) made for another model, is refused."""
+        if isinstance(obj, dict):
+            schema = obj.get("schema", 1)
+            if schema != PLAN_SCHEMA:
+                raise ValueError(f"plan.schema: {schema!r} is not this kvpipe's plan schema {PLAN_SCHEMA} "
+                                 f"(make the plan again with `kvpipe plan --out`)")
+            if model is not None and "model" in obj and obj["model"] != model.name:
+                raise ValueError(f"plan.model: the plan file is for {obj.get('model')!r}, not --model "
+                                 f"{model.name!r}")
         def expect(value: object, kind: type, name: str) -> object:
             where = f"plan.{name}" if name else "plan"
             if kind is int and type(value) is not int:

@@ -1,11 +1,20 @@
 """Predicts a workload: builds the graph, runs it in SimPy and turns the trace into a Report.
 
-Shortcut: decode steps are nearly identical and their cost is affine in the step index (the
-context grows by one token a step), so for long decodes the prefill and the first `window` steps
-are simulated in full, a second `window` at the end of the decode is simulated from a cache
-already home, and the steps between are summed from the line through the two windows' steady
-steps, none of them shorter than the host's issue time for a step. `tests/test_simulate.py` holds
-it within 1% of the full simulation."""
+Two steady-state shortcuts keep long workloads cheap; `full=True` (`--full-sim`) turns both off.
+
+Prefill: chunk k's cost is nearly affine in k (its attention and fetches grow with the prefix),
+piecewise where the critical lane changes. When the prompt has more than `PREFILL_MIN_CHUNKS`
+chunks, the first `PREFILL_WINDOW` chunks are simulated from the start, the last
+`PREFILL_WINDOW + 1` chunks (with the first decode window) from a cache already home, and windows
+in between are sampled coarse-to-fine: an interval is split while its middle window's steady chunk
+time differs from the line through its ends by more than `PREFILL_TOL`. The chunks between windows
+are summed from that piecewise-linear chunk time, and the last window is placed after them.
+
+Decode: steps are nearly identical and their cost is affine in the step index (the context grows
+by one token a step), so the first `window` steps are simulated after the prefill, a second
+`window` at the end of the decode from a cache already home, and the steps between are summed from
+the line through the two windows' steady steps, none of them shorter than the host's issue time
+for a step. `tests/test_simulate.py` holds both shortcuts against the full simulation."""
 from __future__ import annotations
 
 import statistics
@@ -13,18 +22,23 @@ from dataclasses import dataclass
 
 from kvpipe.pipeline.builder import build
 from kvpipe.pipeline.hardware import HardwareProfile
-from kvpipe.pipeline.memory import MemoryBreakdown, breakdown
+from kvpipe.pipeline.memory import MemoryBreakdown, breakdown, chunk_sizes
 from kvpipe.pipeline.model import ModelSpec
 from kvpipe.pipeline.plan import Plan
 from kvpipe.pipeline.report import Report, Timing, decode_head_ends, timing_from_trace
 from kvpipe.pipeline.cost import host_issue_seconds
 from kvpipe.pipeline.stage import Kind, Phase, Pool
-from kvpipe.pipeline.trace import Trace
+from kvpipe.pipeline.trace import Span, Trace
 from kvpipe.pipeline.workload import Workload
 
 from .engine import run
 
-DECODE_WINDOW = 8
+DECODE_WINDOW = 4
+PREFILL_WINDOW = 3        # chunks per sampled prefill window; chunks 2.. of a window are steady
+PREFILL_MIN_CHUNKS = 24   # fewer chunks than this: the prefill is simulated in full
+PREFILL_TOL = 0.01        # relative gap between a sampled chunk time and the line that splits an interval
+PREFILL_MAX_SAMPLES = 8   # interior windows at most
+RAMP = 2                  # chunks a window needs to reach its steady state
 
 
 def replays_decode(model: ModelSpec, work: Workload) -> bool:
@@ -51,22 +65,146 @@ class Prediction:
     memory: MemoryBreakdown
 
 
+def _step_ends(tr: Trace) -> dict[int, float]:
+    """End of each prefill step's last compute stage, by step index."""
+    st, ends = tr.graph.stages, {}
+    for sp in tr.spans:
+        s = st[sp.stage]
+        if s.phase is Phase.PREFILL and s.kind is Kind.COMPUTE:
+            ends[s.step] = max(ends.get(s.step, 0.0), sp.end_s)
+    return ends
+
+
+def _steps_busy(tr: Trace) -> dict[int, dict[str, float]]:
+    """Busy seconds per lane of each prefill step (a function of the stages only, not of timing)."""
+    st, busy = tr.graph.stages, {}
+    for sp in tr.spans:
+        s = st[sp.stage]
+        if s.phase is Phase.PREFILL:
+            lanes = busy.setdefault(s.step, {})
+            lanes[s.lane.value] = lanes.get(s.lane.value, 0.0) + sp.end_s - sp.start_s
+    return busy
+
+
+def _interp(points: list[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear through sorted (x, y) points, held constant beyond the ends."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return points[-1][1]
+
+
+class _PrefillShortcut:
+    """Samples prefill windows and answers the chunk time and per-lane busy of any chunk."""
+
+    def __init__(self, model, work, plan, hw, replay: bool) -> None:
+        self.args = (model, work, plan)
+        self.hw, self.replay = hw, replay
+        self.chunks = len(chunk_sizes(work.context, plan.prefill.chunk))
+        self.dur: dict[float, float] = {}                 # centre index -> steady chunk time
+        self.busy: dict[float, dict[str, float]] = {}     # centre index -> lane busy of one chunk
+        self.peaks: list = []
+        self.windows = 0
+
+    def window(self, k: int, n: int, decode: range = range(0)) -> Trace:
+        """Simulate chunks [k, k+n) (and `decode` steps) from a cache home up to chunk k."""
+        model, work, plan = self.args
+        tr, pools = run(build(model, work, plan, prefill=range(k, k + n), decode=decode), self.hw, self.replay)
+        self.peaks.append(pools.peak)
+        self.windows += 1
+        return tr
+
+    def record(self, tr: Trace, steady: list[int]) -> float:
+        """Note the steady chunk time and busy of `steady` chunks of `tr`; returns their centre."""
+        ends = _step_ends(tr)
+        centre = statistics.fmean(steady)
+        self.dur[centre] = statistics.fmean(ends[i] - ends[i - 1] for i in steady)
+        per_step = _steps_busy(tr)
+        busy = [per_step.get(i, {}) for i in steady]
+        self.busy[centre] = {lane: statistics.fmean(b.get(lane, 0.0) for b in busy) for lane in busy[0]}
+        return centre
+
+    def refine(self, lo: float, hi: float) -> None:
+        """Split [lo, hi] while the middle window's chunk time leaves the line through the ends."""
+        if len(self.dur) - 2 >= PREFILL_MAX_SAMPLES or hi - lo < 2 * PREFILL_WINDOW:
+            return
+        k = int((lo + hi) / 2 - (RAMP + PREFILL_WINDOW - 1) / 2)
+        mid = self.record(self.window(k, PREFILL_WINDOW), list(range(k + RAMP, k + PREFILL_WINDOW)))
+        line = self.dur[lo] + (self.dur[hi] - self.dur[lo]) * (mid - lo) / (hi - lo)
+        if abs(self.dur[mid] - line) > PREFILL_TOL * max(self.dur[mid], 1e-12):
+            self.refine(lo, mid)
+            self.refine(mid, hi)
+
+    def sum_between(self, first: int, last: int, table: dict[float, float]) -> float:
+        """Sum over chunks first..last (inclusive) of the piecewise-linear interpolant of `table`."""
+        points = sorted(table.items())
+        return sum(_interp(points, i) for i in range(first, last + 1))
+
+
+def _shifted(tr: Trace, shift: float, note: str) -> Trace:
+    return Trace(tr.graph, tr.source, [Span(s.stage, s.start_s + shift, s.end_s + shift, s.host_s)
+                                       for s in tr.spans], note)
+
+
 def simulate(model: ModelSpec, work: Workload, plan: Plan, hw: HardwareProfile, *,
              full: bool = False, window: int = DECODE_WINDOW, replay: bool = False) -> Prediction:
     """Predict `work` under `plan` on `hw`; `replay`: decode steps as CUDA-graph replays (as
     `kvpipe run --replay` executes them), else issued stage by stage."""
     mem = breakdown(model, work, plan)
     M = work.decode_tokens
-    if full or M <= 2 * window:
-        trace, pools = run(build(model, work, plan), hw, replay)
-        timing, busy, note = timing_from_trace(trace), trace.lane_busy_s(), ""
+    whole_decode = full or M <= 2 * window
+    first_decode = range(M) if whole_decode else range(window)
+    C = len(chunk_sizes(work.context, plan.prefill.chunk))
+    notes = []
+    if full or C < PREFILL_MIN_CHUNKS:
+        trace, pools = run(build(model, work, plan, decode=first_decode), hw, replay)
+        peaks, shift = [pools.peak], 0.0
+        prefill_busy = trace.lane_busy_s()["prefill"]
+        head = timing_from_trace(trace)
+        prefill_s, ttft_s = head.prefill_s, head.ttft_s
     else:
-        trace, pools = run(build(model, work, plan, decode=range(window)), hw, replay)
+        W = PREFILL_WINDOW
+        ps = _PrefillShortcut(model, work, plan, hw, replay)
+        a = ps.window(0, W)
+        z0 = C - W - 1                                   # the last window: chunks z0 .. C-1
+        z = ps.window(z0, W + 1, first_decode)
+        lo = ps.record(a, list(range(RAMP, W)))
+        hi = ps.record(z, list(range(z0 + RAMP, C - 1)))  # the last chunk also runs the head
+        ps.refine(lo, hi)
+        # Real end of chunk `anchor` (z's first steady chunk): a's last end plus the chunks between.
+        anchor = z0 + RAMP
+        e_a = _step_ends(a)[W - 1]
+        shift = e_a + ps.sum_between(W, anchor, ps.dur) - _step_ends(z)[anchor]
+        trace = _shifted(z, shift, "")
+        peaks = ps.peaks
+        zb = z.lane_busy_s()["prefill"]
+        ab = a.lane_busy_s()["prefill"]
+        zs = _steps_busy(z)
+        own = {lane: sum(zs.get(i, {}).get(lane, 0.0) for i in range(z0, C)) for lane in zb}
+        prefill_busy = {lane: ab[lane] + own[lane]
+                        + ps.sum_between(W, z0 - 1, {c: b.get(lane, 0.0) for c, b in ps.busy.items()})
+                        for lane in zb}
+        st = z.graph.stages
+        prefill_s = max(sp.end_s for sp in trace.spans if st[sp.stage].phase is Phase.PREFILL)
+        ttft_s = max(sp.end_s for sp in trace.spans
+                     if st[sp.stage].phase is Phase.PREFILL and st[sp.stage].tag == "head")
+        notes.append(f"prefill chunks 0..{W - 1} and {z0}..{C - 1} simulated, {ps.windows - 2} windows of "
+                     f"{W} chunks sampled between, the other chunks summed from their steady chunk time")
+    if whole_decode:
+        heads = decode_head_ends(trace)
+        steps = [b - a for a, b in zip([ttft_s] + heads, heads)]
+        per_token = statistics.fmean(steps[1:]) if len(steps) > 1 else (steps[0] if steps else None)
+        timing = Timing(prefill_s, ttft_s, per_token, trace.end_s)
+        busy = {"prefill": prefill_busy, "decode": trace.lane_busy_s()["decode"]}
+    else:
         # The end window runs after `lead` steps of lead-in, so that the host has fallen into its
         # steady distance ahead of the GPU (the launch queue fills over a few steps).
         lead = min(window, M - 2 * window)
-        late, _ = run(build(model, work, plan, prefill=False, decode=range(M - window - lead, M)), hw, replay)
-        head = timing_from_trace(trace)
+        late, late_pools = run(build(model, work, plan, prefill=False, decode=range(M - window - lead, M)),
+                               hw, replay)
+        peaks.append(late_pools.peak)
         e1, e2 = decode_head_ends(trace), decode_head_ends(late)[lead:]
         d1 = [b - a for a, b in zip(e1, e1[1:])]          # steps 1 .. window-1
         d2 = [b - a for a, b in zip(e2, e2[1:])]          # steps M-window+1 .. M-1
@@ -82,15 +220,17 @@ def simulate(model: ModelSpec, work: Workload, plan: Plan, hw: HardwareProfile, 
         tail = trace.end_s - e1[-1]
         total = e1[-1] + between + tail
         per_token = (sum(d1) + between) / (M - 1)
-        timing = Timing(head.prefill_s, head.ttft_s, per_token, total)
-        busy = trace.lane_busy_s()
-        b1 = busy["decode"]
+        timing = Timing(prefill_s, ttft_s, per_token, total)
+        b1 = trace.lane_busy_s()["decode"]
         b2 = {lane: v * window / (window + lead) for lane, v in late.lane_busy_s()["decode"].items()}
-        busy["decode"] = {lane: b1[lane] + n * (b1[lane] + b2[lane]) / (2 * window) for lane in b1}
-        note = (f"prefill and decode steps 0..{window - 1} simulated in full; steps {window}..{M - 1} "
-                f"extrapolated from a window of {window} steps at the end")
-    peak = {p.value: pools.peak[p] for p in Pool}
-    notes = (note,) if note else ()
-    trace.note = note
-    report = Report(timing, busy, peak, mem.gpu_breakdown(), notes)
+        busy = {"prefill": prefill_busy,
+                "decode": {lane: b1[lane] + n * (b1[lane] + b2[lane]) / (2 * window) for lane in b1}}
+        notes.append(f"decode steps 0..{window - 1} simulated after the prefill; steps {window}..{M - 1} "
+                     f"extrapolated from a window of {window} steps at the end")
+    peak = {p.value: max(pk[p] for pk in peaks) for p in Pool}
+    trace.note = "; ".join(notes)
+    if shift:
+        trace.note += (f"; this trace holds the last {PREFILL_WINDOW + 1} prefill chunks on, placed at "
+                       f"{shift:.3f} s (--full-sim for a whole trace)")
+    report = Report(timing, busy, peak, mem.gpu_breakdown(), tuple(notes))
     return Prediction(report, trace, mem)

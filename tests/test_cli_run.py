@@ -92,7 +92,7 @@ def test_bad_run_input_is_one_line_exit_2(tiny_config, tmp_path, capsys, args, n
     gpt2 = tmp_path / "gpt2.json"
     gpt2.write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
     plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"method": "headwise", "prefill": {"group": 1, "chunk": 32},
+    plan.write_text(json.dumps({"schema": 2, "method": "headwise", "prefill": {"group": 1, "chunk": 32},
                                 "decode": {"group": 1, "chunk": 1}, "resident": 0}))
     args = [a.replace("{tiny}", tiny_config).replace("{gpt2}", str(gpt2)).replace("{plan}", str(plan)) for a in args]
     assert_in_process_exit_2(*cli(capsys, *args)[::2], needle)

@@ -92,3 +92,48 @@ def test_each_new_prefix_length_costs_one_attention_plan(resident):
     else:
         assert 0.9 * 7 * 0.05 <= with_plan.prefill_s - base.prefill_s <= 7 * 0.05 + 1e-9
     assert with_plan.decode_s_per_token == pytest.approx(base.decode_s_per_token, rel=1e-9)
+
+
+# ---- the prefill shortcut ---------------------------------------------------------------------
+# A mid-size model (8 layers, 8 KV heads) keeps 48-64-chunk prefills cheap enough to simulate in
+# full. Plans cover all-resident, host-streamed with a bottleneck change part-way, mixed tiers.
+from kvpipe.pipeline.model import ModelSpec  # noqa: E402
+from kvpipe.pipeline.plan import PhasePlan, Plan  # noqa: E402
+from kvpipe.sim.simulate import PREFILL_MIN_CHUNKS  # noqa: E402
+
+MID = ModelSpec("mid", "llama", 8, 2048, 16, 8, 128, 5632, 32000)
+PREFILL_TOL = 0.01
+PREFILL_CASES = {  # hardware, context, chunk, decode tokens, prefill group, decode group, resident, disk
+    "rtx4090-64x1K-host": ("rtx4090", 65536, 1024, 4, 1, 2, 0, 0),
+    "h200-48x2K-mixed": ("h200", 98304, 2048, 20, 2, 8, 20, 10),
+    "a100-64x1K-resident": ("a100-80g", 65536, 1024, 3, 8, 8, 64, 0),
+    "rtx4060-40x1K-disk": ("rtx4060", 40000, 1024, 4, 4, 1, 8, 30),
+}
+
+
+@lru_cache(maxsize=None)
+def prefill_predictions(case: str):
+    hw_name, ctx, chunk, dec, gp, gd, r, d = PREFILL_CASES[case]
+    plan = Plan(Method.HEADWISE, PhasePlan(gp, chunk, 2), PhasePlan(gd, 1, 2), r, d)
+    work, hw = Workload(ctx, dec), load_profile(hw_name)
+    return simulate(MID, work, plan, hw), simulate(MID, work, plan, hw, full=True)
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES)
+def test_prefill_shortcut_within_one_percent(case):
+    """Catches a prefill shortcut that mis-sums the chunks between its windows or misplaces the
+    last window: prefill, first token, total and decode rate within 1% of the full simulation,
+    lane busy within 1%, the same peaks."""
+    short, full = prefill_predictions(case)
+    assert "prefill chunks" in short.report.notes[0] and not full.report.notes
+    s, f = short.report.timing, full.report.timing
+    for field in ("prefill_s", "ttft_s", "total_s", "decode_s_per_token"):
+        assert getattr(s, field) == pytest.approx(getattr(f, field), rel=PREFILL_TOL), field
+    busy = full.report.lane_busy_s
+    assert short.report.lane_busy_s == pytest.approx(busy, rel=PREFILL_TOL, abs=PREFILL_TOL * max(busy.values()))
+    assert short.report.peak_bytes == full.report.peak_bytes
+
+
+def test_prefill_cases_take_the_shortcut():
+    chunks = [-(-c[1] // c[2]) for c in PREFILL_CASES.values()]
+    assert all(n >= PREFILL_MIN_CHUNKS for n in chunks)

@@ -1,0 +1,328 @@
+"""The planner: searches head-wise plans (KV heads per group in each phase, prefill chunk, buffer
+depth, resident units, host/disk split) under GPU, host and disk budgets for the plan the
+simulator predicts best on an objective (total time, time to first token or decode rate).
+
+Coarse to fine: every plan of the space that fits is ranked by the closed-form lane estimate
+(`sim/estimate.py`); plans are simulated in that order (branch and bound), skipping any whose lane
+lower bound is already no better than the best simulated one, until `SIM_BUDGET` stages have been
+simulated. Resident units: as many as the GPU holds, that count rounded down to whole head
+groups, or none (every count up to the most for models of at most `EVERY_RESIDENT_UNITS` units);
+disk units: the fewest the host budget allows. Knobs the user gives pin their dimension.
+Hooks: codecs per link and graph replay become dimensions of `Space` once `PhasePlan` has lossless
+codecs and `Plan` a replay switch (the estimate then needs their costs: codec rate, host issue)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from kvpipe.pipeline.hardware import HardwareProfile
+from kvpipe.pipeline.memory import breakdown
+from kvpipe.pipeline.model import ModelSpec
+from kvpipe.pipeline.plan import Method, PhasePlan, Plan
+from kvpipe.pipeline.rules import GPU_FILL_FRACTION, HOST_KV_FRACTION, first_true
+from kvpipe.pipeline.units import fmt_bytes
+from kvpipe.pipeline.workload import Workload
+
+from .estimate import Estimate, decode_estimate, layer_classes, phase_layout, prefill_estimate
+from .simulate import Prediction, replays_decode, simulate
+
+OBJECTIVES = ("total", "ttft", "decode")
+CHUNKS = (1024, 2048, 4096, 8192, 16384, 32768)   # prefill chunk candidates (tokens)
+DEPTHS = (2, 3, 4)                                # transfer slots
+SIM_BUDGET = 150_000                              # stages simulated before the search stops early
+RUNNERS_UP = 2                                    # simulated besides the winner, to show beside it
+EVERY_RESIDENT_UNITS = 64                         # models with at most this many units try every resident count
+TIE = 0.001                                       # estimates closer than this rank as equal
+SOURCE = "planner"
+
+
+@dataclass(frozen=True)
+class Pins:
+    """Dimensions the user fixed; None leaves one to the search. `resident` counts units."""
+
+    group: int | None = None
+    chunk: int | None = None
+    resident: int | None = None
+    depth: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in ("group", "chunk", "depth"):
+            v = getattr(self, f)
+            if v is not None and (not isinstance(v, int) or v <= 0):
+                raise ValueError(f"{f}: must be a positive integer, got {v!r}")
+        if self.resident is not None and (not isinstance(self.resident, int) or self.resident < 0):
+            raise ValueError(f"resident: must be >= 0 units, got {self.resident!r}")
+
+
+@dataclass(frozen=True)
+class Space:
+    """The values each dimension may take (before pins)."""
+
+    groups: tuple[int, ...]
+    chunks: tuple[int, ...]
+    depths: tuple[int, ...] = DEPTHS
+
+    @classmethod
+    def of(cls, model: ModelSpec, work: Workload, pins: Pins) -> "Space":
+        groups = tuple(g for g in range(1, model.kv_heads + 1) if model.kv_heads % g == 0)
+        if pins.group is not None:
+            if model.kv_heads % pins.group:
+                raise ValueError(f"group: {pins.group} does not divide the {model.kv_heads} KV heads of {model.name}")
+            groups = (pins.group,)
+        chunks = tuple(c for c in CHUNKS if c < work.context) + (min(work.context, CHUNKS[-1]),)
+        if pins.chunk is not None:
+            if pins.chunk > work.context:
+                raise ValueError(f"chunk: {pins.chunk} is larger than the context {work.context}")
+            chunks = (pins.chunk,)
+        depths = (pins.depth,) if pins.depth is not None else DEPTHS
+        if pins.resident is not None and pins.resident > model.units:
+            raise ValueError(f"resident: {pins.resident} exceeds the {model.units} (layer, KV head) units")
+        return cls(groups, tuple(sorted(set(chunks))), depths)
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A simulated plan and its value on the objective (seconds)."""
+
+    plan: Plan
+    prediction: Prediction
+    value: float
+
+
+@dataclass(frozen=True)
+class PlannerResult:
+    best: Scored
+    alternatives: tuple[Scored, ...]   # the runners-up, best first
+    reason: str
+    objective: str
+    fitting: int                       # plans of the space that fit the budgets
+    simulated: int
+    pruned: int                        # skipped because their lower bound could not win
+    unexplored: int = 0                # neither simulated nor pruned: the simulation budget ran out
+
+
+class NoPlanFits(ValueError):
+    """No plan of the space fits; the message names the smallest budget that would."""
+
+
+def objective_value(pred: Prediction, objective: str) -> float:
+    t = pred.report.timing
+    if objective == "ttft":
+        return t.ttft_s
+    if objective == "decode" and t.decode_s_per_token is not None:
+        return t.decode_s_per_token
+    return t.total_s
+
+
+@dataclass
+class _Search:
+    """One search's memo tables (placement classes and phase estimates are shared by many plans)."""
+
+    model: ModelSpec
+    work: Workload
+    hw: HardwareProfile
+    budgets: dict[str, int]
+    classes: dict = field(default_factory=dict)
+    layouts: dict = field(default_factory=dict)
+    replay: bool | None = None       # decode as CUDA-graph replays; None: as `run --replay auto` would
+
+    def replays(self, plan: Plan) -> bool:
+        return self.replay if self.replay is not None else replays_decode(self.model, self.work) and not plan.disk
+    pre: dict = field(default_factory=dict)
+    dec: dict = field(default_factory=dict)
+
+    @property
+    def unit_bytes(self) -> int:
+        return self.work.batch * self.work.kv_capacity * self.model.kv_unit_bytes_per_token
+
+    def place(self, plan: Plan, resident: int, pinned: bool = False) -> Plan | None:
+        """`plan` with `resident` units and the fewest disk units the host budget allows, or None
+        when it does not fit. Resident units the search chose must also leave the allocator its
+        slack (GPU_FILL_FRACTION of the budget); a count the user pinned needs only the budget."""
+        U, unit = self.model.units, self.unit_bytes
+        host_cap = self.budgets["host"] * HOST_KV_FRACTION
+        off = U - resident
+        disk = 0
+        if off * unit > host_cap:
+            ring = breakdown(self.model, self.work, plan.with_(resident=resident, disk=1)).host_buffers
+            disk = min(off, math.ceil((off * unit + ring - host_cap) / unit))
+        placed = plan.with_(resident=resident, disk=disk)
+        mem = breakdown(self.model, self.work, placed)
+        if mem.host > host_cap or any(v > self.budgets[p] for p, v in mem.pools().items()):
+            return None
+        if resident and not pinned and mem.gpu > self.budgets["gpu"] * GPU_FILL_FRACTION:
+            return None
+        return placed
+
+    def max_resident(self, plan: Plan) -> int:
+        """The most resident units GPU_FILL_FRACTION of the GPU budget holds (0 if none)."""
+        cap, U = self.budgets["gpu"] * GPU_FILL_FRACTION, self.model.units
+        if breakdown(self.model, self.work, plan.with_(resident=U, disk=0)).gpu <= cap:
+            return U
+        base = breakdown(self.model, self.work, plan.with_(resident=0, disk=0)).gpu
+        return max(0, min(U - 1, int((cap - base) // self.unit_bytes)))
+
+    def candidates(self, space: Space, pins: Pins, depths) -> list[Plan]:
+        m, L = self.model, self.model.layers
+        out: dict[tuple, Plan] = {}
+        for gp in space.groups:
+            for gd in space.groups:
+                for chunk in space.chunks:
+                    for depth in depths:
+                        base = Plan(Method.HEADWISE, PhasePlan(gp, chunk, depth), PhasePlan(gd, 1, depth),
+                                    0, 0, SOURCE)
+                        if pins.resident is not None:
+                            rs = {pins.resident}
+                        else:
+                            top = self.max_resident(base)
+                            rs = {top, 0} | {top // (L * g) * L * g for g in (gp, gd)}
+                            if m.units <= EVERY_RESIDENT_UNITS:
+                                rs = set(range(top + 1))
+                        for r in rs:
+                            plan = self.place(base, r, pins.resident is not None)
+                            if plan is None:
+                                continue
+                            if plan.resident == m.units:   # nothing streams: depth is moot
+                                plan = plan.with_(prefill=PhasePlan(gp, chunk, 2), decode=PhasePlan(gd, 1, 2))
+                            out.setdefault(_key(plan), plan)
+        return list(out.values())
+
+    def layout(self, rd: tuple[int, int], group: int) -> tuple:
+        key = rd + (group,)
+        if key not in self.layouts:
+            if rd not in self.classes:
+                self.classes[rd] = layer_classes(self.model, *rd)
+            self.layouts[key] = phase_layout(self.model, self.classes[rd], group)
+        return self.layouts[key]
+
+    def estimate(self, plan: Plan) -> Estimate:
+        rd = (plan.resident, plan.disk)
+        pk = (plan.prefill.group, plan.prefill.chunk) + rd
+        if pk not in self.pre:
+            self.pre[pk] = prefill_estimate(self.model, self.work, self.hw, self.layout(rd, pk[0]), *pk[:2])
+        dk = (plan.decode.group,) + rd
+        if dk not in self.dec:
+            self.dec[dk] = decode_estimate(self.model, self.work, self.hw, self.layout(rd, dk[0]), dk[0],
+                                           self.replays(plan))
+        (pb, plast, pe), (db, dlong, dstep) = self.pre[pk], self.dec[dk]
+        total = pe + (dstep or 0.0) * self.work.decode_tokens
+        depth = max(plan.prefill.depth, plan.decode.depth)
+        return Estimate(pb, db, plast, dlong, self.work.decode_tokens, depth, pe, dstep, total)
+
+
+def sim_cost(model: ModelSpec, work: Workload, plan: Plan, full: bool = False) -> int:
+    """About how many stages simulating `plan` runs (the shortcuts' windows, not the whole run)."""
+    from .simulate import DECODE_WINDOW, PREFILL_MIN_CHUNKS, PREFILL_WINDOW
+    chunks = -(-work.context // plan.prefill.chunk)
+    pre = chunks if full or chunks < PREFILL_MIN_CHUNKS else min(chunks, 3 * PREFILL_WINDOW + 1)
+    dec = work.decode_tokens if full else min(work.decode_tokens, 2 * DECODE_WINDOW)
+    per = lambda g: model.layers * (3 + 3 * model.kv_heads // g)
+    return pre * per(plan.prefill.group) + dec * per(plan.decode.group)
+
+
+def _key(plan: Plan) -> tuple:
+    return (plan.prefill, plan.decode, plan.resident, plan.disk)
+
+
+def search(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dict[str, int],
+           pins: Pins = Pins(), objective: str = "total", *, sim_budget: int = SIM_BUDGET,
+           full: bool = False, replay: bool | None = None) -> PlannerResult:
+    """The best plan the simulator finds for `objective`, with the two runners-up. Plans are
+    simulated best estimate first until every other one is pruned by its lower bound or the
+    stages simulated pass `sim_budget` (then the search is anytime, not exhaustive). `replay`:
+    decode steps as CUDA-graph replays; None: as `run --replay auto` would on a GPU."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective: {objective!r} is not one of {', '.join(OBJECTIVES)}")
+    s = _Search(model, work, hw, budgets, replay=replay)
+    space = Space.of(model, work, pins)
+    plans = s.candidates(space, pins, space.depths)
+    if not plans:
+        raise NoPlanFits(_smallest_budget(s, space, pins))
+    # Best estimate first; estimates within TIE of each other count as equal (the estimate is no
+    # closer to the simulator than that), and among equals the cheaper to simulate goes first.
+    tie = lambda x: math.floor(math.log(max(x, 1e-30)) / math.log1p(TIE))
+    ranked = sorted(plans, key=lambda p: (tie(s.estimate(p).score(objective)),
+                                          sim_cost(model, work, p, full), s.estimate(p).score(objective)))
+    done: dict[tuple, Scored] = {}
+    pruned, spent, unexplored = 0, 0, 0
+    for i, plan in enumerate(ranked):
+        best = min((c.value for c in done.values()), default=math.inf)
+        if len(done) >= 1 + RUNNERS_UP and s.estimate(plan).lower_bound(objective) >= best:
+            pruned += 1       # cannot beat the best: its lanes alone take longer
+            continue
+        if spent >= sim_budget and len(done) >= 1 + RUNNERS_UP:
+            unexplored = sum(s.estimate(p).lower_bound(objective) < best for p in ranked[i:])
+            break             # anytime: the rest ranks worse on the estimate and may not be pruned
+        pred = simulate(model, work, plan, hw, full=full, replay=s.replays(plan))
+        done[_key(plan)] = Scored(plan, pred, objective_value(pred, objective))
+        spent += sim_cost(model, work, plan, full)
+    order = sorted(done.values(), key=lambda c: (c.value, c.prediction.report.timing.total_s))
+    best = order[0]
+    rest = order[1:1 + RUNNERS_UP]
+    return PlannerResult(best, tuple(rest), _reason(s, best, rest, objective), objective,
+                         len(plans), len(done), pruned, unexplored)
+
+
+def _reason(s: _Search, best: Scored, rest, objective: str) -> str:
+    m, plan, rep = s.model, best.plan, best.prediction.report
+    parts = []
+    if rest:
+        gap = rest[0].value / best.value - 1 if best.value else 0.0
+        parts.append(f"{gap:.1%} better on {objective} than the runner-up")
+    if plan.resident == m.units:
+        parts.append("the whole KV cache fits on the GPU")
+    else:
+        parts.append(f"GPU memory binds: {plan.resident} of {m.units} units resident "
+                     f"({fmt_bytes(rep.peak_bytes['gpu'])} of {fmt_bytes(s.budgets['gpu'])})")
+    if plan.disk:
+        parts.append(f"host memory binds: {plan.disk} units on disk")
+    lanes = ", ".join(f"{ph} {rep.critical_lane_of(ph)}" for ph in rep.phase_busy_s if rep.critical_lane_of(ph))
+    parts.append(f"critical lane: {lanes}")
+    return "; ".join(parts)
+
+
+def _smallest_budget(s: _Search, space: Space, pins: Pins) -> str:
+    """Which budget to raise, and to what, for the leanest plan of the space to fit."""
+    m, work, unit = s.model, s.work, s.unit_bytes
+    lean = Plan(Method.HEADWISE, PhasePlan(space.groups[0], space.chunks[0], min(space.depths)),
+                PhasePlan(space.groups[0], 1, min(space.depths)), 0, 0, SOURCE)
+    r = pins.resident if pins.resident is not None else s.max_resident(lean)
+    gpu = breakdown(m, work, lean.with_(resident=r)).gpu
+    if gpu > s.budgets["gpu"]:
+        return (f"gpu-mem: no plan fits: gpu needs {fmt_bytes(gpu)}, {fmt_bytes(s.budgets['gpu'])} available "
+                f"(smallest that fits: --gpu-mem {_size_flag(gpu)})")
+    off = (m.units - r) * unit
+    ring = breakdown(m, work, lean.with_(resident=r, disk=1)).host_buffers
+    disk_need = max(1, math.ceil((off + ring - s.budgets["host"] * HOST_KV_FRACTION) / unit)) * unit
+    return (f"host-mem: no plan fits: {fmt_bytes(off)} of KV must leave the GPU, host "
+            f"{fmt_bytes(s.budgets['host'])} and disk {fmt_bytes(s.budgets['disk'])} available (smallest that "
+            f"fits: --host-mem {_size_flag(off / HOST_KV_FRACTION)}, or --disk-mem {_size_flag(disk_need)} "
+            f"with this host budget)")
+
+
+def _size_flag(n: float) -> str:
+    """A budget flag value at least `n` bytes, one decimal in GiB or MiB."""
+    unit, scale = ("GiB", 2**30) if n >= 2**30 else ("MiB", 2**20)
+    return f"{math.ceil(n / scale * 10) / 10}{unit}"
+
+
+def max_context(model: ModelSpec, decode_tokens: int, batch: int, budgets: dict[str, int],
+                pins: Pins = Pins(), limit: int = 2**30) -> int:
+    """Largest prompt some plan of the space fits under the budgets (0 if none). The leanest plan
+    (smallest group, chunk and depth) with as many resident units as the GPU holds decides it:
+    fewer resident units need more host and disk, more do not fit the GPU."""
+    def ok(ctx: int) -> bool:
+        work = Workload(ctx, decode_tokens, batch)
+        s = _Search(model, work, None, budgets)   # memory only: no hardware needed
+        try:
+            space = Space.of(model, work, replace(pins, chunk=min(pins.chunk, ctx)) if pins.chunk else pins)
+        except ValueError:
+            return False
+        for chunk in space.chunks[:1]:
+            lean = Plan(Method.HEADWISE, PhasePlan(space.groups[0], chunk, min(space.depths)),
+                        PhasePlan(space.groups[0], 1, min(space.depths)), 0, 0, SOURCE)
+            r = pins.resident if pins.resident is not None else s.max_resident(lean)
+            if s.place(lean, r, pins.resident is not None) is not None:
+                return True
+        return False
+    return first_true(1, limit + 1, lambda ctx: not ok(ctx)) - 1
