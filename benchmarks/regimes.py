@@ -35,9 +35,13 @@ ROWS = {
 
 
 def plan_for(spec, work, group: str, resident: str, budgets: dict):
-    """The plan `kvpipe run --group G --resident R` would run."""
-    from kvpipe.inputs import resolve_plan
-    return resolve_plan(spec, work, budgets, "headwise", group, "auto", resident)
+    """The plan `kvpipe run --group G --resident R` would run: the planner's pick on the h200
+    profile with those knobs pinned ("auto": searched)."""
+    from kvpipe.hw_profiles import load_profile
+    from kvpipe.inputs import planner_pins
+    from kvpipe.sim.planner import search
+    pins = planner_pins(spec, group, "auto", resident)
+    return search(spec, work, load_profile("h200"), budgets, pins, "total").best.plan
 
 
 def predict(row: dict, hw_name: str = "h200") -> dict:
