@@ -135,7 +135,7 @@ class _Search:
     def unit_bytes(self) -> int:
         return self.work.batch * self.work.kv_capacity * self.model.kv_unit_bytes_per_token
 
-    def place(self, plan: Plan, resident: int, pinned: bool = False) -> Plan | None:
+    def place(self, plan: Plan, resident: int, pinned: bool = False, chunk_pinned: bool = False) -> Plan | None:
         """`plan` with `resident` units and the fewest disk units the host budget allows, or None
         when it does not fit. Resident units the search chose must also leave the allocator its
         slack (GPU_FILL_FRACTION of the budget); a count the user pinned needs only the budget."""
@@ -152,11 +152,21 @@ class _Search:
             return None
         if resident and not pinned and mem.gpu > self.budgets["gpu"] * GPU_FILL_FRACTION:
             return None
+        if not chunk_pinned and mem.gpu + self.fragmentation(plan) > self.budgets["gpu"] * GPU_FILL_FRACTION:
+            return None   # a chunk the search chose must leave the allocator room for its blocks
         return placed
+
+    def fragmentation(self, plan: Plan) -> int:
+        """Room the caching allocator needs beyond the plan's live bytes: three of the largest
+        transient blocks (a prefill chunk's MLP intermediate). An assumption taken from the OOMs of
+        the H200 regimes run on 2026-11-30 (2.8 GiB reserved but unallocated beside 896 MiB blocks
+        at 32K-token chunks, 0.4 GiB beside 448 MiB blocks at 16K), not a measured law."""
+        m = self.model
+        return 3 * self.work.batch * min(plan.prefill.chunk, self.work.context) * m.intermediate * m.dtype_bytes
 
     def max_resident(self, plan: Plan) -> int:
         """The most resident units GPU_FILL_FRACTION of the GPU budget holds (0 if none)."""
-        cap, U = self.budgets["gpu"] * GPU_FILL_FRACTION, self.model.units
+        cap, U = self.budgets["gpu"] * GPU_FILL_FRACTION - self.fragmentation(plan), self.model.units
         if breakdown(self.model, self.work, plan.with_(resident=U, disk=0)).gpu <= cap:
             return U
         base = breakdown(self.model, self.work, plan.with_(resident=0, disk=0)).gpu
@@ -179,7 +189,7 @@ class _Search:
                             if m.units <= EVERY_RESIDENT_UNITS:
                                 rs = set(range(top + 1))
                         for r in rs:
-                            plan = self.place(base, r, pins.resident is not None)
+                            plan = self.place(base, r, pins.resident is not None, pins.chunk is not None)
                             if plan is None:
                                 continue
                             if plan.resident == m.units:   # nothing streams: depth is moot
@@ -322,7 +332,7 @@ def max_context(model: ModelSpec, decode_tokens: int, batch: int, budgets: dict[
             lean = Plan(Method.HEADWISE, PhasePlan(space.groups[0], chunk, min(space.depths)),
                         PhasePlan(space.groups[0], 1, min(space.depths)), 0, 0, SOURCE)
             r = pins.resident if pins.resident is not None else s.max_resident(lean)
-            if s.place(lean, r, pins.resident is not None) is not None:
+            if s.place(lean, r, pins.resident is not None, pins.chunk is not None) is not None:
                 return True
         return False
     return first_true(1, limit + 1, lambda ctx: not ok(ctx)) - 1

@@ -178,10 +178,11 @@ def test_registered_host_buffers_are_pinned_and_copy_back_exactly():
     """Catches host tiers left pageable (non_blocking copies would serialise with compute) and
     a registration that is not undone (the next registration of the pages would fail)."""
     from kvpipe.executor.pinned import HostArena
+    from gpu_checks import is_registered
     for _ in range(2):
         with HostArena(pin=True) as arena:
             t = arena.empty((3, 1000, 2, 64), torch.bfloat16)
-            assert t.is_pinned() and t.data_ptr() % ALIGN == 0
+            assert is_registered(t) and t.data_ptr() % ALIGN == 0
             t.copy_(torch.randn(t.shape).to(torch.bfloat16))
             back = torch.empty_like(t)
             dev = t.to("cuda", non_blocking=True)

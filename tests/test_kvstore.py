@@ -140,8 +140,13 @@ def test_moved_bytes_match_the_graph_and_decode_writes_one_token(tiny_model, res
 @pytest.mark.gpu
 def test_host_tier_is_pinned_and_freed_on_cuda():
     lo = KVLayout(batch=1, kv_heads=4, head_dim=64, capacity=1024, resident=(2, 0), slots=2, slot_heads=2)
-    with KVStore(lo, "cuda", torch.bfloat16) as store:
+    from gpu_checks import is_registered
+    # Fault caught: host homes left pageable. Replayed runs take torch-pinned homes (graph capture
+    # refuses copies from memory torch did not pin); eager runs register exact-size buffers.
+    with KVStore(lo, "cuda", torch.bfloat16, replay=True) as store:
         assert all(t.is_pinned() for t in store.host if t is not None)
+    with KVStore(lo, "cuda", torch.bfloat16) as store:
+        assert all(is_registered(t) for t in store.host if t is not None)
         assert all(t.is_cuda for t in store.gpu + store.slots if t is not None)
         kv = torch.randn(1, 4, 1024, 2, 64, device="cuda", dtype=torch.bfloat16)
         assert store.store(0, (2, 3), kv, 0) == 2 * 1024 * 2 * 64 * 2

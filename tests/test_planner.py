@@ -64,7 +64,9 @@ def problems(draw, tight: bool = True, shapes=((1, 2), (2, 2), (1, 4))):
     host = draw(st.floats(0.05, 1.5))     # share of the KV cache the host holds; disk about the rest
     slack = -0.05 if tight else 0.02
     staging = max(DEPTHS) * model.kv_heads * work.kv_capacity * model.kv_unit_bytes_per_token  # disk reads land here
-    budgets = {"gpu": int(lean.gpu * draw(st.floats(1 + slack, 1.1)) + kv_all * draw(st.floats(0, 1.3))),
+    blocks = 3 * work.batch * 1024 * model.intermediate * model.dtype_bytes   # allocator room, 1K chunk
+    budgets = {"gpu": int((lean.gpu + blocks) / GPU_FILL_FRACTION * draw(st.floats(1 + slack, 1.1))
+                          + kv_all * draw(st.floats(0, 1.3))),
                "host": int((kv_all * host + (0 if tight else staging)) / HOST_KV_FRACTION) + 1,
                "disk": int(kv_all * (max(0.0, 1.0 - host) + draw(st.floats(slack, 0.3)))) + 1}
     return model, work, hw, budgets
@@ -80,6 +82,10 @@ def fits_planner_rules(model, work, plan, budgets) -> bool:
     of the GPU budget holds (a plan with none resident may use the whole budget)."""
     mem = breakdown(model, work, plan)
     if mem.gpu > budgets["gpu"] or mem.disk > budgets["disk"] or mem.host > budgets["host"] * HOST_KV_FRACTION:
+        return False
+    # allocator room for a searched chunk: three MLP intermediates of the chunk, bytes by hand
+    blocks = 3 * work.batch * min(plan.prefill.chunk, work.context) * model.intermediate * model.dtype_bytes
+    if mem.gpu + blocks > budgets["gpu"] * GPU_FILL_FRACTION:
         return False
     if plan.resident == 0:
         return True
@@ -223,6 +229,7 @@ def test_max_context_is_the_last_that_fits():
     model, hw = tiny(2, 2), load_profile("rtx4090")
     budgets = {"gpu": 40 * 2**20, "host": 30 * 2**20, "disk": 10 * 2**20}
     ctx = max_context(model, 4, 1, budgets)
+    assert ctx > 0
     assert ctx > 0
     search(model, Workload(ctx, 4), hw, budgets)
     with pytest.raises(NoPlanFits):

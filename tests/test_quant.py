@@ -104,9 +104,13 @@ def test_attention_output_error_on_the_needle_set_meets_the_target(needle_cases,
 
 @pytest.mark.gpu
 def test_quantise_on_cuda_matches_cpu():
-    # Fault caught: device-dependent arithmetic (the executor quantises on the GPU).
+    # Fault caught: a CUDA path that computes another function than the CPU one (wrong group
+    # axis, scale or zero point). Not bitwise: the H200 run of 2026-11-30 found int4 codes that
+    # differ across devices where a value sits on a rounding boundary; one step apart at most.
     x = torch.randn(1024, 128, dtype=torch.bfloat16)
     for bits in (8, 4):
         a, b = quantize(x, bits, 32, 0), quantize(x.cuda(), bits, 32, 0)
-        assert torch.equal(a.codes, b.codes.cpu()) and torch.equal(a.scale, b.scale.cpu())
-        assert torch.equal(dequantize(a), dequantize(b).cpu())
+        torch.testing.assert_close(a.scale, b.scale.cpu(), rtol=1e-3, atol=0)
+        diff = (dequantize(a).float() - dequantize(b).cpu().float()).abs()
+        assert diff.max() <= a.scale.float().abs().max() * 1.01 + 1e-6
+        assert (diff > 0).float().mean() < 0.01   # boundary cases are rare
