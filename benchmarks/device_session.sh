@@ -26,6 +26,7 @@ for spec in "$@"; do
     hfcache) timeout "$lim" python3 -m benchmarks.hf_cache --contexts 32768,131072 --cases stream --out "$OUT/hf-cache.json" 2>&1 | tail -12 ;;
     hfeager) timeout "$lim" python3 -m benchmarks.hf_cache --contexts 32768 --cases stream-eager --out "$OUT/hf-cache-eager.json" 2>&1 | tail -12 ;;
     tiers) timeout "$lim" python3 -m benchmarks.tiers disk --kv-dir /tmp --probe-gib 4 --out "$OUT/tiers-disk.json" 2>&1 | tail -14 ;;
+    regrows) timeout "$lim" python3 -m benchmarks.regimes --rows "$ROWS" --decode 4 --out "$OUT/regimes-rows.json" 2>&1 | tail -24 ;;
     regimes) timeout "$lim" python3 -m benchmarks.regimes --decode 8 --out "$OUT/regimes.json" 2>&1 | tail -32 ;;
     *) echo "unknown step $step" ;;
   esac
