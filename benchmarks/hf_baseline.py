@@ -1,4 +1,4 @@
-"""Hugging Face transformers' own inference as the baseline (../shared/reference/baselines.md):
+"""Hugging Face transformers' own inference as the baseline (docs/BASELINES.md):
 one forward over the prompt with `logits_to_keep=1`, then greedy decode steps, with
 `DynamicCache` all on the GPU or `DynamicCache(offloading=True)` (HF's layer-wise offload).
 Prints one JSON object. Run on a GPU: `python -m benchmarks.hf_baseline --context 131072`."""
