@@ -17,22 +17,14 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvpipe.executor.attention import attend_chunk, attend_part
+from kvpipe.executor.calibrate import cuda_median_s
 
 S, D, HQ, HKV = 131072, 128, 32, 8
 FLOPS = 4 * D * HQ * S * S / 2
 
 
 def timed(fn, reps: int = 3) -> float:
-    fn()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(ts)
+    return cuda_median_s(fn, reps)
 
 
 def chunked(q, k, v, chunk, prefix_only=False):

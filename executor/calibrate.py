@@ -25,7 +25,7 @@ from .attention import attend_part
 MiB = 1 << 20
 
 
-def _timed(fn, reps: int) -> float:
+def cuda_median_s(fn, reps: int) -> float:
     """Median seconds of `fn` on the current stream (CUDA events), after one warm-up call."""
     fn()
     times = []
@@ -48,7 +48,7 @@ def gemm(cal: Calibration, quick: bool, hidden: int = 4096, inner: int = 14336) 
         rates = []
         for t in (tokens if name == "bf16" else tokens[-2:]):
             x = torch.randn(t, hidden, device="cuda", dtype=dtype)
-            sec = _timed(lambda: x @ w.T, 5 if t < 16384 else 3)
+            sec = cuda_median_s(lambda: x @ w.T, 5 if t < 16384 else 3)
             flops = 2.0 * t * hidden * inner
             rates.append(flops / sec)
             if name == "bf16":
@@ -103,7 +103,7 @@ def host_issue(cal: Calibration) -> None:
 def hbm(cal: Calibration) -> None:
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    sec = _timed(lambda: dst.copy_(src), 5)
+    sec = cuda_median_s(lambda: dst.copy_(src), 5)
     cal.set("gpu.hbm_eff_bytes_per_s", 2 * src.numel() / sec, "1 GiB device-to-device copy, read + write bytes")
 
 
@@ -130,13 +130,13 @@ def attention(cal: Calibration, eff_flops: float, quick: bool, heads_kv: int = 8
                 attend_part(q, k, v, scale, False)
                 torch.cuda.synchronize()
                 first = time.perf_counter() - t0
-                sec = _timed(lambda: attend_part(q, k, v, scale, False), 3)
+                sec = cuda_median_s(lambda: attend_part(q, k, v, scale, False), 3)
                 fractions[kernel].append(4.0 * heads_kv * r * chunk * p * d / sec / eff_flops)
                 if kernel == "cudnn":
                     plan_s.append(max(0.0, first - sec))
             kv = torch.randn(1, heads_kv, prefixes[-1], d, device="cuda", dtype=torch.bfloat16)
             qd = torch.randn(1, heads_kv, r, d, device="cuda", dtype=torch.bfloat16)
-            sec = _timed(lambda: attend_part(qd, kv, kv, scale, False), 10)
+            sec = cuda_median_s(lambda: attend_part(qd, kv, kv, scale, False), 10)
             cal.extra[f"decode_attention_{kernel}_bytes_per_s"] = 2 * kv.numel() * 2 / sec
             cal.extra[f"prefill_attention_{kernel}_fraction"] = fractions[kernel]
     finally:
@@ -159,7 +159,7 @@ def links(cal: Calibration, quick: bool) -> None:
     dev = torch.empty(sizes[-1], dtype=torch.uint8, device="cuda")
     for name, direction in (("h2d", lambda n: dev[:n].copy_(host[:n], non_blocking=True)),
                             ("d2h", lambda n: host[:n].copy_(dev[:n], non_blocking=True))):
-        secs = [_timed(lambda n=n: direction(n), 5) for n in sizes]
+        secs = [cuda_median_s(lambda n=n: direction(n), 5) for n in sizes]
         alpha, beta = fit_alpha_beta(sizes, secs)
         cal.set(f"link.{name}_alpha_s", alpha, f"least squares of pinned {name.upper()} copies 64 KiB-{sizes[-1] // MiB} MiB")
         cal.set(f"link.{name}_bytes_per_s", beta, f"slope of the same fit (pinned {name.upper()})")
@@ -175,7 +175,7 @@ def links(cal: Calibration, quick: bool) -> None:
             host2.copy_(dev[n:2 * n], non_blocking=True)
         torch.cuda.current_stream().wait_stream(s1)
         torch.cuda.current_stream().wait_stream(s2)
-    sec = _timed(both, 5)
+    sec = cuda_median_s(both, 5)
     one = n / cal.values["link.h2d_bytes_per_s"]
     cal.set("link.pcie_duplex", bool(sec < 1.5 * one), f"256 MiB each way on two streams took {sec * 1e3:.1f} ms vs {one * 1e3:.1f} ms one way")
     cal.extra["duplex_total_bytes_per_s"] = 2 * n / sec
