@@ -80,9 +80,8 @@ def _load(path: Path, label: str) -> HardwareProfile:
     except (OSError, UnicodeDecodeError) as e:
         raise fail(f"cannot read: {e}") from None
     flat = _flatten(doc)
-    compute = {k: v for k, v in flat.items() if k.startswith("gpu.compute.")}
-    codec_keys = {k: v for k, v in flat.items() if k.startswith("codec.")}
-    unknown = sorted(set(flat) - set(_FIELDS) - set(compute) - set(codec_keys))
+    tabled = [k for k in flat if k.startswith(("gpu.compute.", "codec."))]
+    unknown = sorted(set(flat) - set(_FIELDS) - set(tabled))
     if unknown:
         raise fail(f"field '{unknown[0]}' is not a known field")
     kwargs: dict[str, object] = {}
@@ -93,42 +92,40 @@ def _load(path: Path, label: str) -> HardwareProfile:
             kwargs[field] = _typed(flat[key], kind)
         except ValueError as e:
             raise fail(f"field '{key}' {e}") from None
+    compute = _tables(flat, "gpu.compute", tuple(_COMPUTE), fail)
     if not compute:
         raise fail("field 'gpu.compute' is missing (e.g. [gpu.compute.bf16])")
-    tables: dict[str, dict[str, float]] = {f: {} for f in _COMPUTE.values()}
-    dtypes = sorted({k.split(".")[2] for k in compute})
-    for dtype in dtypes:
-        for toml_name, field in _COMPUTE.items():
-            key = f"gpu.compute.{dtype}.{toml_name}"
-            if key not in flat:
-                raise fail(f"field '{key}' is missing")
-            try:
-                tables[field][dtype] = _typed(flat[key], float)
-            except ValueError as e:
-                raise fail(f"field '{key}' {e}") from None
-    unknown = sorted(set(compute) - {f"gpu.compute.{d}.{n}" for d in dtypes for n in _COMPUTE})
-    if unknown:
-        raise fail(f"field '{unknown[0]}' is not a known field")
-    codecs = []
-    for name in sorted({k.split(".")[1] for k in codec_keys}):
-        values = {}
-        for f in _CODEC:
-            key = f"codec.{name}.{f}"
-            if key not in flat:
-                raise fail(f"field '{key}' is missing")
-            try:
-                values[f] = _typed(flat[key], float)
-            except ValueError as e:
-                raise fail(f"field '{key}' {e}") from None
-        codecs.append((name, values))
-    unknown = sorted(set(codec_keys) - {f"codec.{n}.{f}" for n, _ in codecs for f in _CODEC})
-    if unknown:
-        raise fail(f"field '{unknown[0]}' is not a known field")
+    tables = {field: {dtype: rates[toml_name] for dtype, rates in compute.items()}
+              for toml_name, field in _COMPUTE.items()}
+    codecs = _tables(flat, "codec", _CODEC, fail)
     try:
-        kwargs["codecs"] = tuple(CodecRates(n, **v) for n, v in codecs)
+        kwargs["codecs"] = tuple(CodecRates(n, **v) for n, v in codecs.items())
         return HardwareProfile(**kwargs, **tables)
     except HardwareFieldError as e:
         raise fail(f"field '{_toml_key(e.field)}' {e.problem}") from None
+
+
+def _tables(flat: dict[str, object], prefix: str, fields: tuple[str, ...], fail) -> dict[str, dict[str, float]]:
+    """The `[prefix.NAME]` tables of `flat`, each holding exactly the float `fields`, as
+    {NAME: {field: value}} sorted by NAME; a missing, non-numeric or unknown key fails."""
+    keys = [k for k in flat if k.startswith(prefix + ".")]
+    at = prefix.count(".") + 1
+    names = sorted({k.split(".")[at] for k in keys})
+    out: dict[str, dict[str, float]] = {}
+    for name in names:
+        out[name] = {}
+        for f in fields:
+            key = f"{prefix}.{name}.{f}"
+            if key not in flat:
+                raise fail(f"field '{key}' is missing")
+            try:
+                out[name][f] = _typed(flat[key], float)
+            except ValueError as e:
+                raise fail(f"field '{key}' {e}") from None
+    unknown = sorted(set(keys) - {f"{prefix}.{n}.{f}" for n in names for f in fields})
+    if unknown:
+        raise fail(f"field '{unknown[0]}' is not a known field")
+    return out
 
 
 def _flatten(doc: dict, prefix: str = "") -> dict[str, object]:

@@ -173,3 +173,15 @@ def test_imports_without_torch():
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "", f"loaded: {r.stdout.strip()}"
+
+
+@pytest.mark.parametrize("table, key", [("[gpu.compute.bf16]", "gpu.compute.bf16.sparse_flops_per_s"),
+                                        ("[codec.zstd-planes]", "codec.zstd-planes.level")])
+def test_unknown_field_inside_a_table_is_named(tmp_path, table, key):
+    """Fault caught: a misspelt or unsupported field inside a [gpu.compute.*] or [codec.*] table
+    silently ignored (the loader must refuse it and name the key)."""
+    assert H200_TEXT.count(f"\n{table}") == 1, table
+    text = H200_TEXT.replace(f"\n{table}", f"\n{table}\n{key.rsplit('.', 1)[1]} = 1.0", 1)
+    path = tmp_path / "x.toml"
+    path.write_text(text)
+    assert f"field '{key}' is not a known field" in _error(str(path))
