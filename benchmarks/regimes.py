@@ -77,12 +77,7 @@ def hf_run(torch, model, ids, decode_steps: int) -> dict:
     """HF's own inference, all on the GPU: one forward over the prompt, then greedy steps."""
     from transformers import DynamicCache
 
-    def timed(fn):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = fn()
-        torch.cuda.synchronize()
-        return out, time.perf_counter() - t0
+    from benchmarks.hf_baseline import timed
 
     with torch.inference_mode():
         model(ids[:, :512], past_key_values=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
