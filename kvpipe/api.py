@@ -222,9 +222,10 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
                "host": budget(host_mem, session.host_ram_bytes(), "host-mem"),
                "disk": budget(disk_mem, 0, "disk-mem") if disk_mem is not None else 0}
     check_weights(spec, budgets)
-    if plan is not None:
+    if plan is not None:   # read once; a lossy plan is refused before anything else is checked or allocated
         from .inputs import read_plan
-        if read_plan(plan, spec).lossy is not None:   # refused before anything else is checked or allocated
+        plan = read_plan(plan, spec)
+        if plan.lossy is not None:
             raise ValueError("lossy: kvpipe run executes exact plans only (lossy options are plan-only for now)")
     first, found = _choose(spec, work, profile, budgets, method, group, chunk, resident, plan, objective,
                            disk=disk, codec=codec)
