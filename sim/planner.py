@@ -125,11 +125,11 @@ class _Search:
     classes: dict = field(default_factory=dict)
     layouts: dict = field(default_factory=dict)
     replay: bool | None = None       # decode as CUDA-graph replays; None: as `run --replay auto` would
+    pre: dict = field(default_factory=dict)
+    dec: dict = field(default_factory=dict)
 
     def replays(self, plan: Plan) -> bool:
         return self.replay if self.replay is not None else replays_decode(self.model, self.work) and not plan.disk
-    pre: dict = field(default_factory=dict)
-    dec: dict = field(default_factory=dict)
 
     @property
     def unit_bytes(self) -> int:
@@ -138,7 +138,8 @@ class _Search:
     def place(self, plan: Plan, resident: int, pinned: bool = False, chunk_pinned: bool = False) -> Plan | None:
         """`plan` with `resident` units and the fewest disk units the host budget allows, or None
         when it does not fit. Resident units the search chose must also leave the allocator its
-        slack (GPU_FILL_FRACTION of the budget); a count the user pinned needs only the budget."""
+        slack (GPU_FILL_FRACTION of the budget); a count the user pinned needs only the budget. A
+        chunk the search chose must leave, within that slack, room for its blocks (fragmentation)."""
         U, unit = self.model.units, self.unit_bytes
         host_cap = self.budgets["host"] * HOST_KV_FRACTION
         off = U - resident
