@@ -7,15 +7,26 @@
 set -u
 R=$(pwd)
 OUT=${OUT:-$R/benchmarks/results}
-if ls .whl/*.whl >/dev/null 2>&1; then
+if [ -n "${SKIP_INSTALL:-}" ]; then :
+elif ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
-python3 -m pip install -q --no-deps --no-build-isolation . 2>&1 | grep -v "root' user" | tail -3
+[ -n "${SKIP_INSTALL:-}" ] || python3 -m pip install -q --no-deps --no-build-isolation . 2>&1 | grep -v "root' user" | tail -3
 mkdir -p /tmp/bp && ln -sfn "$R/benchmarks" /tmp/bp/benchmarks
-export PYTHONPATH=/tmp/bp:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/bp:/tmp/site PYTHONUNBUFFERED=1
 cd /tmp
 python3 -c "import torch, transformers, simpy, kvpipe.executor.replay; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cudnn', torch.backends.cudnn.version())"
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$OUT/nvidia-smi.txt"
+poll1m() {   # poll the detached 1M run every 15 s until it ends or $1 seconds pass; copy its files to $OUT
+  local end=$((SECONDS + $1))
+  while [ $SECONDS -lt $end ]; do
+    python3 -m benchmarks.tiers poll --dir /tmp/kvpipe-1m > /tmp/kvpipe-1m/poll.txt 2>&1
+    grep -q "running" /tmp/kvpipe-1m/poll.txt || break
+    sleep 15
+  done
+  cat /tmp/kvpipe-1m/poll.txt | tail -5; tail -c 400 /tmp/kvpipe-1m/tiers-1m-run.log; echo; free -g | head -2
+  cp /tmp/kvpipe-1m/* "$OUT/" 2>/dev/null
+}
 for spec in "$@"; do
   step=${spec%%:*}; lim=${spec#*:}; [ "$lim" = "$spec" ] && lim=300
   echo "=== $step (limit $lim s) $(date -u +%H:%M:%S)"
@@ -28,6 +39,9 @@ for spec in "$@"; do
     tiers) timeout "$lim" python3 -m benchmarks.tiers disk --kv-dir /tmp --probe-gib 4 --out "$OUT/tiers-disk.json" 2>&1 | tail -14 ;;
     regrows) timeout "$lim" python3 -m benchmarks.regimes --rows "$ROWS" --decode 4 --out "$OUT/regimes-rows.json" 2>&1 | tail -24 ;;
     regimes) timeout "$lim" python3 -m benchmarks.regimes --decode 8 --out "$OUT/regimes.json" 2>&1 | tail -32 ;;
+    diag) timeout "$lim" python3 -m benchmarks.diag --out "$OUT/diag" 2>&1 | grep -v Warning | tail -12 ;;
+    t1m) python3 -m benchmarks.tiers 1m --kv-dir /tmp --dir /tmp/kvpipe-1m 2>&1 | tail -4; poll1m "$lim" ;;
+    t1mpoll) poll1m "$lim" ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -152,7 +152,7 @@ def mode_disk(args, res: dict, save) -> list[str]:
 
 def mode_1m(args, res: dict, save) -> list[str]:
     res["probes"] = {"disk": probe_disk(args.kv_dir, args.probe_gib), "link": probe_link()}
-    out, log = RESULTS / "tiers-1m-run.json", RESULTS / "tiers-1m-run.log"
+    out, log = args.dir / "tiers-1m-run.json", args.dir / "tiers-1m-run.log"
     cmd = run_cmd("1M", 8, args.kv_dir, "--chunk", args.chunk, "--group", "1", "--resident", "max",
                   "--host-mem", args.host_mem, *sum((("--codec", c) for c in args.codec), ()))
     with open(out, "w") as fo, open(log, "w") as fl:
@@ -164,7 +164,7 @@ def mode_1m(args, res: dict, save) -> list[str]:
 
 
 def mode_poll(args, res: dict, save) -> list[str]:
-    started = json.loads((RESULTS / "tiers-1m.json").read_text())
+    started = json.loads((args.dir / "tiers-1m.json").read_text())
     out = Path(started["run_json"])
     alive = os.path.exists(f"/proc/{started['pid']}")
     text = out.read_text() if out.exists() else ""
@@ -197,9 +197,11 @@ def main() -> None:
     ap.add_argument("--chunk", default="32K", help="1m: prefill chunk (32K: ~537 s predicted on h200, 16K: ~818 s)")
     ap.add_argument("--codec", action="append", default=[], help="1m: e.g. disk=zstd-planes")
     ap.add_argument("--out")
+    ap.add_argument("--dir", type=Path, default=RESULTS, help="1m/poll: where the run's JSON and log go (outside the "
+                    "checkout on the device, so a later call's copy of the tree cannot remove them)")
     args = ap.parse_args()
-    RESULTS.mkdir(exist_ok=True)
-    path = Path(args.out or RESULTS / f"tiers-{args.mode}.json")
+    args.dir.mkdir(parents=True, exist_ok=True)
+    path = Path(args.out or args.dir / f"tiers-{args.mode}.json")
     res: dict = {"mode": args.mode, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                  "command": " ".join(sys.argv)}
     save = lambda: path.write_text(json.dumps(res, indent=2))

@@ -1,0 +1,60 @@
+"""Diagnostics for the simulator's misses (issue 8/10): runs `kvpipe.run` on the GPU for the rows
+the simulator got wrong, writes each run's predicted+measured Chrome trace and JSON, and a
+torch.profiler kernel table of the resident decode rows (which kernels a replayed step spends
+its time in, against the step's HBM floor).
+
+  python -m benchmarks.diag --out DIR
+
+Random bf16 weights, Llama-3-8B shapes, --gpu-mem 24GB. Prints a short table last."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from pathlib import Path
+
+ROWS = {   # name: (context, decode tokens, knobs, profile the run)
+    "res8k_g8": ("8K", 16, dict(group="8", resident="all"), True),
+    "res32k_g8": ("32K", 16, dict(group="8", resident="all"), True),
+    "res8k_default": ("8K", 16, {}, False),
+    "pre32k_default": ("32K", 4, {}, False),
+    "pre32k_g8_none": ("32K", 4, dict(group="8", resident="none"), False),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rows", default=",".join(ROWS))
+    args = ap.parse_args()
+    import torch
+    import kvpipe
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+               "command": "python -m benchmarks.diag " + " ".join(f"--{k} {v}" for k, v in vars(args).items())}
+    for name in args.rows.split(","):
+        ctx, dec, knobs, prof = ROWS[name]
+        kw = dict(model="llama-3-8b", random_weights=True, context=ctx, decode_tokens=dec, gpu_mem="24GB",
+                  hw="h200-testbox", progress=False, trace=out / f"{name}.trace.json", **knobs)
+        if prof:
+            acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=acts) as p:
+                r = kvpipe.run(**kw)
+            (out / f"{name}.kernels.txt").write_text(
+                p.key_averages().table(sort_by="cuda_time_total", row_limit=60, max_name_column_width=90))
+            p.export_chrome_trace(str(out / f"{name}.profile.json"))
+        else:
+            r = kvpipe.run(**kw)
+        j = r.to_json()
+        (out / f"{name}.json").write_text(json.dumps(j, indent=1))
+        summary[name] = {"plan": j["plan"], "predicted": j["predicted"], "measured": j["measured"]}
+        (out / "diag.json").write_text(json.dumps(summary, indent=1))
+        m, p_ = j["measured"], j["predicted"]
+        print(f"{name:16} prefill {m['prefill_s']:.3f}/{p_['prefill_s']:.3f} s  "
+              f"decode {m['decode_s_per_token'] * 1e3:.2f}/{p_['decode_s_per_token'] * 1e3:.2f} ms (measured/predicted)",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
