@@ -218,9 +218,10 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
     from kvpipe.executor.replay import resolve_mode   # `replay` refused before anything is loaded
     issue = resolve_mode(replay, dev, session.TORCH_DTYPES[spec.dtype], work.batch, spec.head_dim)
     profile = load_profile(hw or session.guess_profile(dev) or DEFAULT_HW)
+    free = free_disk(kv_dir)                # also checks --kv-dir; the disk budget the search may place units within
     budgets = {"gpu": budget(gpu_mem, session.device_budget(dev), "gpu-mem"),
                "host": budget(host_mem, session.host_ram_bytes(), "host-mem"),
-               "disk": budget(disk_mem, 0, "disk-mem") if disk_mem is not None else 0}
+               "disk": budget(disk_mem, free, "disk-mem")}
     check_weights(spec, budgets)
     if plan is not None:   # read once; a lossy plan is refused before anything else is checked or allocated
         from .inputs import read_plan
@@ -230,9 +231,6 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
     first, found = _choose(spec, work, profile, budgets, method, group, chunk, resident, plan, objective,
                            disk=disk, codec=codec)
     chosen = first.plan
-    free = free_disk(kv_dir)                # also checks --kv-dir
-    if chosen.disk and disk_mem is None:    # the free space where the file will go, checked before allocation
-        budgets["disk"] = free
     if chosen.disk and issue != "eager":    # disk reads cannot sit in a CUDA graph
         if replay != "auto":
             raise ValueError("replay: decode replay cannot run disk units; use --replay off or auto")
