@@ -25,7 +25,7 @@ poll1m() {   # poll the detached 1M run every 15 s until it ends or $1 seconds p
     sleep 15
   done
   cat /tmp/kvpipe-1m/poll.txt | tail -5; tail -c 400 /tmp/kvpipe-1m/tiers-1m-run.log; echo; free -g | head -2
-  cp /tmp/kvpipe-1m/* "$OUT/" 2>/dev/null
+  if [ -s /tmp/kvpipe-1m/tiers-1m-run.json ]; then cp /tmp/kvpipe-1m/* "$OUT/" 2>/dev/null; else cp /tmp/kvpipe-1m/poll.txt "$OUT/"; fi
 }
 for spec in "$@"; do
   step=${spec%%:*}; lim=${spec#*:}; [ "$lim" = "$spec" ] && lim=300
@@ -39,7 +39,7 @@ for spec in "$@"; do
     tiers) timeout "$lim" python3 -m benchmarks.tiers disk --kv-dir /tmp --probe-gib 4 --out "$OUT/tiers-disk.json" 2>&1 | tail -14 ;;
     regrows) timeout "$lim" python3 -m benchmarks.regimes --rows "$ROWS" --decode 4 --out "$OUT/regimes-rows.json" 2>&1 | tail -24 ;;
     regimes) timeout "$lim" python3 -m benchmarks.regimes --decode 8 --out "$OUT/regimes.json" 2>&1 | tail -32 ;;
-    diag) timeout "$lim" python3 -m benchmarks.diag --out "$OUT/diag" 2>&1 | grep -v Warning | tail -12 ;;
+    diag) timeout "$lim" python3 -m benchmarks.diag --out "$OUT/diag" ${DIAG_ROWS:+--rows $DIAG_ROWS} 2>&1 | grep -v Warning | tail -12 ;;
     t1m) python3 -m benchmarks.tiers 1m --kv-dir /tmp --dir /tmp/kvpipe-1m 2>&1 | tail -4; poll1m "$lim" ;;
     t1mpoll) poll1m "$lim" ;;
     *) echo "unknown step $step" ;;

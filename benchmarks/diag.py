@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 from pathlib import Path
 
@@ -26,6 +27,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--traces", action="store_true", help="also write each row's Chrome traces and run JSON "
+                    "(the device returns at most 8 files)")
     args = ap.parse_args()
     import torch
     import kvpipe
@@ -36,24 +39,29 @@ def main() -> None:
     for name in args.rows.split(","):
         ctx, dec, knobs, prof = ROWS[name]
         kw = dict(model="llama-3-8b", random_weights=True, context=ctx, decode_tokens=dec, gpu_mem="24GB",
-                  hw="h200-testbox", progress=False, trace=out / f"{name}.trace.json", **knobs)
+                  hw="h200-testbox", progress=False, trace=out / f"{name}.trace.json" if args.traces else None, **knobs)
         if prof:
             acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
             with torch.profiler.profile(activities=acts) as p:
                 r = kvpipe.run(**kw)
             (out / f"{name}.kernels.txt").write_text(
                 p.key_averages().table(sort_by="cuda_time_total", row_limit=60, max_name_column_width=90))
-            p.export_chrome_trace(str(out / f"{name}.profile.json"))
+            if args.traces:
+                p.export_chrome_trace(str(out / f"{name}.profile.json"))
         else:
             r = kvpipe.run(**kw)
         j = r.to_json()
-        (out / f"{name}.json").write_text(json.dumps(j, indent=1))
+        if args.traces:
+            (out / f"{name}.json").write_text(json.dumps(j, indent=1))
         summary[name] = {"plan": j["plan"], "predicted": j["predicted"], "measured": j["measured"]}
         (out / "diag.json").write_text(json.dumps(summary, indent=1))
         m, p_ = j["measured"], j["predicted"]
         print(f"{name:16} prefill {m['prefill_s']:.3f}/{p_['prefill_s']:.3f} s  "
               f"decode {m['decode_s_per_token'] * 1e3:.2f}/{p_['decode_s_per_token'] * 1e3:.2f} ms (measured/predicted)",
               flush=True)
+        del r
+        gc.collect()
+        torch.cuda.empty_cache()   # the next row loads its own model under the same 24 GB cap
 
 
 if __name__ == "__main__":
