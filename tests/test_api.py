@@ -105,12 +105,14 @@ def tiny_config(tmp_path_factory):
 def test_run_result_is_what_the_cli_prints(tiny_config, capsys):
     # Fault caught: `kvpipe.run` and `kvpipe run --json` disagreeing on anything but the clock.
     pytest.importorskip("torch")
-    kw = dict(context=64, decode_tokens=3, chunk=16, resident="none", group=1, seed=4)
+    # the disk budget is given: by default it is the free space under --kv-dir, which other
+    # writers on the machine change between the two runs
+    kw = dict(context=64, decode_tokens=3, chunk=16, resident="none", group=1, seed=4, disk_mem="1GiB")
     res = kvpipe.run(model=tiny_config, random_weights=True, device="cpu", progress=False, **kw)
     capsys.readouterr()
     printed = cli_json(capsys, "run", "--model", tiny_config, "--random-weights", "--device", "cpu",
                        "--no-progress", "--context", "64", "--decode-tokens", "3", "--chunk", "16",
-                       "--resident", "none", "--group", "1", "--seed", "4")
+                       "--resident", "none", "--group", "1", "--seed", "4", "--disk-mem", "1GiB")
     mine = res.to_json()
     assert mine == json.loads(json.dumps(mine))          # JSON-native as is (lists, str keys)
     measured, printed_measured = mine.pop("measured"), printed.pop("measured")
