@@ -255,5 +255,6 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
         plot_timeline(plot_path, predicted.trace, real, title=f"{spec.name} {fmt_tokens(work.context)} on {dev}")
     return RunResult(spec, profile, work, budgets, predicted, mrep, real, res.tokens.cpu().tolist(),
                      measured.digest, str(dev), attention, "random weights" if random_weights else str(model),
-                     warnings, {"mode": res.decode_issue, "graphs": res.graphs, "capture_s": res.capture_s},
+                     warnings, {"mode": res.decode_issue, "graphs": res.graphs, "capture_s": res.capture_s,
+                                "fused": res.fused, "compile_s": res.compile_s},
                      res.disk, found)
