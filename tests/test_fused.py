@@ -179,3 +179,14 @@ def test_fused_within_bf16_rounding_of_unfused_and_eager(tiny_model, case, again
             top2 = b.topk(2, dim=-1).values[0]
             assert (top2[0] - top2[1]).item() <= 2 * (a - b).abs().max().item(), (k, case)
             break
+
+
+def test_run_refuses_a_bad_fuse_setting_with_one_line(monkeypatch, capsys):
+    """Fault caught: a bad KVPIPE_FUSE accepted, or refused with a traceback after the model loads
+    instead of one line and exit 2 before."""
+    from kvpipe.cli import main
+    monkeypatch.setenv(FUSE_ENV, "maybe")
+    code = main(["run", "--model", "llama-3-8b", "--context", "16", "--decode-tokens", "1",
+                 "--device", "cpu", "--random-weights", "--gpu-mem", "100GB"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and FUSE_ENV in err[0], (code, err)
