@@ -13,11 +13,11 @@ first decode step, in one memory pool. The write-back of each step's new K/V to 
 next replay waits for it. Eager issue (`capture=False`) runs the very same step code without a
 graph: the fallback, and the reference the replay is tested against bitwise. With fused decode
 pieces (KVPIPE_FUSE=1, executor/fused.py) their compilation runs before the first capture
-(`compile_s`, logged).
+(`compile_s`, printed on stderr).
 """
 from __future__ import annotations
 
-import logging
+import sys
 import time
 from dataclasses import dataclass, replace
 
@@ -193,7 +193,7 @@ class DecodeReplay:
         if self.interp.fused is not None:    # compiled outside any capture
             with torch.cuda.stream(gpu):
                 self.compile_s = self.interp.fused.warm(self.pos_all[:1])
-            logging.getLogger(__name__).info("fused decode pieces compiled and warmed in %.1f s", self.compile_s)
+            print(f"kvpipe: fused decode pieces compiled and warmed in {self.compile_s:.1f} s", file=sys.stderr, flush=True)
         if self.capture:
             self._capture_all()
         dev = self.dev
