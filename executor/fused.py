@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -74,7 +75,7 @@ _MATH = {"norm": rms_norm, "add_norm": add_norm, "rope": rope_layout, "act_mul":
 
 
 @functools.cache
-def compiled(name: str, compile: bool) -> callable:
+def compiled(name: str, compile: bool) -> Callable:
     """The function `name` of _MATH, torch.compile'd once per process (memoised: dynamo's cache
     then serves every layer and every run)."""
     fn = _MATH[name]
