@@ -2,7 +2,9 @@
 attended) in static device buffers (`DeviceStep`), and the interpreter's decode ops rewritten to
 read them (`ReplayInterpreter`): new K/V written at a device-held index, attention that reads its
 length on the device (`attention.attend_decode`), prefix copies of a fixed bucket length. The
-same ops serve a captured graph and eager issue; prefill runs the eager ops unchanged."""
+same ops serve a captured graph and eager issue; prefill runs the eager ops unchanged. With
+`fuse` (default: KVPIPE_FUSE) the decode ops call `fused.FusedDecode` instead of the adapter's
+pieces: the same math with the elementwise work fused (every placement runs the same code)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,6 +14,7 @@ import torch
 from kvpipe.pipeline.stage import Phase, Stage
 
 from .attention import attend_decode
+from .fused import FusedDecode, fuse_setting
 from .interpreter import Interpreter, _Step
 
 
@@ -34,9 +37,17 @@ class DeviceStep:
 
 class ReplayInterpreter(Interpreter):
     """The interpreter with decode ops that read their step from `dev` (a DeviceStep) instead of
-    host integers; prefill (and decode while `dev` is None) runs the eager ops unchanged."""
+    host integers; prefill (and decode while `dev` is None) runs the eager ops unchanged.
+    `fuse`: decode ops through FusedDecode (None: the KVPIPE_FUSE setting); the residual stream
+    then carries the last MLP's output in `_pending` until the next norm adds it."""
 
     dev: DeviceStep | None = None
+
+    def __init__(self, *args, fuse: bool | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        fuse = fuse_setting() if fuse is None else fuse
+        self.fused = FusedDecode(self.adapter) if fuse else None
+        self._pending: torch.Tensor | None = None   # [B, 1, hidden] MLP output not yet added
 
     def _device_step(self, s: Stage) -> bool:
         return s.phase is Phase.DECODE and self.dev is not None
@@ -46,17 +57,22 @@ class ReplayInterpreter(Interpreter):
             return super()._embed(s)
         hidden, rope = self.adapter.embed(self.dev.ids, 0, positions=self.dev.pos.view(1, 1))
         self._cur = _Step(s.phase, s.step, s.tokens[0], hidden, rope)
+        self._pending = None
 
     def _qkv(self, s: Stage) -> None:
         if not self._device_step(s):
             return super()._qkv(s)
         cur, lo = self._step(s), self.store.layout
-        q, kv = self.adapter.qkv(s.layer, cur.hidden, cur.rope)  # [1, Hq, 1, D], [1, H, 1, 2, D]
+        if self.fused is None:
+            q, kv = self.adapter.qkv(s.layer, cur.hidden, cur.rope)  # [1, Hq, 1, D], [1, H, 1, 2, D]
+        else:
+            cur.hidden, q, kv = self.fused.qkv(s.layer, cur.hidden, self._pending, cur.rope)
+            self._pending = None
         n = lo.resident[s.layer]
         if n:
             self.store.gpu[s.layer].index_copy_(2, self.dev.pos, kv[:, :n])  # at the device-held position
         B, Hq, T, D = q.shape
-        cur.q, cur.out = q, q.new_empty(B, T, Hq, D)
+        cur.q, cur.out = q, None if self.fused is not None else q.new_empty(B, T, Hq, D)
         self._kv[(s.phase, s.step, s.layer)] = [kv, 1 + (n < lo.kv_heads)]
 
     def _attn(self, s: Stage) -> None:
@@ -73,13 +89,31 @@ class ReplayInterpreter(Interpreter):
             buf = self.store.gpu[s.layer][:, h0:h0 + G]                # [1, G, S, 2, D]
         qs = slice(h0 * r, (h0 + G) * r)
         scale = self.adapter.body.layers[s.layer].self_attn.scaling
-        cur.out[:, :, qs] = attend_decode(cur.q[:, qs], buf, self.dev.lens, self.dev.cu_q, self.dev.cu_k, scale)
+        o = attend_decode(cur.q[:, qs], buf, self.dev.lens, self.dev.cu_q, self.dev.cu_k, scale)  # [1, 1, G*r, D]
+        if cur.out is None and G == self.store.layout.kv_heads:   # fused: one group holds every head
+            cur.out = o
+            return
+        if cur.out is None:
+            cur.out = o.new_empty(1, 1, cur.q.shape[1], o.shape[-1])    # [B, T, Hq, D]
+        cur.out[:, :, qs] = o
+
+    def _mlp(self, s: Stage) -> None:
+        if not self._device_step(s) or self.fused is None:
+            return super()._mlp(s)
+        cur = self._step(s)
+        cur.hidden, self._pending = self.fused.mlp(s.layer, cur.hidden, cur.out)
+        cur.q = cur.out = None
+        self._release((s.phase, s.step, s.layer))
 
     def _head(self, s: Stage) -> None:
         if not self._device_step(s):
             return super()._head(s)
         cur = self._step(s)
-        logits = self.adapter.head(cur.hidden)                          # [B, V] fp32
+        if self.fused is None:
+            logits = self.adapter.head(cur.hidden)                      # [B, V] fp32
+        else:
+            logits = self.fused.head(cur.hidden, self._pending)
+            self._pending = None
         self.dev.logits.copy_(logits)
         self.dev.ids.copy_(logits.argmax(-1, keepdim=True))             # greedy, the next step's input
         self.last_logits = self.dev.logits

@@ -11,10 +11,13 @@ consecutive steps and a run captures ceil(steps / bucket) + 1 graphs at most, al
 first decode step, in one memory pool. The write-back of each step's new K/V to pinned host RAM
 (its host offset moves every step) is issued eagerly on the d2h stream after the replay, and the
 next replay waits for it. Eager issue (`capture=False`) runs the very same step code without a
-graph: the fallback, and the reference the replay is tested against bitwise.
+graph: the fallback, and the reference the replay is tested against bitwise. With fused decode
+pieces (KVPIPE_FUSE=1, executor/fused.py) their compilation runs before the first capture
+(`compile_s`, printed on stderr).
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, replace
 
@@ -93,6 +96,7 @@ class DecodeReplay:
         self.waits = cross_lane_waits(graph)
         self.captured: dict[int, _Captured] = {}
         self.capture_s = 0.0
+        self.compile_s = 0.0     # host seconds compiling the fused decode pieces (0 unfused)
         self.dev: DeviceStep | None = None
 
     # ---- lifetime ------------------------------------------------------------------------
@@ -186,6 +190,10 @@ class DecodeReplay:
         gpu, d2h = streams[Lane.GPU], streams[Lane.D2H]
         for lane in (Lane.H2D, Lane.D2H):
             gpu.wait_stream(streams[lane])   # the prefill's copies are home before any step
+        if self.interp.fused is not None:    # compiled outside any capture
+            with torch.cuda.stream(gpu):
+                self.compile_s = self.interp.fused.warm(self.pos_all[:1])
+            print(f"kvpipe: fused decode pieces compiled and warmed in {self.compile_s:.1f} s", file=sys.stderr, flush=True)
         if self.capture:
             self._capture_all()
         dev = self.dev

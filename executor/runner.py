@@ -43,6 +43,8 @@ class RunResult:
                                   # step code without a graph; "eager": stage by stage
     graphs: int = 0               # CUDA graphs captured
     capture_s: float = 0.0        # host seconds spent capturing them (before the first decode step)
+    fused: bool = False           # decode steps ran the fused pieces (KVPIPE_FUSE=1, executor/fused.py)
+    compile_s: float = 0.0        # host seconds compiling them (before the first capture)
     disk_bytes: int = 0
     disk: dict | None = None
 
@@ -132,7 +134,7 @@ def _prefill_then_replay(graph: Graph, interp: ReplayInterpreter, lanes: Lanes, 
     with DecodeReplay(graph, interp, lanes, tokens, step_logits, capture=capture) as rep:
         spans = spans + rep.run(base, before=hook)
         extra = dict(decode_issue="graph" if capture else "issue", graphs=len(rep.captured),
-                     capture_s=rep.capture_s)
+                     capture_s=rep.capture_s, fused=interp.fused is not None, compile_s=rep.compile_s)
     assert [sp.stage for sp in spans] == list(range(len(graph.stages)))
     return spans, extra
 

@@ -217,6 +217,8 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
                          "omit --context to use the prompt's length")
     from kvpipe.executor.replay import resolve_mode   # `replay` refused before anything is loaded
     issue = resolve_mode(replay, dev, session.TORCH_DTYPES[spec.dtype], work.batch, spec.head_dim)
+    from kvpipe.executor.fused import fuse_setting   # a bad KVPIPE_FUSE too
+    fuse_setting()
     profile = load_profile(hw or session.guess_profile(dev) or DEFAULT_HW)
     free = free_disk(kv_dir)                # also checks --kv-dir; the disk budget the search may place units within
     budgets = {"gpu": budget(gpu_mem, session.device_budget(dev), "gpu-mem"),
@@ -255,5 +257,6 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
         plot_timeline(plot_path, predicted.trace, real, title=f"{spec.name} {fmt_tokens(work.context)} on {dev}")
     return RunResult(spec, profile, work, budgets, predicted, mrep, real, res.tokens.cpu().tolist(),
                      measured.digest, str(dev), attention, "random weights" if random_weights else str(model),
-                     warnings, {"mode": res.decode_issue, "graphs": res.graphs, "capture_s": res.capture_s},
+                     warnings, {"mode": res.decode_issue, "graphs": res.graphs, "capture_s": res.capture_s,
+                                "fused": res.fused, "compile_s": res.compile_s},
                      res.disk, found)

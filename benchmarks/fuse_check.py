@@ -1,0 +1,126 @@
+"""Fused decode on and off (KVPIPE_FUSE, executor/fused.py), issue 8's resident rows: Llama-3-8B
+shapes, random bf16 weights, `--group 8 --resident all`, decode steps replayed as CUDA graphs,
+8K and 32K, kvpipe's allocator capped at 24 GB; each row's ms/token against the HBM floor
+(weights + the KV attended, over the HBM read rate measured in the same process, as
+benchmarks/regimes.py computes it) and the fused row's logits against the unfused row's.
+
+  python -m benchmarks.fuse_check [--decode 16] [--out FILE.json]     # H200: ~1-2 minutes
+
+One process: the model is built once; the fused pieces are compiled once (timed: the cold
+compile) before the rows. The table prints last; JSON with the command and date goes to --out."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.regimes import GPU_BUDGET, MODEL, floor_of, hbm_read_rate, plan_for
+
+CONTEXTS = (8192, 32768)
+TARGET = 1.5          # issue 8: resident decode <= 1.5x the HBM floor
+
+
+def cold_compile_s(torch, hf) -> float:
+    """Seconds to compile and warm the fused pieces the first time in this process."""
+    from kvpipe.executor.adapter import HFAdapter
+    from kvpipe.executor.fused import FusedDecode
+    with torch.inference_mode():
+        return FusedDecode(HFAdapter(hf)).warm(torch.zeros(1, dtype=torch.long, device=hf.device))
+
+
+def measure(args) -> dict:
+    import torch
+
+    from kvpipe.executor import session
+    from kvpipe.executor.fused import FUSE_ENV
+    from kvpipe.pipeline.builder import build
+    from kvpipe.pipeline.model import load_model
+    from kvpipe.pipeline.report import timing_from_trace
+    from kvpipe.pipeline.workload import Workload
+    res = {"command": "python -m benchmarks.fuse_check " + " ".join(sys.argv[1:]),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "device": torch.cuda.get_device_name(), "torch": torch.__version__, "gpu_budget": GPU_BUDGET,
+           "rates": {"hbm_read_bytes_per_s": hbm_read_rate(torch)}, "rows": {}}
+    spec = load_model(MODEL)
+    device = session.resolve_device("cuda")
+    t0 = time.perf_counter()
+    hf = session.load_hf_model(MODEL, True, device, torch.bfloat16, 0)
+    res["model_load_s"] = time.perf_counter() - t0
+    res["cold_compile_s"] = cold_compile_s(torch, hf)
+    print(f"fused pieces compiled (cold) in {res['cold_compile_s']:.1f} s", file=sys.stderr, flush=True)
+    ids_all = session.prompt_tensor(None, 1, max(CONTEXTS), spec.vocab, 0)
+    budgets = {"gpu": GPU_BUDGET, "host": session.host_ram_bytes(), "disk": 0}
+    for context in CONTEXTS:
+        work = Workload(context, args.decode, 1)
+        plan = plan_for(spec, work, "8", "all", budgets)
+        logits = {}
+        for fuse in (False, True):
+            name = f"{context // 1024}k-{'fused' if fuse else 'unfused'}"
+            row = {"context": context, "decode_tokens": args.decode, "kind": "resident", "fuse": fuse,
+                   "plan": plan.to_json()}
+            os.environ[FUSE_ENV] = "1" if fuse else "0"
+            try:
+                t0 = time.perf_counter()
+                m = session.run_graph(build(spec, work, plan), hf, ids_all[:, :context], device, GPU_BUDGET,
+                                      progress=False, warmup=True, replay="on")
+                r = m.result
+                t = timing_from_trace(r.trace)
+                floor, _ = floor_of(row, spec, res["rates"])
+                row.update(decode_issue=r.decode_issue, fused=r.fused, graphs=r.graphs, capture_s=r.capture_s,
+                           compile_s=r.compile_s, wall_s=time.perf_counter() - t0,
+                           decode_s_per_token=t.decode_s_per_token, prefill_s=t.prefill_s,
+                           hbm_floor_s=floor, ratio=t.decode_s_per_token / floor,
+                           peak_gpu_bytes=r.peak_gpu_bytes, tokens=r.tokens[0].tolist())
+                assert r.fused is fuse, (r.fused, fuse)
+                logits[fuse] = r.last_logits.clone()   # [1, V] fp32, the last decode step
+                del m, r
+            except Exception as e:   # one failed row must not lose the others
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            finally:
+                os.environ.pop(FUSE_ENV, None)
+                torch.cuda.empty_cache()
+            res["rows"][name] = row
+            print(f"{name}: {row.get('decode_s_per_token', row.get('error'))}", file=sys.stderr, flush=True)
+        if len(logits) == 2:   # the last step's logits, fused vs unfused (same prompt, same plan)
+            a, b = logits[True].double(), logits[False].double()
+            res["rows"][f"{context // 1024}k-fused"]["last_logits_vs_unfused"] = {
+                "rel_l2": ((a - b).norm() / b.norm()).item(), "max_abs": (a - b).abs().max().item(),
+                "tokens_equal": res["rows"][f"{context // 1024}k-fused"]["tokens"]
+                == res["rows"][f"{context // 1024}k-unfused"]["tokens"]}
+        Path(args.out).write_text(json.dumps(res, indent=2))
+    return res
+
+
+def table(res: dict) -> list[str]:
+    lines = [f"HBM read {res['rates']['hbm_read_bytes_per_s'] / 1e12:.2f} TB/s; cold compile of the fused pieces "
+             f"{res.get('cold_compile_s', 0):.1f} s; target <= {TARGET}x the floor",
+             f"{'row':14}{'ms/token':>10}{'floor ms':>10}{'ratio':>7}{'capture s':>10}{'logits rel diff':>16}"]
+    for name, r in res["rows"].items():
+        if "error" in r:
+            lines.append(f"{name:14}failed: {r['error']}")
+            continue
+        diff = r.get("last_logits_vs_unfused", {}).get("rel_l2")
+        lines.append(f"{name:14}{r['decode_s_per_token'] * 1e3:10.2f}{r['hbm_floor_s'] * 1e3:10.2f}"
+                     f"{r['ratio']:7.2f}{r['capture_s']:10.2f}{'' if diff is None else f'{diff:.2e}':>16}")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--decode", type=int, default=16, help="decode steps per row")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M")
+    args.out = args.out or f"benchmarks/results/fuse-check-{stamp}.json"
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    res = measure(args)
+    print("\n".join(table(res)))
+    print(f"results: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
