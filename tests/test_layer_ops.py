@@ -1,0 +1,84 @@
+"""pipeline/layer_ops.py (the simulator's count of small kernels and their bytes per stage) against
+the aten ops that real HF modules and the executor's attention dispatch on CPU, counted by
+executor/op_inventory.py. Faults caught: a form that misses or invents a kernel (a norm's casts,
+RoPE's rotate_half, q's contiguous copy, the LSE merge), bytes off by a factor (dtype size, fp32
+intermediates, head counts, GQA repeat), a form that does not follow Qwen3's q/k norms or fp32
+models, and a transformers upgrade that changes HF's op sequence (the count then differs)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpipe.executor.adapter import HFAdapter
+from kvpipe.executor.loader import random_model
+from kvpipe.executor.op_inventory import record, tensor_bytes
+from kvpipe.pipeline import layer_ops
+
+CFG = dict(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=1,
+           num_attention_heads=8, num_key_value_heads=4, head_dim=16, max_position_embeddings=512,
+           tie_word_embeddings=False)
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _setup(model_type: str, dtype: str):
+    model = random_model(dict(CFG, model_type=model_type), "cpu", DTYPES[dtype], 0)
+    a = HFAdapter(model)
+    return a, a.spec()
+
+
+def _check(form, inv, extra_kernels: int = 0, extra_bytes: int = 0) -> None:
+    assert (form.kernels, form.bytes) == (inv.kernels - extra_kernels, inv.bytes - extra_bytes), inv.small
+
+
+@pytest.mark.parametrize("model_type,dtype", [("llama", "bf16"), ("llama", "fp32"), ("qwen3", "bf16")])
+@pytest.mark.parametrize("T", [1, 7])
+def test_layer_forms_match_counted_hf_ops(model_type, dtype, T):
+    a, m = _setup(model_type, dtype)
+    ids = torch.randint(0, CFG["vocab_size"], (1, T), generator=torch.Generator().manual_seed(1))
+    _check(layer_ops.embed(m, T), record(lambda: a.embed(ids, 3)))
+    hidden, rope = a.embed(ids, 3)
+    # qkv: the adapter's piece plus the interpreter's write home of the resident heads (copy_)
+    res = 3
+    home = torch.empty(1, m.kv_heads, T, 2, m.head_dim, dtype=DTYPES[dtype])
+
+    def qkv():
+        q, kv = a.qkv(0, hidden, rope)
+        home[:, :res].copy_(kv[:, :res])
+    _check(layer_ops.qkv(m, T, res), record(qkv))
+    out = torch.randn(1, T, m.q_heads, m.head_dim, dtype=DTYPES[dtype])
+    _check(layer_ops.mlp(m, T), record(lambda: a.mlp(0, hidden, out)))
+    # head: the adapter's norm + lm_head + float, then argmax and the token written (interpreter)
+    tokens = torch.zeros(1, 4, dtype=torch.long)
+    _check(layer_ops.head(m, 1), record(lambda: tokens.__setitem__((slice(None), 1), a.head(hidden).argmax(-1))))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("G,T,P", [(1, 5, 0), (2, 5, 0), (1, 5, 9), (2, 1, 9), (4, 6, 11)])
+def test_attention_form_matches_counted_ops(dtype, G, T, P):
+    a, m = _setup("llama", dtype)
+    dt = DTYPES[dtype]
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, m.q_heads, T, m.head_dim, generator=g).to(dt)
+    kv = torch.randn(1, m.kv_heads, T, 2, m.head_dim, generator=g).to(dt)
+    pre = torch.randn(1, m.kv_heads, P, 2, m.head_dim, generator=g).to(dt)
+    out = torch.empty(1, T, m.q_heads, m.head_dim, dtype=dt)
+    r = m.gqa_ratio
+    qs = slice(0, G * r)
+
+    def attn():   # the interpreter's _attn for group 0: attention, then the output copied in place
+        o = a.attend(0, q[:, qs], pre[:, :G, :, 0], pre[:, :G, :, 1], kv[:, :G, :, 0], kv[:, :G, :, 1])
+        out[:, :, qs] = o.transpose(1, 2)
+    inv = record(attn)
+    assert inv.attention == (2 if P else 1)
+    # The CPU kernel returns its LSE as [B, T, H]: reshaping the prefix part's LSE copies it there
+    # (one float32 value per query row and head); the CUDA kernels return [B, H, T] (a view).
+    lse_copy = [b for name, b, _ in inv.small if name == "clone" and b == 4 * G * r * T]
+    extra = (1, 2 * lse_copy[0]) if P and lse_copy else (0, 0)
+    _check(layer_ops.attn(m, T, G, P), inv, *extra)
+
+
+def test_tensor_bytes_counts_a_broadcast_once():
+    """The recorder itself: a stride-0 (expanded) operand is read once, not per broadcast copy."""
+    x = torch.zeros(3, 1, 5)
+    assert tensor_bytes(x.expand(3, 7, 5)) == 3 * 5 * 4
+    assert tensor_bytes(torch.zeros(0, 4)) == 0
