@@ -36,6 +36,8 @@ _FIELDS = {
     "host.graph_replay_s": ("graph_replay_s", float),
     "gpu.graph_node_s": ("graph_node_s", float),
     "gpu.launch_queue_ops": ("launch_queue_ops", float),
+    "gpu.small_kernel_s": ("small_kernel_s", float),
+    "gpu.elementwise_efficiency": ("elementwise_efficiency", float),
     "disk.read_bytes_per_s": ("disk_read_bytes_per_s", float),
     "disk.write_bytes_per_s": ("disk_write_bytes_per_s", float),
     "disk.alpha_s": ("disk_alpha_s", float),

@@ -11,6 +11,7 @@ waits only for the attention that last read its slot: the h2d lane runs ahead ac
 layer boundaries by `depth` slots (ping-pong prefetch with cross-layer lookahead)."""
 from __future__ import annotations
 
+from . import layer_ops
 from .memory import (attn_ws_bytes, breakdown, hidden_bytes, layer_act_bytes, logits_bytes,
                      mlp_act_bytes)
 from .model import ModelSpec
@@ -50,7 +51,7 @@ class _Builder:
         end, G = start + n, pp.group
         hid = hidden_bytes(m, B, n)
         prev = self.add(Kind.COMPUTE, "embed", phase, idx, None, None, (start, end), (after,),
-                        mem_bytes=2 * hid, takes=((Pool.GPU, hid),))
+                        mem_bytes=2 * hid, takes=((Pool.GPU, hid),), **_small(layer_ops.embed(m, B * n)))
         qkv_w = m.hidden * (m.q_heads + 2 * m.kv_heads) * m.head_dim * b
         mlp_w = m.layer_weight_bytes - qkv_w
         for layer in range(m.layers):
@@ -59,19 +60,20 @@ class _Builder:
             q = self.add(Kind.COMPUTE, "qkv", phase, idx, layer, None, (start, end), (prev,),
                          flops=B * n * m.qkv_flops_per_token,
                          mem_bytes=qkv_w + la + B * n * resident * unit_tok, ops=6,
-                         takes=((Pool.GPU, la),))
+                         takes=((Pool.GPU, la),), **_small(layer_ops.qkv(m, B * n, resident)))
             scored = self.score(phase, idx, layer, start, q)
             attns = [self.group(phase, idx, layer, g, start, n, pp, scored) for g in range(m.kv_heads // G)]
             self.store(phase, idx, layer, start, n, q)
             last = layer == m.layers - 1 and not with_head
             prev = self.add(Kind.COMPUTE, "mlp", phase, idx, layer, None, (start, end), attns,
                             flops=B * n * m.mlp_flops_per_token, mem_bytes=mlp_w + ma + la, ops=8,
-                            takes=((Pool.GPU, ma),), frees=((Pool.GPU, ma + la + (hid if last else 0)),))
+                            takes=((Pool.GPU, ma),), frees=((Pool.GPU, ma + la + (hid if last else 0)),),
+                            **_small(layer_ops.mlp(m, B * n)))
         if with_head:
             lg = logits_bytes(m, B)
             prev = self.add(Kind.COMPUTE, "head", phase, idx, None, None, (end - 1, end), (prev,),
                             flops=B * m.head_flops_per_token, mem_bytes=m.head_weight_bytes + lg, ops=3,
-                            takes=((Pool.GPU, lg),), frees=((Pool.GPU, lg + hid),))
+                            takes=((Pool.GPU, lg),), frees=((Pool.GPU, lg + hid),), **_small(layer_ops.head(m, B)))
         return prev
 
     def disk_codec(self, phase: Phase) -> str:
@@ -175,10 +177,15 @@ class _Builder:
                         heads=heads, slot=slot, flops=B * m.attn_flops(start, start + n, start + n, q_heads),
                         mem_bytes=B * (start + n) * len(heads) * unit_tok
                         + 2 * B * n * q_heads * m.head_dim * m.dtype_bytes + 2 * ws + copy_in,
-                        ops=5 if start else 2, takes=((Pool.GPU, ws),), frees=((Pool.GPU, ws + deq),))
+                        ops=5 if start else 2, takes=((Pool.GPU, ws),), frees=((Pool.GPU, ws + deq),),
+                        **_small(layer_ops.attn(m, B * n, pp.group, start)))
         if fetch is not None:
             self.slot_user[slot] = attn
         return attn
+
+
+def _small(ops: layer_ops.SmallOps) -> dict:
+    return {"small_ops": ops.kernels, "small_bytes": ops.bytes}
 
 
 def build(model: ModelSpec, work: Workload, plan: Plan, *, prefill: bool | range = True,

@@ -17,6 +17,25 @@ def compute_seconds(flops: float, mem_bytes: float, ops: int, hw: HardwareProfil
     return max(arith, mem_bytes / hw.hbm_eff_bytes_per_s) + ops * launch
 
 
+def small_seconds(kernels: int, nbytes: float, hw: HardwareProfile, replayed: bool = False) -> float:
+    """GPU seconds of a stage's small kernels (pipeline/layer_ops.py): their bytes at the
+    elementwise rate, and never less than the per-kernel floor for each (one token's kernel;
+    outside a graph a kernel also costs at least a launch)."""
+    if not kernels:
+        return 0.0
+    floor = hw.small_kernel_s if replayed else max(hw.small_kernel_s, hw.launch_overhead_s)
+    return max(kernels * floor, nbytes / (hw.hbm_eff_bytes_per_s * hw.elementwise_efficiency))
+
+
+def stage_small_seconds(s: Stage, hw: HardwareProfile, replayed: bool = False) -> float:
+    """Small kernels of compute stage `s`. A replayed decode attention attends prefix and token in
+    one call (executor/device_step.py): no repeat, no LSE merge; its output copy remains, and with a
+    transfer slot the new token's write into the slot."""
+    if replayed and s.tag == "attn":
+        return small_seconds(1 + (s.slot is not None), 0.0, hw, True)
+    return small_seconds(s.small_ops, s.small_bytes, hw, replayed)
+
+
 def new_attention_shape(s: Stage) -> bool:
     """The first attention stage of a prefill chunk with a prefix: every chunk's prefix length is
     new to the kernel (the chunk's own shape repeats; decode runs on FA2, which has no plans)."""
@@ -32,7 +51,8 @@ def stage_seconds(s: Stage, hw: HardwareProfile, dtype: str, replayed: bool = Fa
     """Device seconds of `s` on its lane; `replayed`: issued inside a CUDA graph (decode replay)."""
     if s.kind is Kind.COMPUTE:
         plan_build = hw.attention_plan_s if new_attention_shape(s) else 0.0
-        return compute_seconds(s.flops, s.mem_bytes, s.ops, hw, dtype, s.tag, replayed) + plan_build
+        return (compute_seconds(s.flops, s.mem_bytes, s.ops, hw, dtype, s.tag, replayed) + plan_build
+                + stage_small_seconds(s, hw, replayed))
     if s.kind is Kind.H2D:
         return s.ops * hw.h2d_alpha_s + s.bytes / hw.h2d_bytes_per_s
     if s.kind is Kind.D2H:

@@ -14,7 +14,7 @@ _RATE_FIELDS = ("hbm_peak_bytes_per_s", "hbm_eff_bytes_per_s", "h2d_bytes_per_s"
 # Fixed costs: zero means "none", so >= 0 is allowed.
 _OVERHEAD_FIELDS = ("small_shape_half_flops", "launch_overhead_s", "attention_plan_s", "h2d_alpha_s",
                     "d2h_alpha_s", "disk_alpha_s", "host_issue_s_per_stage", "host_issue_s_per_op",
-                    "graph_replay_s", "graph_node_s", "launch_queue_ops")
+                    "graph_replay_s", "graph_node_s", "launch_queue_ops", "small_kernel_s")
 
 FlopsTable = tuple[tuple[str, float], ...]  # ((dtype, FLOP/s), ...) sorted by dtype
 
@@ -100,6 +100,12 @@ class HardwareProfile:
     graph_node_s: float            # GPU seconds per kernel inside a replayed graph (replaces launch_overhead_s)
     launch_queue_ops: float        # launches the host may have in flight before issuing blocks
     codecs: tuple[CodecRates, ...] = ()   # per codec rates and ratio ([codec.<name>] tables)
+    # The small kernels of a stage (norms, RoPE, activations, residual adds, casts, copies; counted
+    # by pipeline/layer_ops.py): each takes at least `small_kernel_s` of GPU time (one token's
+    # kernel; 0 = no floor), their bytes stream at `elementwise_efficiency` x hbm_eff_bytes_per_s.
+    # The defaults (free floor, copy rate) serve synthetic profiles; bundled ones state theirs.
+    small_kernel_s: float = 0.0
+    elementwise_efficiency: float = 1.0
 
     def __post_init__(self) -> None:
         for f in ("name", "description"):
@@ -117,6 +123,10 @@ class HardwareProfile:
         if isinstance(eff, bool) or not isinstance(eff, (int, float)) or not 0 < eff <= 1:
             raise HardwareFieldError("attention_efficiency", f"must be a number in (0, 1], got {eff!r}")
         object.__setattr__(self, "attention_efficiency", float(eff))
+        ew = self.elementwise_efficiency
+        if isinstance(ew, bool) or not isinstance(ew, (int, float)) or not 0 < ew <= 1:
+            raise HardwareFieldError("elementwise_efficiency", f"must be a number in (0, 1], got {ew!r}")
+        object.__setattr__(self, "elementwise_efficiency", float(ew))
         if not isinstance(self.pcie_duplex, bool):
             raise HardwareFieldError("pcie_duplex", f"must be true or false, got {self.pcie_duplex!r}")
         for f in ("flops_peak_per_s", "flops_eff_per_s"):

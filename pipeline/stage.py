@@ -73,6 +73,8 @@ class Stage:
     takes: tuple[tuple[Pool, int], ...] = ()
     frees: tuple[tuple[Pool, int], ...] = ()
     codec: str = "none"   # a disk read/write moves `bytes` through this codec; (de)compress runs it
+    small_ops: int = 0         # compute: small kernels besides GEMMs and fused attention (layer_ops.py) ...
+    small_bytes: float = 0.0   # ... and the bytes they read + write
 
     @property
     def lane(self) -> Lane:

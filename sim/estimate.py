@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from kvpipe.pipeline.cost import compute_seconds
+from kvpipe.pipeline import layer_ops
+from kvpipe.pipeline.cost import compute_seconds, small_seconds
 from kvpipe.pipeline.hardware import HardwareProfile
 from kvpipe.pipeline.memory import (attn_ws_bytes, chunk_sizes, hidden_bytes, layer_act_bytes,
                                     logits_bytes, mlp_act_bytes)
@@ -60,23 +61,26 @@ def step_busy(model: ModelSpec, work: Workload, hw: HardwareProfile, layout: tup
     b, ut, dt = m.dtype_bytes, m.kv_unit_bytes_per_token, m.dtype
     busy = dict.fromkeys(LANES, 0.0)
     hid = hidden_bytes(m, B, n)
-    gpu = compute_seconds(0.0, 2 * hid, 1, hw, dt, "embed", replayed)
+    gpu = compute_seconds(0.0, 2 * hid, 1, hw, dt, "embed", replayed) + _small(layer_ops.embed(m, B * n), hw, replayed)
     qkv_w = m.hidden * (m.q_heads + 2 * m.kv_heads) * m.head_dim * b
     mlp_w = m.layer_weight_bytes - qkv_w
     la, ma = layer_act_bytes(m, B, n), mlp_act_bytes(m, B, n)
     q_heads = G * m.gqa_ratio
     ws = attn_ws_bytes(m, B, n, G)
     attn_flops = B * m.attn_flops(start, start + n, start + n, q_heads)
-    mlp = compute_seconds(B * n * m.mlp_flops_per_token, mlp_w + ma + la, 8, hw, dt, "mlp", replayed)
+    mlp = compute_seconds(B * n * m.mlp_flops_per_token, mlp_w + ma + la, 8, hw, dt, "mlp", replayed) \
+        + _small(layer_ops.mlp(m, B * n), hw, replayed)
     for count, n_off, n_dsk, kinds in layout:
         resident = m.kv_heads - n_off
         layer = compute_seconds(B * n * m.qkv_flops_per_token, qkv_w + la + B * n * resident * ut, 6,
-                                hw, dt, "qkv", replayed) + mlp
+                                hw, dt, "qkv", replayed) + mlp + _small(layer_ops.qkv(m, B * n, resident), hw, replayed)
         h2d = disk = 0.0
         for (o, d), k in kinds:
             copy_in = 2 * B * start * (G - o) * ut if o else 0
             mem = B * (start + n) * G * ut + 2 * B * n * q_heads * m.head_dim * b + 2 * ws + copy_in
-            layer += k * compute_seconds(attn_flops, mem, 5 if start else 2, hw, dt, "attn", replayed)
+            layer += k * (compute_seconds(attn_flops, mem, 5 if start else 2, hw, dt, "attn", replayed)
+                          + (small_seconds(1 + bool(o and start), 0.0, hw, True) if replayed
+                             else _small(layer_ops.attn(m, B * n, G, start), hw, False)))
             if o and start > 0:
                 h2d += k * (B * o * hw.h2d_alpha_s + B * start * o * ut / hw.h2d_bytes_per_s)
             if d and start > 0:
@@ -92,9 +96,13 @@ def step_busy(model: ModelSpec, work: Workload, hw: HardwareProfile, layout: tup
         busy["gpu"] += hw.attention_plan_s
     if with_head:
         gpu += compute_seconds(B * m.head_flops_per_token, m.head_weight_bytes + logits_bytes(m, B), 3,
-                               hw, dt, "head", replayed)
+                               hw, dt, "head", replayed) + _small(layer_ops.head(m, B), hw, replayed)
     busy["gpu"] += gpu
     return busy
+
+
+def _small(ops: layer_ops.SmallOps, hw: HardwareProfile, replayed: bool) -> float:
+    return small_seconds(ops.kernels, ops.bytes, hw, replayed)
 
 
 def _bound(busy: dict[str, float], hw: HardwareProfile) -> float:

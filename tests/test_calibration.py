@@ -41,7 +41,8 @@ def test_written_profile_loads_and_keeps_every_value(tmp_path):
             "host.mem_bytes": 64_000_000_000, "host.cpu_codec_bytes_per_s": 2e9, "disk.read_bytes_per_s": 3e9,
             "disk.write_bytes_per_s": 2e9, "disk.alpha_s": 8e-5, "disk.bytes": 10**12,
             "host.issue_s_per_stage": 1.5e-4, "host.issue_s_per_op": 4e-5, "host.graph_replay_s": 2.5e-4,
-            "gpu.graph_node_s": 1e-6, "gpu.launch_queue_ops": 1024.0}
+            "gpu.graph_node_s": 1e-6, "gpu.launch_queue_ops": 1024.0, "gpu.small_kernel_s": 2e-6,
+            "gpu.elementwise_efficiency": 0.7}
     for dtype in base.dtypes:
         vals[f"gpu.compute.{dtype}.peak_flops_per_s"] = 1000e12
         vals[f"gpu.compute.{dtype}.effective_flops_per_s"] = 700e12

@@ -5,7 +5,9 @@ Models and plans: the MHA (bf16, with disk units) and GQA (fp32) cases of test_m
 import pytest
 
 from kvpipe.pipeline.builder import build
-from kvpipe.pipeline.cost import compute_seconds, stage_seconds
+from dataclasses import replace
+
+from kvpipe.pipeline.cost import compute_seconds, small_seconds, stage_seconds
 from kvpipe.pipeline.hardware import HardwareProfile
 from kvpipe.pipeline.stage import Kind, Phase, Stage
 from test_memory import GQA, GQA_PLAN, GQA_WORK, MHA, MHA_PLAN, MHA_WORK
@@ -51,7 +53,10 @@ def check(stage: Stage, dtype: str, *, bytes=None, ops=None, flops=None, mem=Non
         assert stage.flops == flops, stage.name
     if mem is not None:
         assert stage.mem_bytes == mem, stage.name
-    assert stage_seconds(stage, HW, dtype) == pytest.approx(seconds, rel=REL), stage.name
+    # plus the stage's small kernels (counted by layer_ops, tested in test_layer_ops.py): this
+    # machine has no per-kernel floor beyond a launch (1e-6) and streams them at hbm_eff (1e9)
+    small = max(stage.small_ops * 1e-6, stage.small_bytes / 1e9) if stage.kind is Kind.COMPUTE else 0.0
+    assert stage_seconds(stage, HW, dtype) == pytest.approx(seconds + small, rel=REL), stage.name
 
 
 def test_mha_copies_by_hand(mha):
@@ -125,3 +130,21 @@ def test_codec_stage_by_hand():
     """Fault caught: codec stages timed by another rate than the CPU codec pool's."""
     s = Stage(0, Kind.COMPRESS, "compress", Phase.PREFILL, 0, 0, None, (0, 1), bytes=6_000_000)
     assert stage_seconds(s, HW, "bf16") == pytest.approx(6e6 / 3e9, rel=REL)
+
+
+def test_small_kernels_by_hand(mha):
+    """Faults caught: small kernels' bytes not slowed by elementwise_efficiency, the per-kernel
+    floor ignored (decode) or charged on top of the bytes (prefill), eager kernels under a launch,
+    a replayed decode attention charged the eager path's LSE merge."""
+    hw = replace(HW, small_kernel_s=3e-6, elementwise_efficiency=0.5)
+    assert small_seconds(10, 1e6, hw, True) == pytest.approx(1e6 / 0.5e9, rel=REL)      # bytes bind
+    assert small_seconds(10, 10.0, hw, True) == pytest.approx(10 * 3e-6, rel=REL)      # the floor binds
+    assert small_seconds(10, 10.0, replace(hw, launch_overhead_s=7e-6)) == pytest.approx(7e-5, rel=REL)
+    assert small_seconds(0, 1e9, hw) == 0.0
+    # A decode attention with a prefix: eager it merges (11 + 1 kernels); replayed one copy is left,
+    # and with a transfer slot the new token's write into the slot.
+    resident, fetched = mha["decode.0.L0.attn.g0"], mha["decode.0.L1.attn.g1"]
+    assert resident.small_ops == 12 and resident.slot is None and fetched.slot is not None
+    base = {s: stage_seconds(s, replace(hw, small_kernel_s=0.0), "bf16", True) for s in (resident, fetched)}
+    assert stage_seconds(resident, hw, "bf16", True) == pytest.approx(base[resident] + 3e-6, rel=REL)
+    assert stage_seconds(fetched, hw, "bf16", True) == pytest.approx(base[fetched] + 6e-6, rel=REL)
