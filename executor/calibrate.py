@@ -1,5 +1,6 @@
 """`kvpipe calibrate`: measure this machine and write a hardware profile whose numbers are
-measurements — GEMM rate at the graph's shapes, attention rate per kernel (prefill chunks against
+measurements — GEMM rate at the graph's shapes, small-kernel floor and elementwise rate of one
+decoder layer's non-GEMM ops, attention rate per kernel (prefill chunks against
 several prefixes, decode against long KV), kernel launch cost, pinned H2D/D2H as alpha + bytes/beta
 from 64 KiB to 1 GiB and both at once, HBM copy rate, O_DIRECT disk read/write. Timings are CUDA
 events around the region, medians of repeats, after a warm-up. Datasheet peaks (which no
@@ -98,6 +99,77 @@ def host_issue(cal: Calibration) -> None:
     cal.set("host.graph_replay_s", statistics.median(r["host_s_per_step"] for r in replay if r["resident"]),
             "host seconds of one replayed decode step (same model, resident plans), median")
     cal.extra["issue_probe"] = {"eager": eager, "replay": replay}
+
+
+def layer_small_ops(a, T: int, P: int):
+    """The small kernels (executor/op_inventory.py, calls kept) of layer 0 of adapter `a` for a
+    T-token step over a P-token prefix, all KV heads in one group: qkv, the K/V written home,
+    attention with its LSE merge, the output made contiguous, mlp."""
+    from .op_inventory import record
+    dev, dt = a.device, a.dtype
+    g = torch.Generator(device=dev).manual_seed(0)
+    ids = torch.randint(0, a.model.config.vocab_size, (1, T), device=dev, generator=g)
+    pre = torch.randn(1, a.kv_heads, P, 2, a.head_dim, device=dev, generator=g).to(dt)
+    home = torch.empty(1, a.kv_heads, T, 2, a.head_dim, device=dev, dtype=dt)
+    hidden, rope = a.embed(ids, P)
+
+    def layer() -> None:
+        q, kv = a.qkv(0, hidden, rope)
+        home.copy_(kv)
+        o = a.attend(0, q, pre[:, :, :, 0], pre[:, :, :, 1], kv[:, :, :, 0], kv[:, :, :, 1])
+        a.mlp(0, hidden, o.transpose(1, 2).contiguous())
+    return record(layer, keep=True)
+
+
+def replayer(inv):
+    """A function that runs the kept small-kernel calls of `inv` again, in order (same inputs)."""
+    def run() -> None:
+        for func, args, kwargs in inv.ops:
+            func(*args, **kwargs)
+    return run
+
+
+def small_kernels(cal: Calibration, tokens: int = 8192, reps: int = 20) -> None:
+    """The per-kernel floor and the elementwise rate of the small kernels (norms, RoPE, SiLU * up,
+    residual adds, casts, copies, the LSE merge): one decoder layer of a Llama-3-8B-shaped bf16
+    model runs its qkv, one head group's attention over a prefix, and mlp pieces once under
+    executor/op_inventory's recorder, which keeps every small kernel's call; those calls alone are
+    then run again: at 1 token captured in a CUDA graph (GPU seconds per kernel: the floor), at
+    `tokens` tokens eagerly (bytes read + written per second, over the HBM copy rate)."""
+    from .adapter import HFAdapter
+    from .loader import random_model
+    cfg = dict(model_type="llama", vocab_size=1024, hidden_size=4096, intermediate_size=14336,
+               num_hidden_layers=1, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+               max_position_embeddings=2 * tokens + 8, tie_word_embeddings=False)
+    a = HFAdapter(random_model(cfg, "cuda", torch.bfloat16, 0))
+    found = {}
+    for T in (1, tokens):
+        inv = layer_small_ops(a, T, max(T, 16))
+        small = replayer(inv)
+        with torch.no_grad():
+            if T == 1:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    small()
+                torch.cuda.current_stream().wait_stream(side)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    for _ in range(reps):
+                        small()
+                sec = cuda_median_s(g.replay, 5) / reps
+            else:
+                sec = cuda_median_s(small, 5)
+        found[T] = (inv.kernels, inv.bytes, sec)
+    k1, _, s1 = found[1]
+    kT, bT, sT = found[tokens]
+    cal.set("gpu.small_kernel_s", s1 / k1, f"one Llama-3-8B-shaped layer's {k1} small kernels at 1 token "
+            f"(recorded by executor/op_inventory.py), {reps}x in a CUDA graph, GPU seconds per kernel")
+    rate = bT / sT
+    cal.set("gpu.elementwise_efficiency", min(1.0, rate / cal.values["gpu.hbm_eff_bytes_per_s"]),
+            f"the same layer's {kT} small kernels at {tokens} tokens ({bT / 1e9:.2f} GB read + written) "
+            f"in {sT * 1e3:.2f} ms, over the HBM copy rate")
+    cal.extra["small_kernels"] = {str(T): {"kernels": k, "bytes": b, "seconds": s} for T, (k, b, s) in found.items()}
 
 
 def hbm(cal: Calibration) -> None:
@@ -240,7 +312,8 @@ def calibrate(base: HardwareProfile, name: str, kv_dir: str | None = None, quick
     cal = Calibration(name, f"{props.name} (calibrated; datasheet peaks from profile {base.name})", source)
     cal.set("gpu.mem_bytes", torch.cuda.mem_get_info()[1], "cudaMemGetInfo total")
     cal.set("host.mem_bytes", free_host, "physical RAM (sysconf)")
-    steps = [("HBM copy", lambda: hbm(cal)), ("kernel launch", lambda: launch(cal))]
+    steps = [("HBM copy", lambda: hbm(cal)), ("kernel launch", lambda: launch(cal)),
+             ("small kernels", lambda: small_kernels(cal))]
     eff = {}
     steps.append(("GEMM", lambda: eff.setdefault("bf16", gemm(cal, quick))))
     steps.append(("attention", lambda: attention(cal, eff["bf16"], quick)))

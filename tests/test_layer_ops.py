@@ -82,3 +82,21 @@ def test_tensor_bytes_counts_a_broadcast_once():
     x = torch.zeros(3, 1, 5)
     assert tensor_bytes(x.expand(3, 7, 5)) == 3 * 5 * 4
     assert tensor_bytes(torch.zeros(0, 4)) == 0
+
+
+def test_calibration_layer_replays_the_kernels_the_simulator_counts():
+    """`kvpipe calibrate` times one layer's small kernels by running their recorded calls again
+    (executor/calibrate.layer_small_ops, replayer). Faults caught: a replay that skips or adds
+    kernels (the floor and rate would then be per the wrong count), and a calibration layer that
+    is not the layer the simulator costs (qkv with every head resident + one group's attention
+    over a prefix + mlp, as layer_ops counts them)."""
+    from kvpipe.executor.calibrate import layer_small_ops, replayer
+    a, m = _setup("llama", "bf16")
+    T, P = 6, 9
+    inv = layer_small_ops(a, T, P)
+    again = record(replayer(inv))
+    assert again.small == inv.small and again.gemms == again.attention == 0
+    form = layer_ops.qkv(m, T, m.kv_heads) + layer_ops.attn(m, T, m.kv_heads, P) + layer_ops.mlp(m, T)
+    lse_copy = [b for name, b, _ in inv.small if name == "clone" and b == 4 * m.q_heads * T]   # CPU only
+    assert len(lse_copy) == 1
+    _check(form, inv, 1, 2 * lse_copy[0])
