@@ -1,52 +1,262 @@
-"""The simulator against the eager rows measured on the H200 (docs/BASELINES.md,
-"kvpipe across regimes", landed 0cfeb8a: decode issued stage by stage, one run each, 16 decode
-tokens, --gpu-mem 24GB), predicted with the profile's host-issue figures (measured by
-benchmarks/issue_cost.py on a 2-layer model, not fitted to these rows). Also prints what the
-simulator predicts for the same rows under graph replay (no measurement yet). CPU only:
+"""The simulator against real runs (issue 10 §4): 17 explicit plans spanning contexts 4K-128K,
+groups 1/2/4/8, resident none/some/all and prefill chunks 2K-32K, each run once on the GPU
+(prefill and a few decode steps, replayed as `kvpipe run --replay auto` does) and predicted by the
+simulator with a profile whose numbers are measurements (`kvpipe calibrate`), never fitted to
+these rows. Llama-3-8B shapes, random bf16 weights, batch 1, allocator capped at 24 GB; one
+process builds the model once (~2 minutes of H200 time in all).
 
-  python -m benchmarks.sim_check
-"""
+  python -m benchmarks.sim_check --measure OUT.json           # on the GPU (predicts too if simpy is there)
+  python -m benchmarks.sim_check --report OUT.json [--hw P]   # here: predictions, table, plot (PNG)
+  python -m benchmarks.sim_check --baselines                  # the older eager rows of docs/BASELINES.md
+
+The report prints, last, a table of every row and median / max |error| for prefill and decode
+separately, writes the predictions back into the JSON and a predicted-vs-measured plot beside it
+(OUT.png, if matplotlib is installed). Rows 8k-g8-all-c8k, 32k-g8-all-c8k and 32k-g8-some-c16k
+are the rows used to DIAGNOSE the small-kernel model (pipeline/layer_ops.py); no number was fitted
+to them or to any other row."""
 from __future__ import annotations
 
+import argparse
+import datetime
+import json
 import statistics
+import sys
+import time
+from pathlib import Path
 
-# (context, --group, --resident) -> (decode ms/token, prefill s), measured (baselines.md)
-MEASURED = {
-    (8192, "auto", "auto"): (88.5, 0.69), (8192, "8", "all"): (32.5, 0.27),
-    (32768, "auto", "auto"): (96.0, 1.55), (32768, "8", "all"): (33.9, 1.48),
-    (32768, "1", "none"): (170, 1.75), (32768, "2", "none"): (146, 1.55),
-    (32768, "4", "none"): (92.5, 1.50), (32768, "8", "none"): (78.3, 1.49),
-    (65536, "1", "none"): (156, 4.05), (65536, "2", "none"): (157, 4.19),
-    (65536, "4", "none"): (178, 3.96), (65536, "8", "none"): (156, 3.94),
-    (131072, "1", "none"): (311, 12.05), (131072, "2", "none"): (311, 11.72),
-    (131072, "4", "none"): (311, 11.70), (131072, "8", "none"): (311, 11.74),
-    (131072, "8", "max"): (220, 11.82),
+GPU_BUDGET = 24_000_000_000
+MODEL = "llama-3-8b"
+DECODE = 6
+# name -> (context, group, prefill chunk, resident units of 256)
+ROWS = {
+    "4k-g1-all-c2k": (4096, 1, 2048, 256),
+    "4k-g8-none-c4k": (4096, 8, 4096, 0),
+    "8k-g8-all-c8k": (8192, 8, 8192, 256),
+    "8k-g2-some-c2k": (8192, 2, 2048, 128),
+    "8k-g4-none-c8k": (8192, 4, 8192, 0),
+    "8k-g1-none-c4k": (8192, 1, 4096, 0),
+    "16k-g1-all-c16k": (16384, 1, 16384, 256),
+    "16k-g8-none-c4k": (16384, 8, 4096, 0),
+    "16k-g4-some-c8k": (16384, 4, 8192, 64),
+    "32k-g8-all-c8k": (32768, 8, 8192, 256),
+    "32k-g8-some-c16k": (32768, 8, 16384, 165),
+    "32k-g2-none-c32k": (32768, 2, 32768, 0),
+    "32k-g1-none-c8k": (32768, 1, 8192, 0),
+    "64k-g8-none-c16k": (65536, 8, 16384, 0),
+    "64k-g4-some-c32k": (65536, 4, 32768, 64),
+    "128k-g8-none-c32k": (131072, 8, 32768, 0),
+    "128k-g2-some-c16k": (131072, 2, 16384, 80),
 }
+DIAGNOSED = ("8k-g8-all-c8k", "32k-g8-all-c8k", "32k-g8-some-c16k")
+
+
+def plan_of(name: str):
+    from kvpipe.pipeline.plan import Method, PhasePlan, Plan
+    _, group, chunk, resident = ROWS[name]
+    return Plan(Method.HEADWISE, PhasePlan(group, chunk, 2), PhasePlan(group, 1, 2), resident, 0)
+
+
+def profile(hw_name: str, res: dict, session_small: bool = True):
+    """The profile predictions use: `hw_name`, with the small-kernel floor and elementwise rate
+    measured in the same session as the rows (`--measure` runs `kvpipe calibrate`'s micro-benchmark
+    first) when the file holds them and `session_small`."""
+    from dataclasses import replace
+
+    from kvpipe.hw_profiles import load_profile
+    hw = load_profile(hw_name)
+    cal = res.get("calibration")
+    if not (cal and session_small):
+        return hw, f"{hw_name}"
+    eff = min(1.0, cal["elementwise_bytes_per_s"] / hw.hbm_eff_bytes_per_s)
+    hw = replace(hw, small_kernel_s=cal["small_kernel_s"], elementwise_efficiency=eff)
+    return hw, (f"{hw_name} with the session's small_kernel_s {hw.small_kernel_s:.3g} s and "
+                f"elementwise_efficiency {eff:.3f} (calibrate micro-benchmark, same run)")
+
+
+def predict(row: dict, hw) -> dict:
+    """The simulator's prediction of a saved row (its plan, workload and decode issue mode) on profile `hw`."""
+    from kvpipe.pipeline.model import load_model
+    from kvpipe.pipeline.plan import Plan
+    from kvpipe.pipeline.workload import Workload
+    from kvpipe.sim.simulate import simulate
+    work = Workload(row["context"], row["decode_tokens"], 1)
+    rep = simulate(load_model(MODEL), work, Plan.from_json(row["plan"]), hw,
+                   replay=row.get("decode_issue", "graph") == "graph").report
+    return {"prefill_s": rep.timing.prefill_s, "decode_s_per_token": rep.timing.decode_s_per_token}
+
+
+def errors(res: dict) -> dict[str, list[float]]:
+    """Relative errors (predicted - measured) / measured, per metric, over rows with both."""
+    out: dict[str, list[float]] = {"prefill_s": [], "decode_s_per_token": []}
+    for r in res["rows"].values():
+        for key in out:
+            m, p = r.get("measured", {}).get(key), r.get("predicted", {}).get(key)
+            if m and isinstance(p, float):
+                out[key].append((p - m) / m)
+    return out
+
+
+def summary(errs: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    return {k: {"rows": len(v), "median_abs": statistics.median(abs(e) for e in v),
+                "max_abs": max(abs(e) for e in v)} for k, v in errs.items() if v}
+
+
+def table(res: dict) -> list[str]:
+    lines = [f"{'row':20}{'prefill s':>10}{'pred':>9}{'err':>7}{'decode ms':>11}{'pred':>9}{'err':>7}"]
+    for name, r in res["rows"].items():
+        if "measured" not in r:
+            lines.append(f"{name:20}failed: {r.get('error')}")
+            continue
+        m, p = r["measured"], r.get("predicted", {})
+        cells = []
+        for key, scale, fmt in (("prefill_s", 1, "{:10.3f}{:9.3f}"), ("decode_s_per_token", 1e3, "{:11.2f}{:9.2f}")):
+            mv, pv = m.get(key), p.get(key)
+            if mv and isinstance(pv, float):
+                cells.append(fmt.format(mv * scale, pv * scale) + f"{(pv - mv) / mv:+7.0%}")
+            else:
+                cells.append(" " * (19 if key == "prefill_s" else 20) + "      -")
+        lines.append(f"{name:20}" + "".join(cells) + ("  (diagnosed)" if name in DIAGNOSED else ""))
+    for key, s in summary(errors(res)).items():
+        lines.append(f"{key:20} {s['rows']} rows: median |error| {s['median_abs']:.1%}, max {s['max_abs']:.1%}")
+    return lines
+
+
+def plot(res: dict, path: Path) -> str:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no plot (matplotlib is not installed)"
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.5))
+    for ax, key, unit, scale in ((axes[0], "prefill_s", "s", 1), (axes[1], "decode_s_per_token", "ms", 1e3)):
+        pts = [(r["measured"][key] * scale, r["predicted"][key] * scale, n) for n, r in res["rows"].items()
+               if r.get("measured", {}).get(key) and isinstance(r.get("predicted", {}).get(key), float)]
+        if not pts:
+            continue
+        xs, ys, names = zip(*pts)
+        lo, hi = min(xs + ys) * 0.8, max(xs + ys) * 1.25
+        ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
+        ax.fill_between([lo, hi], [lo * 0.85, hi * 0.85], [lo * 1.15, hi * 1.15], color="0.9", label="±15%")
+        ax.scatter(xs, ys, s=14)
+        for x, y, n in pts:
+            ax.annotate(n, (x, y), fontsize=6)
+        ax.set(xscale="log", yscale="log", xlabel=f"measured ({unit})", ylabel=f"predicted ({unit})",
+               title=key.replace("_", " "))
+        ax.legend(loc="upper left", fontsize=7)
+    fig.suptitle(f"kvpipe simulator vs measured, {res.get('device', '?')}\nprofile {res.get('profile', '?')}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return f"plot: {path}"
+
+
+def measure(out: Path, names: list[str], decode: int) -> dict:
+    import torch
+
+    from kvpipe.executor import session
+    from kvpipe.pipeline.builder import build
+    from kvpipe.pipeline.memory import breakdown
+    from kvpipe.pipeline.model import load_model
+    from kvpipe.pipeline.report import budget_problems, timing_from_trace
+    from kvpipe.pipeline.workload import Workload
+    res = {"command": "python -m benchmarks.sim_check " + " ".join(sys.argv[1:]),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "device": torch.cuda.get_device_name(), "torch": torch.__version__, "gpu_budget": GPU_BUDGET,
+           "rows": {}}
+    t_start = time.perf_counter()
+    from kvpipe.executor.calibrate import hbm, small_kernels
+    from kvpipe.pipeline.calibration import Calibration
+    cal = Calibration("session", "sim_check", "sim_check")
+    hbm(cal)
+    small_kernels(cal)
+    res["calibration"] = {"small_kernel_s": cal.values["gpu.small_kernel_s"],
+                          "elementwise_bytes_per_s": cal.extra["elementwise_bytes_per_s"],
+                          "hbm_copy_bytes_per_s": cal.values["gpu.hbm_eff_bytes_per_s"],
+                          "how": {k: cal.notes[k] for k in ("gpu.small_kernel_s", "gpu.elementwise_efficiency")},
+                          "inventory": cal.extra["small_kernels"]}
+    torch.cuda.empty_cache()
+    spec = load_model(MODEL)
+    device = session.resolve_device("cuda")
+    hf = session.load_hf_model(MODEL, True, device, torch.bfloat16, 0)
+    ids_all = session.prompt_tensor(None, 1, max(ROWS[n][0] for n in names), spec.vocab, 0)
+    res["load_s"] = time.perf_counter() - t_start
+    budgets = {"gpu": GPU_BUDGET, "host": session.host_ram_bytes(), "disk": 0}
+    for name in names:
+        context = ROWS[name][0]
+        work, plan = Workload(context, decode, 1), plan_of(name)
+        row = {"context": context, "decode_tokens": decode, "plan": plan.to_json()}
+        problems = budget_problems(breakdown(spec, work, plan), budgets)
+        if problems:
+            res["rows"][name] = dict(row, error="; ".join(problems))
+            continue
+        try:
+            t0 = time.perf_counter()
+            m = session.run_graph(build(spec, work, plan), hf, ids_all[:, :context], device, GPU_BUDGET,
+                                  progress=False, warmup=True, replay="auto")
+            r = m.result
+            t = timing_from_trace(r.trace)
+            row.update(decode_issue=r.decode_issue, wall_s=time.perf_counter() - t0,
+                       measured={"prefill_s": t.prefill_s, "decode_s_per_token": t.decode_s_per_token,
+                                 "peak_gpu_bytes": r.peak_gpu_bytes})
+            del m, r
+        except Exception as e:   # one failed row must not lose the others
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        finally:
+            torch.cuda.empty_cache()
+        res["rows"][name] = row
+        print(f"{name}: {row.get('measured', row.get('error'))} ({row.get('wall_s', 0):.1f} s)", file=sys.stderr, flush=True)
+        out.write_text(json.dumps(res, indent=2))
+    res["total_s"] = time.perf_counter() - t_start
+    out.write_text(json.dumps(res, indent=2))
+    return res
+
+
+def report(res: dict, hw_name: str, out: Path, session_small: bool = True) -> list[str]:
+    hw, res["profile"] = profile(hw_name, res, session_small)
+    for r in res["rows"].values():
+        if "measured" in r:
+            r["predicted"] = predict(r, hw)
+    res["summary"] = summary(errors(res))
+    res["predicted_on"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    out.write_text(json.dumps(res, indent=2))
+    return [plot(res, out.with_suffix(".png")), f"profile: {res['profile']}"] + table(res)
 
 
 def main() -> None:
-    from kvpipe.hw_profiles import load_profile
-    from kvpipe.inputs import resolve_plan
-    from kvpipe.pipeline.model import load_model
-    from kvpipe.pipeline.workload import Workload
-    from kvpipe.sim.simulate import simulate
-    spec, hw = load_model("llama-3-8b"), load_profile("h200")
-    budgets = {"gpu": 24_000_000_000, "host": hw.host_mem_bytes, "disk": 0}
-    errs = []
-    print(f"{'context':>8} {'group':>5} {'res':>5} {'decode ms':>10} {'pred':>7} {'err':>6} "
-          f"{'prefill s':>10} {'pred':>7} {'err':>6} {'replay pred ms':>15}")
-    for (ctx, group, resident), (dec, pre) in MEASURED.items():
-        work = Workload(ctx, 16, 1)
-        plan = resolve_plan(spec, work, budgets, "headwise", group, "auto", resident)
-        eager = simulate(spec, work, plan, hw, replay=False).report.timing
-        replay = simulate(spec, work, plan, hw, replay=True).report.timing
-        d, p = eager.decode_s_per_token * 1e3, eager.prefill_s
-        errs += [(d - dec) / dec, (p - pre) / pre]
-        print(f"{ctx:>8} {group:>5} {resident:>5} {dec:10.1f} {d:7.1f} {(d - dec) / dec:6.0%} "
-              f"{pre:10.2f} {p:7.2f} {(p - pre) / pre:6.0%} {replay.decode_s_per_token * 1e3:15.1f}")
-    a = [abs(e) for e in errs]
-    print(f"simulator vs measured (eager), {len(a)} figures: median |error| {statistics.median(a):.1%}, "
-          f"max {max(a):.1%}")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--measure", metavar="OUT.json", help="run the rows on this machine's GPU")
+    ap.add_argument("--report", metavar="FILE.json", help="predict the rows of a measured file; table and plot")
+    ap.add_argument("--baselines", action="store_true", help="the eager rows of docs/BASELINES.md")
+    ap.add_argument("--rows", default="all", help=f"comma-separated, or all: {', '.join(ROWS)}")
+    ap.add_argument("--decode", type=int, default=DECODE, help="decode steps per row")
+    ap.add_argument("--hw", default="h200-testbox", help="profile the predictions use")
+    ap.add_argument("--profile-small", action="store_true", help="use the profile's small-kernel fields, "
+                    "not those the --measure run calibrated in the same session")
+    args = ap.parse_args()
+    names = list(ROWS) if args.rows == "all" else args.rows.split(",")
+    unknown = [n for n in names if n not in ROWS]
+    if unknown:
+        print(f"sim_check: rows: unknown row {unknown[0]!r}", file=sys.stderr)
+        sys.exit(2)
+    if args.baselines:
+        from benchmarks.sim_baselines import main as baselines
+        return baselines()
+    if args.measure:
+        out = Path(args.measure)
+        res = measure(out, names, args.decode)
+        try:
+            lines = report(res, args.hw, out, not args.profile_small)
+        except ImportError as e:   # simpy missing on the GPU machine: --report the JSON elsewhere
+            lines = [f"measured; predictions need {e.name}: run --report {out} where it is installed"]
+        print("\n".join(lines))
+        return
+    if args.report:
+        path = Path(args.report)
+        print("\n".join(report(json.loads(path.read_text()), args.hw, path, not args.profile_small)))
+        return
+    ap.print_usage(sys.stderr)
+    print("sim_check: give --measure, --report or --baselines", file=sys.stderr)
+    sys.exit(2)
 
 
 if __name__ == "__main__":

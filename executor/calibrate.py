@@ -170,6 +170,7 @@ def small_kernels(cal: Calibration, tokens: int = 8192, reps: int = 20) -> None:
             f"the same layer's {kT} small kernels at {tokens} tokens ({bT / 1e9:.2f} GB read + written) "
             f"in {sT * 1e3:.2f} ms, over the HBM copy rate")
     cal.extra["small_kernels"] = {str(T): {"kernels": k, "bytes": b, "seconds": s} for T, (k, b, s) in found.items()}
+    cal.extra["elementwise_bytes_per_s"] = rate
 
 
 def hbm(cal: Calibration) -> None:
