@@ -52,14 +52,15 @@ def gemm(cal: Calibration, quick: bool, hidden: int = 4096, inner: int = 14336) 
             sec = cuda_median_s(lambda: x @ w.T, 5 if t < 16384 else 3)
             flops = 2.0 * t * hidden * inner
             rates.append(flops / sec)
-            if name == "bf16":
-                points.append((flops, sec))
+            if name == "bf16":   # with the time its bytes take at the HBM copy rate (memory-bound points drop out)
+                nbytes = 2 * (t * hidden + hidden * inner + t * inner)
+                points.append((flops, sec, nbytes / cal.values["gpu.hbm_eff_bytes_per_s"]))
         eff[name] = max(rates)
         cal.set(f"gpu.compute.{name}.effective_flops_per_s", eff[name],
                 f"{name} GEMM [T,{hidden}]x[{hidden},{inner}], best over T={tokens[-2:] if name != 'bf16' else tokens}")
-        cal.extra[f"gemm_{name}_points"] = [(f, s) for f, s in points] if name == "bf16" else rates
+        cal.extra[f"gemm_{name}_points"] = list(points) if name == "bf16" else rates
     cal.set("gpu.small_shape_half_flops", half_rate_flops(points, eff["bf16"]),
-            "fit of rate = eff*f/(f+h) to the bf16 GEMM points below 90% of eff (median)")
+            "fit of rate = eff*f/(f+h) to the compute-bound bf16 GEMM points below 90% of eff (median)")
     return eff["bf16"]
 
 

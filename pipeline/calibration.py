@@ -27,13 +27,18 @@ def fit_alpha_beta(sizes_bytes: Sequence[float], seconds: Sequence[float]) -> tu
     return max(0.0, my - slope * mx), 1.0 / slope
 
 
-def half_rate_flops(points: Sequence[tuple[float, float]], eff_flops_per_s: float) -> float:
+def half_rate_flops(points: Sequence[tuple[float, ...]], eff_flops_per_s: float) -> float:
     """FLOPs per kernel at which a kernel reaches half of `eff_flops_per_s`, from measured
-    (kernel_flops, seconds) points under the model rate(f) = eff * f / (f + h): each point gives
-    h = f * (eff / rate - 1); the median of the points below 90% of eff is returned (the large
-    ones carry no information about h)."""
+    (kernel_flops, seconds[, memory_seconds]) points under the model rate(f) = eff * f / (f + h):
+    each point gives h = f * (eff / rate - 1); the median of the points below 90% of eff is
+    returned (the large ones carry no information about h). `memory_seconds` is the point's
+    bytes over the HBM rate: a point that is memory-bound (its time under twice that) is left out,
+    since the roofline already charges its bytes (a GEMV at 1 token is slow for its weights, not
+    for its FLOPs; counting it inflated h ~3x on the H200)."""
     hs = []
-    for flops, sec in points:
+    for flops, sec, *mem in points:
+        if mem and sec < 2.0 * mem[0]:
+            continue
         rate = flops / sec
         if rate < 0.9 * eff_flops_per_s:
             hs.append(flops * (eff_flops_per_s / rate - 1.0))

@@ -30,6 +30,17 @@ def test_half_rate_flops_recovers_h():
     assert half_rate_flops(pts, eff) == pytest.approx(h, rel=1e-9)
 
 
+def test_half_rate_flops_leaves_memory_bound_points_out():
+    # Fault caught: a GEMV that is slow because it reads its weights (memory-bound) taken for a
+    # small-shape FLOP penalty: h then charges every small kernel (decode attention included) the
+    # weight-reading time of a GEMV. Points: (FLOPs, seconds, bytes / HBM rate).
+    eff, h, hbm = 800e12, 1e11, 4e12
+    weights = 1e9
+    pts = [(f, max((f + h) / eff, weights / hbm), weights / hbm) for f in (1.2e8, 1.9e9, 1.5e10, 1.2e11, 5e11, 2e12)]
+    assert half_rate_flops(pts, eff) == pytest.approx(h, rel=1e-9)
+    assert half_rate_flops([p[:2] for p in pts], eff) > 1.5 * h     # without the memory times: inflated
+
+
 def test_written_profile_loads_and_keeps_every_value(tmp_path):
     # Fault caught: a TOML key or section the loader does not know, or a float written as an int.
     base = load_profile("h200")

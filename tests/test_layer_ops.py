@@ -6,6 +6,8 @@ intermediates, head counts, GQA repeat), a form that does not follow Qwen3's q/k
 models, and a transformers upgrade that changes HF's op sequence (the count then differs)."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -20,6 +22,7 @@ CFG = dict(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_laye
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+@functools.lru_cache(maxsize=None)   # one model per (family, dtype) for the whole module
 def _setup(model_type: str, dtype: str):
     model = random_model(dict(CFG, model_type=model_type), "cpu", DTYPES[dtype], 0)
     a = HFAdapter(model)
