@@ -130,6 +130,10 @@ def test_bad_field_names_it(tmp_path, key, value, expect):
     ("[gpu.compute.fp32]", "[gpu.compute.fp8]", "field 'gpu.compute.fp8.peak_flops_per_s' unknown dtype 'fp8'"),
     ("hbm_eff_bytes_per_s = 4.21e12", "hbm_eff_bytes_per_s = 5e12", "field 'gpu.hbm_eff_bytes_per_s' 5000000000000.0 exceeds"),
     ("[link]", "[link", "is not valid TOML: "),
+    ("elementwise_efficiency = 1.0 ", "elementwise_efficiency = 1.5 ",
+     "field 'gpu.elementwise_efficiency' must be a number in (0, 1], got 1.5"),
+    ("elementwise_efficiency = 1.0 ", "# dropped ", "field 'gpu.elementwise_efficiency' is missing"),
+    ("small_kernel_s = 1.05e-6 ", "small_kernel_s = -1e-6 ", "field 'gpu.small_kernel_s' must be finite and >= 0"),
 ])
 def test_bad_structure_names_it(tmp_path, old, new, expect):
     """Fault caught: malformed TOML structure accepted or reported without the field."""
