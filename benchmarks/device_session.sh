@@ -40,6 +40,8 @@ for spec in "$@"; do
     regrows) timeout "$lim" python3 -m benchmarks.regimes --rows "$ROWS" --decode 4 --out "$OUT/regimes-rows.json" 2>&1 | tail -24 ;;
     regimes) timeout "$lim" python3 -m benchmarks.regimes --decode 8 --out "$OUT/regimes.json" 2>&1 | tail -32 ;;
     diag) timeout "$lim" python3 -m benchmarks.diag --out "$OUT/diag" ${DIAG_ROWS:+--rows $DIAG_ROWS} 2>&1 | grep -v Warning | tail -12 ;;
+    fuse) timeout "$lim" python3 -m benchmarks.fuse_check --out "$OUT/fuse_check.json" 2>&1 | grep -v Warning | tail -10 ;;
+    simcheck) timeout "$lim" python3 -m benchmarks.sim_check --measure "$OUT/sim_check.json" 2>&1 | grep -v Warning | tail -8 ;;
     t1m) python3 -m benchmarks.tiers 1m --kv-dir /tmp --dir /tmp/kvpipe-1m 2>&1 | tail -4; poll1m "$lim" ;;
     t1mpoll) poll1m "$lim" ;;
     *) echo "unknown step $step" ;;
