@@ -2,11 +2,9 @@
 against exact rational arithmetic, the selection against the budget, sink and recent window."""
 from fractions import Fraction
 
+import pytest
 import torch
 from hypothesis import given, strategies as st
-
-
-import pytest
 
 from kvpipe.analysis.needles import NeedleSpec, exact, make_case
 from kvpipe.executor.sparse import (chunk_scores, even_bounds, pack_fine, select, select_refined,
