@@ -95,12 +95,13 @@ def quantised(quant: str, k_axis: int = 0, group: int | None = None):
 
 
 def sparse(fraction: float, chunk: int = 64, adaptive: bool = False, quant: str | None = None,
-           packed: bool = True, hot: float = HOT_FACTOR, alpha: float = RANGE_ALPHA):
+           packed: bool = True, hot: float = HOT_FACTOR, alpha: float = RANGE_ALPHA, share: bool = True):
     """kvpipe --sparse F: per step, chunks ranked by their key summaries for the step's query
     group, sink 64 + recent 256 tokens, budget F of the tokens. `adaptive`: 64-token chunks
     holding the best `hot` x budget are refined to 8-token chunks each step (select_refined), whose
     summaries are uint8 codes within the coarse chunk's range (pack_fine) unless packed=False.
-    Ranking: the range term shrunk by `alpha` (1: the upper bound; < 1 a heuristic)."""
+    Ranking: the range term shrunk by `alpha`, GQA by estimated attention share if `share`
+    (alpha=1, share=False: the upper bound; otherwise a heuristic)."""
     spec = LossySpec(quant, sparse=fraction, chunk=chunk)
 
     def method(case, ref_w):
@@ -113,12 +114,13 @@ def sparse(fraction: float, chunk: int = 64, adaptive: bool = False, quant: str 
             fine = (fb, *summarise(case.k, fb))
             if packed:   # fine summaries as uint8 codes within their coarse chunk's range
                 fine = (fb, *unpack_fine((bounds, lo, hi), fb, pack_fine((bounds, lo, hi), fine)))
-            picks = [select_refined(case.q[t], (bounds, lo, hi), fine, budget, spec.sink, spec.recent, hot, alpha)
+            picks = [select_refined(case.q[t], (bounds, lo, hi), fine, budget, spec.sink, spec.recent, hot,
+                                   alpha, share)
                      for t in range(case.q.shape[0])]
             keep = torch.stack([p[0] for p in picks])
             scored = statistics.fmean(p[1] for p in picks)
         else:
-            keep = torch.stack([select(chunk_scores(case.q[t], lo, hi, alpha), bounds, budget, spec.sink,
+            keep = torch.stack([select(chunk_scores(case.q[t], lo, hi, alpha, share), bounds, budget, spec.sink,
                                        spec.recent) for t in range(case.q.shape[0])])
             scored = bounds.numel() - 1
         k, v = case.k, case.v
@@ -130,27 +132,28 @@ def sparse(fraction: float, chunk: int = 64, adaptive: bool = False, quant: str 
     return method
 
 
-def methods(fraction: float, quant_rows: bool = True) -> dict[str, tuple[str, object]]:
+def methods(fraction: float, first: bool = True) -> dict[str, tuple[str, object]]:
     """name -> (kind, method(case, exact weights) -> (weights, out[, summaries scored])). Sparse rows
-    without a note rank by the default heuristic (range term x 1/2); `bound` rows by the bound."""
+    rank by the default heuristic (range term x 1/2, GQA by estimated attention share) unless they
+    say `bound` (the upper bound, best head). Quantisation rows and variants only when `first`."""
     pct = f"{fraction:.0%}"
     rows = {f"oracle top {pct} tokens": ("reference", oracle(fraction)),
             f"oracle {pct}, 8-token chunks": ("reference", chunk_oracle(fraction)),
             f"sink + recent window {pct}": ("reference", window(fraction))}
-    if quant_rows:
+    if first:
         rows |= {"int8 (group 64)": ("kvpipe", quantised("int8")),
                  "int4 (group 32)": ("kvpipe", quantised("int4"))}
-    rows |= {f"sparse {pct}, chunks 64": ("kvpipe", sparse(fraction, alpha=1.0)),
+    rows |= {f"sparse {pct}, chunks 64": ("kvpipe", sparse(fraction, alpha=1.0, share=False)),
              f"sparse {pct}, refined 64->8": ("kvpipe", sparse(fraction, adaptive=True)),
              f"sparse {pct} refined (32) + int4": ("kvpipe", sparse(fraction, adaptive=True, quant="int4")),
-             f"sparse {pct} ref., bound, hot 2": ("variant", sparse(fraction, adaptive=True, hot=2, alpha=1.0)),
-             f"sparse {pct} ref., bound, hot 4": ("variant", sparse(fraction, adaptive=True, alpha=1.0)),
-             f"sparse {pct} ref., hot 2": ("variant", sparse(fraction, adaptive=True, hot=2)),
-             f"sparse {pct} ref., bf16 fine summ.": ("variant", sparse(fraction, adaptive=True, packed=False)),
-             f"sparse {pct}, chunks 8, bound": ("variant", sparse(fraction, chunk=8, alpha=1.0)),
-             f"sparse {pct}, chunks 8": ("variant", sparse(fraction, chunk=8))}
-    if quant_rows:
-        rows |= {"int8, K per token (group 64)": ("variant", quantised("int8", k_axis=-1)),
+             f"sparse {pct} ref., bound, hot 2": ("variant", sparse(fraction, adaptive=True, hot=2, alpha=1.0,
+                                                                    share=False))}
+    if first:
+        rows |= {f"sparse {pct} ref., hot 4": ("variant", sparse(fraction, adaptive=True, hot=4)),
+                 f"sparse {pct} ref., best head": ("variant", sparse(fraction, adaptive=True, share=False)),
+                 f"sparse {pct} ref., bf16 fine summ.": ("variant", sparse(fraction, adaptive=True, packed=False)),
+                 f"sparse {pct}, chunks 8, bound": ("variant", sparse(fraction, chunk=8, alpha=1.0, share=False)),
+                 "int8, K per token (group 64)": ("variant", quantised("int8", k_axis=-1)),
                  "int4, group 64": ("variant", quantised("int4", group=64))}
     return rows
 
@@ -185,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     table = {}
     for i, f in enumerate(fractions):
-        table |= methods(f, quant_rows=(i == 0))
+        table |= methods(f, first=(i == 0))
     errs = {name: [] for name in table}
     fetched = {name: [] for name in table}
     chunks = {name: [] for name in table}

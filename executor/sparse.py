@@ -11,9 +11,10 @@ decided; flat cold regions stay whole. Lossy: the tokens not fetched are not att
 
 Ranking by the bound itself (`alpha` = 1) over-rates chunks whose keys merely spread widely (heavy
 tails widen every range). `select_refined` ranks by default with the range term shrunk,
-q . mid + alpha |q| . half with alpha = 1/2: a HEURISTIC score, not a bound (a chunk can hold a key
-scoring above it); measured better on the needle set (benchmarks/lossy_error.py). `alpha` = 1
-restores the proved bound.
+q . mid + alpha |q| . half with alpha = 1/2, and, for GQA, by each chunk's estimated share of the
+group's attention (`chunk_scores` share=True): HEURISTIC scores, not bounds (a chunk can hold a key
+scoring above them); measured better on the needle set (benchmarks/lossy_error.py).
+alpha = 1, share = False restores ranking by the proved bound.
 
 Tensors: keys [..., S, D]; partition `bounds` [C+1] token offsets 0 = b0 < ... < bC = S;
 summaries lo, hi [..., C, D]; queries [..., G, D]; scores [..., G, C]."""
@@ -76,11 +77,17 @@ def shrunk_score(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, alpha: flo
     return qw @ mid.transpose(-1, -2) + alpha * (qw.abs() @ rad.transpose(-1, -2))
 
 
-def chunk_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
-    """Ranking key of each chunk for a KV head's query group q [..., G, D]: the best over heads of
-    the scaled score minus that head's largest score: [..., C]. With alpha = 1 the score is the
-    upper bound (a log-density bound); with alpha < 1 the heuristic `shrunk_score`."""
+def chunk_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, alpha: float = 1.0,
+                 share: bool = False) -> torch.Tensor:
+    """Ranking key of each chunk for a KV head's query group q [..., G, D], from the scaled score
+    (alpha = 1: the upper bound; < 1: the heuristic `shrunk_score`): [..., C].
+    share=False: the best over heads of the score minus that head's largest (a log-density bound
+    with alpha = 1). share=True (a HEURISTIC at any alpha): the log of the chunk's estimated share
+    of the group's attention, each head's softmax of the scores over the chunks, summed over heads
+    (a chunk that several heads want ranks above one that a single head wants as much)."""
     b = shrunk_score(q, lo, hi, alpha) / math.sqrt(q.shape[-1])
+    if share:
+        return torch.logsumexp(torch.log_softmax(b, -1), -2)
     return (b - b.amax(-1, keepdim=True)).amax(-2)
 
 
@@ -135,16 +142,17 @@ def _fine_grid(coarse: tuple, fine: tuple):
 
 
 def select_refined(q: torch.Tensor, coarse: tuple, fine: tuple, budget: int, sink: int, recent: int,
-                   hot: float = HOT_FACTOR, alpha: float = RANGE_ALPHA) -> tuple[torch.Tensor, int]:
+                   hot: float = HOT_FACTOR, alpha: float = RANGE_ALPHA, share: bool = True) -> tuple[torch.Tensor, int]:
     """Two-level selection, LeoAM's split where scores concentrate: the coarse chunks (`coarse` =
     (bounds, lo, hi)) are ranked for the query group q [G, D]; those holding the best `hot` x
     `budget` tokens are split into their fine chunks (`fine`, nested in the coarse ones), which are
     ranked and selected under the budget; flat, cold regions stay whole and unfetched. Both levels
-    rank by `chunk_scores` with `alpha` (default 1/2: a heuristic, see the module docstring; 1: the
+    rank by `chunk_scores` with `alpha` and `share` (defaults: range term x 1/2, the group's
+    estimated attention share: a heuristic, see the module docstring; alpha=1, share=False: the
     bound). Returns (keep [S] bool, summaries scored)."""
     cb, clo, chi = coarse
     fb, flo, fhi = fine
-    cs = chunk_scores(q, clo, chi, alpha)                                 # [C]
+    cs = chunk_scores(q, clo, chi, alpha, share)                              # [C]
     sizes = cb[1:] - cb[:-1]
     order = torch.argsort(cs, descending=True, stable=True)
     is_hot = torch.zeros_like(cs, dtype=torch.bool)
@@ -154,5 +162,5 @@ def select_refined(q: torch.Tensor, coarse: tuple, fine: tuple, budget: int, sin
         raise ValueError("fine: chunks must nest in the coarse chunks")
     use = is_hot[parent.to(cs.device)]
     fs = torch.full((fb.numel() - 1,), -math.inf, dtype=torch.float64, device=cs.device)
-    fs[use] = chunk_scores(q, flo[use], fhi[use], alpha).double()
+    fs[use] = chunk_scores(q, flo[use], fhi[use], alpha, share).double()
     return select(fs, fb, budget, sink, recent), cs.numel() + int(use.sum())
