@@ -109,6 +109,22 @@ def test_shrunk_score_is_the_bound_blended_with_the_midpoint_score(data, alpha):
                 assert float(got[h, c]) == float(upper_bound(q, lo, hi)[h, c])
 
 
+def test_group_share_is_the_mean_of_the_heads_softmax_shares():
+    # Faults caught: softmax over heads instead of over chunks, shares averaged in log space (a
+    # chunk only one head wants would vanish), or scores left unscaled by sqrt(D). Reference here:
+    # explicit exp / sum in float64 per head, then the sum over heads, then the log.
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(48, 16, generator=g, dtype=torch.float64) * 3
+    q = torch.randn(4, 16, generator=g, dtype=torch.float64) * 3
+    lo, hi = summarise(k, even_bounds(48, 8))
+    got = chunk_scores(q, lo, hi, 0.5, share=True)
+    qd = q.double()
+    s = (qd @ ((lo + hi) / 2).T + 0.5 * qd.abs() @ ((hi - lo) / 2).T) / 4.0           # sqrt(16) = 4
+    e = torch.exp(s - s.max(-1, keepdim=True).values)
+    ref = torch.log((e / e.sum(-1, keepdim=True)).sum(0))
+    assert torch.allclose(got, ref, rtol=1e-12, atol=1e-12)
+
+
 def test_shrunk_score_is_not_a_bound_and_is_labelled_so():
     # Fault caught (honesty): calling the alpha < 1 score a bound. Keys 0 and 2 in one chunk, q = 1:
     # the best score is 2, the shrunk score at alpha 1/2 is 1 + 1/2 = 1.5 < 2; at alpha 1 it is 2.
@@ -117,13 +133,14 @@ def test_shrunk_score_is_not_a_bound_and_is_labelled_so():
     q = torch.tensor([[1.0]], dtype=torch.float64)
     assert float(shrunk_score(q, lo, hi, 0.5)) == 1.5 < 2.0 <= float(shrunk_score(q, lo, hi, 1.0))
     assert "HEURISTIC" in shrunk_score.__doc__ and "not a bound" in shrunk_score.__doc__
+    assert "HEURISTIC" in chunk_scores.__doc__
     with pytest.raises(ValueError, match="alpha"):
         chunk_scores(q, lo, hi, 1.5)
 
 
 @given(S=st.integers(8, 400), frac=st.floats(0.05, 1.0), seed=st.integers(0, 1000),
-       alpha=st.sampled_from([0.5, 1.0]))
-def test_refinement_with_every_chunk_hot_is_the_flat_fine_selection(S, frac, seed, alpha):
+       alpha=st.sampled_from([0.5, 1.0]), share=st.booleans())
+def test_refinement_with_every_chunk_hot_is_the_flat_fine_selection(S, frac, seed, alpha, share):
     # Faults caught: refinement that scores fine chunks outside their coarse chunk, loses hot chunks,
     # or breaks the budget. With hot large enough that every coarse chunk is hot, the two-level
     # selection must equal selecting among all fine chunks directly.
@@ -133,8 +150,8 @@ def test_refinement_with_every_chunk_hot_is_the_flat_fine_selection(S, frac, see
     cb, fb = even_bounds(S, 64), even_bounds(S, 8)
     coarse, fine = (cb, *summarise(k, cb)), (fb, *summarise(k, fb))
     budget = max(int(frac * S), 16)
-    keep, scored = select_refined(q, coarse, fine, budget, 4, 12, hot=S / budget + 1, alpha=alpha)
-    flat = select(chunk_scores(q, fine[1], fine[2], alpha).double(), fb, budget, 4, 12)
+    keep, scored = select_refined(q, coarse, fine, budget, 4, 12, hot=S / budget + 1, alpha=alpha, share=share)
+    flat = select(chunk_scores(q, fine[1], fine[2], alpha, share).double(), fb, budget, 4, 12)
     assert torch.equal(keep, flat) and scored == (cb.numel() - 1) + (fb.numel() - 1)
     assert int(keep.sum()) <= max(budget, 16)
 
@@ -151,10 +168,11 @@ def _recall_and_hits(mode: str):
         fb = even_bounds(S, 8)
         fine = (fb, *summarise(case.k, fb))
         for t, (a, b) in enumerate(case.needles):
-            if mode == "refined":        # the default: hot 4 x budget, range term x 1/2 (heuristic)
+            if mode == "refined":        # the default: hot 5 x budget, range x 1/2, group share (heuristic)
                 keep, _ = select_refined(case.q[t], (cb, clo, chi), fine, budget, 64, 256)
             elif mode == "refined-bound":   # the 2026-11-29 rule: by the bound, hot 2 x budget
-                keep, _ = select_refined(case.q[t], (cb, clo, chi), fine, budget, 64, 256, hot=2, alpha=1.0)
+                keep, _ = select_refined(case.q[t], (cb, clo, chi), fine, budget, 64, 256, hot=2, alpha=1.0,
+                                         share=False)
             else:
                 keep = select(chunk_scores(case.q[t], clo, chi), cb, budget, 64, 256)
             recall.append((ref_w[t] * keep).sum(-1).mean().item())
