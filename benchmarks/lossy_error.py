@@ -27,9 +27,9 @@ import torch
 
 from kvpipe.analysis.needles import NeedleSpec, cases, concentration, errors, exact
 from kvpipe.executor.quant import dequantize, quantize
-from kvpipe.executor.sparse import (chunk_scores, even_bounds, pack_fine, select, select_refined, summarise,
-                                    unpack_fine)
-from kvpipe.pipeline.lossy import LossySpec
+from kvpipe.executor.sparse import (RANGE_ALPHA, chunk_scores, even_bounds, pack_fine, select, select_refined,
+                                    summarise, unpack_fine)
+from kvpipe.pipeline.lossy import HOT_FACTOR, LossySpec
 from kvpipe.pipeline.units import parse_tokens
 
 
@@ -50,6 +50,23 @@ def oracle(fraction: float):
         n = max(1, int(fraction * case.k.shape[0]))
         idx = ref_w.sum(1).topk(n, -1).indices                 # [T, n]
         keep = torch.zeros(ref_w.shape[0], ref_w.shape[-1], dtype=torch.bool).scatter_(1, idx, True)
+        return attend(case.q, case.k, case.v, keep)
+    return method
+
+
+def chunk_oracle(fraction: float, chunk: int = 8):
+    """Reference: `chunk`-token chunks ranked by their exact attention mass (group sum), with
+    kvpipe's sink and recent window, under the same budget: the best any selection of such chunks
+    (by any summary) can reach."""
+    spec = LossySpec(sparse=fraction, chunk=chunk, leaf=None)
+
+    def method(case, ref_w):
+        S = case.k.shape[0]
+        bounds = even_bounds(S, chunk)
+        owner = torch.searchsorted(bounds[1:], torch.arange(S), right=True)
+        keep = torch.stack([select(torch.zeros(bounds.numel() - 1, dtype=torch.float64).index_add_(0, owner, m),
+                                   bounds, spec.fetched_tokens(S), spec.sink, spec.recent)
+                            for m in ref_w.sum(1)])
         return attend(case.q, case.k, case.v, keep)
     return method
 
@@ -78,11 +95,13 @@ def quantised(quant: str, k_axis: int = 0, group: int | None = None):
 
 
 def sparse(fraction: float, chunk: int = 64, adaptive: bool = False, quant: str | None = None,
-           packed: bool = True):
-    """kvpipe --sparse F: per step, chunks ranked by their key-summary bound for the step's query
+           packed: bool = True, hot: float = HOT_FACTOR, alpha: float = RANGE_ALPHA, share: bool = True):
+    """kvpipe --sparse F: per step, chunks ranked by their key summaries for the step's query
     group, sink 64 + recent 256 tokens, budget F of the tokens. `adaptive`: 64-token chunks
-    holding the best 2x budget are refined to 8-token chunks each step (select_refined), whose
-    summaries are uint8 codes within the coarse chunk's range (pack_fine) unless packed=False."""
+    holding the best `hot` x budget are refined to 8-token chunks each step (select_refined), whose
+    summaries are uint8 codes within the coarse chunk's range (pack_fine) unless packed=False.
+    Ranking: the range term shrunk by `alpha`, GQA by estimated attention share if `share`
+    (alpha=1, share=False: the upper bound; otherwise a heuristic)."""
     spec = LossySpec(quant, sparse=fraction, chunk=chunk)
 
     def method(case, ref_w):
@@ -95,13 +114,14 @@ def sparse(fraction: float, chunk: int = 64, adaptive: bool = False, quant: str 
             fine = (fb, *summarise(case.k, fb))
             if packed:   # fine summaries as uint8 codes within their coarse chunk's range
                 fine = (fb, *unpack_fine((bounds, lo, hi), fb, pack_fine((bounds, lo, hi), fine)))
-            picks = [select_refined(case.q[t], (bounds, lo, hi), fine, budget, spec.sink, spec.recent)
+            picks = [select_refined(case.q[t], (bounds, lo, hi), fine, budget, spec.sink, spec.recent, hot,
+                                   alpha, share)
                      for t in range(case.q.shape[0])]
             keep = torch.stack([p[0] for p in picks])
             scored = statistics.fmean(p[1] for p in picks)
         else:
-            keep = torch.stack([select(chunk_scores(case.q[t], lo, hi), bounds, budget, spec.sink, spec.recent)
-                                for t in range(case.q.shape[0])])
+            keep = torch.stack([select(chunk_scores(case.q[t], lo, hi, alpha, share), bounds, budget, spec.sink,
+                                       spec.recent) for t in range(case.q.shape[0])])
             scored = bounds.numel() - 1
         k, v = case.k, case.v
         if quant:
@@ -112,20 +132,30 @@ def sparse(fraction: float, chunk: int = 64, adaptive: bool = False, quant: str 
     return method
 
 
-def methods(fraction: float) -> dict[str, tuple[str, object]]:
-    """name -> (kind, method(case, exact weights) -> (weights, out))."""
+def methods(fraction: float, first: bool = True) -> dict[str, tuple[str, object]]:
+    """name -> (kind, method(case, exact weights) -> (weights, out[, summaries scored])). Sparse rows
+    rank by the default heuristic (range term x 1/2, GQA by estimated attention share) unless they
+    say `bound` (the upper bound, best head). Quantisation rows and variants only when `first`."""
     pct = f"{fraction:.0%}"
-    return {f"oracle top {pct} tokens": ("reference", oracle(fraction)),
-            f"sink + recent window {pct}": ("reference", window(fraction)),
-            "int8 (group 64)": ("kvpipe", quantised("int8")),
-            "int4 (group 32)": ("kvpipe", quantised("int4")),
-            f"sparse {pct}, chunks 64": ("kvpipe", sparse(fraction)),
-            f"sparse {pct}, refined 64->8": ("kvpipe", sparse(fraction, adaptive=True)),
-            f"sparse {pct} refined (32) + int4": ("kvpipe", sparse(fraction, adaptive=True, quant="int4")),
-            f"sparse {pct}, refined, bf16 fine summ.": ("variant", sparse(fraction, adaptive=True, packed=False)),
-            f"sparse {pct}, chunks 8": ("variant", sparse(fraction, chunk=8)),
-            "int8, K per token (group 64)": ("variant", quantised("int8", k_axis=-1)),
-            "int4, group 64": ("variant", quantised("int4", group=64))}
+    rows = {f"oracle top {pct} tokens": ("reference", oracle(fraction)),
+            f"oracle {pct}, 8-token chunks": ("reference", chunk_oracle(fraction)),
+            f"sink + recent window {pct}": ("reference", window(fraction))}
+    if first:
+        rows |= {"int8 (group 64)": ("kvpipe", quantised("int8")),
+                 "int4 (group 32)": ("kvpipe", quantised("int4"))}
+    rows |= {f"sparse {pct}, chunks 64": ("kvpipe", sparse(fraction, alpha=1.0, share=False)),
+             f"sparse {pct}, refined 64->8": ("kvpipe", sparse(fraction, adaptive=True)),
+             f"sparse {pct} refined (32) + int4": ("kvpipe", sparse(fraction, adaptive=True, quant="int4")),
+             f"sparse {pct} ref., bound, hot 2": ("variant", sparse(fraction, adaptive=True, hot=2, alpha=1.0,
+                                                                    share=False))}
+    if first:
+        rows |= {f"sparse {pct} ref., hot 4": ("variant", sparse(fraction, adaptive=True, hot=4)),
+                 f"sparse {pct} ref., best head": ("variant", sparse(fraction, adaptive=True, share=False)),
+                 f"sparse {pct} ref., bf16 fine summ.": ("variant", sparse(fraction, adaptive=True, packed=False)),
+                 f"sparse {pct}, chunks 8, bound": ("variant", sparse(fraction, chunk=8, alpha=1.0, share=False)),
+                 "int8, K per token (group 64)": ("variant", quantised("int8", k_axis=-1)),
+                 "int4, group 64": ("variant", quantised("int4", group=64))}
+    return rows
 
 
 def summarise_errors(errs: list, fetched: list[float]) -> dict:
@@ -143,13 +173,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", default="32K")
     ap.add_argument("--cases", type=int, default=8)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--fraction", type=float, default=0.2, help="token budget of sparse rows")
+    ap.add_argument("--fraction", default="0.2", help="token budget of sparse rows; a comma list runs each")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="JSON path (default benchmarks/results/lossy-error-<date>.json)")
     args = ap.parse_args(argv)
     spec = NeedleSpec(context=parse_tokens(args.context), cases=args.cases, steps=args.steps, seed=args.seed)
     torch.manual_seed(0)
-    table = methods(args.fraction)
+    try:
+        fractions = [float(f) for f in args.fraction.split(",")]
+        if not all(0 < f <= 1 for f in fractions):
+            raise ValueError
+    except ValueError:
+        print(f"--fraction: expected fractions in (0, 1], comma-separated, got {args.fraction!r}", file=sys.stderr)
+        return 2
+    table = {}
+    for i, f in enumerate(fractions):
+        table |= methods(f, first=(i == 0))
     errs = {name: [] for name in table}
     fetched = {name: [] for name in table}
     chunks = {name: [] for name in table}
@@ -194,9 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"exact attention: top 20% of tokens hold {s['exact_top20pct_mass']['mean']:.3f} of the mass "
           f"(min {s['exact_top20pct_mass']['min']:.3f}); needle mass median {s['exact_needle_mass']['median']:.3f} "
           f"(min {s['exact_needle_mass']['min']:.2g}); sink median {s['exact_sink_mass_median']:.3f}")
-    print(f"{'method':34}{'kind':>10}{'fetched':>9}{'recall':>8}{'rec p5':>8}{'rel err':>10}{'max':>10}{'needles':>9}")
+    print(f"{'method':36}{'kind':>10}{'fetched':>9}{'recall':>8}{'rec p5':>8}{'rel err':>10}{'max':>10}{'needles':>9}")
     for name, r in rows.items():
-        print(f"{name:34}{r['kind']:>10}{r['tokens_fetched']:>9.3f}{r['recall_mean']:>8.3f}{r['recall_p5']:>8.3f}"
+        print(f"{name:36}{r['kind']:>10}{r['tokens_fetched']:>9.3f}{r['recall_mean']:>8.3f}{r['recall_p5']:>8.3f}"
               f"{r['rel_err_mean']:>10.2e}{r['rel_err_max']:>10.2e}{r['needle_hit_rate']:>9.1%}")
     print(f"json: {out}")
     return 0

@@ -16,7 +16,7 @@ see benchmarks/README.md.) Variants:
                for the layer's queries, the best 20% of tokens (incl. the first chunk and the last
                4) gathered from pinned host memory by a zero-copy GPU kernel, attended; the fetch
                waits for the layer's queries, so nothing is prefetched across layers
-  sparse-refined  as sparse, then the chunks holding the best 2x budget are refined to 8 tokens:
+  sparse-refined  as sparse, then the chunks holding the best HOT_FACTOR x budget are refined to 8 tokens:
                their packed summaries (uint8 within the coarse range) are gathered from host RAM
                and scored, and the best 8-token chunks gathered (kvpipe's default sparse method)
   sparse+int4  the 64-token selection over the int4 cache, dequantised after the gather
@@ -39,7 +39,8 @@ import torch
 import torch.nn.functional as F
 
 from kvpipe.executor.quant import Quantized, dequantize, quantize
-from kvpipe.executor.sparse import chunk_scores, even_bounds, pack_fine, summarise
+from kvpipe.executor.sparse import RANGE_ALPHA, chunk_scores, even_bounds, pack_fine, summarise
+from kvpipe.pipeline.lossy import HOT_FACTOR
 from kvpipe.pipeline.units import parse_tokens
 
 LAYERS, KV_HEADS, Q_HEADS, D = 32, 8, 32, 128
@@ -155,7 +156,8 @@ def run_variant(name: str, cache: Cache, device: torch.device, steps: int, fract
             else:
                 lo, hi = cache.summ[d]
                 qg = q.view(KV_HEADS, Q_HEADS // KV_HEADS, D)
-                score = chunk_scores(qg, lo, hi)                                  # [H, C]
+                refine = (RANGE_ALPHA, True) if name == "sparse-refined" else ()  # its heuristic ranking
+                score = chunk_scores(qg, lo, hi, *refine)                         # [H, C]
                 score[:, :SINK_CHUNKS] = math.inf
                 score[:, C - RECENT_CHUNKS:] = math.inf
                 heads = torch.arange(KV_HEADS, device=device)[:, None]
@@ -194,13 +196,13 @@ def run_variant(name: str, cache: Cache, device: torch.device, steps: int, fract
 
 
 def _refined(cache: Cache, d: int, qg, lo, hi, score, n_sel: int, kernel, device) -> torch.Tensor:
-    """LeoAM-style refinement: the 64-token chunks holding the best 2x budget are split into
+    """LeoAM-style refinement: the 64-token chunks holding the best HOT_FACTOR x budget are split into
     8-token chunks whose packed summaries are gathered from host RAM, unpacked (min rounded down,
     max up), scored, and the best of them (budget in tokens) gathered: [1, H, tokens, 2, D]."""
     per, C = CHUNK // FINE, score.shape[-1]
     F = C * per
     heads = torch.arange(KV_HEADS, device=device)[:, None]
-    n_hot = min(C, 2 * n_sel)
+    n_hot = min(C, HOT_FACTOR * n_sel)
     hot = score.topk(n_hot, -1).indices                                   # [H, n_hot]
     fid = (hot[..., None] * per + torch.arange(per, device=device)).flatten(1)   # [H, n_hot*per] fine ids
     src = cache.fine[d].view(KV_HEADS * F, -1)                            # a row = one fine chunk's codes
@@ -212,7 +214,7 @@ def _refined(cache: Cache, d: int, qg, lo, hi, score, n_sel: int, kernel, device
     step = ((hi.float() - lo.float()) / 255).gather(1, parent[..., None].expand(-1, -1, D))
     slack = 2.0 ** -21 * (base.abs() + 255 * step)
     flo, fhi = base + codes[:, :, 0] * step - slack, base + codes[:, :, 1] * step + slack
-    fs = chunk_scores(qg, flo, fhi)                                       # [H, n_hot*per]
+    fs = chunk_scores(qg, flo, fhi, RANGE_ALPHA, share=True)              # [H, n_hot*per]
     forced = torch.isinf(score.gather(1, parent))                         # sink / recent chunks
     fs = fs.masked_fill(forced, math.inf)
     pick = fs.topk(n_sel * per, -1).indices

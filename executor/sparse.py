@@ -1,12 +1,20 @@
 """Sparse decode by chunk key summaries (LeoAM's IAKM/LKA, Quest): the keys of one KV head are cut
 into chunks; a chunk's summary is its per-channel minimum and maximum. For a query q the bound
-  sum_c max(q_c * lo_c, q_c * hi_c)  >=  q . k   for every key k of the chunk
-holds channel by channel, so it bounds the chunk's best score without reading its keys. A decode
-step fetches the sink tokens, a recent window, and then the chunks of highest bound (GQA: the
-best over the group's query heads, each head's bounds taken relative to its own maximum) until
-a token budget is spent. Chunk sizes adapt per step (`select_refined`): the best coarse chunks
-are split into fine ones (64 -> 8 tokens) where the budget is decided, flat cold regions stay whole. Lossy: the
-tokens not fetched are not attended.
+  sum_c max(q_c * lo_c, q_c * hi_c)  =  q . mid + |q| . half  >=  q . k   for every key k of the chunk
+(mid, half: the centre and half-width of each channel's range) holds channel by channel, so it
+bounds the chunk's best score without reading its keys (`upper_bound`, proved in the tests).
+A decode step fetches the sink tokens, a recent window, and then the chunks of highest score (GQA:
+the best over the group's query heads, each head's scores taken relative to its own maximum) until
+a token budget is spent. Chunk sizes adapt per step (`select_refined`): the coarse chunks holding
+the best `hot` x budget tokens are split into fine ones (64 -> 8 tokens) where the budget is
+decided; flat cold regions stay whole. Lossy: the tokens not fetched are not attended.
+
+Ranking by the bound itself (`alpha` = 1) over-rates chunks whose keys merely spread widely (heavy
+tails widen every range). `select_refined` ranks by default with the range term shrunk,
+q . mid + alpha |q| . half with alpha = 1/2, and, for GQA, by each chunk's estimated share of the
+group's attention (`chunk_scores` share=True): HEURISTIC scores, not bounds (a chunk can hold a key
+scoring above them); measured better on the needle set (benchmarks/lossy_error.py).
+alpha = 1, share = False restores ranking by the proved bound.
 
 Tensors: keys [..., S, D]; partition `bounds` [C+1] token offsets 0 = b0 < ... < bC = S;
 summaries lo, hi [..., C, D]; queries [..., G, D]; scores [..., G, C]."""
@@ -16,7 +24,10 @@ import math
 
 import torch
 
+from kvpipe.pipeline.lossy import HOT_FACTOR
+
 _U = 2.0 ** -53   # float64 unit roundoff
+RANGE_ALPHA = 0.5  # select_refined's default shrink of the range term (a heuristic; 1 = the bound)
 
 
 def even_bounds(length: int, chunk: int) -> torch.Tensor:
@@ -51,10 +62,32 @@ def upper_bound(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Te
     return terms.sum(-1) + (q.shape[-1] + 2) * u * terms.abs().sum(-1)
 
 
-def chunk_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """Ranking key of each chunk for a KV head's query group q [..., G, D]: the best over heads of
-    the scaled bound minus that head's largest bound (a log-density bound): [..., C]."""
-    b = upper_bound(q, lo, hi) / math.sqrt(q.shape[-1])
+def shrunk_score(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, alpha: float) -> torch.Tensor:
+    """q . mid + alpha |q| . half (unscaled) for q [..., G, D] and summaries [..., C, D]: [..., G, C].
+    A HEURISTIC for alpha < 1 (not a bound: a key at its range's edge can score above it); alpha = 1
+    is `upper_bound`. Float32 for bf16/fp16 inputs, float64 otherwise."""
+    if not 0 <= alpha <= 1:
+        raise ValueError(f"alpha: must be in [0, 1], got {alpha!r}")
+    if alpha == 1:
+        return upper_bound(q, lo, hi)
+    half = q.dtype in (torch.bfloat16, torch.float16) and lo.dtype in (torch.bfloat16, torch.float16)
+    work = torch.float32 if half else torch.float64
+    qw, low, high = q.to(work), lo.to(work), hi.to(work)
+    mid, rad = (low + high) / 2, (high - low) / 2
+    return qw @ mid.transpose(-1, -2) + alpha * (qw.abs() @ rad.transpose(-1, -2))
+
+
+def chunk_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, alpha: float = 1.0,
+                 share: bool = False) -> torch.Tensor:
+    """Ranking key of each chunk for a KV head's query group q [..., G, D], from the scaled score
+    (alpha = 1: the upper bound; < 1: the heuristic `shrunk_score`): [..., C].
+    share=False: the best over heads of the score minus that head's largest (a log-density bound
+    with alpha = 1). share=True (a HEURISTIC at any alpha): the log of the chunk's estimated share
+    of the group's attention, each head's softmax of the scores over the chunks, summed over heads
+    (a chunk that several heads want ranks above one that a single head wants as much)."""
+    b = shrunk_score(q, lo, hi, alpha) / math.sqrt(q.shape[-1])
+    if share:
+        return torch.logsumexp(torch.log_softmax(b, -1), -2)
     return (b - b.amax(-1, keepdim=True)).amax(-2)
 
 
@@ -109,15 +142,17 @@ def _fine_grid(coarse: tuple, fine: tuple):
 
 
 def select_refined(q: torch.Tensor, coarse: tuple, fine: tuple, budget: int, sink: int, recent: int,
-                   hot: float = 2.0) -> tuple[torch.Tensor, int]:
+                   hot: float = HOT_FACTOR, alpha: float = RANGE_ALPHA, share: bool = True) -> tuple[torch.Tensor, int]:
     """Two-level selection, LeoAM's split where scores concentrate: the coarse chunks (`coarse` =
     (bounds, lo, hi)) are ranked for the query group q [G, D]; those holding the best `hot` x
     `budget` tokens are split into their fine chunks (`fine`, nested in the coarse ones), which are
-    ranked and selected under the budget; flat, cold regions stay whole and unfetched. Returns
-    (keep [S] bool, summaries scored)."""
+    ranked and selected under the budget; flat, cold regions stay whole and unfetched. Both levels
+    rank by `chunk_scores` with `alpha` and `share` (defaults: range term x 1/2, the group's
+    estimated attention share: a heuristic, see the module docstring; alpha=1, share=False: the
+    bound). Returns (keep [S] bool, summaries scored)."""
     cb, clo, chi = coarse
     fb, flo, fhi = fine
-    cs = chunk_scores(q, clo, chi)                                        # [C]
+    cs = chunk_scores(q, clo, chi, alpha, share)                              # [C]
     sizes = cb[1:] - cb[:-1]
     order = torch.argsort(cs, descending=True, stable=True)
     is_hot = torch.zeros_like(cs, dtype=torch.bool)
@@ -127,5 +162,5 @@ def select_refined(q: torch.Tensor, coarse: tuple, fine: tuple, budget: int, sin
         raise ValueError("fine: chunks must nest in the coarse chunks")
     use = is_hot[parent.to(cs.device)]
     fs = torch.full((fb.numel() - 1,), -math.inf, dtype=torch.float64, device=cs.device)
-    fs[use] = chunk_scores(q, flo[use], fhi[use]).double()
+    fs[use] = chunk_scores(q, flo[use], fhi[use], alpha, share).double()
     return select(fs, fb, budget, sink, recent), cs.numel() + int(use.sum())

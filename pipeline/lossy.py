@@ -13,6 +13,11 @@ QUANT_BITS = {"int8": 8, "int4": 4}
 DEFAULT_GROUP = {"int8": 64, "int4": 32}
 META_BYTES = 2     # scale and zero-point (the group minimum) are float16 each
 FINE_CODE_BYTES = 1   # a fine summary's min/max: a uint8 code within its coarse chunk's range
+# Sparse refinement (executor/sparse.py select_refined) splits the coarse chunks holding the best
+# HOT_FACTOR x budget tokens; their fine summaries cross the link. Factors 2 to 4 lost faint needles
+# that the 64-token summaries ranked low (benchmarks/lossy_error.py: at 20%, hot 2 hit 84% and hot 4
+# 98.4% of the needles; 5, i.e. every chunk at 20%, hit all), see the JSON of 2026-11-30.
+HOT_FACTOR = 5
 
 
 @dataclass(frozen=True)
@@ -21,7 +26,7 @@ class LossySpec:
     elements). `sparse`: None or the fraction of each decode step's offloaded tokens fetched, in
     (0, 1], chosen by key summaries (per-channel min/max) of `chunk`-token chunks, `sink` first
     tokens and the `recent` last tokens always included; with `leaf`, the chunks holding the best
-    2x budget are refined into `leaf`-token chunks each step (executor/sparse.py select_refined),
+    HOT_FACTOR x budget are refined into `leaf`-token chunks each step (executor/sparse.py select_refined),
     whose summaries live in host RAM beside the KV and cross the link with it. `error` is a measured error to report
     (e.g. {"attn_rel_err": ...}), or None where nothing was measured."""
 
@@ -101,10 +106,10 @@ class LossySpec:
 
     def fetch_bytes(self, prefix: int, head_dim: int, dtype_bytes: int) -> int:
         """Bytes one decode step moves for one unit with a `prefix`-token cache: the selected tokens
-        (quantised or not) plus the fine summaries of the hot chunks (twice the budget)."""
+        (quantised or not) plus the fine summaries of the hot chunks (HOT_FACTOR x the budget)."""
         tokens = self.fetched_tokens(prefix)
         fine = 0 if self.sparse is None or self.leaf is None else \
-            self.fine_summary_bytes(min(prefix, 2 * tokens), head_dim, dtype_bytes)
+            self.fine_summary_bytes(min(prefix, HOT_FACTOR * tokens), head_dim, dtype_bytes)
         return self.unit_bytes(tokens, head_dim, dtype_bytes) + fine
 
     def score_cost(self, prefix: int, q_heads: int, head_dim: int, dtype_bytes: int) -> dict:
@@ -113,7 +118,7 @@ class LossySpec:
         two products and a max, then the sum)."""
         summaries = math.ceil(prefix / self.chunk)
         if self.leaf is not None:
-            summaries += math.ceil(min(prefix, 2 * self.fetched_tokens(prefix)) / self.fine)
+            summaries += math.ceil(min(prefix, HOT_FACTOR * self.fetched_tokens(prefix)) / self.fine)
         return {"flops": 3 * 2 * head_dim * q_heads * summaries,
                 "mem_bytes": summaries * 2 * head_dim * dtype_bytes}
 

@@ -47,10 +47,10 @@ def test_byte_formulas_by_hand():
     s = LossySpec(sparse=0.2)
     assert s.fetched_tokens(100_000) == 20_000 and s.fetched_tokens(1000) == 64 + 256
     assert s.fetched_tokens(100) == 100
-    # 20% of 128K tokens of one unit (4 * 128 bytes a token) + fine summaries of the hot 40%, 8-token
+    # 20% of 128K tokens of one unit (4 * 128 bytes a token) + fine summaries of the hot 5 x 20% (HOT_FACTOR: all), 8-token
     # chunks, min and max of 128 channels at one byte each
     n = 131072
-    assert s.fetch_bytes(n, 128, 2) == math.ceil(0.2 * n) * 512 + math.ceil(2 * math.ceil(0.2 * n) / 8) * 256
+    assert s.fetch_bytes(n, 128, 2) == math.ceil(0.2 * n) * 512 + math.ceil(n / 8) * 256
 
 
 def test_exact_plans_have_no_lossy_stages_and_lossy_ones_label_themselves():
