@@ -175,7 +175,11 @@ class KVStore:
             from .codecs import load
             codec = load(lo.disk_codec)
             self.cstage = aligned_buffer(self.rstage.numel(), pin=False)   # stored frames, as read
-        block = opts.block_bytes or min(max(1 << (W * self.token_bytes - 1).bit_length(), ALIGN), MAX_BLOCK)
+        wbytes = W * self.token_bytes
+        if lo.quant_bits:   # LOSSY: a step writes quantised records (executor/qstore.py)
+            from .qstore import BlockCodec
+            wbytes = max(1, W // lo.quant_group) * BlockCodec(lo.quant_bits, lo.quant_group, D, self.dtype).record
+        block = opts.block_bytes or min(max(1 << (wbytes - 1).bit_length(), ALIGN), MAX_BLOCK)
         args = (opts.kv_dir or default_kv_dir(), B * sum(lo.disk), lo.capacity * self.token_bytes, block,
                 opts.threads, self.cuda)
         self.disk = DiskFile(*args) if codec is None else FramedDiskFile(*args, codec, self.dtype.itemsize)

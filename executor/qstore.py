@@ -42,6 +42,8 @@ class BlockCodec:
     def encode(self, kv: torch.Tensor) -> torch.Tensor:
         """kv [N, group, 2, D] -> records [N, record] uint8, on kv's device."""
         N = kv.shape[0]
+        if N == 0:
+            return torch.empty(0, self.record, dtype=torch.uint8, device=kv.device)
         qk = quantize(kv[:, :, 0], self.bits, self.group, axis=-2)     # groups along tokens
         qv = quantize(kv[:, :, 1], self.bits, self.gv, axis=-1)        # groups along channels
         out = torch.zeros(N, self.record, dtype=torch.uint8, device=kv.device)
