@@ -20,7 +20,8 @@ import torch
 
 from .quant import LEVELS, Quantized, dequantize, quantize
 
-DECODE_BLOCKS = 2048   # records decoded per pass (bounds the float32 temporaries)
+DECODE_VALUES = 1 << 25   # values dequantised per pass: bounds the float32 temporaries (128 MiB
+                          # each), under the exact-size output the plan books for a dequant
 
 
 class BlockCodec:
@@ -55,20 +56,20 @@ class BlockCodec:
         return out
 
     def decode(self, rec: torch.Tensor, out: torch.Tensor) -> None:
-        """Records rec [N, record] uint8 -> out [N, group, 2, D] (the model dtype), in place."""
-        N, D, g = rec.shape[0], self.D, self.group
+        """Records rec [..., record] uint8 -> out [..., group, 2, D] (the model dtype), in place."""
+        lead, D, g = tuple(rec.shape[:-1]), self.D, self.group
         f, at = {}, 0
         for name, n in self.fields:
-            f[name] = rec[:, at:at + n]
+            f[name] = rec[..., at:at + n]
             at += n
-        m = lambda name: f[name].view(self.meta)
-        k = Quantized(f["kc"].reshape(N, D, 1, -1), m("ks").reshape(N, D, 1), m("kz").reshape(N, D, 1),
-                      self.bits, g, 1, (N, D, g), g, self.dtype)
+        m = lambda name, *shape: f[name].view(self.meta).reshape(*lead, *shape)
+        k = Quantized(f["kc"].reshape(*lead, D, 1, -1), m("ks", D, 1), m("kz", D, 1),
+                      self.bits, g, len(lead), (*lead, D, g), g, self.dtype)
         nv = D // self.gv
-        v = Quantized(f["vc"].reshape(N, g, nv, -1), m("vs").reshape(N, g, nv), m("vz").reshape(N, g, nv),
-                      self.bits, self.gv, 2, (N, g, D), D, self.dtype)
-        out[:, :, 0].copy_(dequantize(k))
-        out[:, :, 1].copy_(dequantize(v))
+        v = Quantized(f["vc"].reshape(*lead, g, nv, -1), m("vs", g, nv), m("vz", g, nv),
+                      self.bits, self.gv, len(lead) + 1, (*lead, g, D), D, self.dtype)
+        out[..., 0, :].copy_(dequantize(k))
+        out[..., 1, :].copy_(dequantize(v))
 
 
 class QuantHomes:
@@ -188,10 +189,8 @@ class QuantHomes:
         if nb:
             rec = self.qslots[slot][:, j0:j1, :nb * self.rec].view(B, J, nb, self.rec)
             out = dst[:, :, :nb * g].view(B, J, nb, g, 2, lo.head_dim)
-            for b in range(B):
-                for j in range(J):
-                    for c in range(0, nb, DECODE_BLOCKS):
-                        e = min(nb, c + DECODE_BLOCKS)
-                        self.codec.decode(rec[b, j, c:e], out[b, j, c:e])
+            step = max(1, DECODE_VALUES // (B * J * g * 2 * lo.head_dim))   # blocks per pass
+            for c in range(0, nb, step):
+                self.codec.decode(rec[:, :, c:c + step], out[:, :, c:c + step])
         if length > nb * g:
             dst[:, :, nb * g:length].copy_(self.tail[layer][:, heads[0] - n:heads[-1] - n + 1, :length - nb * g])
