@@ -252,6 +252,9 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
     if predicted.problems:   # refused before anything is allocated
         raise ValueError(f"budget: the plan does not fit: {'; '.join(predicted.problems)}")
     warnings = _warnings(spec, work)
+    if chosen.lossy is not None and chosen.resident >= spec.units:
+        warnings += ("lossy: every KV unit is resident on the GPU; nothing is quantised (the run is exact)",)
+        log.warning(warnings[-1])
     graph = build(spec, work, chosen)
     hf = session.load_hf_model(model, random_weights, dev, session.TORCH_DTYPES[spec.dtype], seed)
     ids = session.prompt_tensor(prompt, work.batch, work.context, spec.vocab, seed)

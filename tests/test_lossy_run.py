@@ -65,13 +65,20 @@ def test_lossy_run_differs_within_bound_deterministically(tiny_config, capsys, b
     assert a["measured"]["peak_bytes"]["host"] < exact["measured"]["peak_bytes"]["host"]
 
 
-def test_lossy_table_says_LOSSY_first(tiny_config, capsys):
-    """Fault: a lossy run whose table does not say so in its first line."""
-    rc, out, err = cli(capsys, "--model", tiny_config, *COMMON, "--lossy", "int8")
+def test_lossy_table_says_LOSSY_first_and_trace_has_its_stages(tiny_config, capsys, tmp_path):
+    """Faults: a lossy run whose table does not say so in its first line; quantise/dequantise
+    work missing from the measured trace (or from the simulated one)."""
+    trace = tmp_path / "t.json"
+    rc, out, err = cli(capsys, "--model", tiny_config, *COMMON, "--lossy", "int8", "--trace", str(trace))
     assert rc == 0, err
     first = out.splitlines()[0]
     assert first.startswith("kvpipe run: LOSSY (int8 KV")
     assert "LOSSY error measured in this run" in out
+    events = json.loads(trace.read_text())["traceEvents"]
+    pid = {e["args"]["name"]: e["pid"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    for proc in ("kvpipe sim", "kvpipe real"):
+        names = {e["name"] for e in events if e.get("pid") == pid[proc] and e["ph"] == "X"}
+        assert any(".quant" in n for n in names) and any(".dequant." in n for n in names), proc
 
 
 def test_disk_and_int4(tiny_config, tmp_path, capsys):
