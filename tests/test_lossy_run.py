@@ -116,7 +116,7 @@ def _greedy_kl(tiny_model, bits):
                 resident=0)
     ids = torch.randint(0, 128, (1, 256), generator=torch.Generator().manual_seed(0))
     ex = execute(build(spec, work, plan), hf, ids, keep_logits=True)
-    lo = execute(build(spec, work, replace(plan, lossy=LossySpec(bits))), hf, ids, keep_logits=True)
+    lo = execute(build(spec, work, replace(plan, lossy=LossySpec(bits, group=group))), hf, ids, keep_logits=True)
     p = torch.log_softmax(ex.step_logits.double(), -1)
     q = torch.log_softmax(lo.step_logits.double(), -1)
     kl = float((p.exp() * (p - q)).sum(-1).mean())
@@ -132,3 +132,60 @@ def test_logits_kl_and_greedy_agreement_on_tiny_random_model(tiny_model, bits, k
     kl, agree = _greedy_kl(tiny_model, bits)
     print(f"{bits}: KL {kl:.3g}, greedy agreement {agree:.3f}")
     assert 0 < kl < kl_max and agree >= agree_min, (kl, agree)
+
+
+# ---- races: the lossy stages' dependencies (tail, records, byte slots, disk staging) ------------
+def _lossy_run(model, device, bits, resident, disk, kv_dir, hook=None, turns=None, context=60, decode=12,
+               group=8):
+    import random
+    from dataclasses import replace
+
+    from kvpipe.executor.adapter import HFAdapter
+    from kvpipe.executor.kvstore import DiskOptions
+    from kvpipe.executor.runner import execute
+    from kvpipe.pipeline.builder import build
+    from kvpipe.pipeline.lossy import LossySpec
+    from kvpipe.pipeline.plan import Method, PhasePlan, Plan
+    from kvpipe.pipeline.workload import Workload
+    spec = HFAdapter(model).spec()
+    plan = Plan(Method.HEADWISE, PhasePlan(2, 48, 3), PhasePlan(2, 1, 2), resident, disk)
+    ids = torch.randint(0, spec.vocab, (1, context), generator=torch.Generator().manual_seed(5))
+    g = build(spec, Workload(context, decode, 1), replace(plan, lossy=LossySpec(bits, group=group)))
+    return execute(g, model, ids, device, keep_logits=True, stage_hook=hook, disk=DiskOptions(str(kv_dir)),
+                   turns=None if turns is None else random.Random(turns))
+
+
+@pytest.mark.parametrize("turns", [1, 2])
+def test_lossy_bits_do_not_depend_on_lane_interleaving(tiny_model, tmp_path, turns):
+    """Fault: a missing dependency of a lossy stage (a fetch reading records before their store,
+    the tail read after the next step changed it, a byte slot refilled while decoded, disk staging
+    reused before its write): with the lane actors' turns shuffled, some interleaving then gives
+    other bits. 12 decode steps cross block boundaries (group 8) of the quantised homes."""
+    model = tiny_model("llama", kv_heads=4, q_heads=8, head_dim=32, layers=2)
+    ref = _lossy_run(model, "cpu", "int4", 1, 3, tmp_path)
+    mix = _lossy_run(model, "cpu", "int4", 1, 3, tmp_path, turns=turns)
+    assert torch.equal(ref.step_logits, mix.step_logits) and torch.equal(ref.tokens, mix.tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", ["int8", "int4"])
+def test_lossy_cuda_bits_survive_stream_stalls_and_tiers(tiny_model, tmp_path, bits):
+    """Fault (CUDA streams): a lossy stage missing an event wait or a record_stream (records freed
+    before the d2h store read them, a byte slot refilled while dequantised, the tail overwritten
+    while copied): with random stream stalls the bits change. Also: the same records on disk give
+    the same bits as in host RAM."""
+    import random
+    model = tiny_model("llama", kv_heads=8, q_heads=16, head_dim=64, layers=3, dtype=torch.bfloat16,
+                       device="cuda", hidden_size=512, intermediate_size=1024, vocab_size=1024)
+    ref = _lossy_run(model, "cuda", bits, 5, 0, tmp_path, context=300, decode=40, group=32)
+    rng = random.Random(7)
+
+    def hook(stage):
+        x = rng.random()
+        if x < 0.02:
+            torch.cuda._sleep(rng.randint(1_000_000, 10_000_000))
+        elif x < 0.25:
+            torch.cuda._sleep(rng.randint(50_000, 1_000_000))
+    for disk in (0, 8):
+        run = _lossy_run(model, "cuda", bits, 5, disk, tmp_path, hook=hook, context=300, decode=40, group=32)
+        assert torch.equal(ref.step_logits, run.step_logits) and torch.equal(ref.tokens, run.tokens), disk
