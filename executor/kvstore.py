@@ -76,6 +76,8 @@ class KVLayout:
         if len(codecs) > 1:
             raise ValueError(f"codec: the disk link needs one codec for both phases, got {sorted(codecs)}")
         quant = plan.lossy.bits if plan.lossy is not None and plan.lossy.quant else 0
+        if quant and any(disk) and codecs != {"none"}:
+            raise ValueError("codec: a disk codec cannot run with lossy KV (its records go to disk as they are)")
         return cls(w.batch, m.kv_heads, m.head_dim, w.kv_capacity, resident,
                    max(p.depth for p in phases) if offloaded else 0, max(p.group for p in phases),
                    disk, min(plan.prefill.chunk, w.context), codecs.pop() if any(disk) else "none",
@@ -143,15 +145,15 @@ class KVStore:
         self.host = [self.arena.empty((B, H - n - lo.n_disk(i), S, 2, D), self.dtype)
                      if n + lo.n_disk(i) < H and not lo.quant_bits else None for i, n in enumerate(lo.resident)]
         self.slots = [torch.empty(B, lo.slot_heads, S, 2, D, **gpu) for _ in range(lo.slots)]
-        if any(lo.disk):
-            try:
+        try:
+            if any(lo.disk):
                 self._open_disk()
-            except BaseException:
-                self.close()
-                raise
-        if lo.quant_bits:
-            from .qstore import QuantHomes
-            self.q = QuantHomes(self, lo.quant_bits, lo.quant_group)
+            if lo.quant_bits:
+                from .qstore import QuantHomes
+                self.q = QuantHomes(self, lo.quant_bits, lo.quant_group)
+        except BaseException:
+            self.close()
+            raise
         return self
 
     @property
