@@ -116,7 +116,7 @@ def _greedy_kl(tiny_model, bits):
                 resident=0)
     ids = torch.randint(0, 128, (1, 256), generator=torch.Generator().manual_seed(0))
     ex = execute(build(spec, work, plan), hf, ids, keep_logits=True)
-    lo = execute(build(spec, work, replace(plan, lossy=LossySpec(bits, group=group))), hf, ids, keep_logits=True)
+    lo = execute(build(spec, work, replace(plan, lossy=LossySpec(bits))), hf, ids, keep_logits=True)
     p = torch.log_softmax(ex.step_logits.double(), -1)
     q = torch.log_softmax(lo.step_logits.double(), -1)
     kl = float((p.exp() * (p - q)).sum(-1).mean())
