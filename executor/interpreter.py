@@ -122,7 +122,8 @@ class Interpreter:
         key = (s.phase, s.step, s.layer)
         if self.q is not None:            # LOSSY: the records `quant` made go home
             recs, block0 = self._recs.pop(key)
-            self.lanes.protect(recs, Lane.D2H)
+            if recs.numel():                  # most decode steps fill no block
+                self.lanes.protect(recs, Lane.D2H)
             self.moved[s.id] = self.q.store(s.layer, s.heads, recs, block0)
             self._release(key)
             return
