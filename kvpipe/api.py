@@ -228,7 +228,7 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
                "host": budget(host_mem, session.host_ram_bytes(), "host-mem"),
                "disk": budget(disk_mem, free, "disk-mem")}
     check_weights(spec, budgets)
-    if plan is not None:   # read once; a lossy plan is refused before anything else is checked or allocated
+    if plan is not None:   # read once; a sparse plan is refused before anything else is checked or allocated
         from .inputs import read_plan
         plan = read_plan(plan, spec)
         if plan.lossy is not None and plan.lossy.sparse is not None:
