@@ -7,8 +7,8 @@ whole cache in pinned host RAM, batch 1).
 
 What is timed is the KV part of a decode step, not a whole model step: for each of the 32 layers,
 the 8 KV heads' cache crosses PCIe and is attended by the 32 query heads. (`kvpipe run` does not
-execute lossy plans yet; the weights' share of a step is ~4 ms of the exact step's ~310 ms at 128K,
-see benchmarks/README.md.) Variants:
+execute sparse plans yet; int8/int4 runs whole model steps in benchmarks/lossy_run.py. The weights'
+share of a step is ~4 ms of the exact step's ~310 ms at 128K, see benchmarks/README.md.) Variants:
   exact        whole layer copied (one H2D per layer, next layer prefetched during attention)
   int8 / int4  the quantised layer copied (codes + float16 scales/zero-points, groups of 64 / 32
                tokens per channel), dequantised on the GPU, attended

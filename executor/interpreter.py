@@ -42,7 +42,11 @@ class Interpreter:
         self._ops = {"embed": self._embed, "qkv": self._qkv, "attn": self._attn, "mlp": self._mlp,
                      "head": self._head, "kv_fetch": self._fetch, "kv_store": self._store,
                      "kv_read": self._disk_read, "kv_write": self._disk_write,
-                     "kv_compress": self._compress, "kv_decompress": self._decompress}
+                     "kv_compress": self._compress, "kv_decompress": self._decompress,
+                     "quant": self._quant, "dequant": self._dequant}
+        self.q = store.q                  # LOSSY: quantised homes of the offloaded units, else None
+        self.lossy_error: dict[str, float] | None = None   # measured once (executor/lossy_probe.py)
+        self._recs: dict[tuple, tuple] = {}   # (phase, step, layer) -> (records, first block)
 
     def __call__(self, s: Stage) -> None:
         op = self._ops.get(s.tag)
@@ -111,10 +115,18 @@ class Interpreter:
     def _fetch(self, s: Stage) -> None:
         assert s.tokens[0] == 0 and s.slot is not None, (s.name, s.tokens, s.slot)
         base = s.group * self.group[s.phase]
-        self.moved[s.id] = self.store.fetch(s.layer, s.heads, base, s.slot, s.tokens[1])
+        fetch = self.q.fetch if self.q is not None else self.store.fetch
+        self.moved[s.id] = fetch(s.layer, s.heads, base, s.slot, s.tokens[1])
 
     def _store(self, s: Stage) -> None:
         key = (s.phase, s.step, s.layer)
+        if self.q is not None:            # LOSSY: the records `quant` made go home
+            recs, block0 = self._recs.pop(key)
+            if recs.numel():                  # most decode steps fill no block
+                self.lanes.protect(recs, Lane.D2H)
+            self.moved[s.id] = self.q.store(s.layer, s.heads, recs, block0)
+            self._release(key)
+            return
         kv = self._kv[key][0]
         self.lanes.protect(kv, Lane.D2H)   # allocated on the compute stream, read on d2h
         self.moved[s.id] = self.store.store(s.layer, s.heads, kv, s.tokens[0])
@@ -124,9 +136,13 @@ class Interpreter:
     def _disk_read(self, s: Stage) -> None:
         assert s.tokens[0] == 0 and s.slot is not None, (s.name, s.tokens, s.slot)
         base = s.group * self.group[s.phase]
-        self.moved[s.id] = self.store.disk_read(s.layer, s.heads, base, s.slot, s.tokens[1])
+        read = self.q.disk_read if self.q is not None else self.store.disk_read
+        self.moved[s.id] = read(s.layer, s.heads, base, s.slot, s.tokens[1])
 
     def _disk_write(self, s: Stage) -> None:
+        if self.q is not None:
+            self.moved[s.id] = self.q.disk_write(s.layer, s.heads)
+            return
         if s.codec != "none":        # kv_compress encoded the frames
             self.moved[s.id] = self.store.disk_flush(s.layer, s.heads)
             return
@@ -141,6 +157,23 @@ class Interpreter:
     def _decompress(self, s: Stage) -> None:
         base = s.group * self.group[s.phase]
         self.moved[s.id] = self.store.disk_decode(s.layer, s.heads, base, s.slot, s.tokens[1])
+
+    # ---- LOSSY: quantise before the store, dequantise after the fetch (compute lane) -----------
+    def _quant(self, s: Stage) -> None:
+        key = (s.phase, s.step, s.layer)
+        kv = self._kv[key][0]
+        recs, block0, full = self.q.encode(s.layer, kv, s.tokens[0])
+        self._recs[key] = (recs, block0)
+        if self.lossy_error is None and s.phase is Phase.PREFILL and s.tokens[0] == 0 and full.shape[2]:
+            from .lossy_probe import measure
+            cur, n = self._step(s), self.store.layout.resident[s.layer]
+            r = self.adapter.r
+            self.lossy_error = measure(self.q.codec, cur.q[:, n * r:], kv[:, n:], full, recs,
+                                       self.adapter.body.layers[s.layer].self_attn.scaling)
+
+    def _dequant(self, s: Stage) -> None:
+        base = s.group * self.group[s.phase]
+        self.q.decode(s.layer, s.heads, base, s.slot, s.tokens[1])
 
     def _release(self, key: tuple) -> None:
         entry = self._kv[key]

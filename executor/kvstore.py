@@ -47,6 +47,8 @@ class KVLayout:
     disk: tuple[int, ...] = ()
     write_tokens: int = 1
     disk_codec: str = "none"
+    quant_bits: int = 0        # LOSSY (--lossy): offloaded units stored quantised (executor/qstore.py)
+    quant_group: int = 0
 
     def __post_init__(self) -> None:
         for f in ("batch", "kv_heads", "head_dim", "capacity"):
@@ -73,9 +75,13 @@ class KVLayout:
         codecs = {p.codec("disk") for p in phases}
         if len(codecs) > 1:
             raise ValueError(f"codec: the disk link needs one codec for both phases, got {sorted(codecs)}")
+        quant = plan.lossy.bits if plan.lossy is not None and plan.lossy.quant else 0
+        if quant and any(disk) and codecs != {"none"}:
+            raise ValueError("codec: a disk codec cannot run with lossy KV (its records go to disk as they are)")
         return cls(w.batch, m.kv_heads, m.head_dim, w.kv_capacity, resident,
                    max(p.depth for p in phases) if offloaded else 0, max(p.group for p in phases),
-                   disk, min(plan.prefill.chunk, w.context), codecs.pop() if any(disk) else "none")
+                   disk, min(plan.prefill.chunk, w.context), codecs.pop() if any(disk) else "none",
+                   quant, plan.lossy.group if quant else 0)
 
     @property
     def layers(self) -> int:
@@ -127,6 +133,7 @@ class KVStore:
         self.rstage: torch.Tensor | None = None
         self.cstage: torch.Tensor | None = None
         self.row_base: list[int] = []
+        self.q = None   # LOSSY: the quantised homes (executor/qstore.py) when layout.quant_bits
         self.arena = HostArena(self.cuda, torch_pinned=replay)
 
     # ---- lifetime ----------------------------------------------------------------------
@@ -136,14 +143,17 @@ class KVStore:
         gpu = dict(dtype=self.dtype, device=self.device)
         self.gpu = [torch.empty(B, n, S, 2, D, **gpu) if n else None for n in lo.resident]
         self.host = [self.arena.empty((B, H - n - lo.n_disk(i), S, 2, D), self.dtype)
-                     if n + lo.n_disk(i) < H else None for i, n in enumerate(lo.resident)]
+                     if n + lo.n_disk(i) < H and not lo.quant_bits else None for i, n in enumerate(lo.resident)]
         self.slots = [torch.empty(B, lo.slot_heads, S, 2, D, **gpu) for _ in range(lo.slots)]
-        if any(lo.disk):
-            try:
+        try:
+            if any(lo.disk):
                 self._open_disk()
-            except BaseException:
-                self.close()
-                raise
+            if lo.quant_bits:
+                from .qstore import QuantHomes
+                self.q = QuantHomes(self, lo.quant_bits, lo.quant_group)
+        except BaseException:
+            self.close()
+            raise
         return self
 
     @property
@@ -159,14 +169,19 @@ class KVStore:
         lo, opts = self.layout, self.disk_opts
         B, D, W = lo.batch, lo.head_dim, lo.write_tokens
         self.row_base = [B * sum(lo.disk[:i]) for i in range(lo.layers)]
-        self.wstage = [self.arena.empty((B, d, W, 2, D), self.dtype) if d else None for d in lo.disk]
+        self.wstage = [self.arena.empty((B, d, W, 2, D), self.dtype) if d and not lo.quant_bits else None
+                       for d in lo.disk]
         self.rstage = self.arena.bytes(lo.slots * B * lo.slot_heads * self.row_stride)
         codec = None
         if lo.disk_codec != "none":
             from .codecs import load
             codec = load(lo.disk_codec)
             self.cstage = aligned_buffer(self.rstage.numel(), pin=False)   # stored frames, as read
-        block = opts.block_bytes or min(max(1 << (W * self.token_bytes - 1).bit_length(), ALIGN), MAX_BLOCK)
+        wbytes = W * self.token_bytes
+        if lo.quant_bits:   # LOSSY: a step writes quantised records (executor/qstore.py)
+            from .qstore import BlockCodec
+            wbytes = max(1, W // lo.quant_group) * BlockCodec(lo.quant_bits, lo.quant_group, D, self.dtype).record
+        block = opts.block_bytes or min(max(1 << (wbytes - 1).bit_length(), ALIGN), MAX_BLOCK)
         args = (opts.kv_dir or default_kv_dir(), B * sum(lo.disk), lo.capacity * self.token_bytes, block,
                 opts.threads, self.cuda)
         self.disk = DiskFile(*args) if codec is None else FramedDiskFile(*args, codec, self.dtype.itemsize)
@@ -182,6 +197,7 @@ class KVStore:
             if self.cuda:
                 self.arena.close()
         self.gpu, self.host, self.slots, self.wstage, self.rstage, self.cstage = [], [], [], [], None, None
+        self.q = None
 
     def __enter__(self) -> "KVStore":
         return self.open()
@@ -195,7 +211,7 @@ class KVStore:
         bufs = [t for t in self.host + self.wstage if t is not None]
         if self.rstage is not None:
             bufs += [self.rstage, self.disk.tails] + ([self.cstage] if self.cstage is not None else [])
-        return sum(t.numel() * t.element_size() for t in bufs)
+        return sum(t.numel() * t.element_size() for t in bufs) + (self.q.host_bytes if self.q else 0)
 
     @property
     def disk_bytes(self) -> int:

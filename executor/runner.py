@@ -47,6 +47,7 @@ class RunResult:
     compile_s: float = 0.0        # host seconds compiling them (before the first capture)
     disk_bytes: int = 0
     disk: dict | None = None
+    lossy_error: dict | None = None   # LOSSY runs: errors measured in the run (executor/lossy_probe.py)
 
 
 def decode_steps(graph: Graph) -> int:
@@ -81,6 +82,8 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
     if adapter.device != device:
         raise ValueError(f"device: the model is on {adapter.device}, the run asks for {device}")
     w = graph.workload
+    if graph.plan.lossy is not None and graph.plan.lossy.sparse is not None:
+        raise ValueError("sparse: the executor does not run sparse decode yet (plan-only); int8/int4 run")
     n_decode = decode_steps(graph)
     adapter.check(graph.model, w.kv_capacity)
     if tuple(prompt_ids.shape) != (w.batch, w.context):
@@ -95,9 +98,10 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
         step_logits = (torch.empty(n_decode + 1, w.batch, graph.model.vocab, device=device)
                        if keep_logits else None)
         issue = resolve_mode(replay, device, adapter.dtype, w.batch, adapter.head_dim) if n_decode else "eager"
-        if issue != "eager" and any(s.lane in HOST_LANES for s in graph.stages):
+        if issue != "eager" and (graph.plan.lossy is not None or any(s.lane in HOST_LANES for s in graph.stages)):
             if replay != "auto":
-                raise ValueError("replay: decode replay cannot run disk units or codec stages; use --replay off")
+                raise ValueError("replay: decode replay cannot run disk units, codec stages or lossy KV; "
+                                 "use --replay off")
             issue = "eager"
         replayed = issue != "eager"
         extra = {}
@@ -119,7 +123,7 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
                  "one span per step on its head stage, the step's other compute/h2d stages empty at its end")
     trace = Trace(graph, "real", spans, note=note)
     return RunResult(trace, interp.last_logits, tokens, peak, host, tuple(interp.moved), step_logits,
-                     disk_bytes=disk_bytes, disk=disk_stats, **extra)
+                     disk_bytes=disk_bytes, disk=disk_stats, lossy_error=interp.lossy_error, **extra)
 
 
 def _prefill_then_replay(graph: Graph, interp: ReplayInterpreter, lanes: Lanes, tokens: torch.Tensor,

@@ -185,13 +185,16 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
         random_weights: bool = False, device: str | None = None, dtype: str | None = None, seed: int = 0,
         prompt_file: Path_ = None, progress: bool = True, warmup: bool = True, replay: str = "auto",
         trace: Path_ = None, plot: Path_ = None, disk: Knob = None, kv_dir: Path_ = None,
-        codec: str | list[str] = (), objective: str = "total") -> RunResult:
+        codec: str | list[str] = (), objective: str = "total", lossy: str | None = None,
+        sparse: float | None = None) -> RunResult:
     """Execute on this machine (torch and transformers needed) and measure next to the
     prediction. `device` defaults to cuda when available; budgets to the GPU's memory and this
     machine's RAM and the free space of `kv_dir` (the disk tier's directory, default the system
     temp dir, its file removed however the run ends); `context` to the prompt file's length,
     else 32K; `hw` to the bundled profile of this GPU; `disk` and `codec` as for `plan`. The
-    plan is refused before anything is allocated when it does not fit."""
+    plan is refused before anything is allocated when it does not fit. LOSSY opt-in: `lossy`
+    "int8"/"int4" stores the offloaded KV quantised (executor/qstore.py); sparse decode is
+    plan-only so far and refused here."""
     trace_path, plot_path = output_path(trace, "trace"), output_path(plot, "plot")
     try:
         import torch  # noqa: F401
@@ -225,22 +228,33 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
                "host": budget(host_mem, session.host_ram_bytes(), "host-mem"),
                "disk": budget(disk_mem, free, "disk-mem")}
     check_weights(spec, budgets)
-    if plan is not None:   # read once; a lossy plan is refused before anything else is checked or allocated
+    if plan is not None:   # read once; a sparse plan is refused before anything else is checked or allocated
         from .inputs import read_plan
         plan = read_plan(plan, spec)
-        if plan.lossy is not None:
-            raise ValueError("lossy: kvpipe run executes exact plans only (lossy options are plan-only for now)")
+        if plan.lossy is not None and plan.lossy.sparse is not None:
+            raise ValueError("sparse: kvpipe run does not execute sparse decode yet (plan-only); "
+                             "--lossy int8|int4 runs")
+    if sparse is not None:
+        raise ValueError("sparse: kvpipe run does not execute sparse decode yet (plan-only); --lossy int8|int4 runs")
     first, found = _choose(spec, work, profile, budgets, method, group, chunk, resident, plan, objective,
                            disk=disk, codec=codec)
     chosen = first.plan
-    if chosen.disk and issue != "eager":    # disk reads cannot sit in a CUDA graph
+    if lossy is not None:   # LOSSY, explicit opt-in only, over the exact plan
+        from kvpipe.pipeline.lossy import LossySpec
+        chosen = chosen.with_(lossy=LossySpec(lossy))
+    if chosen.lossy is not None and any(p.codec("disk") != "none" for p in (chosen.prefill, chosen.decode)):
+        raise ValueError("codec: a disk codec cannot run with --lossy (quantised records go to disk as they are)")
+    if (chosen.disk or chosen.lossy) and issue != "eager":    # disk reads, lossy stages: no CUDA graph
         if replay != "auto":
-            raise ValueError("replay: decode replay cannot run disk units; use --replay off or auto")
+            raise ValueError("replay: decode replay cannot run disk units or lossy KV; use --replay off or auto")
         issue, replay = "eager", "off"
     predicted = _predict(spec, work, chosen, profile, budgets, replay=issue == "graph" and work.decode_tokens > 0)
     if predicted.problems:   # refused before anything is allocated
         raise ValueError(f"budget: the plan does not fit: {'; '.join(predicted.problems)}")
     warnings = _warnings(spec, work)
+    if chosen.lossy is not None and chosen.resident >= spec.units:
+        warnings += ("lossy: every KV unit is resident on the GPU; nothing is quantised (the run is exact)",)
+        log.warning(warnings[-1])
     graph = build(spec, work, chosen)
     hf = session.load_hf_model(model, random_weights, dev, session.TORCH_DTYPES[spec.dtype], seed)
     ids = session.prompt_tensor(prompt, work.batch, work.context, spec.vocab, seed)
@@ -259,4 +273,4 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
                      measured.digest, str(dev), attention, "random weights" if random_weights else str(model),
                      warnings, {"mode": res.decode_issue, "graphs": res.graphs, "capture_s": res.capture_s,
                                 "fused": res.fused, "compile_s": res.compile_s},
-                     res.disk, found)
+                     res.disk, found, res.lossy_error)

@@ -87,12 +87,20 @@ class PlanResult:
         return out
 
 
-def lossy_json(plan: Plan) -> dict | None:
-    """None for an exact plan; else what is lossy and its measured error (a plan measures none)."""
+def lossy_json(plan: Plan, measured: dict | None = None, run: bool = False) -> dict | None:
+    """None for an exact plan; else what is lossy and its measured error (a plan measures none;
+    a run passes what it measured)."""
     if plan.lossy is None:
         return None
     out = plan.lossy.to_json()
-    if out["measured_error"] is None:
+    if measured:
+        out["measured_error"] = dict(measured)
+        out["error_note"] = ("measured in this run on the first prefill chunk's first offloaded layer: "
+                             "K/V relative error of its quantised blocks, and the chunk's last query "
+                             "attending the chunk (float64) with and without quantisation; not a task accuracy")
+    elif run:
+        out["error_note"] = "nothing measured: no full quantisation block of an offloaded unit in the first prefill chunk"
+    if out["measured_error"] is None and not run:
         out["error_note"] = ("not measured by plan: python -m benchmarks.lossy_error measures it on a "
                              "synthetic needle set")
     return out
@@ -120,6 +128,7 @@ class RunResult:
     decode_issue: dict | None = None   # {"mode": graph|issue|eager, "graphs": n, "capture_s": s}
     disk: dict | None = None   # the disk tier's I/O: bytes, seconds, checksum cost, notes (None: no disk units)
     search: object = None  # sim.planner.PlannerResult when the planner chose the plan
+    lossy_error: dict | None = None   # LOSSY runs: the error measured in the run (executor/lossy_probe.py)
 
     @property
     def plan(self) -> Plan:
@@ -133,7 +142,7 @@ class RunResult:
         out.update(plan=self.plan.to_json(self.model), fits=True, predicted=self.predicted.report.to_json(),
                    measured=measured, tokens=[list(t) for t in self.tokens], output_digest=self.output_digest,
                    device=self.device, attention=self.attention, budgets_bytes=dict(self.budgets),
-                   warnings=list(self.warnings), disk=self.disk, lossy=lossy_json(self.plan))
+                   warnings=list(self.warnings), disk=self.disk, lossy=lossy_json(self.plan, self.lossy_error, run=True))
         if self.decode_issue is not None:
             out["decode_issue"] = dict(self.decode_issue)
         return out

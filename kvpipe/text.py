@@ -71,7 +71,8 @@ def print_compare(res: PlanResult) -> None:
 
 
 def print_run(res: RunResult) -> None:
-    print(f"kvpipe run: {res.model.name} on {res.device} ({res.weights}); "
+    lossy = f"LOSSY ({res.plan.lossy.describe()}) " if res.plan.lossy else ""
+    print(f"kvpipe run: {lossy}{res.model.name} on {res.device} ({res.weights}); "
           f"attention kernel {res.attention}; predicted on profile {res.hardware.name}")
     _print_workload_plan(res.workload, res.plan)
     _print_search(res.search)
@@ -81,6 +82,11 @@ def print_run(res: RunResult) -> None:
     tokens = res.tokens[0]
     print(f"tokens: {tokens[:16]}{' ...' if len(tokens) > 16 else ''}")
     print(f"output digest: {res.output_digest}")
+    if res.plan.lossy:
+        e = res.lossy_error
+        print("LOSSY error measured in this run (first offloaded layer, first chunk; not task accuracy): "
+              + (", ".join(f"{k} {v:.3g}" for k, v in e.items() if k != "probe_tokens") if e else
+                 "none (no full quantisation block of an offloaded unit in the first prefill chunk)"))
     if res.disk:
         d = res.disk
         print(f"disk: read {fmt_bytes(d['read_bytes'])}, wrote {fmt_bytes(d['write_bytes'])}; crc32c of "

@@ -1,7 +1,9 @@
 """Lossy options, opt-in and labelled: group-wise int8/int4 quantisation of offloaded KV and sparse
 decode (each step fetches a fraction of the offloaded tokens, chosen by chunk key summaries).
 This module holds the spec and the byte-size formulas the builder and the simulator use; the
-tensor code is in executor/quant.py and executor/sparse.py. Torch-free."""
+tensor code is in executor/quant.py and executor/sparse.py; `kvpipe run` executes quantisation
+(executor/qstore.py: whole `group`-token blocks are stored quantised, the block still filling stays
+exact on the GPU) but not yet sparse decode. Torch-free."""
 from __future__ import annotations
 
 import math

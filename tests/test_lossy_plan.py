@@ -153,13 +153,14 @@ def test_cli_bad_lossy_input_is_one_line_exit_2(extra, field):
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and field in r.stderr
 
 
-def test_run_refuses_a_lossy_plan_file(tmp_path, capsys):
-    # Fault caught: `kvpipe run` executing a lossy plan as if it were exact (it cannot yet).
+def test_run_refuses_a_sparse_plan_file(tmp_path, capsys):
+    # Fault caught: `kvpipe run` executing a sparse plan as if it were exact (it cannot yet;
+    # int8/int4 plans do run: tests/test_lossy_run.py).
     path = tmp_path / "plan.json"
-    path.write_text(json.dumps(_plan(LossySpec("int8")).to_json()))
+    path.write_text(json.dumps(_plan(LossySpec(sparse=0.2)).to_json()))
     cfg = dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                num_attention_heads=8, num_key_value_heads=8, head_dim=8)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     rc = main(["run", "--model", str(tmp_path / "config.json"), "--random-weights", "--context", "64",
                "--decode-tokens", "1", "--device", "cpu", "--plan", str(path)])
-    assert rc == 2 and "lossy" in capsys.readouterr().err
+    assert rc == 2 and "sparse" in capsys.readouterr().err

@@ -1,0 +1,100 @@
+"""`kvpipe run` decode speed of the LOSSY options against the exact run, all in ONE invocation (one
+process, the same machine state): the same plan knobs, run once per variant, whole model steps
+(weights, every layer's KV fetch, dequantise, attention), timed by the run's CUDA-event trace.
+
+  python -m benchmarks.lossy_run                          # H200: Llama-3-8B, 128K, exact int8 int4
+  python -m benchmarks.lossy_run --model tiny.json --context 512 --chunk 128 --device cpu \
+      --gpu-mem 4GB --decode-tokens 2                     # CPU smoke test of the code path
+
+Variants: `exact` (no --lossy), `int8`, `int4` (--lossy; executor/qstore.py). Sparse decode is not
+executed by `kvpipe run` yet, so it has no variant here. Each row: measured decode seconds per
+token, prefill seconds, its speed-up over the exact row of this invocation, and the error the
+lossy run measured on its own activations (random weights: not a task accuracy).
+JSON (command, date, device, rows) to benchmarks/results/lossy-run-<date>.json or --out; the
+table is printed last."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+VARIANTS = {"exact": None, "int8": "int8", "int4": "int4"}
+
+
+def run_variant(name: str, args) -> dict:
+    import torch
+
+    import kvpipe
+    t0 = time.time()
+    try:
+        res = kvpipe.run(model=args.model, random_weights=True, context=args.context,
+                         decode_tokens=args.decode_tokens, gpu_mem=args.gpu_mem, group=args.group,
+                         resident=args.resident, chunk=args.chunk, device=args.device, hw=args.hw,
+                         progress=False, lossy=VARIANTS[name], seed=args.seed)
+    except (ValueError, RuntimeError) as e:     # one failed variant (e.g. out of memory) is a row
+        return {"variant": name, "error": str(e).splitlines()[0], "wall_s": time.time() - t0}
+    finally:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    j = res.to_json()
+    t = j["measured"]
+    return {"variant": name, "decode_s_per_token": t["decode_s_per_token"], "prefill_s": t["prefill_s"],
+            "predicted_decode_s_per_token": j["predicted"]["decode_s_per_token"],
+            "peak_bytes": t["peak_bytes"], "plan": j["plan"], "lossy": j["lossy"],
+            "tokens": j["tokens"], "digest": j["output_digest"], "wall_s": time.time() - t0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama-3-8b")
+    ap.add_argument("--context", default="128K")
+    ap.add_argument("--decode-tokens", type=int, default=8)
+    ap.add_argument("--gpu-mem", default="24GB")
+    ap.add_argument("--group", default="8")
+    ap.add_argument("--resident", default="none")
+    ap.add_argument("--chunk", default=None)
+    ap.add_argument("--hw", default=None)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    if "exact" not in args.variants:
+        ap.error("variants: the exact run is the reference of the speed-up; keep it")
+    rows = []
+    for name in ["exact"] + [v for v in args.variants if v != "exact"]:
+        rows.append(run_variant(name, args))
+        print(f"lossy_run: {name}: {json.dumps({k: rows[-1].get(k) for k in ('decode_s_per_token', 'prefill_s', 'error', 'wall_s')})}",
+              file=sys.stderr, flush=True)
+    exact = rows[0].get("decode_s_per_token")
+    for r in rows:
+        r["decode_speedup"] = exact / r["decode_s_per_token"] if exact and r.get("decode_s_per_token") else None
+    import torch
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    out = {"command": " ".join([sys.executable, "-m", "benchmarks.lossy_run", *(argv or sys.argv[1:])]),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+           "note": "random weights; errors are of this run's activations, not task accuracy", "rows": rows}
+    path = Path(args.out) if args.out else RESULTS / f"lossy-run-{datetime.date.today()}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    print(f"wrote {path}")
+    print(f"{'variant':8} {'decode ms/tok':>14} {'speed-up':>9} {'prefill s':>10} {'attn rel err':>13}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['variant']:8} FAILED: {r['error']}")
+            continue
+        err = ((r["lossy"] or {}).get("measured_error") or {}).get("attn_rel_err")
+        print(f"{r['variant']:8} {1e3 * r['decode_s_per_token']:14.1f} {r['decode_speedup']:8.2f}x "
+              f"{r['prefill_s']:10.2f} {'-' if err is None else f'{err:.2e}':>13}")
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

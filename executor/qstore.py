@@ -1,0 +1,196 @@
+"""LOSSY, opt-in (`--lossy int8|int4`): the offloaded KV stored, moved and read back quantised.
+
+Tokens of an offloaded (layer, KV head) unit are cut into blocks of `group` tokens. A full block
+is quantised on the GPU (executor/quant.py: K per channel with its group along the block's tokens,
+V per token with groups of gcd(group, head_dim) channels) into one fixed-size byte record; the
+records of a unit lie one after another in its home (pinned host RAM, or its disk row: the same
+bytes), so a prefix of whole blocks is ONE contiguous copy per (sequence, head). The tokens of a
+block not yet full stay exact in a small GPU tail buffer (KIVI's residual), so a token is quantised
+exactly once, when its block fills. A fetch moves the records of the prefix's full blocks into a
+GPU byte slot; `dequant` decodes them into the exact transfer slot and appends the exact tail, and
+the attention reads the slot as on the exact path. Resident units never pass through here.
+
+Stages (builder: `quant` before `kv_store`, `dequant` after `kv_fetch`): `encode` (compute lane)
+-> `store` (d2h) -> `disk_write` (disk lane), and `disk_read` -> `fetch` (h2d) -> `decode`."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .quant import LEVELS, Quantized, dequantize, quantize
+
+DECODE_VALUES = 1 << 25   # values dequantised per pass: bounds the float32 temporaries (128 MiB
+                          # each), under the exact-size output the plan books for a dequant
+
+
+class BlockCodec:
+    """One `group`-token block of one unit, K and V [group, 2, D] <-> a `record`-byte record:
+    metadata first (K scale, K zero, V scale, V zero), then K codes, V codes; padded to 16 bytes."""
+
+    def __init__(self, bits: int, group: int, head_dim: int, dtype: torch.dtype) -> None:
+        if bits not in LEVELS:
+            raise ValueError(f"bits: must be 8 or 4, got {bits!r}")
+        self.bits, self.group, self.D, self.dtype = bits, group, head_dim, dtype
+        self.gv = math.gcd(group, head_dim)                    # V: channels per group
+        self.meta = torch.float16 if dtype in (torch.bfloat16, torch.float16) else torch.float32
+        ms, D, g = self.meta.itemsize, head_dim, group
+        nv = g * (D // self.gv)                                # V groups per block
+        self.fields = (("ks", D * ms), ("kz", D * ms), ("vs", nv * ms), ("vz", nv * ms),
+                       ("kc", D * g * bits // 8), ("vc", g * D * bits // 8))
+        self.record = -(-sum(n for _, n in self.fields) // 16) * 16
+
+    def encode(self, kv: torch.Tensor) -> torch.Tensor:
+        """kv [N, group, 2, D] -> records [N, record] uint8, on kv's device."""
+        N = kv.shape[0]
+        if N == 0:
+            return torch.empty(0, self.record, dtype=torch.uint8, device=kv.device)
+        qk = quantize(kv[:, :, 0], self.bits, self.group, axis=-2)     # groups along tokens
+        qv = quantize(kv[:, :, 1], self.bits, self.gv, axis=-1)        # groups along channels
+        out = torch.zeros(N, self.record, dtype=torch.uint8, device=kv.device)
+        parts = {"ks": qk.scale, "kz": qk.zero, "vs": qv.scale, "vz": qv.zero, "kc": qk.codes, "vc": qv.codes}
+        at = 0
+        for name, n in self.fields:
+            out[:, at:at + n] = parts[name].reshape(N, -1).view(torch.uint8)
+            at += n
+        return out
+
+    def decode(self, rec: torch.Tensor, out: torch.Tensor) -> None:
+        """Records rec [..., record] uint8 -> out [..., group, 2, D] (the model dtype), in place."""
+        lead, D, g = tuple(rec.shape[:-1]), self.D, self.group
+        f, at = {}, 0
+        for name, n in self.fields:
+            f[name] = rec[..., at:at + n]
+            at += n
+        m = lambda name, *shape: f[name].view(self.meta).reshape(*lead, *shape)
+        k = Quantized(f["kc"].reshape(*lead, D, 1, -1), m("ks", D, 1), m("kz", D, 1),
+                      self.bits, g, len(lead), (*lead, D, g), g, self.dtype)
+        nv = D // self.gv
+        v = Quantized(f["vc"].reshape(*lead, g, nv, -1), m("vs", g, nv), m("vz", g, nv),
+                      self.bits, self.gv, len(lead) + 1, (*lead, g, D), D, self.dtype)
+        out[..., 0, :].copy_(dequantize(k))
+        out[..., 1, :].copy_(dequantize(v))
+
+
+class QuantHomes:
+    """The quantised side of a KVStore (`store`): per layer the GPU tail [B, n_off, group, 2, D],
+    the host records [B, n_host, blocks * record], the disk heads' write staging; per transfer
+    slot a GPU byte slot [B, slot_heads, blocks * record]. Allocated at construction (the store's
+    `open`), freed with the store."""
+
+    def __init__(self, store, bits: int, group: int) -> None:
+        self.s = store
+        lo = store.layout
+        self.codec = c = BlockCodec(bits, group, lo.head_dim, store.dtype)
+        self.g, self.rec = group, c.record
+        B, H, D = lo.batch, lo.kv_heads, lo.head_dim
+        self.blocks = lo.capacity // group                       # full blocks a unit can hold
+        row = self.blocks * c.record
+        gpu = dict(device=store.device)
+        self.tail = [torch.zeros(B, H - n, group, 2, D, dtype=store.dtype, **gpu) if n < H else None
+                     for n in lo.resident]
+        self.host = [store.arena.bytes(B * (H - n - lo.n_disk(i)) * row).view(B, H - n - lo.n_disk(i), row)
+                     if n + lo.n_disk(i) < H else None for i, n in enumerate(lo.resident)]
+        self.wblocks = (lo.write_tokens + group - 1) // group + 1
+        self.wstage = [store.arena.bytes(B * d * self.wblocks * c.record).view(B, d, self.wblocks * c.record)
+                       if d else None for d in lo.disk] if any(lo.disk) else []
+        self.qslots = [torch.empty(B, lo.slot_heads, row, dtype=torch.uint8, **gpu) for _ in range(lo.slots)]
+        self.pending: dict[int, tuple[int, int]] = {}            # layer -> (first block, blocks) staged
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(t.numel() for t in self.host + self.wstage if t is not None)
+
+    # ---- store side ------------------------------------------------------------------------
+    def encode(self, layer: int, kv: torch.Tensor, start: int) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """Compute lane: the step's new K/V kv [B, H, T, 2, D] of the layer's offloaded heads join
+        their tail; the blocks that fill are quantised. Returns (records [B, n_off, nb, record],
+        first block, the filled blocks' exact K/V [B, n_off, nb, group, 2, D])."""
+        lo, g = self.s.layout, self.g
+        n, T = lo.resident[layer], kv.shape[2]
+        had = start % g
+        seq = torch.cat([self.tail[layer][:, :, :had], kv[:, n:]], 2)        # [B, n_off, had+T, 2, D]
+        nb = seq.shape[2] // g
+        full = seq[:, :, :nb * g].reshape(*seq.shape[:2], nb, g, *seq.shape[3:])
+        left = seq.shape[2] - nb * g
+        self.tail[layer][:, :, :left].copy_(seq[:, :, nb * g:])
+        recs = self.codec.encode(full.reshape(-1, g, 2, lo.head_dim)).view(*seq.shape[:2], nb, self.rec)
+        return recs, start // g, full
+
+    def store(self, layer: int, heads: tuple[int, ...], recs: torch.Tensor, block0: int) -> int:
+        """D2H lane: records [B, n_off, nb, record] to the host homes (host heads) or the disk
+        write staging (disk heads). One copy per (sequence, head); returns bytes moved."""
+        lo, nb = self.s.layout, recs.shape[2]
+        n, fd = lo.resident[layer], lo.first_disk(layer)
+        self.pending[layer] = (block0, nb)
+        if nb == 0:
+            return 0
+        moved = 0
+        for b in range(lo.batch):
+            for h in heads:
+                src = recs[b, h - n].reshape(-1)
+                dst = (self.host[layer][b, h - n, block0 * self.rec:(block0 + nb) * self.rec] if h < fd
+                       else self.wstage[layer][b, h - fd, :nb * self.rec])
+                dst.copy_(src, non_blocking=self.s.cuda)
+                moved += src.numel()
+        return moved
+
+    def disk_write(self, layer: int, heads: tuple[int, ...]) -> int:
+        """Disk lane: append the staged records of disk `heads` to their rows."""
+        block0, nb = self.pending[layer]
+        if nb == 0:
+            return 0
+        fd, items = self.s.layout.first_disk(layer), []
+        for b in range(self.s.layout.batch):
+            for h in heads:
+                row = self.s._row(layer, b, h)
+                assert self.s.disk.fill[row] == block0 * self.rec, (layer, h, block0, self.s.disk.fill[row])
+                items.append((row, memoryview(self.wstage[layer][b, h - fd, :nb * self.rec].numpy())))
+        self.s.disk.append(items)
+        return sum(len(mv) for _, mv in items)
+
+    # ---- fetch side ------------------------------------------------------------------------
+    def _rstage(self, slot: int, b: int, j: int, nbytes: int) -> torch.Tensor:
+        lo = self.s.layout
+        at = ((slot * lo.batch + b) * lo.slot_heads + j) * self.s.row_stride
+        return self.s.rstage[at:at + nbytes]
+
+    def disk_read(self, layer: int, heads: tuple[int, ...], base: int, slot: int, length: int) -> int:
+        """Disk lane: the records of the prefix's full blocks of disk `heads`, into the read staging."""
+        nbytes = (length // self.g) * self.rec
+        if nbytes == 0:
+            return 0
+        items = [(self.s._row(layer, b, h), memoryview(self._rstage(slot, b, h - base, nbytes).numpy()))
+                 for b in range(self.s.layout.batch) for h in heads]
+        self.s.disk.read(items)
+        return nbytes * len(items)
+
+    def fetch(self, layer: int, heads: tuple[int, ...], base: int, slot: int, length: int) -> int:
+        """H2D lane: the records of the prefix's full blocks into the GPU byte slot (head h at row
+        h - base). One copy per (sequence, head); returns bytes moved."""
+        lo = self.s.layout
+        n, fd, nbytes = lo.resident[layer], lo.first_disk(layer), (length // self.g) * self.rec
+        if nbytes == 0:
+            return 0
+        for b in range(lo.batch):
+            for h in heads:
+                src = (self.host[layer][b, h - n, :nbytes] if h < fd else self._rstage(slot, b, h - base, nbytes))
+                self.qslots[slot][b, h - base, :nbytes].copy_(src, non_blocking=self.s.cuda)
+        return nbytes * lo.batch * len(heads)
+
+    def decode(self, layer: int, heads: tuple[int, ...], base: int, slot: int, length: int) -> None:
+        """Compute lane: the fetched records dequantised into the exact slot rows of `heads`, then
+        the exact tail tokens [full blocks, length) copied from the GPU tail."""
+        lo, g = self.s.layout, self.g
+        n, nb = lo.resident[layer], length // g
+        j0, j1 = heads[0] - base, heads[-1] - base + 1
+        B, J = lo.batch, j1 - j0
+        dst = self.s.slots[slot][:, j0:j1]                              # [B, J, S_cap, 2, D]
+        if nb:
+            rec = self.qslots[slot][:, j0:j1, :nb * self.rec].view(B, J, nb, self.rec)
+            out = dst[:, :, :nb * g].view(B, J, nb, g, 2, lo.head_dim)
+            step = max(1, DECODE_VALUES // (B * J * g * 2 * lo.head_dim))   # blocks per pass
+            for c in range(0, nb, step):
+                self.codec.decode(rec[:, :, c:c + step], out[:, :, c:c + step])
+        if length > nb * g:
+            dst[:, :, nb * g:length].copy_(self.tail[layer][:, heads[0] - n:heads[-1] - n + 1, :length - nb * g])
