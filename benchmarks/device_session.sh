@@ -42,6 +42,7 @@ for spec in "$@"; do
     diag) timeout "$lim" python3 -m benchmarks.diag --out "$OUT/diag" ${DIAG_ROWS:+--rows $DIAG_ROWS} 2>&1 | grep -v Warning | tail -12 ;;
     fuse) timeout "$lim" python3 -m benchmarks.fuse_check --out "$OUT/fuse_check.json" 2>&1 | grep -v Warning | tail -10 ;;
     simcheck) timeout "$lim" python3 -m benchmarks.sim_check --measure "$OUT/sim_check.json" 2>&1 | grep -v Warning | tail -8 ;;
+    lossyrun) timeout "$lim" python3 -m benchmarks.lossy_run --context 128K --decode-tokens 8 --gpu-mem 24GB --group 8 --resident none --hw h200 --device cuda --out "$OUT/lossy-run-128k.json" 2>&1 | grep -v Warning | tail -8 ;;
     t1m) python3 -m benchmarks.tiers 1m --kv-dir /tmp --dir /tmp/kvpipe-1m 2>&1 | tail -4; poll1m "$lim" ;;
     t1mpoll) poll1m "$lim" ;;
     *) echo "unknown step $step" ;;
