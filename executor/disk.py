@@ -28,10 +28,17 @@ from kvpipe.pipeline.units import fmt_bytes
 from .pinned import ALIGN   # O_DIRECT alignment of addresses, offsets and lengths (safe for 512e and 4Kn disks)
 
 IO_BYTES = 8 << 20      # one read request covers at most this many bytes (several blocks)
+# The kernel's ways of saying the file cannot grow: the file system is full, the user's quota is
+# spent, or the process's file-size limit (RLIMIT_FSIZE) is reached.
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 class DiskError(OSError):
-    """A disk-tier failure the user must see as one line (no space, a corrupt block)."""
+    """A disk-tier failure the user must see as one line (no space, a corrupt block); its text
+    is the message alone (the errno stays in `.errno`)."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
 
 
 def aligned_buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
@@ -125,19 +132,26 @@ class DiskFile:
     def _create(self) -> None:
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
         try:
-            self.fd = os.open(self.path, flags | os.O_DIRECT, 0o600)
+            try:
+                self.fd = os.open(self.path, flags | os.O_DIRECT, 0o600)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self.fd = os.open(self.path, flags, 0o600)
+                self.stats.notes.append(f"O_DIRECT refused by the file system of {self.kv_dir}: "
+                                        "reads and writes go through the page cache")
         except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            self.fd = os.open(self.path, flags, 0o600)
-            self.stats.notes.append(f"O_DIRECT refused by the file system of {self.kv_dir}: "
-                                    "reads and writes go through the page cache")
+            if e.errno in NO_SPACE:      # no inode left: the file system is full all the same
+                raise DiskError(e.errno, f"disk: no space to create the KV file in {self.kv_dir} "
+                                         f"({os.strerror(e.errno)})") from None
+            raise
         try:
             os.posix_fallocate(self.fd, 0, max(self.file_bytes, 1))
         except OSError as e:
-            if e.errno == errno.ENOSPC:
-                raise DiskError(errno.ENOSPC, f"disk: no space to pre-allocate {fmt_bytes(self.file_bytes)} "
-                                              f"in {self.kv_dir}") from None
+            if e.errno in NO_SPACE:
+                raise DiskError(e.errno, f"disk: no space to pre-allocate {fmt_bytes(self.file_bytes)} "
+                                         f"for {self.path} ({os.strerror(e.errno)}; "
+                                         f"{fmt_bytes(free_bytes(self.kv_dir))} free now)") from None
             if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise
             os.ftruncate(self.fd, self.file_bytes)
@@ -201,9 +215,9 @@ class DiskFile:
         try:
             done = os.pwritev(self.fd, [buf], self._offset(row, block))
         except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise DiskError(e.errno, f"disk: no space left writing {self.path} "
-                                         f"at offset {self._offset(row, block)}") from None
+            if e.errno in NO_SPACE:      # a sparse file (no pre-allocation) on a disk that filled
+                raise DiskError(e.errno, f"disk: no space left writing {self.path} at offset "
+                                         f"{self._offset(row, block)} ({os.strerror(e.errno)})") from None
             raise
         if done != len(buf):
             raise DiskError(errno.EIO, f"disk: short write to {self.path} at offset {self._offset(row, block)}")
