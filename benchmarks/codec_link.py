@@ -115,7 +115,8 @@ def gpu_codecs(kv: torch.Tensor) -> list[dict]:
     for algo in NVCOMP_ALGOS + ("ANS-planes",):
         row = {"codec": f"nvcomp-{algo}", "where": "gpu", "raw_bytes": kv.numel(), "ratio_note": RANDOM_KV}
         try:
-            codec = nvcomp.Codec(algorithm=algo.split("-")[0])
+            codec = nvcomp.Codec(algorithm=algo.split("-")[0],   # torch's stream: no cross-stream race
+                                 cuda_stream=torch.cuda.current_stream().cuda_stream)
             if algo == "ANS-planes":   # high byte (sign, exponent) compressed, low byte raw
                 split = lambda: planes.t().contiguous()
                 enc_s, enc = _cuda_median(lambda: codec.encode(nvcomp.as_array(split()[1])))

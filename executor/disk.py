@@ -25,6 +25,7 @@ import torch
 
 from kvpipe.pipeline.units import fmt_bytes
 
+from .disk_io import PosixIO, open_io
 from .pinned import ALIGN   # O_DIRECT alignment of addresses, offsets and lengths (safe for 512e and 4Kn disks)
 
 IO_BYTES = 8 << 20      # one read request covers at most this many bytes (several blocks)
@@ -74,6 +75,7 @@ class DiskStats:
     codec_stored_bytes: int = 0  # what they became (raw-stored blocks count their raw size)
     encode_s: float = 0.0        # codec time, summed over threads
     decode_s: float = 0.0
+    io: str = ""                 # the I/O backend's description (executor.disk_io)
     notes: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -87,7 +89,7 @@ class DiskStats:
                 "write_s": self.write_s, "checksum_s": self.checksum_s,
                 "checksum_bytes": self.checksum_bytes, "codec_raw_bytes": self.codec_raw_bytes,
                 "codec_stored_bytes": self.codec_stored_bytes, "encode_s": self.encode_s,
-                "decode_s": self.decode_s, "notes": list(self.notes)}
+                "decode_s": self.decode_s, "io": self.io, "notes": list(self.notes)}
 
 
 class DiskFile:
@@ -95,13 +97,15 @@ class DiskFile:
     exit, whatever the exit). Thread-safe across rows; one row is used by one stage at a time."""
 
     def __init__(self, kv_dir: str, rows: int, row_bytes: int, block_bytes: int, threads: int,
-                 pin: bool) -> None:
+                 pin: bool, io: str | None = None) -> None:
+        """`io`: the I/O backend, auto/posix/kvikio (None: $KVPIPE_DISK_IO; see executor.disk_io)."""
         if block_bytes <= 0 or block_bytes % ALIGN:
             raise ValueError(f"block_bytes: must be a positive multiple of {ALIGN}, got {block_bytes}")
         if threads <= 0:
             raise ValueError(f"threads: must be positive, got {threads}")
         self.kv_dir, self.rows, self.row_bytes, self.block_bytes = kv_dir, rows, row_bytes, block_bytes
-        self.threads, self.pin = threads, pin
+        self.threads, self.pin, self.io_kind = threads, pin, io
+        self.io: PosixIO | None = None
         self.blocks_per_row = row_bytes // block_bytes        # full blocks; the partial one stays a tail
         self.path: str | None = None
         self.fd: int | None = None
@@ -120,6 +124,8 @@ class DiskFile:
         self.path = os.path.join(self.kv_dir, f"kvpipe-{os.getpid()}-{uuid.uuid4().hex[:8]}.kv")
         try:
             self._create()
+            self.io = open_io(self.io_kind, self.path, self.fd, self.threads)
+            self.stats.io = self.io.describe()
             self.tails = aligned_buffer(self.rows * self.block_bytes, pin=False)   # [rows * block]
             self.fill = [0] * self.rows                      # bytes written to each row so far
             self.crcs = [[0] * self.blocks_per_row for _ in range(self.rows)]
@@ -162,6 +168,9 @@ class DiskFile:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
             self.pool = None
+        if self.io is not None:
+            self.io.close()
+            self.io = None
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
@@ -213,7 +222,7 @@ class DiskFile:
             self.crcs[row][block] = crc32c.crc32c(buf)
         t1 = time.perf_counter()
         try:
-            done = os.pwritev(self.fd, [buf], self._offset(row, block))
+            done = self.io.pwrite(buf, self._offset(row, block))
         except OSError as e:
             if e.errno in NO_SPACE:      # a sparse file (no pre-allocation) on a disk that filled
                 raise DiskError(e.errno, f"disk: no space left writing {self.path} at offset "
@@ -256,7 +265,7 @@ class DiskFile:
         B = self.block_bytes
         view = dst[b0 * B:b1 * B]
         t0 = time.perf_counter()
-        done = os.preadv(self.fd, [view], self._offset(row, b0))
+        done = self.io.pread(view, self._offset(row, b0))
         t1 = time.perf_counter()
         if done != len(view):
             raise DiskError(errno.EIO, f"disk: short read of {self.path} at offset {self._offset(row, b0)}")
