@@ -57,6 +57,13 @@ def prefill_kv(tokens: int, layers: int, device: str, seed: int) -> torch.Tensor
     return torch.cat(parts)
 
 
+def spread_sample(kv: torch.Tensor, mib: int) -> bytes:
+    """`mib` 1 MiB blocks spread evenly over the K/V (every layer, K and V, all heads), as bytes."""
+    blocks = kv[: kv.numel() // BLOCK * BLOCK].view(-1, BLOCK)
+    idx = torch.linspace(0, len(blocks) - 1, min(mib, len(blocks))).round().long().unique()
+    return blocks[idx.to(kv.device)].cpu().numpy().tobytes()
+
+
 def _blocks(raw: bytes) -> list[memoryview]:
     view = memoryview(raw)
     return [view[i:i + BLOCK] for i in range(0, len(view), BLOCK)]
@@ -172,14 +179,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=131072)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--sample-mib", type=int, default=64, help="bytes of K/V the CPU codecs see")
+    ap.add_argument("--sample-mib", type=int, default=64, help="MiB of K/V the CPU codecs see (spread over it)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS / "codec-link.json"))
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
     kv = prefill_kv(a.tokens, a.layers, a.device, a.seed)
     prefill_s = time.perf_counter() - t0
-    sample = kv[: a.sample_mib << 20].cpu().numpy().tobytes()
+    sample = spread_sample(kv, a.sample_mib)
     rows = [cpu_codec(name, sample, a.threads) for name in ("zstd-planes", "zstd-1")]
     if kv.is_cuda:
         rows += gpu_codecs(kv)
