@@ -24,6 +24,7 @@ class PosixIO:
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
+        self.why = ""            # set when `auto` fell back from kvikio
 
     def pread(self, buf: memoryview, offset: int) -> int:
         return os.preadv(self.fd, [buf], offset)
@@ -32,7 +33,7 @@ class PosixIO:
         return os.pwritev(self.fd, [buf], offset)
 
     def describe(self) -> str:
-        return "disk I/O: os.preadv/pwritev on the tier's thread pool"
+        return "disk I/O: os.preadv/pwritev on the tier's thread pool" + self.why
 
     def close(self) -> None:
         """Nothing of its own: the descriptor belongs to the DiskFile."""
@@ -90,4 +91,17 @@ def resolve(kind: str | None) -> str:
 
 
 def open_io(kind: str | None, path: str, fd: int, threads: int) -> PosixIO | KvikIO:
-    return KvikIO(path, threads) if resolve(kind) == "kvikio" else PosixIO(fd)
+    """The backend for the open file. Under `auto`, a kvikio that imports but cannot open the
+    file (a library mismatch, no driver) gives way to posix, saying why in `describe()`;
+    asked for by name, its failure is the caller's."""
+    asked = kind if kind is not None else os.environ.get(ENV, "auto")
+    if resolve(kind) == "posix":
+        return PosixIO(fd)
+    try:
+        return KvikIO(path, threads)
+    except Exception as e:          # kvikio raises RuntimeError for its C++ failures
+        if asked.strip().lower() != "auto":
+            raise
+        io = PosixIO(fd)
+        io.why = f" (kvikio unusable: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})"
+        return io
