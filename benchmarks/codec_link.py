@@ -111,6 +111,15 @@ def _cuda_median(fn, reps: int = 3) -> tuple[float, object]:
     return statistics.median(times), res
 
 
+def _torch(arr) -> torch.Tensor:
+    """An nvCOMP device Array as a flat uint8 torch tensor (DLPack, else the CUDA array interface)."""
+    try:
+        t = torch.from_dlpack(arr)
+    except Exception:
+        t = torch.as_tensor(arr, device="cuda")
+    return t.view(torch.uint8).flatten()
+
+
 def gpu_codecs(kv: torch.Tensor) -> list[dict]:
     """nvCOMP algorithms on the whole K/V (on the GPU), and ANS on its high byte plane only."""
     try:
@@ -131,12 +140,12 @@ def gpu_codecs(kv: torch.Tensor) -> list[dict]:
                 stored = enc.buffer_size + low.numel()
 
                 def decode():
-                    high = torch.from_dlpack(codec.decode(enc)).view(torch.uint8)
+                    high = _torch(codec.decode(enc))
                     return torch.stack([low, high], 1).flatten()
             else:
                 enc_s, enc = _cuda_median(lambda: codec.encode(nvcomp.as_array(kv)))
                 stored = enc.buffer_size
-                decode = lambda: torch.from_dlpack(codec.decode(enc)).view(torch.uint8).flatten()
+                decode = lambda: _torch(codec.decode(enc))
             dec_s, back = _cuda_median(decode)
             row.update(ratio=kv.numel() / stored, exact=bool(torch.equal(back, kv)),
                        encode_bytes_per_s=kv.numel() / enc_s, decode_bytes_per_s=kv.numel() / dec_s)
