@@ -3,7 +3,7 @@
 # simpy, crc32c, zstandard), then run the named steps, each under its own time limit, logs and
 # JSON under $OUT. Runs from /tmp so the checkout's kvpipe/ folder cannot shadow the install.
 #   bash benchmarks/device_session.sh STEP[:SECONDS] ...
-# Steps: gputests calibrate hfcache32 hfcache regimes tiers lossy regret
+# Steps: codeclink gputests calibrate hfcache32 hfcache regimes tiers lossy regret
 set -u
 R=$(pwd)
 OUT=${OUT:-$R/benchmarks/results}
@@ -36,6 +36,7 @@ for spec in "$@"; do
     hfcache32) timeout "$lim" python3 -m benchmarks.hf_cache --contexts 32768 --cases stream --out "$OUT/hf-cache.json" 2>&1 | tail -12 ;;
     hfcache) timeout "$lim" python3 -m benchmarks.hf_cache --contexts 32768,131072 --cases stream --out "$OUT/hf-cache.json" 2>&1 | tail -12 ;;
     hfeager) timeout "$lim" python3 -m benchmarks.hf_cache --contexts 32768 --cases stream-eager --out "$OUT/hf-cache-eager.json" 2>&1 | tail -12 ;;
+    codeclink) timeout "$lim" python3 -m benchmarks.codec_link --out "$OUT/codec-link.json" 2>&1 | tail -14 ;;
     tiers) timeout "$lim" python3 -m benchmarks.tiers disk --kv-dir /tmp --probe-gib 4 --out "$OUT/tiers-disk.json" 2>&1 | tail -14 ;;
     regrows) timeout "$lim" python3 -m benchmarks.regimes --rows "$ROWS" --decode 4 --out "$OUT/regimes-rows.json" 2>&1 | tail -24 ;;
     regimes) timeout "$lim" python3 -m benchmarks.regimes --decode 8 --out "$OUT/regimes.json" 2>&1 | tail -32 ;;

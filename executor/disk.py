@@ -25,13 +25,21 @@ import torch
 
 from kvpipe.pipeline.units import fmt_bytes
 
+from .disk_io import PosixIO, open_io
 from .pinned import ALIGN   # O_DIRECT alignment of addresses, offsets and lengths (safe for 512e and 4Kn disks)
 
 IO_BYTES = 8 << 20      # one read request covers at most this many bytes (several blocks)
+# The kernel's ways of saying the file cannot grow: the file system is full, the user's quota is
+# spent, or the process's file-size limit (RLIMIT_FSIZE) is reached.
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 class DiskError(OSError):
-    """A disk-tier failure the user must see as one line (no space, a corrupt block)."""
+    """A disk-tier failure the user must see as one line (no space, a corrupt block); its text
+    is the message alone (the errno stays in `.errno`)."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
 
 
 def aligned_buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
@@ -67,6 +75,7 @@ class DiskStats:
     codec_stored_bytes: int = 0  # what they became (raw-stored blocks count their raw size)
     encode_s: float = 0.0        # codec time, summed over threads
     decode_s: float = 0.0
+    io: str = ""                 # the I/O backend's description (executor.disk_io)
     notes: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -80,7 +89,7 @@ class DiskStats:
                 "write_s": self.write_s, "checksum_s": self.checksum_s,
                 "checksum_bytes": self.checksum_bytes, "codec_raw_bytes": self.codec_raw_bytes,
                 "codec_stored_bytes": self.codec_stored_bytes, "encode_s": self.encode_s,
-                "decode_s": self.decode_s, "notes": list(self.notes)}
+                "decode_s": self.decode_s, "io": self.io, "notes": list(self.notes)}
 
 
 class DiskFile:
@@ -88,13 +97,15 @@ class DiskFile:
     exit, whatever the exit). Thread-safe across rows; one row is used by one stage at a time."""
 
     def __init__(self, kv_dir: str, rows: int, row_bytes: int, block_bytes: int, threads: int,
-                 pin: bool) -> None:
+                 pin: bool, io: str | None = None) -> None:
+        """`io`: the I/O backend, auto/posix/kvikio (None: $KVPIPE_DISK_IO; see executor.disk_io)."""
         if block_bytes <= 0 or block_bytes % ALIGN:
             raise ValueError(f"block_bytes: must be a positive multiple of {ALIGN}, got {block_bytes}")
         if threads <= 0:
             raise ValueError(f"threads: must be positive, got {threads}")
         self.kv_dir, self.rows, self.row_bytes, self.block_bytes = kv_dir, rows, row_bytes, block_bytes
-        self.threads, self.pin = threads, pin
+        self.threads, self.pin, self.io_kind = threads, pin, io
+        self.io: PosixIO | None = None
         self.blocks_per_row = row_bytes // block_bytes        # full blocks; the partial one stays a tail
         self.path: str | None = None
         self.fd: int | None = None
@@ -113,6 +124,8 @@ class DiskFile:
         self.path = os.path.join(self.kv_dir, f"kvpipe-{os.getpid()}-{uuid.uuid4().hex[:8]}.kv")
         try:
             self._create()
+            self.io = open_io(self.io_kind, self.path, self.fd, self.threads)
+            self.stats.io = self.io.describe()
             self.tails = aligned_buffer(self.rows * self.block_bytes, pin=False)   # [rows * block]
             self.fill = [0] * self.rows                      # bytes written to each row so far
             self.crcs = [[0] * self.blocks_per_row for _ in range(self.rows)]
@@ -125,19 +138,26 @@ class DiskFile:
     def _create(self) -> None:
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
         try:
-            self.fd = os.open(self.path, flags | os.O_DIRECT, 0o600)
+            try:
+                self.fd = os.open(self.path, flags | os.O_DIRECT, 0o600)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self.fd = os.open(self.path, flags, 0o600)
+                self.stats.notes.append(f"O_DIRECT refused by the file system of {self.kv_dir}: "
+                                        "reads and writes go through the page cache")
         except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            self.fd = os.open(self.path, flags, 0o600)
-            self.stats.notes.append(f"O_DIRECT refused by the file system of {self.kv_dir}: "
-                                    "reads and writes go through the page cache")
+            if e.errno in NO_SPACE:      # no inode left: the file system is full all the same
+                raise DiskError(e.errno, f"disk: no space to create the KV file in {self.kv_dir} "
+                                         f"({os.strerror(e.errno)})") from None
+            raise
         try:
             os.posix_fallocate(self.fd, 0, max(self.file_bytes, 1))
         except OSError as e:
-            if e.errno == errno.ENOSPC:
-                raise DiskError(errno.ENOSPC, f"disk: no space to pre-allocate {fmt_bytes(self.file_bytes)} "
-                                              f"in {self.kv_dir}") from None
+            if e.errno in NO_SPACE:
+                raise DiskError(e.errno, f"disk: no space to pre-allocate {fmt_bytes(self.file_bytes)} "
+                                         f"for {self.path} ({os.strerror(e.errno)}; "
+                                         f"{fmt_bytes(free_bytes(self.kv_dir))} free now)") from None
             if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise
             os.ftruncate(self.fd, self.file_bytes)
@@ -148,6 +168,9 @@ class DiskFile:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
             self.pool = None
+        if self.io is not None:
+            self.io.close()
+            self.io = None
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
@@ -199,11 +222,11 @@ class DiskFile:
             self.crcs[row][block] = crc32c.crc32c(buf)
         t1 = time.perf_counter()
         try:
-            done = os.pwritev(self.fd, [buf], self._offset(row, block))
+            done = self.io.pwrite(buf, self._offset(row, block))
         except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise DiskError(e.errno, f"disk: no space left writing {self.path} "
-                                         f"at offset {self._offset(row, block)}") from None
+            if e.errno in NO_SPACE:      # a sparse file (no pre-allocation) on a disk that filled
+                raise DiskError(e.errno, f"disk: no space left writing {self.path} at offset "
+                                         f"{self._offset(row, block)} ({os.strerror(e.errno)})") from None
             raise
         if done != len(buf):
             raise DiskError(errno.EIO, f"disk: short write to {self.path} at offset {self._offset(row, block)}")
@@ -242,7 +265,7 @@ class DiskFile:
         B = self.block_bytes
         view = dst[b0 * B:b1 * B]
         t0 = time.perf_counter()
-        done = os.preadv(self.fd, [view], self._offset(row, b0))
+        done = self.io.pread(view, self._offset(row, b0))
         t1 = time.perf_counter()
         if done != len(view):
             raise DiskError(errno.EIO, f"disk: short read of {self.path} at offset {self._offset(row, b0)}")

@@ -6,7 +6,6 @@ disk space is the raw size; the link carries the stored size."""
 from __future__ import annotations
 
 import errno
-import os
 import time
 
 import crc32c
@@ -19,8 +18,8 @@ class FramedDiskFile(DiskFile):
     """A DiskFile whose blocks go through `codec` (elements of `elem` bytes)."""
 
     def __init__(self, kv_dir: str, rows: int, row_bytes: int, block_bytes: int, threads: int,
-                 pin: bool, codec, elem: int) -> None:
-        super().__init__(kv_dir, rows, row_bytes, block_bytes, threads, pin)
+                 pin: bool, codec, elem: int, io: str | None = None) -> None:
+        super().__init__(kv_dir, rows, row_bytes, block_bytes, threads, pin, io)
         self.codec, self.elem = codec, elem
         self.stored = [[0] * self.blocks_per_row for _ in range(rows)]      # frame bytes; 0: raw
         self.pending: list[list[tuple[int, torch.Tensor]]] = [[] for _ in range(rows)]
@@ -72,7 +71,7 @@ class FramedDiskFile(DiskFile):
         B, n = self.block_bytes, self.stored[row][k] or self.block_bytes
         view = frames[k * B:k * B + -(-n // ALIGN) * ALIGN]
         t0 = time.perf_counter()
-        done = os.preadv(self.fd, [view], self._offset(row, k))
+        done = self.io.pread(view, self._offset(row, k))
         t1 = time.perf_counter()
         if done != len(view):
             raise DiskError(errno.EIO, f"disk: short read of {self.path} at offset {self._offset(row, k)}")

@@ -93,3 +93,50 @@ def test_a_plan_needing_more_disk_than_is_free_is_refused_with_the_numbers(tiny_
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in r.stderr
     assert "disk needs 2.0 MiB, 64.0 KiB available" in lines[0], lines[0]
+
+
+def test_a_disk_that_fills_after_the_checks_fails_with_one_line_and_leaves_nothing(tiny_config, tmp_path):
+    """Catches a run whose disk fills after every free-space check passed (another process took
+    the space) ending in a traceback, a hang, or a half-made KV file left behind. Real kernel
+    ENOSPC, no mock: tests/disk_fill.py mounts an 8 MiB tmpfs in a private mount namespace and,
+    at the moment the run opens its KV file (a fanotify permission event holds the open), fills
+    the tmpfs with its own file; the run's pre-allocation then gets ENOSPC from the kernel."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare (util-linux)")
+    kv_dir = tmp_path / "small"
+    kv_dir.mkdir()
+    helper = os.path.join(os.path.dirname(__file__), "disk_fill.py")
+    run = cmd(tiny_config, kv_dir, "--disk", "4", "--context", "4096", "--decode-tokens", "1")
+    r = subprocess.run(["unshare", "-m", sys.executable, helper, str(kv_dir), str(8 << 20), "--", *run],
+                       capture_output=True, text=True, timeout=300)
+    if r.returncode != 2 and ("mount" in r.stderr or "fanotify" in r.stderr):
+        pytest.skip(f"cannot mount a private tmpfs or watch it with fanotify here: {r.stderr.strip()[-300:]}")
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    assert report["filled"], "the run never opened its KV file"
+    assert r.returncode == 2 and report["rc"] == 2, r.stderr[-2000:]
+    errors = [line for line in r.stderr.splitlines() if "error" in line.lower()]   # besides the progress line
+    assert len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert errors[0] == r.stderr.strip().splitlines()[-1]
+    assert errors[0].startswith("kvpipe: error: disk: no space to pre-allocate 2.0 MiB for ") and \
+        "(No space left on device; 0 B free now)" in errors[0], errors[0]
+    assert report["left"] == []                      # the KV file is gone
+
+
+def test_without_disk_a_host_budget_too_small_places_units_on_disk_with_the_same_digest(tiny_config, tmp_path,
+                                                                                       capsys):
+    """Catches `kvpipe run` taking its disk budget as 0 when --disk is not given (the plan was
+    refused with "disk 0 B available" although --kv-dir had room: the fix of 2026-11-30 makes the
+    free space under --kv-dir the budget before the search): with --host-mem too small for the
+    2 MiB of offloaded KV and no --disk, the run must put units on disk by itself and print the
+    digest of the same workload run with all of it in host RAM."""
+    from kvpipe.cli import main
+    common = ("--context", "4096", "--decode-tokens", "3", "--json")
+    out = {}
+    for host in ("100MB", "2MB"):
+        assert main(cmd(tiny_config, tmp_path, "--host-mem", host, *common)[3:]) == 0, capsys.readouterr().err
+        out[host] = json.loads(capsys.readouterr().out)
+    assert out["100MB"]["plan"]["disk"] == 0 and out["100MB"]["disk"] is None
+    assert out["2MB"]["plan"]["disk"] > 0 and out["2MB"]["disk"]["read_bytes"] > 0
+    assert out["2MB"]["budgets_bytes"]["disk"] > 0
+    assert out["2MB"]["output_digest"] == out["100MB"]["output_digest"]
+    assert os.listdir(tmp_path) == []
