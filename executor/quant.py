@@ -62,7 +62,9 @@ def quantize(x: torch.Tensor, bits: int, group: int = 64, axis: int = -1) -> Qua
     y = y.reshape(*shape[:-1], -1, group)                                   # [..., groups, group]
     lo, hi = y.amin(-1), y.amax(-1)
     zero = lo.to(meta)
-    step = (hi - zero.to(work)) / LEVELS[bits]
+    # a tensor divisor: CUDA divides by a Python scalar as a multiply by its reciprocal (one ulp
+    # off), which made CUDA's scales differ from CPU's; tensor / tensor is correctly rounded on both
+    step = (hi - zero.to(work)) / torch.full_like(hi, LEVELS[bits])
     scale = step.to(meta)
     low = scale.to(work) < step                  # rounded down: bump so the top code still covers hi
     scale = torch.where(low, (step * (1 + 2.0 ** -9)).to(meta), scale)
