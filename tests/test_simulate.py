@@ -182,6 +182,7 @@ SCHEDULE_CASES = {  # hardware, context, chunk, decode tokens, groups, resident,
     "all-resident-host-bound": ("h200", 1024, 1024, 8, (4, 4), 12, 0, 2, False, {}),
     "disk-codec": ("a100-80g", 2048, 512, 4, (1, 4), 0, 8, 2, False, {"codec": "disk=zstd-planes"}),
     "lossy-sparse": ("rtx4060", 2048, 512, 4, (2, 2), 4, 0, 2, True, {"lossy": ("int8", 0.25)}),
+    "launch-queue-full": ("rtx4060", 65536, 2048, 40, (1, 1), 12, 0, 2, False, {}),   # host far ahead
 }
 
 
