@@ -99,10 +99,11 @@ def breakdown(m: ModelSpec, work: Workload, plan: Plan) -> MemoryBreakdown:
     ring = max(p.depth for p in phases) * slot_bytes(m, work, max(p.group for p in phases))
     slots = ring if count[Tier.HOST] + count[Tier.DISK] else 0
     staging = ring if count[Tier.DISK] else 0
-    sizes = chunk_sizes(work.context, plan.prefill.chunk)   # only the last chunk also holds the logits
-    act = step_act_bytes(m, work.batch, sizes[-1], plan.prefill.group, True)
-    if len(sizes) > 1:
-        act = max(act, step_act_bytes(m, work.batch, sizes[0], plan.prefill.group, False))
+    chunk = plan.prefill.chunk   # only the last chunk also holds the logits
+    last = work.context - (-(-work.context // chunk) - 1) * chunk   # chunk_sizes(...)[-1], not built
+    act = step_act_bytes(m, work.batch, last, plan.prefill.group, True)
+    if work.context > chunk:
+        act = max(act, step_act_bytes(m, work.batch, min(chunk, work.context), plan.prefill.group, False))
     if work.decode_tokens:
         act = max(act, step_act_bytes(m, work.batch, 1, plan.decode.group, True))
     gpu_kv, home = count[Tier.GPU] * unit, unit

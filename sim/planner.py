@@ -298,10 +298,14 @@ def _smallest_budget(s: _Search, space: Space, pins: Pins) -> str:
     lean = Plan(Method.HEADWISE, PhasePlan(space.groups[0], space.chunks[0], min(space.depths)),
                 PhasePlan(space.groups[0], 1, min(space.depths)), 0, 0, SOURCE)
     r = pins.resident if pins.resident is not None else s.max_resident(lean)
-    gpu = breakdown(m, work, lean.with_(resident=r)).gpu
-    if gpu > s.budgets["gpu"]:
-        return (f"gpu-mem: no plan fits: gpu needs {fmt_bytes(gpu)}, {fmt_bytes(s.budgets['gpu'])} available "
-                f"(smallest that fits: --gpu-mem {_size_flag(gpu)})")
+    gpu = breakdown(m, work, lean.with_(resident=r, disk=m.units - r)).gpu
+    # The budget `place` asks of the GPU: a chunk the search chose also leaves the allocator its
+    # slack (GPU_FILL_FRACTION) and room for the chunk's blocks.
+    need = gpu if pins.chunk is not None else (gpu + s.fragmentation(lean)) / GPU_FILL_FRACTION
+    if need > s.budgets["gpu"]:
+        return (f"gpu-mem: no plan fits: gpu needs {fmt_bytes(gpu)} (with the allocator's room "
+                f"{fmt_bytes(need)}), {fmt_bytes(s.budgets['gpu'])} available "
+                f"(smallest that fits: --gpu-mem {_size_flag(need)})")
     off = (m.units - r) * unit
     ring = breakdown(m, work, lean.with_(resident=r, disk=1)).host_buffers
     disk_need = max(1, math.ceil((off + ring - s.budgets["host"] * HOST_KV_FRACTION) / unit)) * unit

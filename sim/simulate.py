@@ -27,7 +27,7 @@ from kvpipe.pipeline.model import ModelSpec
 from kvpipe.pipeline.plan import Plan
 from kvpipe.pipeline.report import Report, Timing, decode_head_ends, timing_from_trace
 from kvpipe.pipeline.cost import host_issue_seconds
-from kvpipe.pipeline.stage import Kind, Phase, Pool
+from kvpipe.pipeline.stage import LANE_OF_KIND, Kind, Lane, Phase, Pool
 from kvpipe.pipeline.trace import Span, Trace
 from kvpipe.pipeline.workload import Workload
 
@@ -65,25 +65,28 @@ class Prediction:
     memory: MemoryBreakdown
 
 
-def _step_ends(tr: Trace) -> dict[int, float]:
-    """End of each prefill step's last compute stage, by step index."""
-    st, ends = tr.graph.stages, {}
-    for sp in tr.spans:
-        s = st[sp.stage]
-        if s.phase is Phase.PREFILL and s.kind is Kind.COMPUTE:
-            ends[s.step] = max(ends.get(s.step, 0.0), sp.end_s)
-    return ends
+_LANE_OF = {kind: lane.value for kind, lane in LANE_OF_KIND.items()}
 
 
-def _steps_busy(tr: Trace) -> dict[int, dict[str, float]]:
-    """Busy seconds per lane of each prefill step (a function of the stages only, not of timing)."""
-    st, busy = tr.graph.stages, {}
+def _scan(tr: Trace) -> tuple[dict, dict, dict]:
+    """One pass over `tr`'s spans: (end of each prefill step's last compute stage by step index,
+    busy seconds per lane of each prefill step, busy seconds per phase and lane as
+    `Trace.lane_busy_s` sums them). Step busy is a function of the stages only, not of timing."""
+    st, ends, steps = tr.graph.stages, {}, {}
+    phases = {ph.value: {lane.value: 0.0 for lane in Lane} for ph in Phase}
+    pre, dec, compute = phases[Phase.PREFILL.value], phases[Phase.DECODE.value], Kind.COMPUTE
     for sp in tr.spans:
         s = st[sp.stage]
+        d, lane = sp.end_s - sp.start_s, _LANE_OF[s.kind]
         if s.phase is Phase.PREFILL:
-            lanes = busy.setdefault(s.step, {})
-            lanes[s.lane.value] = lanes.get(s.lane.value, 0.0) + sp.end_s - sp.start_s
-    return busy
+            pre[lane] += d
+            lanes = steps.setdefault(s.step, {})
+            lanes[lane] = lanes.get(lane, 0.0) + sp.end_s - sp.start_s   # summed as before, bit for bit
+            if s.kind is compute and sp.end_s > ends.get(s.step, 0.0):
+                ends[s.step] = sp.end_s
+        else:
+            dec[lane] += d
+    return ends, steps, phases
 
 
 def _interp(points: list[tuple[float, float]], x: float) -> float:
@@ -116,12 +119,12 @@ class _PrefillShortcut:
         self.windows += 1
         return tr
 
-    def record(self, tr: Trace, steady: list[int]) -> float:
-        """Note the steady chunk time and busy of `steady` chunks of `tr`; returns their centre."""
-        ends = _step_ends(tr)
+    def record(self, scan: tuple, steady: list[int]) -> float:
+        """Note the steady chunk time and busy of `steady` chunks of a window (its `_scan`);
+        returns their centre."""
+        ends, per_step, _ = scan
         centre = statistics.fmean(steady)
         self.dur[centre] = statistics.fmean(ends[i] - ends[i - 1] for i in steady)
-        per_step = _steps_busy(tr)
         busy = [per_step.get(i, {}) for i in steady]
         self.busy[centre] = {lane: statistics.fmean(b.get(lane, 0.0) for b in busy) for lane in busy[0]}
         return centre
@@ -131,7 +134,7 @@ class _PrefillShortcut:
         if len(self.dur) - 2 >= PREFILL_MAX_SAMPLES or hi - lo < 2 * PREFILL_WINDOW:
             return
         k = int((lo + hi) / 2 - (RAMP + PREFILL_WINDOW - 1) / 2)
-        mid = self.record(self.window(k, PREFILL_WINDOW), list(range(k + RAMP, k + PREFILL_WINDOW)))
+        mid = self.record(_scan(self.window(k, PREFILL_WINDOW)), list(range(k + RAMP, k + PREFILL_WINDOW)))
         line = self.dur[lo] + (self.dur[hi] - self.dur[lo]) * (mid - lo) / (hi - lo)
         if abs(self.dur[mid] - line) > PREFILL_TOL * max(self.dur[mid], 1e-12):
             self.refine(lo, mid)
@@ -170,18 +173,17 @@ def simulate(model: ModelSpec, work: Workload, plan: Plan, hw: HardwareProfile, 
         a = ps.window(0, W)
         z0 = C - W - 1                                   # the last window: chunks z0 .. C-1
         z = ps.window(z0, W + 1, first_decode)
-        lo = ps.record(a, list(range(RAMP, W)))
-        hi = ps.record(z, list(range(z0 + RAMP, C - 1)))  # the last chunk also runs the head
+        sa, sz = _scan(a), _scan(z)
+        lo = ps.record(sa, list(range(RAMP, W)))
+        hi = ps.record(sz, list(range(z0 + RAMP, C - 1)))  # the last chunk also runs the head
         ps.refine(lo, hi)
         # Real end of chunk `anchor` (z's first steady chunk): a's last end plus the chunks between.
         anchor = z0 + RAMP
-        e_a = _step_ends(a)[W - 1]
-        shift = e_a + ps.sum_between(W, anchor, ps.dur) - _step_ends(z)[anchor]
+        e_a = sa[0][W - 1]
+        shift = e_a + ps.sum_between(W, anchor, ps.dur) - sz[0][anchor]
         trace = _shifted(z, shift, "")
         peaks = ps.peaks
-        zb = z.lane_busy_s()["prefill"]
-        ab = a.lane_busy_s()["prefill"]
-        zs = _steps_busy(z)
+        zb, ab, zs = sz[2]["prefill"], sa[2]["prefill"], sz[1]
         own = {lane: sum(zs.get(i, {}).get(lane, 0.0) for i in range(z0, C)) for lane in zb}
         prefill_busy = {lane: ab[lane] + own[lane]
                         + ps.sum_between(W, z0 - 1, {c: b.get(lane, 0.0) for c, b in ps.busy.items()})

@@ -274,3 +274,22 @@ def test_no_plan_fits_names_the_smallest_budget():
     need = line.split("--disk-mem ")[1].split()[0]
     ok = kvpipe("plan", "--context", "4M", "--host-mem", "10GB", "--disk-mem", need, "--json")
     assert ok.returncode == 0 and json.loads(ok.stdout)["fits"], ok.stderr
+
+
+def test_no_plan_fits_for_the_gpu_names_the_gpu_budget_with_the_allocators_room():
+    """Catches a refusal that names the wrong pool: when the GPU fits the leanest plan's bytes but
+    not the slack the search leaves the allocator (GPU_FILL_FRACTION, the chunk's blocks), the
+    message named host-mem (llama-3-70b on h200 at 4M with 4 TiB of disk said "--disk-mem 1172GiB"
+    with 4 TiB available). It must name --gpu-mem, and that budget must then fit."""
+    model, hw, work = PRESETS["llama-3-8b"], load_profile("rtx4090"), Workload(2**20, 4, 1)
+    budgets = {"gpu": model.weight_bytes + 2 * GiB, "host": 512 * GiB, "disk": 4096 * GiB}
+    with pytest.raises(NoPlanFits) as err:
+        search(model, work, hw, budgets)
+    msg = str(err.value)
+    assert msg.startswith("gpu-mem:") and "--gpu-mem " in msg, msg
+    need = msg.split("--gpu-mem ")[1].rstrip(")")
+    assert need.endswith("GiB")
+    budgets["gpu"] = int(float(need[:-3]) * GiB)
+    res = search(model, work, hw, budgets)
+    mem = breakdown(model, work, res.best.plan)
+    assert all(v <= budgets[p] for p, v in mem.pools().items())
