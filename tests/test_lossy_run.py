@@ -183,14 +183,8 @@ def test_lossy_cuda_bits_survive_stream_stalls_and_tiers(tiny_model, tmp_path, b
     model = tiny_model("llama", kv_heads=8, q_heads=16, head_dim=64, layers=3, dtype=torch.bfloat16,
                        device="cuda", hidden_size=512, intermediate_size=1024, vocab_size=1024)
     ref = _lossy_run(model, "cuda", bits, 5, 0, tmp_path, context=300, decode=40, group=32)
-    rng = random.Random(7)
-
-    def hook(stage):
-        x = rng.random()
-        if x < 0.02:
-            torch.cuda._sleep(rng.randint(1_000_000, 10_000_000))
-        elif x < 0.25:
-            torch.cuda._sleep(rng.randint(50_000, 1_000_000))
+    from test_executor import jitter   # the stall schedule of the exact path's stress test
+    hook = jitter(random.Random(7))
     for disk in (0, 8):
         run = _lossy_run(model, "cuda", bits, 5, disk, tmp_path, hook=hook, context=300, decode=40, group=32)
         assert torch.equal(ref.step_logits, run.step_logits) and torch.equal(ref.tokens, run.tokens), disk
