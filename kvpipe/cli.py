@@ -11,6 +11,7 @@ import argparse
 import inspect
 import json
 import logging
+import re
 import sys
 
 from kvpipe import __version__, api, text
@@ -45,6 +46,21 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 def _fail(message: str) -> int:
     print(f"kvpipe: error: {message}", file=sys.stderr)
     return EXIT_BAD_INPUT
+
+
+def oom_line(message: str) -> str:
+    """One line for a CUDA out-of-memory during a run: what was asked, what the allocator held
+    reserved but unused (fragmentation), and the two ways out. The plan's memory model said it fit,
+    so this is a miss of the prediction, reported with exit code 3 (does not fit)."""
+    asked = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", message)
+    frag = re.search(r"([\d.]+ [KMGT]?i?B) is reserved by PyTorch but unallocated", message)
+    parts = ["gpu-mem: CUDA out of memory during the run"]
+    if asked:
+        parts.append(f"asking {asked.group(1)}")
+    if frag:
+        parts.append(f"{frag.group(1)} reserved but unallocated (fragmentation)")
+    return ("; ".join(parts) + "; try a smaller --chunk, a larger --gpu-mem, or "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
 
 
 def add_workload_flags(p: argparse.ArgumentParser, *, context: str | None, hw: str | None) -> None:
@@ -204,6 +220,11 @@ def main(argv: list[str] | None = None) -> int:
                 "codecs": cmd_codecs}[args.command](args)
     except (ValueError, OSError) as e:
         return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    except RuntimeError as e:
+        if type(e).__name__ != "OutOfMemoryError":   # torch's CUDA OOM (torch is not imported by plan)
+            raise
+        print(f"kvpipe: error: {oom_line(str(e))}", file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
     except KeyboardInterrupt as e:   # Ctrl-C; SIGTERM during a run comes as Terminated (exit_code 143)
         print(f"kvpipe: {str(e) or 'interrupted'}", file=sys.stderr)
         return getattr(e, "exit_code", EXIT_INTERRUPTED)

@@ -242,3 +242,25 @@ def test_local_hf_directory_and_plot(tmp_path, capsys):
     # bitwise in test_end_to_end.py::test_load_pretrained_from_a_local_directory).
     assert local["tokens"] == rand["tokens"]
     assert (tmp_path / "t.png").stat().st_size > 10_000
+
+
+def test_cuda_oom_during_a_run_is_one_line_with_exit_3(monkeypatch, capsys):
+    """Fault caught: a CUDA out-of-memory in the executor reaching the user as a traceback. The
+    GPU's error is stood in by torch's own OutOfMemoryError with the message text the H200 gave
+    (2026-11-30, benchmarks/results/h200-2026-11-30-sim_check-report.txt): one line naming the
+    budget, the size asked and the fragmentation, exit 3."""
+    torch = pytest.importorskip("torch")
+    from kvpipe import api, cli
+    h200 = ("CUDA out of memory. Tried to allocate 896.00 MiB. GPU 0 has a total capacity of 139.80 GiB of "
+            "which 117.32 GiB is free. Including non-PyTorch memory, this process has 22.46 GiB memory in use. "
+            "22.35 GiB allowed; Of the allocated memory 18.95 GiB is allocated by PyTorch, and 2.76 GiB is "
+            "reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
+
+    def oom(**kw):
+        raise torch.OutOfMemoryError(h200)
+    monkeypatch.setattr(api, "run", oom)
+    assert cli.main(["run", "--model", "llama-3-8b", "--random-weights"]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kvpipe: error: gpu-mem: CUDA out of memory")
+    assert "896.00 MiB" in err[0] and "2.76 GiB reserved but unallocated" in err[0]
