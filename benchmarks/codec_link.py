@@ -12,7 +12,9 @@ trained model's: every ratio here is on random-weight K/V and says so.
 Codecs: zstd-planes (the project's disk codec, CPU, 1 and N threads over 1 MiB blocks), zstd
 level 1 on the raw bytes (CPU reference), and on CUDA the nvCOMP algorithms of the
 `nvidia-nvcomp-cu13` Python API when it imports (whole buffer, and ANS on the high byte plane
-only, the GPU analogue of zstd-planes). Every round trip is checked bit for bit.
+only, the GPU analogue of zstd-planes), each in its own worker process
+(benchmarks/nvcomp_isolated.py: a CUDA fault in one codec kills only its process; the row then
+says the stage and size it died in). Every round trip is checked bit for bit.
 
 Beside each GPU codec: the simulator's decode s/token at 128K with everything streamed (raw
 h2d) and a lane-floor estimate with the codec on h2d — per step max(h2d busy / ratio, gpu busy +
@@ -26,16 +28,18 @@ import argparse
 import datetime
 import json
 import os
-import statistics
+import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
+from benchmarks.nvcomp_isolated import ALGOS, run_isolated
+
 RESULTS = Path(__file__).resolve().parent / "results"
 RANDOM_KV = "ratio on K/V of a random-weight model (a trained model's K/V has other statistics)"
-NVCOMP_ALGOS = ("ANS", "Bitcomp", "Cascaded", "GDeflate", "Zstd", "LZ4")
 BLOCK = 1 << 20
 LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                  num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
@@ -99,59 +103,20 @@ def cpu_codec(name: str, raw: bytes, threads: int) -> dict:
     return out
 
 
-def _cuda_median(fn, reps: int = 3) -> tuple[float, object]:
-    fn()
-    torch.cuda.synchronize()
-    times, res = [], None
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        res = fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), res
-
-
-def _torch(arr) -> torch.Tensor:
-    """An nvCOMP device Array as a flat uint8 torch tensor (DLPack, else the CUDA array interface)."""
-    try:
-        t = torch.from_dlpack(arr)
-    except Exception:
-        t = torch.as_tensor(arr, device="cuda")
-    return t.view(torch.uint8).flatten()
-
-
-def gpu_codecs(kv: torch.Tensor) -> list[dict]:
-    """nvCOMP algorithms on the whole K/V (on the GPU), and ANS on its high byte plane only."""
-    try:
-        from nvidia import nvcomp
-    except ImportError as e:
-        return [{"codec": "nvcomp", "where": "gpu", "error": f"not installed ({e}): pip install nvidia-nvcomp-cu13"}]
+def gpu_codecs(kv: torch.Tensor, algos: tuple[str, ...] = ALGOS, timeout_s: float = 600.0) -> list[dict]:
+    """nvCOMP algorithms on the whole K/V, and ANS on its high byte plane only, each in its own
+    process (benchmarks/nvcomp_isolated.py): one codec's CUDA fault cannot poison the next.
+    The workers read the same K/V bytes from a temporary file."""
     rows = []
-    planes = kv.view(-1, 2)
-    for algo in NVCOMP_ALGOS + ("ANS-planes",):
-        row = {"codec": f"nvcomp-{algo}", "where": "gpu", "raw_bytes": kv.numel(), "ratio_note": RANDOM_KV}
-        try:
-            codec = nvcomp.Codec(algorithm=algo.split("-")[0],   # torch's stream: no cross-stream race
-                                 cuda_stream=torch.cuda.current_stream().cuda_stream)
-            if algo == "ANS-planes":   # high byte (sign, exponent) compressed, low byte raw
-                split = lambda: planes.t().contiguous()
-                enc_s, enc = _cuda_median(lambda: codec.encode(nvcomp.as_array(split()[1])))
-                low = split()[0]
-                stored = enc.buffer_size + low.numel()
-
-                def decode():
-                    high = _torch(codec.decode(enc))
-                    return torch.stack([low, high], 1).flatten()
-            else:
-                enc_s, enc = _cuda_median(lambda: codec.encode(nvcomp.as_array(kv)))
-                stored = enc.buffer_size
-                decode = lambda: _torch(codec.decode(enc))
-            dec_s, back = _cuda_median(decode)
-            row.update(ratio=kv.numel() / stored, exact=bool(torch.equal(back, kv)),
-                       encode_bytes_per_s=kv.numel() / enc_s, decode_bytes_per_s=kv.numel() / dec_s)
-        except Exception as e:   # an algorithm this build lacks, or an API difference: said, not fatal
-            row["error"] = f"{type(e).__name__}: {e}"[:300]
-        rows.append(row)
+    torch.cuda.empty_cache()   # the prefill's cached blocks: the workers share this GPU
+    with tempfile.TemporaryDirectory(prefix="codec-link-") as tmp:
+        path = Path(tmp) / "kv.u8"
+        kv.cpu().numpy().tofile(path)
+        for algo in algos:
+            row = {"codec": f"nvcomp-{algo}", "where": "gpu", "raw_bytes": kv.numel(), "ratio_note": RANDOM_KV,
+                   "process": "isolated"}
+            row.update(run_isolated(algo, str(path), timeout_s))
+            rows.append(row)
     return rows
 
 
@@ -190,15 +155,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--sample-mib", type=int, default=64, help="MiB of K/V the CPU codecs see (spread over it)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gpu-codecs", default=",".join(ALGOS), help=f"comma list of nvCOMP codecs, of {','.join(ALGOS)}")
+    ap.add_argument("--codec-timeout-s", type=float, default=600.0, help="wall limit of each codec's worker process")
     ap.add_argument("--out", default=str(RESULTS / "codec-link.json"))
     a = ap.parse_args(argv)
+    algos = tuple(x for x in a.gpu_codecs.split(",") if x)
+    bad = [x for x in algos if x not in ALGOS]
+    if bad or a.codec_timeout_s <= 0:
+        print(f"codec_link: --gpu-codecs: unknown {bad} (known: {', '.join(ALGOS)})" if bad else
+              f"codec_link: --codec-timeout-s: {a.codec_timeout_s} is not positive", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     kv = prefill_kv(a.tokens, a.layers, a.device, a.seed)
     prefill_s = time.perf_counter() - t0
     sample = spread_sample(kv, a.sample_mib)
     rows = [cpu_codec(name, sample, a.threads) for name in ("zstd-planes", "zstd-1")]
     if kv.is_cuda:
-        rows += gpu_codecs(kv)
+        rows += gpu_codecs(kv, algos, a.codec_timeout_s)
     pred = predictions("128K")
     for row in rows:
         row["est_decode_s_per_token_h2d"] = estimate(pred, row)
@@ -222,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                           else f"{r[k] / 1e9:.1f}")
         est = r["est_decode_s_per_token_h2d"]
         note = ("cpu: decodes before the link, cannot serve h2d; rates 1/N threads" if r["where"] == "cpu"
-                else ("exact" if r["exact"] else "NOT EXACT"))
+                else ("exact" if r["exact"] and all(p["exact"] for p in r.get("probes", [])) else "NOT EXACT"))
         print(f"{r['codec']:20} {r['ratio']:6.3f} {rate('encode_bytes_per_s'):>14} {rate('decode_bytes_per_s'):>14} "
               f"{'-' if est is None else f'{est:.3f} ({est / raw:.2f}x)':>14}  {note} [random-weight K/V]")
     print(f"wrote {a.out}; wall {result['wall_s']:.1f} s")
