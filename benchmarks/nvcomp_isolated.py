@@ -85,10 +85,9 @@ def round_trip(nvcomp, algo: str, kv, stream, reps: int, say=lambda **kw: None) 
         say(stage="encode", bytes=n)
         enc_s, encoded = _timed(lambda: codec.encode(src_arr), stream, reps)
         stored = encoded.buffer_size + (low.numel() if planes else 0)
-        back = torch.empty_like(src)
-        back_arr = nvcomp.as_array(back, cuda_stream=stream.cuda_stream)   # fixed size: never grown
+        back = torch.empty_like(src)   # torch-owned; an external `out` has a fixed size (never grown)
         say(stage="decode", bytes=n)
-        dec_s, _ = _timed(lambda: codec.decode(encoded, out=back_arr), stream, reps)
+        dec_s, _ = _timed(lambda: codec.decode(encoded, out=back), stream, reps)
         say(stage="compare", bytes=n)
         full = torch.stack([low, back], 1).flatten() if planes else back
         exact = bool(torch.equal(full, kv))
