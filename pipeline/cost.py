@@ -7,12 +7,14 @@ from .stage import Kind, Phase, Stage
 
 
 def compute_seconds(flops: float, mem_bytes: float, ops: int, hw: HardwareProfile, dtype: str,
-                    tag: str = "", replayed: bool = False) -> float:
+                    tag: str = "", replayed: bool = False, small_shape: bool = True) -> float:
     """Roofline with an efficiency that falls for small shapes: a kernel of `f` FLOPs runs at
     eff * f / (f + half), i.e. takes (f + half) / eff; memory traffic at the effective HBM rate;
-    plus a launch overhead per kernel (the graph node time when replayed)."""
+    plus a launch overhead per kernel (the graph node time when replayed). `small_shape=False`:
+    a kernel that is not GEMM-shaped in its rows (`split_kv_attention`) pays no `half`."""
     rate = hw.flops_eff(dtype) * (hw.attention_efficiency if tag == "attn" else 1.0)
-    arith = (flops + hw.small_shape_half_flops) / rate if flops else 0.0
+    half = hw.small_shape_half_flops if small_shape else 0.0
+    arith = (flops + half) / rate if flops else 0.0
     launch = hw.graph_node_s if replayed else hw.launch_overhead_s
     return max(arith, mem_bytes / hw.hbm_eff_bytes_per_s) + ops * launch
 
@@ -36,6 +38,15 @@ def stage_small_seconds(s: Stage, hw: HardwareProfile, replayed: bool = False) -
     return small_seconds(s.small_ops, s.small_bytes, hw, replayed)
 
 
+def split_kv_attention(s: Stage) -> bool:
+    """A decode step's attention: one query token per head, the keys split across the SMs (FA2's
+    split-KV, executor/attention.py). `small_shape_half_flops` is the rate curve of a GEMM with few
+    rows (fitted on [T, 4096] x [4096, 14336]: idle tiles); this kernel has no such rows, its time is
+    its KV read at the HBM rate and its launches, so it pays no `half` (it was charged ~46 us a
+    group on h200-testbox: group-1 decode predicted 1.85x the measurement)."""
+    return s.tag == "attn" and s.phase is Phase.DECODE
+
+
 def new_attention_shape(s: Stage) -> bool:
     """The first attention stage of a prefill chunk with a prefix: every chunk's prefix length is
     new to the kernel (the chunk's own shape repeats; decode runs on FA2, which has no plans)."""
@@ -51,7 +62,8 @@ def stage_seconds(s: Stage, hw: HardwareProfile, dtype: str, replayed: bool = Fa
     """Device seconds of `s` on its lane; `replayed`: issued inside a CUDA graph (decode replay)."""
     if s.kind is Kind.COMPUTE:
         plan_build = hw.attention_plan_s if new_attention_shape(s) else 0.0
-        return (compute_seconds(s.flops, s.mem_bytes, s.ops, hw, dtype, s.tag, replayed) + plan_build
+        return (compute_seconds(s.flops, s.mem_bytes, s.ops, hw, dtype, s.tag, replayed,
+                                not split_kv_attention(s)) + plan_build
                 + stage_small_seconds(s, hw, replayed))
     if s.kind is Kind.H2D:
         return s.ops * hw.h2d_alpha_s + s.bytes / hw.h2d_bytes_per_s

@@ -78,7 +78,8 @@ def step_busy(model: ModelSpec, work: Workload, hw: HardwareProfile, layout: tup
         for (o, d), k in kinds:
             copy_in = 2 * B * start * (G - o) * ut if o else 0
             mem = B * (start + n) * G * ut + 2 * B * n * q_heads * m.head_dim * b + 2 * ws + copy_in
-            layer += k * (compute_seconds(attn_flops, mem, 5 if start else 2, hw, dt, "attn", replayed)
+            layer += k * (compute_seconds(attn_flops, mem, 5 if start else 2, hw, dt, "attn", replayed,
+                                          prefill)   # decode: split-KV, no small-shape term (cost.py)
                           + (small_seconds(1 + bool(o and start), 0.0, hw, True) if replayed
                              else _small(layer_ops.attn(m, B * n, G, start), hw, False)))
             if o and start > 0:

@@ -148,3 +148,30 @@ def test_small_kernels_by_hand(mha):
     base = {s: stage_seconds(s, replace(hw, small_kernel_s=0.0), "bf16", True) for s in (resident, fetched)}
     assert stage_seconds(resident, hw, "bf16", True) == pytest.approx(base[resident] + 3e-6, rel=REL)
     assert stage_seconds(fetched, hw, "bf16", True) == pytest.approx(base[fetched] + 6e-6, rel=REL)
+
+
+@pytest.mark.parametrize("replayed", [False, True])
+def test_decode_attention_pays_no_gemm_small_shape_term(replayed):
+    """Fault caught: a decode step's attention (one query token, FA2 split-KV) charged the GEMM
+    small-shape term `small_shape_half_flops`, a curve fitted on [T, 4096] x [4096, 14336] GEMMs
+    with few rows; on h200-testbox that was ~46 us per head group, so group-1 decode was predicted
+    1.85x the measured step. By hand: a decode attention is max(flops / (eff * attention_eff),
+    bytes / hbm) + launches; a prefill attention and the decode GEMMs keep the term."""
+    big = replace(HW, small_shape_half_flops=1e9)
+    g = build(GQA, GQA_WORK, GQA_PLAN)
+    dec = [s for s in g.stages if s.phase is Phase.DECODE and s.kind is Kind.COMPUTE]
+    attn = [s for s in dec if s.tag == "attn"]
+    assert attn
+    for s in attn:
+        smalls = stage_seconds(s, HW, GQA.dtype, replayed) - compute_seconds(
+            s.flops, s.mem_bytes, s.ops, HW, GQA.dtype, "attn", replayed, False)
+        launch = HW.graph_node_s if replayed else HW.launch_overhead_s
+        rate = HW.flops_eff(GQA.dtype) * HW.attention_efficiency
+        by_hand = max(s.flops / rate, s.mem_bytes / HW.hbm_eff_bytes_per_s) + s.ops * launch
+        assert stage_seconds(s, big, GQA.dtype, replayed) == pytest.approx(by_hand + smalls, rel=REL)
+        assert stage_seconds(s, HW, GQA.dtype, replayed) == pytest.approx(by_hand + smalls, rel=REL)
+    for s in dec:   # the GEMM stages of the same step still follow the small-shape curve
+        if s.tag in ("qkv", "mlp") and s.flops:
+            assert stage_seconds(s, big, GQA.dtype, replayed) > stage_seconds(s, HW, GQA.dtype, replayed)
+    pre = next(s for s in g.stages if s.phase is Phase.PREFILL and s.tag == "attn")
+    assert stage_seconds(pre, big, GQA.dtype) > stage_seconds(pre, HW, GQA.dtype)
