@@ -7,7 +7,7 @@ import pytest
 from kvpipe.pipeline.builder import build
 from dataclasses import replace
 
-from kvpipe.pipeline.cost import compute_seconds, small_seconds, stage_seconds
+from kvpipe.pipeline.cost import compute_seconds, small_seconds, stage_seconds, stage_small_seconds
 from kvpipe.pipeline.hardware import HardwareProfile
 from kvpipe.pipeline.stage import Kind, Phase, Stage
 from test_memory import GQA, GQA_PLAN, GQA_WORK, MHA, MHA_PLAN, MHA_WORK
@@ -163,8 +163,7 @@ def test_decode_attention_pays_no_gemm_small_shape_term(replayed):
     attn = [s for s in dec if s.tag == "attn"]
     assert attn
     for s in attn:
-        smalls = stage_seconds(s, HW, GQA.dtype, replayed) - compute_seconds(
-            s.flops, s.mem_bytes, s.ops, HW, GQA.dtype, "attn", replayed, False)
+        smalls = stage_small_seconds(s, HW, replayed)
         launch = HW.graph_node_s if replayed else HW.launch_overhead_s
         rate = HW.flops_eff(GQA.dtype) * HW.attention_efficiency
         by_hand = max(s.flops / rate, s.mem_bytes / HW.hbm_eff_bytes_per_s) + s.ops * launch
