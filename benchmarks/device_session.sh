@@ -3,7 +3,7 @@
 # simpy, crc32c, zstandard), then run the named steps, each under its own time limit, logs and
 # JSON under $OUT. Runs from /tmp so the checkout's kvpipe/ folder cannot shadow the install.
 #   bash benchmarks/device_session.sh STEP[:SECONDS] ...
-# Steps: codeclink gputests calibrate hfcache32 hfcache regimes tiers lossy regret
+# Steps: gputests calibrate hfcache32 hfcache hfeager tiers regrows(ROWS env) regimes diag(DIAG_ROWS env) codeclink fuse lossyrun simcheck t1m t1mpoll (SKIP_INSTALL=1: reuse the install of a warm machine)
 set -u
 R=$(pwd)
 OUT=${OUT:-$R/benchmarks/results}
