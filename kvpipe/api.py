@@ -17,6 +17,7 @@ import os
 from kvpipe.pipeline.model import ModelSpec, load_model
 from kvpipe.pipeline.plan import Plan
 from kvpipe.pipeline.report import Report
+from kvpipe.pipeline.units import fmt_bytes, fmt_tokens
 from kvpipe.pipeline.workload import Workload
 
 from .inputs import (Knob, PlanArg, apply_tiers, budget, check_weights, free_disk, method_of, output_path,
@@ -99,6 +100,27 @@ def _tiers(spec, work, chosen: Plan, profile, disk, codec) -> Plan:
     return chosen
 
 
+def _room_warning(model: ModelSpec, work: Workload, pred, budgets, chunk: Knob) -> tuple[str, ...]:
+    """A prefill chunk the user pinned is not held to the planner's room rule (three of its MLP
+    blocks beside the live bytes, within the allocator's slack): say when it breaks it, since
+    such runs died of fragmentation on the H200 (benchmarks/results/h200-2026-11-30-sim_check.json)."""
+    from .inputs import _is_auto
+    from kvpipe.pipeline.rules import GPU_FILL_FRACTION
+    from kvpipe.sim.planner import fragmentation_room
+    if _is_auto(chunk) or not budgets.get("gpu"):
+        return ()
+    plan = pred.plan
+    room = fragmentation_room(model, work, plan)
+    free = budgets["gpu"] * GPU_FILL_FRACTION - pred.report.peak_bytes["gpu"]
+    if free >= room:
+        return ()
+    w = (f"chunk: {fmt_tokens(plan.prefill.chunk)}-token chunks leave the CUDA allocator {fmt_bytes(max(free, 0))} "
+         f"beside the predicted peak, under the {fmt_bytes(room)} (three MLP blocks) runs needed on the H200; the "
+         "run may die of fragmentation: a smaller --chunk, or PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    log.warning(w)
+    return (w,)
+
+
 def _warnings(model: ModelSpec, work: Workload) -> tuple[str, ...]:
     """Logged at once (before a long run), and kept in the result."""
     out = []
@@ -148,6 +170,7 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
     warnings = _warnings(spec, work)
     main, found = _choose(spec, work, profile, budgets, method, group, chunk, resident, plan, objective, full_sim,
                           disk, codec)
+    warnings += _room_warning(spec, work, main, budgets, chunk)
     chosen = main.plan
     if lossy is not None or sparse is not None:   # explicit opt-in only, over the exact plan
         from kvpipe.pipeline.lossy import LossySpec
@@ -173,7 +196,6 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
         write_chrome(trace_path, main.trace)
     if plot_path:
         from kvpipe.analysis.timeline import plot_timeline
-        from kvpipe.pipeline.units import fmt_tokens
         plot_timeline(plot_path, main.trace, title=f"{spec.name} on {profile.name}, {fmt_tokens(work.context)}")
     return PlanResult(spec, profile, work, budgets, main, methods, warnings, found, largest)
 
@@ -205,7 +227,6 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
     from kvpipe.hw_profiles import load_profile
     from kvpipe.pipeline.builder import build
     from kvpipe.pipeline.report import timing_from_trace
-    from kvpipe.pipeline.units import fmt_tokens
 
     dev = session.resolve_device(device)
     spec = load_model(model, dtype)
@@ -251,7 +272,7 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
     predicted = _predict(spec, work, chosen, profile, budgets, replay=issue == "graph" and work.decode_tokens > 0)
     if predicted.problems:   # refused before anything is allocated
         raise ValueError(f"budget: the plan does not fit: {'; '.join(predicted.problems)}")
-    warnings = _warnings(spec, work)
+    warnings = _warnings(spec, work) + _room_warning(spec, work, predicted, budgets, chunk)
     if chosen.lossy is not None and chosen.resident >= spec.units:
         warnings += ("lossy: every KV unit is resident on the GPU; nothing is quantised (the run is exact)",)
         log.warning(warnings[-1])

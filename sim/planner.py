@@ -114,6 +114,14 @@ def objective_value(pred: Prediction, objective: str) -> float:
     return t.total_s
 
 
+def fragmentation_room(model: ModelSpec, work: Workload, plan: Plan) -> int:
+    """Room the caching allocator needs beyond the plan's live bytes: three of the largest
+    transient blocks (a prefill chunk's MLP intermediate). An assumption taken from the OOMs of
+    the H200 regimes run on 2026-11-30 (2.8 GiB reserved but unallocated beside 896 MiB blocks
+    at 32K-token chunks, 0.4 GiB beside 448 MiB blocks at 16K), not a measured law."""
+    return 3 * work.batch * min(plan.prefill.chunk, work.context) * model.intermediate * model.dtype_bytes
+
+
 @dataclass
 class _Search:
     """One search's memo tables (placement classes and phase estimates are shared by many plans)."""
@@ -158,12 +166,7 @@ class _Search:
         return placed
 
     def fragmentation(self, plan: Plan) -> int:
-        """Room the caching allocator needs beyond the plan's live bytes: three of the largest
-        transient blocks (a prefill chunk's MLP intermediate). An assumption taken from the OOMs of
-        the H200 regimes run on 2026-11-30 (2.8 GiB reserved but unallocated beside 896 MiB blocks
-        at 32K-token chunks, 0.4 GiB beside 448 MiB blocks at 16K), not a measured law."""
-        m = self.model
-        return 3 * self.work.batch * min(plan.prefill.chunk, self.work.context) * m.intermediate * m.dtype_bytes
+        return fragmentation_room(self.model, self.work, plan)
 
     def max_resident(self, plan: Plan) -> int:
         """The most resident units GPU_FILL_FRACTION of the GPU budget holds (0 if none)."""

@@ -293,3 +293,17 @@ def test_no_plan_fits_for_the_gpu_names_the_gpu_budget_with_the_allocators_room(
     res = search(model, work, hw, budgets)
     mem = breakdown(model, work, res.best.plan)
     assert all(v <= budgets[p] for p, v in mem.pools().items())
+
+
+def test_a_pinned_chunk_without_the_allocators_room_is_warned_and_the_searched_one_is_not():
+    """Fault caught: a user-pinned prefill chunk that breaks the planner's room rule (three MLP
+    blocks beside the predicted peak) passing silently. The H200 runs of 2026-11-30 with 32K-token
+    chunks at 24 GB (32K group 2, 128K group 8, all streamed) died of fragmentation. Room computed
+    here by hand: 3 x 32768 tokens x 14336 x 2 bytes = 2.625 GiB."""
+    import kvpipe
+    kw = dict(model="llama-3-8b", hw="rtx4090", context="128K", decode_tokens=4, gpu_mem="24GB",
+              group="8", resident="none")
+    warned = [w for w in kvpipe.plan(chunk="32K", **kw).warnings if w.startswith("chunk:")]
+    assert len(warned) == 1 and "2.6 GiB" in warned[0] and "32K-token" in warned[0]
+    assert not [w for w in kvpipe.plan(chunk="4K", **kw).warnings if w.startswith("chunk:")]
+    assert not [w for w in kvpipe.plan(**kw).warnings if w.startswith("chunk:")]   # the search keeps the room
