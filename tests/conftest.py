@@ -1,5 +1,7 @@
-"""Shared pytest setup: the `gpu` marker (skipped without CUDA) and the default hypothesis profile."""
+"""Shared pytest setup: the `gpu` marker (skipped without CUDA), the default hypothesis profile and
+the tiny models the tests build (in memory, or as a config.json for the CLI)."""
 
+import json
 import os
 
 import pytest
@@ -76,3 +78,21 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+TINY_LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "max_position_embeddings": 4096, "torch_dtype": "float32"}
+
+
+def write_config(tmp_path_factory, **overrides) -> str:
+    """A tiny Llama config.json (TINY_LLAMA with `overrides`) in a fresh temp folder: its path."""
+    path = tmp_path_factory.mktemp("tiny") / "config.json"
+    path.write_text(json.dumps(dict(TINY_LLAMA, **overrides)))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory):
+    """The path of TINY_LLAMA's config.json (`--model` for CLI and API runs)."""
+    return write_config(tmp_path_factory)

@@ -11,9 +11,6 @@ import pytest
 import kvpipe
 from kvpipe.cli import build_parser, main
 
-TINY = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "max_position_embeddings": 4096, "torch_dtype": "float32"}
 
 
 def cli_json(capsys, *argv: str) -> dict:
@@ -93,13 +90,6 @@ def test_api_bad_input_names_the_argument(kw, field):
     # argument was wrong.
     with pytest.raises(ValueError, match=f"^{field}"):
         kvpipe.plan(context="8K", decode_tokens=1, **kw)
-
-
-@pytest.fixture(scope="module")
-def tiny_config(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny") / "config.json"
-    path.write_text(json.dumps(TINY))
-    return str(path)
 
 
 def test_run_result_is_what_the_cli_prints(tiny_config, capsys):

@@ -8,16 +8,7 @@ import sys
 
 import pytest
 
-TINY = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "max_position_embeddings": 4096, "torch_dtype": "float32"}
-
-
-@pytest.fixture(scope="module")
-def tiny_config(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny") / "config.json"
-    path.write_text(json.dumps(TINY))
-    return str(path)
+from conftest import TINY_LLAMA as TINY
 
 
 def run_json(capsys, *args: str) -> dict:

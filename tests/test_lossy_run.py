@@ -8,18 +8,15 @@ import json
 import pytest
 import torch
 
-TINY = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-        "max_position_embeddings": 4096, "torch_dtype": "float32"}
+from conftest import write_config
+
 COMMON = ("--random-weights", "--context", "200", "--decode-tokens", "6", "--chunk", "80", "--seed", "3",
           "--resident", "none", "--group", "1")
 
 
 @pytest.fixture(scope="module")
 def tiny_config(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny") / "config.json"
-    path.write_text(json.dumps(TINY))
-    return str(path)
+    return write_config(tmp_path_factory, head_dim=32)   # the model these tests' bounds were set on
 
 
 def cli(capsys, *args: str) -> tuple[int, str, str]:
