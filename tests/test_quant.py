@@ -113,8 +113,8 @@ def test_quantise_on_cuda_matches_cpu():
         # The H200 run of 2026-11-30 found 4.2% of scales off by up to 2.3e-3 relative: CUDA divided
         # by the Python scalar LEVELS as a multiply by its reciprocal, one float32 ulp off, which can
         # flip the round-up bump (x (1 + 2^-9)). quantize() now divides by a tensor (correctly
-        # rounded on both devices); the tolerance still admits one bump flip plus a float16 ulp.
-        torch.testing.assert_close(a.scale, b.scale.cpu(), rtol=2.0 ** -9 + 2.0 ** -10, atol=0)
+        # rounded on both devices), so the original bound stands (not yet re-run on a GPU).
+        torch.testing.assert_close(a.scale, b.scale.cpu(), rtol=1e-3, atol=0)
         diff = (dequantize(a).float() - dequantize(b).cpu().float()).abs()
         assert diff.max() <= a.scale.float().abs().max() * 1.01 + 1e-6
         assert (diff > 0).float().mean() < 0.01   # boundary cases are rare
