@@ -43,10 +43,12 @@ class Interpreter:
                      "head": self._head, "kv_fetch": self._fetch, "kv_store": self._store,
                      "kv_read": self._disk_read, "kv_write": self._disk_write,
                      "kv_compress": self._compress, "kv_decompress": self._decompress,
-                     "quant": self._quant, "dequant": self._dequant}
+                     "quant": self._quant, "dequant": self._dequant,
+                     "gpu_compress": self._gpu_compress, "gpu_decompress": self._gpu_decompress}
         self.q = store.q                  # LOSSY: quantised homes of the offloaded units, else None
         self.lossy_error: dict[str, float] | None = None   # measured once (executor/lossy_probe.py)
         self._recs: dict[tuple, tuple] = {}   # (phase, step, layer) -> (records, first block)
+        self.coded = store.coded          # host units stored compressed (executor/cstore.py), else None
 
     def __call__(self, s: Stage) -> None:
         op = self._ops.get(s.tag)
@@ -116,6 +118,8 @@ class Interpreter:
         assert s.tokens[0] == 0 and s.slot is not None, (s.name, s.tokens, s.slot)
         base = s.group * self.group[s.phase]
         fetch = self.q.fetch if self.q is not None else self.store.fetch
+        if self.coded is not None:   # the compressed prefix and the low plane land in the slot row
+            fetch = self.coded.fetch
         self.moved[s.id] = fetch(s.layer, s.heads, base, s.slot, s.tokens[1])
 
     def _store(self, s: Stage) -> None:
@@ -125,6 +129,14 @@ class Interpreter:
             if recs.numel():                  # most decode steps fill no block
                 self.lanes.protect(recs, Lane.D2H)
             self.moved[s.id] = self.q.store(s.layer, s.heads, recs, block0)
+            self._release(key)
+            return
+        if self.coded is not None:        # the blocks `gpu_compress` encoded go home
+            rec = self._recs.pop(key)
+            if rec is not None:
+                for t in rec[2:5]:            # high and low planes, encoded blocks
+                    self.lanes.protect(t, Lane.D2H)
+            self.moved[s.id] = self.coded.store(s.layer, s.heads, rec)
             self._release(key)
             return
         kv = self._kv[key][0]
@@ -174,6 +186,14 @@ class Interpreter:
     def _dequant(self, s: Stage) -> None:
         base = s.group * self.group[s.phase]
         self.q.decode(s.layer, s.heads, base, s.slot, s.tokens[1])
+
+    # ---- lossless GPU codec of the h2d link (gpu lane) --------------------------------------------
+    def _gpu_compress(self, s: Stage) -> None:
+        key = (s.phase, s.step, s.layer)
+        self._recs[key] = self.coded.encode(s.layer, self._kv[key][0], s.tokens[0])
+
+    def _gpu_decompress(self, s: Stage) -> None:
+        self.coded.decode(s.layer, s.heads, s.group * self.group[s.phase], s.slot, s.tokens[1])
 
     def _release(self, key: tuple) -> None:
         entry = self._kv[key]

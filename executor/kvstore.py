@@ -49,6 +49,7 @@ class KVLayout:
     disk_codec: str = "none"
     quant_bits: int = 0        # LOSSY (--lossy): offloaded units stored quantised (executor/qstore.py)
     quant_group: int = 0
+    h2d_codec: str = "none"    # lossless GPU codec of the h2d link: host units stored compressed (cstore.py)
 
     def __post_init__(self) -> None:
         for f in ("batch", "kv_heads", "head_dim", "capacity"):
@@ -78,10 +79,11 @@ class KVLayout:
         quant = plan.lossy.bits if plan.lossy is not None and plan.lossy.quant else 0
         if quant and any(disk) and codecs != {"none"}:
             raise ValueError("codec: a disk codec cannot run with lossy KV (its records go to disk as they are)")
+        h2d = plan.decode.codec("h2d") if offloaded else "none"   # Plan.check: one for both phases, host units only
         return cls(w.batch, m.kv_heads, m.head_dim, w.kv_capacity, resident,
                    max(p.depth for p in phases) if offloaded else 0, max(p.group for p in phases),
                    disk, min(plan.prefill.chunk, w.context), codecs.pop() if any(disk) else "none",
-                   quant, plan.lossy.group if quant else 0)
+                   quant, plan.lossy.group if quant else 0, h2d)
 
     @property
     def layers(self) -> int:
@@ -134,6 +136,7 @@ class KVStore:
         self.cstage: torch.Tensor | None = None
         self.row_base: list[int] = []
         self.q = None   # LOSSY: the quantised homes (executor/qstore.py) when layout.quant_bits
+        self.coded = None   # the compressed homes (executor/cstore.py) with an h2d codec
         self.arena = HostArena(self.cuda, torch_pinned=replay)
 
     # ---- lifetime ----------------------------------------------------------------------
@@ -143,7 +146,8 @@ class KVStore:
         gpu = dict(dtype=self.dtype, device=self.device)
         self.gpu = [torch.empty(B, n, S, 2, D, **gpu) if n else None for n in lo.resident]
         self.host = [self.arena.empty((B, H - n - lo.n_disk(i), S, 2, D), self.dtype)
-                     if n + lo.n_disk(i) < H and not lo.quant_bits else None for i, n in enumerate(lo.resident)]
+                     if n + lo.n_disk(i) < H and not lo.quant_bits and lo.h2d_codec == "none" else None
+                     for i, n in enumerate(lo.resident)]
         self.slots = [torch.empty(B, lo.slot_heads, S, 2, D, **gpu) for _ in range(lo.slots)]
         try:
             if any(lo.disk):
@@ -151,6 +155,9 @@ class KVStore:
             if lo.quant_bits:
                 from .qstore import QuantHomes
                 self.q = QuantHomes(self, lo.quant_bits, lo.quant_group)
+            if lo.h2d_codec != "none":
+                from .cstore import CompressedHomes
+                self.coded = CompressedHomes(self, lo.h2d_codec)
         except BaseException:
             self.close()
             raise
@@ -191,13 +198,15 @@ class KVStore:
         try:
             if self.cuda:
                 torch.cuda.synchronize(self.device)  # no copy may still read or write a buffer
+            if self.coded is not None:
+                self.coded.close()
         finally:
             if self.disk is not None:
                 self.disk.close()      # removes the file, whatever ended the run
             if self.cuda:
                 self.arena.close()
         self.gpu, self.host, self.slots, self.wstage, self.rstage, self.cstage = [], [], [], [], None, None
-        self.q = None
+        self.q = self.coded = None
 
     def __enter__(self) -> "KVStore":
         return self.open()
@@ -211,7 +220,8 @@ class KVStore:
         bufs = [t for t in self.host + self.wstage if t is not None]
         if self.rstage is not None:
             bufs += [self.rstage, self.disk.tails] + ([self.cstage] if self.cstage is not None else [])
-        return sum(t.numel() * t.element_size() for t in bufs) + (self.q.host_bytes if self.q else 0)
+        return (sum(t.numel() * t.element_size() for t in bufs) + (self.q.host_bytes if self.q else 0)
+                + (self.coded.host_bytes if self.coded else 0))
 
     @property
     def disk_bytes(self) -> int:

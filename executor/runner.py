@@ -48,6 +48,7 @@ class RunResult:
     disk_bytes: int = 0
     disk: dict | None = None
     lossy_error: dict | None = None   # LOSSY runs: errors measured in the run (executor/lossy_probe.py)
+    h2d_codec: dict | None = None     # h2d codec runs: what it stored (executor/cstore.py `stats`)
 
 
 def decode_steps(graph: Graph) -> int:
@@ -98,7 +99,8 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
         step_logits = (torch.empty(n_decode + 1, w.batch, graph.model.vocab, device=device)
                        if keep_logits else None)
         issue = resolve_mode(replay, device, adapter.dtype, w.batch, adapter.head_dim) if n_decode else "eager"
-        if issue != "eager" and (graph.plan.lossy is not None or any(s.lane in HOST_LANES for s in graph.stages)):
+        if issue != "eager" and (graph.plan.lossy is not None or graph.plan.decode.codec("h2d") != "none"
+                                 or any(s.lane in HOST_LANES for s in graph.stages)):
             if replay != "auto":
                 raise ValueError("replay: decode replay cannot run disk units, codec stages or lossy KV; "
                                  "use --replay off")
@@ -117,13 +119,15 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
             peak = torch.cuda.max_memory_allocated(device) if cuda else 0
             host, disk_bytes = store.host_bytes, store.disk_bytes
             disk_stats = store.disk.stats.to_json() if store.disk is not None else None
+            codec_stats = store.coded.stats() if store.coded is not None else None
     note = "measured with CUDA events" if cuda else "measured with the host clock (CPU, no overlap)"
     if replayed:
         note += (f"; decode steps issued as {'CUDA-graph replays' if issue == 'graph' else 'device steps'}: "
                  "one span per step on its head stage, the step's other compute/h2d stages empty at its end")
     trace = Trace(graph, "real", spans, note=note)
     return RunResult(trace, interp.last_logits, tokens, peak, host, tuple(interp.moved), step_logits,
-                     disk_bytes=disk_bytes, disk=disk_stats, lossy_error=interp.lossy_error, **extra)
+                     disk_bytes=disk_bytes, disk=disk_stats, lossy_error=interp.lossy_error, h2d_codec=codec_stats,
+                     **extra)
 
 
 def _prefill_then_replay(graph: Graph, interp: ReplayInterpreter, lanes: Lanes, tokens: torch.Tensor,

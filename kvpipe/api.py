@@ -44,7 +44,7 @@ def _predict(model, work, plan: Plan, hw, budgets, full: bool = False, max_conte
     plan.check(model, work)
     problems = tuple(budget_problems(breakdown(model, work, plan), budgets))
     if replay is None:   # disk units run eagerly (their reads cannot sit in a CUDA graph)
-        replay = replays_decode(model, work) and not plan.disk
+        replay = replays_decode(model, work) and not plan.disk and plan.decode.codec("h2d") == "none"
     pred = pred or simulate(model, work, plan, hw, full=full, replay=replay)
     return Predicted(plan, problems, pred.report, pred.trace, max_context)
 
@@ -56,14 +56,15 @@ def _searches(method, plan: PlanArg) -> bool:
 
 
 def _choose(spec, work, profile, budgets, method, group, chunk, resident, plan, objective, full=False,
-            disk=None, codec=()):
+            disk=None, codec=(), h2d_codecs=True):
     """(the plan's prediction, the planner's result or None). --disk/--codec are not dimensions of
     the search yet: given, they apply over the planner's plan, which is then simulated again."""
     from .inputs import _is_auto
     if _searches(method, plan):
         from kvpipe.sim.planner import search
         found = search(spec, work, profile, budgets, planner_pins(spec, group, chunk, resident), objective,
-                       full=full)
+                       full=full, h2d_codecs=h2d_codecs and not any(str(c).startswith("h2d=") for c in
+                                                                    ([codec] if isinstance(codec, str) else codec)))
         if _is_auto(disk) and not codec:
             return _predict(spec, work, found.best.plan, profile, budgets, pred=found.best.prediction), found
         chosen = _tiers(spec, work, found.best.plan, profile, disk, codec)
@@ -169,7 +170,7 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
         work = Workload(largest, work.decode_tokens, work.batch)
     warnings = _warnings(spec, work)
     main, found = _choose(spec, work, profile, budgets, method, group, chunk, resident, plan, objective, full_sim,
-                          disk, codec)
+                          disk, codec, h2d_codecs=lossy is None and sparse is None)
     warnings += _room_warning(spec, work, main, budgets, chunk)
     chosen = main.plan
     if lossy is not None or sparse is not None:   # explicit opt-in only, over the exact plan
@@ -257,17 +258,23 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
                              "--lossy int8|int4 runs")
     if sparse is not None:
         raise ValueError("sparse: kvpipe run does not execute sparse decode yet (plan-only); --lossy int8|int4 runs")
+    from kvpipe.executor.nvcomp_codec import available   # the planner tries an h2d codec only where it runs
     first, found = _choose(spec, work, profile, budgets, method, group, chunk, resident, plan, objective,
-                           disk=disk, codec=codec)
+                           disk=disk, codec=codec, h2d_codecs=lossy is None and available(dev))
     chosen = first.plan
     if lossy is not None:   # LOSSY, explicit opt-in only, over the exact plan
         from kvpipe.pipeline.lossy import LossySpec
         chosen = chosen.with_(lossy=LossySpec(lossy))
     if chosen.lossy is not None and any(p.codec("disk") != "none" for p in (chosen.prefill, chosen.decode)):
         raise ValueError("codec: a disk codec cannot run with --lossy (quantised records go to disk as they are)")
-    if (chosen.disk or chosen.lossy) and issue != "eager":    # disk reads, lossy stages: no CUDA graph
+    h2d = chosen.decode.codec("h2d")
+    if h2d != "none":   # a GPU codec on h2d: nvCOMP on a CUDA GPU (executor/nvcomp_codec.py)
+        from kvpipe.executor.nvcomp_codec import check_available
+        check_available(h2d, dev)
+    if (chosen.disk or chosen.lossy or h2d != "none") and issue != "eager":   # no CUDA graph for these
         if replay != "auto":
-            raise ValueError("replay: decode replay cannot run disk units or lossy KV; use --replay off or auto")
+            raise ValueError("replay: decode replay cannot run disk units, lossy KV or an h2d codec; "
+                             "use --replay off or auto")
         issue, replay = "eager", "off"
     predicted = _predict(spec, work, chosen, profile, budgets, replay=issue == "graph" and work.decode_tokens > 0)
     if predicted.problems:   # refused before anything is allocated

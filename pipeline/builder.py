@@ -6,12 +6,15 @@ per head group, then `mlp`. A group with offloaded heads first has its prefix fe
 transfer slot (`kv_fetch` on h2d; `kv_read` on disk first for disk units); the chunk's new K/V
 of the layer's offloaded heads go home with one `kv_store` on d2h (and `kv_write` to disk). With a
 codec on the disk link, `kv_compress` runs before each write and `kv_decompress` after each read,
-on the cpu lane. Slots are reused round-robin, so a fetch
+on the cpu lane. With a GPU codec on h2d (host units only), `gpu_compress` runs on the gpu lane
+before each `kv_store` and `gpu_decompress` after each `kv_fetch`, and both copies move the stored
+bytes (raw / ratio). Slots are reused round-robin, so a fetch
 waits only for the attention that last read its slot: the h2d lane runs ahead across group and
 layer boundaries by `depth` slots (ping-pong prefetch with cross-layer lookahead)."""
 from __future__ import annotations
 
 from . import layer_ops
+from .codecs import h2d_codec
 from .memory import (attn_ws_bytes, breakdown, hidden_bytes, layer_act_bytes, logits_bytes,
                      mlp_act_bytes)
 from .model import ModelSpec
@@ -29,6 +32,7 @@ class _Builder:
         self.slot_user: dict[int, int] = {}                # slot -> attn that last read it
         self.staging_user: dict[int, int] = {}             # host staging slot -> h2d that read it
         self.fetches = 0
+        self.h2d = h2d_codec(plan)   # GPU codec of the h2d link ("none": raw copies)
         # layer -> (offloaded heads, of which on disk)
         self.offloaded = {
             layer: (tuple(h for h in range(model.kv_heads) if self.tiers[(layer, h)] is not Tier.GPU),
@@ -116,8 +120,13 @@ class _Builder:
         # Disk heads' new K/V pass through the layer's host write staging: the store waits until
         # the previous write of the layer has left it.
         staged = [self.last_write.get((layer, h)) for h in disk]
+        if self.h2d != "none":   # encoded on the GPU (amortised: a block is encoded when it fills)
+            qkv = self.add(Kind.GPU_COMPRESS, "gpu_compress", phase, idx, layer, None, (start, start + n), (qkv,),
+                           heads=off, bytes=nbytes * len(off), mem_bytes=2 * nbytes * len(off), ops=4,
+                           codec=self.h2d)   # planes split: raw bytes read and written
         store = self.add(Kind.D2H, "kv_store", phase, idx, layer, None, (start, start + n), [qkv] + staged,
-                         heads=off, bytes=nbytes * len(off), ops=self.w.batch * len(off))
+                         heads=off, bytes=nbytes * len(off), ops=self.w.batch * len(off) * (1 + (self.h2d != "none")),
+                         codec=self.h2d)
         for h in off:
             self.last_write[(layer, h)] = store
         if disk:
@@ -160,11 +169,16 @@ class _Builder:
                 if codec != "none":   # decompressed into the host staging on the CPU pool
                     read = self.add(Kind.DECOMPRESS, "kv_decompress", phase, idx, layer, g, (0, start),
                                     (read,), heads=disk, slot=slot, bytes=raw, ops=B * len(disk), codec=codec)
+            coded = self.h2d != "none"   # stored bytes cross, then are decoded on the GPU into the slot
             fetch = self.add(Kind.H2D, "kv_fetch", phase, idx, layer, g, (0, start),
                              written + [self.slot_user.get(slot), read], heads=off, slot=slot,
-                             bytes=unit_fetch * len(off), ops=B * len(off))
+                             bytes=unit_fetch * len(off), ops=B * len(off) * (1 + coded), codec=self.h2d)
             if disk:
                 self.staging_user[slot] = fetch
+            if coded:
+                fetch = self.add(Kind.GPU_DECOMPRESS, "gpu_decompress", phase, idx, layer, g, (0, start), (fetch,),
+                                 heads=off, slot=slot, bytes=unit_fetch * len(off), mem_bytes=3 * unit_fetch * len(off),
+                                 ops=4, codec=self.h2d)   # low plane set aside, then both planes interleaved
             if lossy is not None and lossy.quant:   # LOSSY: dequantised on the GPU after the fetch
                 deq = B * (lossy.fetched_tokens(start) if sparse else start) * len(off) * unit_tok
                 fetch = self.add(Kind.COMPUTE, "dequant", phase, idx, layer, g, (0, start), (fetch,), heads=off,

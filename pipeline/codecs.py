@@ -1,11 +1,17 @@
 """What the planner knows of each codec, torch-free: its name, whether it is lossless, the lane
-it runs on and the links it may serve. The implementations live in `executor/codecs/` (one file
-each); rates and ratios live in the hardware profile (`[codec.<name>]`)."""
+it runs on and the links it may serve. The implementations live in `executor/codecs/` (CPU frame
+codecs, one file each) and `executor/nvcomp_codec.py` (the GPU codec of the h2d link); rates and
+ratios live in the hardware profile (`[codec.<name>]`).
+
+A GPU codec on h2d stores each offloaded host unit compressed: its tokens in blocks of
+`H2D_BLOCK_TOKENS` (a block is encoded once, when it fills; the tokens of a block not yet full
+stay exact in a small GPU tail), so a fetch moves stored bytes = raw / ratio."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 LINKS = ("h2d", "d2h", "disk")
+H2D_BLOCK_TOKENS = 4096   # tokens per encoded block of a GPU h2d codec (executor/cstore.py)
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,8 @@ REGISTRY: dict[str, CodecInfo] = {c.name: c for c in (
     CodecInfo("none", True, "-", LINKS, "", "no compression"),
     CodecInfo("zstd-planes", True, "cpu", ("disk",), "zstandard",
               "byte planes of bf16/fp16 (high byte: sign and exponent, apart) then zstd level 1"),
+    CodecInfo("nvcomp-ans-planes", True, "gpu", ("h2d",), "nvidia.nvcomp",
+              "byte planes of bf16/fp16 on the GPU, nvCOMP ANS on the high byte (sign, exponent), low byte raw"),
 )}
 
 
@@ -54,13 +62,28 @@ def parse_codec(text: str) -> tuple[str, str]:
 
 
 def installed(info: CodecInfo) -> bool:
-    """Whether the package the codec needs can be imported here (nothing is imported)."""
+    """Whether the package the codec needs can be found here (only a namespace parent such as
+    `nvidia` may be imported to look)."""
     import importlib.util
-    return not info.module or importlib.util.find_spec(info.module) is not None
+    if not info.module:
+        return True
+    try:
+        return importlib.util.find_spec(info.module) is not None
+    except ImportError:   # the parent package of a dotted name is missing
+        return False
+
+
+def h2d_codec(plan) -> str:
+    """The codec of the plan's h2d link (one for both phases: `Plan.check` refuses two)."""
+    return plan.decode.codec("h2d")
 
 
 def describe() -> list[str]:
     """One line per codec, as `kvpipe codecs` prints them."""
-    return [f"{c.name:14} {'lossless' if c.lossless else 'LOSSY':9} runs on {c.lane:4} links "
+    return [f"{c.name:17} {'lossless' if c.lossless else 'LOSSY':9} runs on {c.lane:4} links "
             f"{','.join(c.links):13} {c.description}"
-            + ("" if installed(c) else f" [not installed: pip install {c.module}]") for c in REGISTRY.values()]
+            + ("" if installed(c) else f" [not installed: pip install {_PIP.get(c.module, c.module)}]")
+            for c in REGISTRY.values()]
+
+
+_PIP = {"nvidia.nvcomp": "nvidia-nvcomp-cu13"}   # import name -> the package that provides it

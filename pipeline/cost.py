@@ -65,18 +65,24 @@ def stage_seconds(s: Stage, hw: HardwareProfile, dtype: str, replayed: bool = Fa
         return (compute_seconds(s.flops, s.mem_bytes, s.ops, hw, dtype, s.tag, replayed,
                                 not split_kv_attention(s)) + plan_build
                 + stage_small_seconds(s, hw, replayed))
-    if s.kind is Kind.H2D:
-        return s.ops * hw.h2d_alpha_s + s.bytes / hw.h2d_bytes_per_s
+    if s.kind is Kind.H2D:   # with a codec on h2d: its stored bytes
+        return s.ops * hw.h2d_alpha_s + stored_bytes(s, hw) / hw.h2d_bytes_per_s
     if s.kind is Kind.D2H:
-        return s.ops * hw.d2h_alpha_s + s.bytes / hw.d2h_bytes_per_s
+        return s.ops * hw.d2h_alpha_s + stored_bytes(s, hw) / hw.d2h_bytes_per_s
     if s.kind is Kind.DISK_READ:
         return s.ops * hw.disk_alpha_s + stored_bytes(s, hw) / hw.disk_read_bytes_per_s
     if s.kind is Kind.DISK_WRITE:
         return s.ops * hw.disk_alpha_s + stored_bytes(s, hw) / hw.disk_write_bytes_per_s
     rates = codec_rates(s, hw)    # compress / decompress on the codec's pool
+    gpu = s.kind in (Kind.GPU_COMPRESS, Kind.GPU_DECOMPRESS)
+    if rates is None and gpu:     # a GPU codec has no generic rate: the profile must rate it
+        rates = hw.codec(s.codec)
     if rates is None:
         return s.bytes / hw.cpu_codec_bytes_per_s
-    return s.bytes / (rates.compress_bytes_per_s if s.kind is Kind.COMPRESS else rates.decompress_bytes_per_s)
+    compress = s.kind in (Kind.COMPRESS, Kind.GPU_COMPRESS)
+    # a GPU codec also splits / interleaves the byte planes (mem_bytes at the HBM rate)
+    extra = s.ops * hw.launch_overhead_s + s.mem_bytes / hw.hbm_eff_bytes_per_s if gpu else 0.0
+    return extra + s.bytes / (rates.compress_bytes_per_s if compress else rates.decompress_bytes_per_s)
 
 
 def codec_rates(s: Stage, hw: HardwareProfile):

@@ -113,6 +113,18 @@ def breakdown(m: ModelSpec, work: Workload, plan: Plan) -> MemoryBreakdown:
         home = work.batch * (plan.lossy.unit_bytes(cap, m.head_dim, m.dtype_bytes)
                              + plan.lossy.fine_summary_bytes(cap, m.head_dim, m.dtype_bytes))
         gpu_kv += off * work.batch * plan.lossy.coarse_summary_bytes(cap, m.head_dim, m.dtype_bytes)
+    if slots and plan.decode.codec("h2d") != "none":   # GPU codec on h2d: executor/cstore.py's buffers
+        slots += h2d_codec_bytes(m, work, plan, count[Tier.HOST])
     return MemoryBreakdown(weights=m.weight_bytes, gpu_kv=gpu_kv, gpu_buffers=slots,
                            activations=act, host_kv=count[Tier.HOST] * home, host_buffers=staging,
                            disk_kv=count[Tier.DISK] * home)
+
+
+def h2d_codec_bytes(m: ModelSpec, work: Workload, plan: Plan, host_units: int) -> int:
+    """GPU bytes of a GPU codec on h2d (executor/cstore.py): the decoded high plane and the low
+    plane of one slot's group (shared by the slots: decoding runs on the gpu lane in order), and
+    the exact tail of every host unit (a block not yet full)."""
+    from .codecs import H2D_BLOCK_TOKENS
+    group = max(plan.prefill.group, plan.decode.group)
+    tail = min(H2D_BLOCK_TOKENS, work.kv_capacity)
+    return slot_bytes(m, work, group) + host_units * work.batch * tail * m.kv_unit_bytes_per_token

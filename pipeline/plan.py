@@ -82,6 +82,14 @@ class Plan:
             raise ValueError(f"resident: {self.resident} exceeds the {model.units} (layer, KV head) units")
         if self.disk > model.units - self.resident:
             raise ValueError(f"disk: {self.disk} exceeds the {model.units - self.resident} offloaded units")
+        h2d = {p.codec("h2d") for p in (self.prefill, self.decode)}
+        if len(h2d) > 1:
+            raise ValueError(f"codec: the h2d link needs one codec for both phases, got {sorted(h2d)}")
+        if h2d != {"none"} and self.disk:
+            raise ValueError(f"codec: h2d={h2d.pop()} runs on host units only; this plan has {self.disk} disk "
+                             "units (use --disk none, or no h2d codec)")
+        if h2d != {"none"} and self.lossy is not None:
+            raise ValueError(f"codec: h2d={h2d.pop()} is lossless and cannot run with lossy KV (--lossy)")
 
     def with_(self, **kw) -> "Plan":
         return replace(self, **kw)

@@ -29,11 +29,15 @@ class Kind(str, enum.Enum):
     DISK_WRITE = "disk_write"
     COMPRESS = "compress"
     DECOMPRESS = "decompress"
+    GPU_COMPRESS = "gpu_compress"       # a GPU codec of the h2d link (before the d2h store)
+    GPU_DECOMPRESS = "gpu_decompress"   # ... and after each h2d fetch
 
 
 LANE_OF_KIND = {Kind.COMPUTE: Lane.GPU, Kind.H2D: Lane.H2D, Kind.D2H: Lane.D2H,
                 Kind.DISK_READ: Lane.DISK, Kind.DISK_WRITE: Lane.DISK,
-                Kind.COMPRESS: Lane.CPU, Kind.DECOMPRESS: Lane.CPU}
+                Kind.COMPRESS: Lane.CPU, Kind.DECOMPRESS: Lane.CPU,
+                Kind.GPU_COMPRESS: Lane.GPU, Kind.GPU_DECOMPRESS: Lane.GPU}
+CODEC_KINDS = (Kind.COMPRESS, Kind.DECOMPRESS, Kind.GPU_COMPRESS, Kind.GPU_DECOMPRESS)
 
 
 class Pool(str, enum.Enum):

@@ -8,8 +8,9 @@ lower bound is already no better than the best simulated one, until `SIM_BUDGET`
 simulated. Resident units: as many as the GPU holds, that count rounded down to whole head
 groups, or none (every count up to the most for models of at most `EVERY_RESIDENT_UNITS` units);
 disk units: the fewest the host budget allows. Knobs the user gives pin their dimension.
-Hooks: codecs per link and graph replay become dimensions of `Space` once `PhasePlan` has lossless
-codecs and `Plan` a replay switch (the estimate then needs their costs: codec rate, host issue)."""
+A lossless GPU codec on h2d is tried on the winner (`_h2d_codec`): simulated with each one the
+profile rates, it replaces the winner where the simulator predicts it better. Hook: graph replay
+becomes a dimension of `Space` once `Plan` has a replay switch (the estimate then needs host issue)."""
 from __future__ import annotations
 
 import math
@@ -137,7 +138,8 @@ class _Search:
     dec: dict = field(default_factory=dict)
 
     def replays(self, plan: Plan) -> bool:
-        return self.replay if self.replay is not None else replays_decode(self.model, self.work) and not plan.disk
+        return self.replay if self.replay is not None else (replays_decode(self.model, self.work) and not plan.disk
+                                                            and plan.decode.codec("h2d") == "none")
 
     @property
     def unit_bytes(self) -> int:
@@ -240,11 +242,12 @@ def _key(plan: Plan) -> tuple:
 
 def search(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dict[str, int],
            pins: Pins = Pins(), objective: str = "total", *, sim_budget: int = SIM_BUDGET,
-           full: bool = False, replay: bool | None = None) -> PlannerResult:
+           full: bool = False, replay: bool | None = None, h2d_codecs: bool = True) -> PlannerResult:
     """The best plan the simulator finds for `objective`, with the two runners-up. Plans are
     simulated best estimate first until every other one is pruned by its lower bound or the
     stages simulated pass `sim_budget` (then the search is anytime, not exhaustive). `replay`:
-    decode steps as CUDA-graph replays; None: as `run --replay auto` would on a GPU."""
+    decode steps as CUDA-graph replays; None: as `run --replay auto` would on a GPU.
+    `h2d_codecs`: try the profile's lossless GPU codecs on h2d for the winner (`_h2d_codec`)."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective: {objective!r} is not one of {', '.join(OBJECTIVES)}")
     s = _Search(model, work, hw, budgets, replay=replay)
@@ -273,8 +276,39 @@ def search(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dict[
     order = sorted(done.values(), key=lambda c: (c.value, c.prediction.report.timing.total_s))
     best = order[0]
     rest = order[1:1 + RUNNERS_UP]
+    if h2d_codecs:
+        best = _h2d_codec(s, best, objective, full)
     return PlannerResult(best, tuple(rest), _reason(s, best, rest, objective), objective,
                          len(plans), len(done), pruned, unexplored)
+
+
+def _h2d_codec(s: _Search, best: Scored, objective: str, full: bool) -> Scored:
+    """The codec dimension, on the winner only: it is simulated again with each lossless codec
+    the profile rates for h2d (sim/codec_choice.candidates); one the simulator predicts better on
+    the objective, that still fits, replaces it. Plans with disk units, or nothing offloaded, keep
+    none (the GPU codec serves host units only)."""
+    from .codec_choice import candidates, with_codec
+    plan, m, budgets = best.plan, s.model, s.budgets
+    if plan.disk or plan.resident >= m.units or plan.decode.codec("h2d") != "none":
+        return best
+    chosen = best
+    for name in candidates("h2d", s.hw)[1:]:
+        coded = with_codec(plan, "h2d", name)
+        # The codec's GPU buffers (pipeline/memory.h2d_codec_bytes) may cost resident units.
+        extra = breakdown(m, s.work, coded).gpu - breakdown(m, s.work, plan).gpu
+        resident = max(0, plan.resident - math.ceil(extra / s.unit_bytes)) if plan.resident else 0
+        coded = s.place(coded, resident)
+        while coded is None and resident > 0:
+            resident = max(0, resident - m.layers)
+            coded = s.place(with_codec(plan, "h2d", name), resident)
+        if coded is None or coded.disk:
+            continue
+        pred = simulate(m, s.work, coded, s.hw, full=full, replay=s.replays(coded))
+        value = objective_value(pred, objective)
+        if value < chosen.value:
+            note = f"{SOURCE}; h2d codec {name}: {value:.4g} vs {best.value:.4g} without it ({objective})"
+            chosen = Scored(coded.with_(source=note), pred, value)
+    return chosen
 
 
 def _reason(s: _Search, best: Scored, rest, objective: str) -> str:

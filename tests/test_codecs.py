@@ -86,8 +86,12 @@ def test_registry_lines_and_implementations_agree(capsys):
     assert [ln.split()[0] for ln in lines] == list(REGISTRY)
     for ln, info in zip(lines, REGISTRY.values()):
         assert ("lossless" if info.lossless else "LOSSY") in ln and f"runs on {info.lane}" in ln
-        if info.name != "none":
+        if info.lane == "cpu":
             assert info.name in IMPLEMENTATIONS
+        if info.lane == "gpu":   # the GPU codec of h2d (executor/nvcomp_codec.py) refuses only what it cannot run
+            from kvpipe.executor.nvcomp_codec import check_available
+            with pytest.raises(ValueError, match="CUDA GPU"):
+                check_available(info.name, torch.device("cpu"))
     assert main(["plan", "--codec", "h2d=zstd-planes"]) == 2      # it serves the disk link only
 
 
