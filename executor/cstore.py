@@ -2,7 +2,7 @@
 fetch moves fewer bytes over PCIe and the GPU decodes them (executor/nvcomp_codec.py).
 
 Tokens of a host (layer, KV head) unit are cut into blocks of `block` tokens (pipeline.codecs.
-H2D_BLOCK_TOKENS, or the capacity if smaller). When a block fills (`encode`, gpu lane), its bytes
+H2D_BLOCK_TOKENS, or the prefill chunk if smaller). When a block fills (`encode`, gpu lane), its bytes
 are split into planes on the GPU and the high plane of every filled block of the layer is
 ANS-encoded in one nvCOMP batch; `store` (d2h) appends each encoded block to the unit's high-plane
 log in pinned host RAM (16-byte aligned; a block that does not shrink is stored raw and marked so)
@@ -39,7 +39,7 @@ class CompressedHomes:
         if any(lo.disk):
             raise ValueError(f"codec: h2d={codec} runs on host units only, not with disk units")
         B, H, D = lo.batch, lo.kv_heads, lo.head_dim
-        self.bt = min(H2D_BLOCK_TOKENS, lo.capacity)             # tokens per block
+        self.bt = min(H2D_BLOCK_TOKENS, lo.write_tokens, lo.capacity)   # tokens per block (<= the chunk)
         self.blk = self.bt * 2 * D                               # bytes of one block's plane
         if self.blk % ALIGN:
             raise ValueError(f"codec: a block plane of {self.blk} bytes is not a multiple of {ALIGN}")

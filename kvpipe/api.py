@@ -258,7 +258,12 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
                              "--lossy int8|int4 runs")
     if sparse is not None:
         raise ValueError("sparse: kvpipe run does not execute sparse decode yet (plan-only); --lossy int8|int4 runs")
-    from kvpipe.executor.nvcomp_codec import available   # the planner tries an h2d codec only where it runs
+    from kvpipe.executor.nvcomp_codec import available, check_available
+    from kvpipe.pipeline.codecs import parse_codec
+    for link, name in (parse_codec(c) for c in ([codec] if isinstance(codec, str) else codec or ())):
+        if link == "h2d" and name not in ("none", "auto"):
+            check_available(name, dev)   # refused before the prediction (its profile may not rate it)
+    # the planner tries an h2d codec only where it runs
     first, found = _choose(spec, work, profile, budgets, method, group, chunk, resident, plan, objective,
                            disk=disk, codec=codec, h2d_codecs=lossy is None and available(dev))
     chosen = first.plan
@@ -268,8 +273,7 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
     if chosen.lossy is not None and any(p.codec("disk") != "none" for p in (chosen.prefill, chosen.decode)):
         raise ValueError("codec: a disk codec cannot run with --lossy (quantised records go to disk as they are)")
     h2d = chosen.decode.codec("h2d")
-    if h2d != "none":   # a GPU codec on h2d: nvCOMP on a CUDA GPU (executor/nvcomp_codec.py)
-        from kvpipe.executor.nvcomp_codec import check_available
+    if h2d != "none":   # a GPU codec on h2d (a plan file's): nvCOMP on a CUDA GPU (executor/nvcomp_codec.py)
         check_available(h2d, dev)
     if (chosen.disk or chosen.lossy or h2d != "none") and issue != "eager":   # no CUDA graph for these
         if replay != "auto":

@@ -125,8 +125,7 @@ class _Builder:
                            heads=off, bytes=nbytes * len(off), mem_bytes=2 * nbytes * len(off), ops=4,
                            codec=self.h2d)   # planes split: raw bytes read and written
         store = self.add(Kind.D2H, "kv_store", phase, idx, layer, None, (start, start + n), [qkv] + staged,
-                         heads=off, bytes=nbytes * len(off), ops=self.w.batch * len(off) * (1 + (self.h2d != "none")),
-                         codec=self.h2d)
+                         heads=off, bytes=nbytes * len(off), ops=self.w.batch * len(off), codec=self.h2d)
         for h in off:
             self.last_write[(layer, h)] = store
         if disk:

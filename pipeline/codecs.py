@@ -4,14 +4,15 @@ codecs, one file each) and `executor/nvcomp_codec.py` (the GPU codec of the h2d 
 ratios live in the hardware profile (`[codec.<name>]`).
 
 A GPU codec on h2d stores each offloaded host unit compressed: its tokens in blocks of
-`H2D_BLOCK_TOKENS` (a block is encoded once, when it fills; the tokens of a block not yet full
-stay exact in a small GPU tail), so a fetch moves stored bytes = raw / ratio."""
+`H2D_BLOCK_TOKENS` or the prefill chunk, the smaller (a block is encoded once, when it fills;
+the tokens of a block not yet full stay exact in a small GPU tail), so a fetch moves stored
+bytes = raw / ratio."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 LINKS = ("h2d", "d2h", "disk")
-H2D_BLOCK_TOKENS = 4096   # tokens per encoded block of a GPU h2d codec (executor/cstore.py)
+H2D_BLOCK_TOKENS = 4096   # tokens per encoded block of a GPU h2d codec, at most (the prefill chunk if smaller)
 
 
 @dataclass(frozen=True)

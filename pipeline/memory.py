@@ -126,5 +126,5 @@ def h2d_codec_bytes(m: ModelSpec, work: Workload, plan: Plan, host_units: int) -
     the exact tail of every host unit (a block not yet full)."""
     from .codecs import H2D_BLOCK_TOKENS
     group = max(plan.prefill.group, plan.decode.group)
-    tail = min(H2D_BLOCK_TOKENS, work.kv_capacity)
+    tail = min(H2D_BLOCK_TOKENS, plan.prefill.chunk, work.context, work.kv_capacity)   # cstore's block
     return slot_bytes(m, work, group) + host_units * work.batch * tail * m.kv_unit_bytes_per_token
