@@ -19,13 +19,10 @@ says the stage and size it died in). Every round trip is checked bit for bit.
 Beside each GPU codec: the simulator's decode s/token at 128K with everything streamed (raw
 h2d) and a lane-floor estimate with the codec on h2d — per step max(h2d busy / ratio, gpu busy +
 raw bytes / GPU decode rate, other lanes), from the simulator's per-lane busy seconds. It is an
-estimate, not a simulation: the stage graph has no h2d codec stages (the registry has no codec
-serving h2d), so the planner cannot pick one; `planner_h2d` shows its candidates and choice.
-For the planner to choose a GPU codec on h2d it needs: a lossless REGISTRY entry (pipeline/codecs.py)
-with lane "gpu" and links ("h2d",); a `[codec.<name>]` table in the profile with this benchmark's
-measured rates and ratio (sim/codec_choice.candidates filters on both); and in the stage graph a
-decompress stage on the GPU lane after each h2d transfer (and a compress stage before the d2h that
-stores the K/V), costed at the GPU decode rate on the GPU lane, not the CPU pool.
+estimate, not a simulation, of the codec in isolation; `planner_h2d` shows the planner's h2d
+candidates on the `h200` profile (the measured `[codec.nvcomp-ans-planes]` rates live in
+`h200-testbox`). The codec in the stage graph and in a run (gpu_compress / gpu_decompress on the
+gpu lane, executor/cstore.py) is measured by benchmarks/codec_run.py.
 JSON to benchmarks/results/codec-link.json (or --out); a short table is printed last."""
 from __future__ import annotations
 
