@@ -30,10 +30,13 @@ class CompressedHomes:
     block table; shared GPU buffers for the decoded high and the set-aside low planes of one
     group. Allocated at construction (the store's `open`), freed with the store."""
 
-    def __init__(self, store, codec: str = "nvcomp-ans-planes") -> None:
+    def __init__(self, store, codec: str = "nvcomp-ans-planes", coder=None) -> None:
+        """`coder`: the block codec (AnsBlocks' encode/decode/capacity); None: nvCOMP ANS, made on
+        the gpu lane's stream at first use (tests of the layout pass another lossless coder)."""
         self.s = store
         lo = store.layout
-        check_available(codec, store.device)
+        if coder is None:
+            check_available(codec, store.device)
         if store.dtype.itemsize != 2:
             raise ValueError(f"codec: h2d={codec} needs bf16 or fp16 KV, got {store.dtype}")
         if any(lo.disk):
@@ -55,7 +58,7 @@ class CompressedHomes:
         G = lo.slot_heads
         self.dec_high = torch.empty(B, G, self.blocks * self.blk, dtype=torch.uint8, **gpu)
         self.low_aside = torch.empty(B, G, self.blocks * self.blk, dtype=torch.uint8, **gpu)
-        self.ans: AnsBlocks | None = None                        # made on the gpu lane's stream, on first use
+        self.ans = coder                                         # nvCOMP: made on the gpu lane's stream, on first use
         self.pending: dict[int, tuple] = {}                      # layer -> the encoded blocks `store` sends
         self.raw_blocks = self.coded_blocks = self.stored_bytes = self.raw_bytes = 0
 
@@ -75,18 +78,18 @@ class CompressedHomes:
     def stats(self) -> dict:
         return {"ratio": self.ratio(), "raw_bytes": self.raw_bytes, "stored_bytes": self.stored_bytes,
                 "blocks_coded": self.coded_blocks, "blocks_raw": self.raw_blocks, "block_tokens": self.bt,
-                "decode_config": self.ans.config_mode if self.ans is not None else None,
+                "decode_config": getattr(self.ans, "config_mode", None),
                 "gpu_bytes": self.gpu_bytes}
 
     def _codec(self) -> AnsBlocks:
-        stream = torch.cuda.current_stream(self.s.device)
         if self.ans is None:
-            self.ans = AnsBlocks(self.s.device, stream, self.blk)
-        assert self.ans.stream == stream, "the codec runs on the gpu lane's stream only"
+            self.ans = AnsBlocks(self.s.device, torch.cuda.current_stream(self.s.device), self.blk)
+        if isinstance(self.ans, AnsBlocks):
+            assert self.ans.stream == torch.cuda.current_stream(self.s.device), "nvCOMP runs on the gpu lane only"
         return self.ans
 
     def close(self) -> None:
-        if self.ans is not None:
+        if isinstance(self.ans, AnsBlocks):
             self.ans.close()
 
     # ---- store side ------------------------------------------------------------------------

@@ -72,10 +72,13 @@ class AnsBlocks:
             raise ValueError(f"block: must be a positive multiple of {ALIGN} bytes, got {block}")
         self.nv, self.stream, self.block, self.device = nvcomp, stream, block, device
         self.codec = nvcomp.Codec(algorithm="ANS", device_id=device.index, cuda_stream=stream.cuda_stream)
+        need = max(self.codec.get_required_compression_alignment(), self.codec.get_required_decompression_alignment())
+        if need > ALIGN:
+            raise RuntimeError(f"nvCOMP ANS needs {need}-byte aligned buffers; the compressed logs align to {ALIGN}")
         # Encoded capacity per block: ANS never grows a block by more than its headers and chunk
         # table (64 KiB chunks); a block that does not shrink is stored raw by the caller.
         self.capacity = align(block + block // 2 + 65536)
-        self.configs: dict[int, object] = {}     # batch size -> DecompressConfig (no stream sync)
+        self.configs: dict[int, tuple] = {}      # batch size -> (CompressConfig, DecompressConfig or None)
         self.config_mode = "from compression config"   # or "parsed headers" if that overload is missing
         self._held: deque = deque()
 
@@ -90,6 +93,19 @@ class AnsBlocks:
     def _carve(self, buf: torch.Tensor, offsets: list[int], sizes: list[int]):
         return self.nv.as_arrays(buf, offsets, sizes, cuda_stream=self.stream.cuda_stream)
 
+    def _configs(self, n: int) -> tuple:
+        """(CompressConfig, DecompressConfig) of a batch of `n` blocks, built once per size: the
+        decompression config comes from the compression config, so decode never syncs the stream
+        to parse headers ("fully sync-free" in nvCOMP's words); None if this nvCOMP cannot."""
+        if n not in self.configs:
+            cc = self.codec.compression_config(uncompressed_sizes=[self.block] * n)
+            try:
+                dc = self.codec.decompression_config(cc)
+            except Exception:   # no such overload: decode parses the headers (a stream sync)
+                dc, self.config_mode = None, "parsed headers"
+            self.configs[n] = (cc, dc)
+        return self.configs[n]
+
     def encode(self, src: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """src [N, block] uint8 (contiguous, on the GPU) -> (out [N, capacity] uint8, the encoded
         size of each row). Reading the sizes back waits for the encode on the stream."""
@@ -99,22 +115,10 @@ class AnsBlocks:
         out = torch.empty(n, self.capacity, dtype=torch.uint8, device=src.device)
         srcs = self._carve(src.view(-1), [i * blk for i in range(n)], [blk] * n)
         outs = self._carve(out.view(-1), [i * self.capacity for i in range(n)], [self.capacity] * n)
-        enc = self.codec.encode(srcs, out=outs)
+        enc = self.codec.encode(srcs, out=outs, compression_config=self._configs(n)[0])
         sizes = [int(x) for x in enc.buffer_sizes]
         self._hold(srcs, outs, enc)
         return out, sizes
-
-    def _config(self, n: int):
-        if self.config_mode != "from compression config":
-            return None
-        if n not in self.configs:
-            try:
-                cc = self.codec.compression_config(uncompressed_sizes=[self.block] * n)
-                self.configs[n] = self.codec.decompression_config(cc)
-            except Exception:   # this nvCOMP has no such overload: decode parses the headers (a stream sync)
-                self.config_mode = "parsed headers"
-                return None
-        return self.configs[n]
 
     def decode(self, src: torch.Tensor, offsets: list[int], sizes: list[int], out: torch.Tensor,
                out_offsets: list[int]) -> None:
@@ -125,7 +129,7 @@ class AnsBlocks:
             return
         srcs = self._carve(src, offsets, sizes)
         outs = self._carve(out, out_offsets, [self.block] * n)
-        conf = self._config(n)
+        conf = self._configs(n)[1]
         res = (self.codec.decode(srcs, out=outs) if conf is None else
                self.codec.decode(srcs, out=outs, decompression_config=conf))
         self._hold(srcs, outs, res)

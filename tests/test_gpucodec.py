@@ -66,6 +66,69 @@ def test_interleave_writes_in_place_into_a_strided_slot_view():
         split_planes(torch.zeros(3))                                     # fp32 has no 2-byte planes
 
 
+class ZlibBlocks:
+    """A real lossless CPU block codec (zlib level 1) with AnsBlocks' interface, standing in for
+    nvCOMP (which needs CUDA) so the compressed store's layout is tested on CPU."""
+
+    def __init__(self, block):
+        self.block, self.capacity = block, 2 * block + 64
+
+    def encode(self, src):
+        import zlib
+        out, sizes = torch.zeros(src.shape[0], self.capacity, dtype=torch.uint8), []
+        for i, row in enumerate(src):
+            z = zlib.compress(row.numpy().tobytes(), 1)
+            out[i, :len(z)] = torch.frombuffer(bytearray(z), dtype=torch.uint8)
+            sizes.append(len(z))
+        return out, sizes
+
+    def decode(self, src, offsets, sizes, out, out_offsets):
+        import zlib
+        for at, n, to in zip(offsets, sizes, out_offsets):
+            raw = zlib.decompress(src[at:at + n].numpy().tobytes())
+            assert len(raw) == self.block
+            out[to:to + self.block] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("chunk,resident", [(16, (1, 0)), (10, (0, 2))])
+def test_the_compressed_store_gives_back_every_prefix_exactly(chunk, resident):
+    """Catches, in executor/cstore.py's layout: a block at a wrong offset of its unit's log, a low
+    plane out of step with its high plane, a raw (incompressible) block decoded as coded, a tail
+    token lost or taken twice, a fetch into the wrong slot row. The prefix each fetch + decode puts
+    in the slot must equal the K/V written, bit for bit (NaN payloads, -0, random bit patterns)."""
+    from kvpipe.executor.cstore import CompressedHomes
+    from kvpipe.executor.kvstore import KVLayout, KVStore
+    B, H, D, cap = 2, 4, 8, 120
+    lo = KVLayout(B, H, D, cap, resident, slots=2, slot_heads=2, write_tokens=chunk)
+    gen = torch.Generator().manual_seed(chunk)
+    with KVStore(lo, "cpu", torch.bfloat16) as store:
+        homes = CompressedHomes(store, coder=ZlibBlocks(min(chunk, cap) * 2 * D))
+        written = [torch.empty(B, H, 0, 2, D, dtype=torch.bfloat16) for _ in resident]
+        start, fetches = 0, 0
+        steps = [chunk] * 5 + [1] * 30
+        for i, T in enumerate(steps):
+            for layer, n in enumerate(resident):
+                kv = torch.randn(B, H, T, 2, D, generator=gen).to(torch.bfloat16)
+                if i % 3 == 1:   # random bit patterns: their high plane does not compress (stored raw)
+                    kv = torch.randint(-2**15, 2**15, kv.shape, generator=gen, dtype=torch.int16).view(torch.bfloat16)
+                kv.view(torch.int16)[0, -1, 0, 0, :3] = torch.tensor([0x7FC1, -0x8000, 0x0001], dtype=torch.int16)
+                written[layer] = torch.cat([written[layer], kv], 2)
+                homes.store(layer, tuple(range(n, H)), homes.encode(layer, kv, start))
+            start += T
+            for layer, n in enumerate(resident):
+                for base in range(n - n % 2, H, 2):      # groups of 2; a mixed group fetches its host heads
+                    heads = tuple(h for h in range(base, base + 2) if h >= n)
+                    slot = fetches % 2
+                    fetches += 1
+                    homes.fetch(layer, heads, base, slot, start)
+                    homes.decode(layer, heads, base, slot, start)
+                    got = store.slots[slot][:, heads[0] - base:heads[-1] - base + 1, :start]
+                    want = written[layer][:, heads[0]:heads[-1] + 1, :start]
+                    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (i, layer, heads)
+        assert homes.coded_blocks and homes.raw_blocks    # both paths ran
+        assert homes.stats()["ratio"] > 1.0
+
+
 # ---- graph, cost, memory, simulator (CPU) --------------------------------------------------------
 def test_codec_stages_sit_on_the_gpu_lane_around_the_copies():
     """Catches a decompress that the attention does not wait for, a compress after the store, a
