@@ -48,11 +48,6 @@ def interleave(high: torch.Tensor, low: torch.Tensor, out: torch.Tensor) -> torc
     return out
 
 
-def available(device: torch.device) -> bool:
-    """Whether a GPU codec on h2d can run here: a CUDA device and nvCOMP's Python package."""
-    return device.type == "cuda" and installed(REGISTRY["nvcomp-ans-planes"])
-
-
 def check_available(name: str, device: torch.device) -> None:
     """ValueError naming the field unless codec `name` can run on `device`."""
     if name != "nvcomp-ans-planes":

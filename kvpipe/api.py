@@ -258,14 +258,15 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
                              "--lossy int8|int4 runs")
     if sparse is not None:
         raise ValueError("sparse: kvpipe run does not execute sparse decode yet (plan-only); --lossy int8|int4 runs")
-    from kvpipe.executor.nvcomp_codec import available, check_available
+    from kvpipe.executor.nvcomp_codec import check_available
     from kvpipe.pipeline.codecs import parse_codec
     for link, name in (parse_codec(c) for c in ([codec] if isinstance(codec, str) else codec or ())):
         if link == "h2d" and name not in ("none", "auto"):
             check_available(name, dev)   # refused before the prediction (its profile may not rate it)
-    # the planner tries an h2d codec only where it runs
+    # The planner of `run` does not try an h2d codec by itself yet (`plan` does): the executor's
+    # codec path has not run on a GPU; --codec h2d=nvcomp-ans-planes (or h2d=auto) asks for it.
     first, found = _choose(spec, work, profile, budgets, method, group, chunk, resident, plan, objective,
-                           disk=disk, codec=codec, h2d_codecs=lossy is None and available(dev))
+                           disk=disk, codec=codec, h2d_codecs=False)
     chosen = first.plan
     if lossy is not None:   # LOSSY, explicit opt-in only, over the exact plan
         from kvpipe.pipeline.lossy import LossySpec
