@@ -78,7 +78,7 @@ class CompressedHomes:
     def stats(self) -> dict:
         return {"ratio": self.ratio(), "raw_bytes": self.raw_bytes, "stored_bytes": self.stored_bytes,
                 "blocks_coded": self.coded_blocks, "blocks_raw": self.raw_blocks, "block_tokens": self.bt,
-                "decode_config": getattr(self.ans, "config_mode", None),
+                "decode_configs": len(getattr(self.ans, "dconfigs", ())),   # header parses (stream syncs)
                 "gpu_bytes": self.gpu_bytes}
 
     def _codec(self) -> AnsBlocks:

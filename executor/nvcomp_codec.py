@@ -8,7 +8,9 @@ nvCOMP's batch API on ONE non-default torch stream, handed to the Codec and to e
 `as_arrays`, as benchmarks/nvcomp_isolated.py does: a batch of equal-size blocks is carved out of
 one contiguous torch buffer by an offset table (encode: into a torch-owned output, decode: into a
 torch-owned output via `out=`), and every nvCOMP wrapper is held until an event recorded after
-the call has passed (`_held`), so no wrapper dies while a queued kernel reads its memory."""
+the call has passed (`_held`), so no wrapper dies while a queued kernel reads its memory. Encode
+reads the compressed sizes back (a sync, once per filled block batch); decode reuses one
+header-parsed config per batch size, so it syncs once per size, not per call."""
 from __future__ import annotations
 
 import sys
@@ -73,8 +75,8 @@ class AnsBlocks:
         # Encoded capacity per block: ANS never grows a block by more than its headers and chunk
         # table (64 KiB chunks); a block that does not shrink is stored raw by the caller.
         self.capacity = align(block + block // 2 + 65536)
-        self.configs: dict[int, tuple] = {}      # batch size -> (CompressConfig, DecompressConfig or None)
-        self.config_mode = "from compression config"   # or "parsed headers" if that overload is missing
+        self.cconfigs: dict[int, object] = {}    # batch size -> CompressConfig
+        self.dconfigs: dict[int, object] = {}    # batch size -> DecompressConfig
         self._held: deque = deque()
 
     def _hold(self, *objs) -> None:
@@ -88,18 +90,19 @@ class AnsBlocks:
     def _carve(self, buf: torch.Tensor, offsets: list[int], sizes: list[int]):
         return self.nv.as_arrays(buf, offsets, sizes, cuda_stream=self.stream.cuda_stream)
 
-    def _configs(self, n: int) -> tuple:
-        """(CompressConfig, DecompressConfig) of a batch of `n` blocks, built once per size: the
-        decompression config comes from the compression config, so decode never syncs the stream
-        to parse headers ("fully sync-free" in nvCOMP's words); None if this nvCOMP cannot."""
-        if n not in self.configs:
-            cc = self.codec.compression_config(uncompressed_sizes=[self.block] * n)
-            try:
-                dc = self.codec.decompression_config(cc)
-            except Exception:   # no such overload: decode parses the headers (a stream sync)
-                dc, self.config_mode = None, "parsed headers"
-            self.configs[n] = (cc, dc)
-        return self.configs[n]
+    def _compress_config(self, n: int):
+        """The CompressConfig of a batch of `n` blocks (built from sizes: no stream sync)."""
+        if n not in self.cconfigs:
+            self.cconfigs[n] = self.codec.compression_config(uncompressed_sizes=[self.block] * n)
+        return self.cconfigs[n]
+
+    def _decompress_config(self, n: int, srcs):
+        """The DecompressConfig of a batch of `n` blocks: parsed from the headers of the first
+        such batch (one stream sync per batch size), then reused, as nvCOMP allows for buffers of
+        the same uncompressed per-element shape (every block here is `block` bytes)."""
+        if n not in self.dconfigs:
+            self.dconfigs[n] = self.codec.decompression_config(srcs)
+        return self.dconfigs[n]
 
     def encode(self, src: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """src [N, block] uint8 (contiguous, on the GPU) -> (out [N, capacity] uint8, the encoded
@@ -110,7 +113,7 @@ class AnsBlocks:
         out = torch.empty(n, self.capacity, dtype=torch.uint8, device=src.device)
         srcs = self._carve(src.view(-1), [i * blk for i in range(n)], [blk] * n)
         outs = self._carve(out.view(-1), [i * self.capacity for i in range(n)], [self.capacity] * n)
-        enc = self.codec.encode(srcs, out=outs, compression_config=self._configs(n)[0])
+        enc = self.codec.encode(srcs, out=outs, compression_config=self._compress_config(n))
         sizes = [int(x) for x in enc.buffer_sizes]
         self._hold(srcs, outs, enc)
         return out, sizes
@@ -124,9 +127,7 @@ class AnsBlocks:
             return
         srcs = self._carve(src, offsets, sizes)
         outs = self._carve(out, out_offsets, [self.block] * n)
-        conf = self._configs(n)[1]
-        res = (self.codec.decode(srcs, out=outs) if conf is None else
-               self.codec.decode(srcs, out=outs, decompression_config=conf))
+        res = self.codec.decode(srcs, out=outs, decompression_config=self._decompress_config(n, srcs))
         self._hold(srcs, outs, res)
 
     def close(self) -> None:
