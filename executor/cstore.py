@@ -59,7 +59,6 @@ class CompressedHomes:
         self.dec_high = torch.empty(B, G, self.blocks * self.blk, dtype=torch.uint8, **gpu)
         self.low_aside = torch.empty(B, G, self.blocks * self.blk, dtype=torch.uint8, **gpu)
         self.ans = coder                                         # nvCOMP: made on the gpu lane's stream, on first use
-        self.pending: dict[int, tuple] = {}                      # layer -> the encoded blocks `store` sends
         self.raw_blocks = self.coded_blocks = self.stored_bytes = self.raw_bytes = 0
 
     @property
@@ -96,7 +95,7 @@ class CompressedHomes:
     def encode(self, layer: int, kv: torch.Tensor, start: int) -> tuple | None:
         """GPU lane: the step's new K/V kv [B, H, T, 2, D] of the layer's host heads join their
         tail; the blocks that fill are split and their high planes encoded. Returns what `store`
-        sends (held in `pending` too), or None when no block filled."""
+        sends, or None when no block filled."""
         lo, bt = self.s.layout, self.bt
         n, T = lo.resident[layer], kv.shape[2]
         had = start % bt
@@ -105,14 +104,11 @@ class CompressedHomes:
         left = seq.shape[2] - nb * bt
         self.tail[layer][:, :, :left].copy_(seq[:, :, nb * bt:])
         if nb == 0:
-            self.pending[layer] = None
             return None
         B, k = seq.shape[:2]
         high, low = split_planes(seq[:, :, :nb * bt].reshape(B, k, nb, bt * 2 * lo.head_dim))  # [B, k, nb, blk]
         coded, sizes = self._codec().encode(high.view(-1, self.blk))
-        rec = (start // bt, nb, high, low, coded, sizes)
-        self.pending[layer] = rec
-        return rec
+        return start // bt, nb, high, low, coded, sizes
 
     def store(self, layer: int, heads: tuple[int, ...], rec: tuple | None) -> int:
         """D2H lane: each filled block of `heads` appended to its unit's high-plane log (encoded,
