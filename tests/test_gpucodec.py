@@ -291,7 +291,7 @@ def test_ans_blocks_round_trip_on_the_gpu():
     with torch.cuda.stream(stream):
         blk = 4096
         x = torch.randn(3, blk, device=dev).to(torch.bfloat16)
-        x.view(torch.int16)[0, :10] = torch.tensor(SPECIAL16[torch.bfloat16], dtype=torch.int16, device=dev)
+        x.view(torch.int16)[0, :10] = torch.tensor(SPECIAL16[torch.bfloat16], dtype=torch.int32, device=dev).to(torch.int16)
         high, _ = split_planes(x)
         src = torch.cat([high, torch.randint(0, 256, (2, blk), dtype=torch.uint8, device=dev)])
         ans = AnsBlocks(dev, stream, blk)
