@@ -1,9 +1,10 @@
 """Lossy options, opt-in and labelled: group-wise int8/int4 quantisation of offloaded KV and sparse
 decode (each step fetches a fraction of the offloaded tokens, chosen by chunk key summaries).
 This module holds the spec and the byte-size formulas the builder and the simulator use; the
-tensor code is in executor/quant.py and executor/sparse.py; `kvpipe run` executes quantisation
-(executor/qstore.py: whole `group`-token blocks are stored quantised, the block still filling stays
-exact on the GPU) but not yet sparse decode. Torch-free."""
+tensor code is in executor/quant.py, executor/sparse.py and executor/sparse_sketch.py; `kvpipe run`
+executes quantisation (executor/qstore.py: whole `group`-token blocks are stored quantised, the
+block still filling stays exact on the GPU) and sparse decode by the token sketch
+(executor/sparse_homes.py), not both at once. Torch-free."""
 from __future__ import annotations
 
 import math
@@ -20,6 +21,7 @@ FINE_CODE_BYTES = 1   # a fine summary's min/max: a uint8 code within its coarse
 # that the 64-token summaries ranked low (benchmarks/lossy_error.py: at 20%, hot 2 hit 84% and hot 4
 # 98.4% of the needles; 5, i.e. every chunk at 20%, hit all), see the JSON of 2026-11-30.
 HOT_FACTOR = 5
+SKETCH_BITS = (2, 4, 8)   # bits per key channel of the GPU token sketch (executor/sparse_sketch.py)
 
 
 @dataclass(frozen=True)
@@ -29,8 +31,12 @@ class LossySpec:
     (0, 1], chosen by key summaries (per-channel min/max) of `chunk`-token chunks, `sink` first
     tokens and the `recent` last tokens always included; with `leaf`, the chunks holding the best
     HOT_FACTOR x budget are refined into `leaf`-token chunks each step (executor/sparse.py select_refined),
-    whose summaries live in host RAM beside the KV and cross the link with it. `error` is a measured error to report
-    (e.g. {"attn_rel_err": ...}), or None where nothing was measured."""
+    whose summaries live in host RAM beside the KV and cross the link with it. `sketch` (default 2;
+    it supersedes `leaf`): bits per key channel of a token-level key sketch kept on the GPU beside
+    the chunk summaries (executor/sparse_sketch.py); each step scores every token from it and
+    fetches the best tokens, so nothing of the selection crosses the link. None: the chunk
+    selection above. `error` is a measured error to report (e.g. {"attn_rel_err": ...}), or None
+    where nothing was measured."""
 
     quant: str | None = None
     group: int | None = None
@@ -39,6 +45,7 @@ class LossySpec:
     sink: int = 64
     recent: int = 256
     leaf: int | None = 8
+    sketch: int | None = 2
     error: tuple[tuple[str, float], ...] | None = None
 
     def __post_init__(self) -> None:
@@ -54,6 +61,8 @@ class LossySpec:
                 raise ValueError(f"{f}: must be a positive even integer, got {v!r}")
         if self.leaf is not None and (not isinstance(self.leaf, int) or self.leaf <= 0 or self.chunk % self.leaf):
             raise ValueError(f"leaf: must divide chunk {self.chunk}, got {self.leaf!r}")
+        if self.sketch is not None and self.sketch not in SKETCH_BITS:
+            raise ValueError(f"sketch: bits must be one of {SKETCH_BITS} or None, got {self.sketch!r}")
         for f in ("sink", "recent"):
             v = getattr(self, f)
             if not isinstance(v, int) or v < 0:
@@ -65,7 +74,7 @@ class LossySpec:
     def fine(self) -> int | None:
         """Tokens of a refined chunk: `leaf`, but never below a quantisation group (a fetch moves
         whole groups of tokens, so finer selection would not move fewer bytes)."""
-        if self.leaf is None:
+        if self.leaf is None or self.sketch is not None:
             return None
         return max(self.leaf, self.group) if self.quant else self.leaf
 
@@ -99,10 +108,21 @@ class LossySpec:
         """Per-channel key min and max of every `chunk`-token chunk of one unit (kept on the GPU)."""
         return 0 if self.sparse is None else math.ceil(prefix / self.chunk) * 2 * head_dim * dtype_bytes
 
+    def sketch_bytes(self, prefix: int, head_dim: int, dtype_bytes: int) -> int:
+        """The token sketch of one unit's `prefix` tokens (`sketch` bits a channel) plus the K of its
+        unsealed tail chunk, exact (kept on the GPU); 0 without the sketch."""
+        if self.sparse is None or self.sketch is None:
+            return 0
+        return math.ceil(prefix * head_dim * self.sketch / 8) + self.chunk * head_dim * dtype_bytes
+
+    def gpu_summary_bytes(self, prefix: int, head_dim: int, dtype_bytes: int) -> int:
+        """Everything the selection keeps on the GPU for one unit: chunk summaries and the sketch."""
+        return self.coarse_summary_bytes(prefix, head_dim, dtype_bytes) + self.sketch_bytes(prefix, head_dim, dtype_bytes)
+
     def fine_summary_bytes(self, prefix: int, head_dim: int, dtype_bytes: int) -> int:
         """The same per `leaf`-token chunk, as one-byte codes within the coarse chunk's range
         (executor/sparse.py pack_fine; kept in host RAM beside the KV)."""
-        if self.sparse is None or self.leaf is None:
+        if self.sparse is None or self.fine is None:
             return 0
         return math.ceil(prefix / self.fine) * 2 * head_dim * FINE_CODE_BYTES
 
@@ -110,7 +130,7 @@ class LossySpec:
         """Bytes one decode step moves for one unit with a `prefix`-token cache: the selected tokens
         (quantised or not) plus the fine summaries of the hot chunks (HOT_FACTOR x the budget)."""
         tokens = self.fetched_tokens(prefix)
-        fine = 0 if self.sparse is None or self.leaf is None else \
+        fine = 0 if self.sparse is None or self.fine is None else \
             self.fine_summary_bytes(min(prefix, HOT_FACTOR * tokens), head_dim, dtype_bytes)
         return self.unit_bytes(tokens, head_dim, dtype_bytes) + fine
 
@@ -119,7 +139,14 @@ class LossySpec:
         coarse summary, plus the fine summaries of the hot chunks (3 FLOPs per channel and bound:
         two products and a max, then the sum)."""
         summaries = math.ceil(prefix / self.chunk)
-        if self.leaf is not None:
+        if self.sparse is not None and self.sketch is not None:
+            # every token from its sketch (executor/sparse_sketch.py): the cells unpacked to float32
+            # (written, read: 8 bytes a value), the float32 scores and their log-softmax, share
+            # and sort (~16 bytes per token and head)
+            return {"flops": 3 * 2 * head_dim * q_heads * summaries + 2 * head_dim * q_heads * prefix,
+                    "mem_bytes": self.gpu_summary_bytes(prefix, head_dim, dtype_bytes)
+                    + prefix * (8 * head_dim + 16 * q_heads)}
+        if self.fine is not None:
             summaries += math.ceil(min(prefix, HOT_FACTOR * self.fetched_tokens(prefix)) / self.fine)
         return {"flops": 3 * 2 * head_dim * q_heads * summaries,
                 "mem_bytes": summaries * 2 * head_dim * dtype_bytes}
@@ -130,7 +157,8 @@ class LossySpec:
             parts.append(f"{self.quant} KV (group {self.group})")
         if self.sparse is not None:
             parts.append(f"sparse decode {self.sparse:.0%} of tokens (chunks {self.chunk}"
-                         + (f" refined to {self.fine}" if self.leaf else "")
+                         + (f", {self.sketch}-bit token sketch" if self.sketch else "")
+                         + (f" refined to {self.fine}" if self.fine else "")
                          + f", sink {self.sink}, recent {self.recent})")
         return ", ".join(parts)
 
@@ -140,13 +168,14 @@ class LossySpec:
                 "sink": self.sink if self.sparse is not None else None,
                 "recent": self.recent if self.sparse is not None else None,
                 "leaf": self.leaf if self.sparse is not None else None,
+                "sketch": self.sketch if self.sparse is not None else None,
                 "measured_error": dict(self.error) if self.error else None}
 
     @classmethod
     def from_json(cls, obj: dict | None) -> "LossySpec | None":
         if obj is None:
             return None
-        keep = {k: obj[k] for k in ("quant", "group", "sparse", "chunk", "sink", "recent", "leaf")
-                if k in obj and (obj[k] is not None or k == "leaf")}
+        keep = {k: obj[k] for k in ("quant", "group", "sparse", "chunk", "sink", "recent", "leaf", "sketch")
+                if k in obj and (obj[k] is not None or k in ("leaf", "sketch"))}
         err = obj.get("measured_error")
         return cls(**keep, error=tuple(sorted(err.items())) if err else None)

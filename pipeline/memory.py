@@ -112,7 +112,7 @@ def breakdown(m: ModelSpec, work: Workload, plan: Plan) -> MemoryBreakdown:
         off = count[Tier.HOST] + count[Tier.DISK]
         home = work.batch * (plan.lossy.unit_bytes(cap, m.head_dim, m.dtype_bytes)
                              + plan.lossy.fine_summary_bytes(cap, m.head_dim, m.dtype_bytes))
-        gpu_kv += off * work.batch * plan.lossy.coarse_summary_bytes(cap, m.head_dim, m.dtype_bytes)
+        gpu_kv += off * work.batch * plan.lossy.gpu_summary_bytes(cap, m.head_dim, m.dtype_bytes)
     if slots and plan.decode.codec("h2d") != "none":   # GPU codec on h2d: executor/cstore.py's buffers
         slots += h2d_codec_bytes(m, work, plan, count[Tier.HOST])
     return MemoryBreakdown(weights=m.weight_bytes, gpu_kv=gpu_kv, gpu_buffers=slots,

@@ -47,9 +47,15 @@ def test_byte_formulas_by_hand():
     s = LossySpec(sparse=0.2)
     assert s.fetched_tokens(100_000) == 20_000 and s.fetched_tokens(1000) == 64 + 256
     assert s.fetched_tokens(100) == 100
-    # 20% of 128K tokens of one unit (4 * 128 bytes a token) + fine summaries of the hot 5 x 20% (HOT_FACTOR: all), 8-token
-    # chunks, min and max of 128 channels at one byte each
+    # default (2-bit token sketch on the GPU): 20% of 128K tokens of one unit (4 * 128 bytes a
+    # token) and nothing else crosses the link; the GPU holds the sketch (128 channels x 2 bits =
+    # 32 bytes a token), the 64-token chunks' min and max (2 * 128 * 2 bytes) and a tail chunk's K
     n = 131072
+    assert s.fetch_bytes(n, 128, 2) == math.ceil(0.2 * n) * 512
+    assert s.gpu_summary_bytes(n, 128, 2) == n * 32 + (n // 64) * 512 + 64 * 128 * 2
+    # sketch=None: + fine summaries of the hot 5 x 20% (HOT_FACTOR: all), 8-token chunks, min and
+    # max of 128 channels at one byte each
+    s = LossySpec(sparse=0.2, sketch=None)
     assert s.fetch_bytes(n, 128, 2) == math.ceil(0.2 * n) * 512 + math.ceil(n / 8) * 256
 
 
