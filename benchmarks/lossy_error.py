@@ -27,6 +27,7 @@ import torch
 
 from kvpipe.analysis.needles import NeedleSpec, cases, concentration, errors, exact
 from kvpipe.executor.quant import dequantize, quantize
+from kvpipe.executor import sparse_sketch
 from kvpipe.executor.sparse import (RANGE_ALPHA, chunk_scores, even_bounds, pack_fine, select, select_refined,
                                     summarise, unpack_fine)
 from kvpipe.pipeline.lossy import HOT_FACTOR, LossySpec
@@ -58,7 +59,7 @@ def chunk_oracle(fraction: float, chunk: int = 8):
     """Reference: `chunk`-token chunks ranked by their exact attention mass (group sum), with
     kvpipe's sink and recent window, under the same budget: the best any selection of such chunks
     (by any summary) can reach."""
-    spec = LossySpec(sparse=fraction, chunk=chunk, leaf=None)
+    spec = LossySpec(sparse=fraction, chunk=chunk, leaf=None, sketch=None)
 
     def method(case, ref_w):
         S = case.k.shape[0]
@@ -102,7 +103,7 @@ def sparse(fraction: float, chunk: int = 64, adaptive: bool = False, quant: str 
     summaries are uint8 codes within the coarse chunk's range (pack_fine) unless packed=False.
     Ranking: the range term shrunk by `alpha`, GQA by estimated attention share if `share`
     (alpha=1, share=False: the upper bound; otherwise a heuristic)."""
-    spec = LossySpec(quant, sparse=fraction, chunk=chunk)
+    spec = LossySpec(quant, sparse=fraction, chunk=chunk, sketch=None)
 
     def method(case, ref_w):
         S = case.k.shape[0]
@@ -132,6 +133,41 @@ def sparse(fraction: float, chunk: int = 64, adaptive: bool = False, quant: str 
     return method
 
 
+def sketched(fraction: float, bits: int = 2):
+    """kvpipe --sparse F (the default, executor/sparse_homes.py): every sealed token scored from its
+    `bits`-bit key sketch within its 64-token chunk's min/max (both GPU-resident), ranked by the
+    group's estimated attention share; sink 64 + recent 256 + the best tokens, F of the tokens in
+    all. The very functions the executor runs (executor/sparse_sketch.py, float32)."""
+    spec = LossySpec(sparse=fraction, sketch=bits)
+
+    def method(case, ref_w):
+        S = case.k.shape[0]
+        sealed = S // spec.chunk * spec.chunk
+        lo, hi = summarise(case.k[:sealed], even_bounds(sealed, spec.chunk))
+        codes = sparse_sketch.encode(case.k[:sealed], lo, hi, bits)
+        share = torch.stack([sparse_sketch.group_share(sparse_sketch.scores(q, lo, hi, codes, bits))
+                             for q in case.q])                                                # [T, sealed]
+        idx = sparse_sketch.select(share, S, spec.fetched_tokens(S), spec.sink, spec.recent)  # [T, N]
+        keep = torch.zeros(case.q.shape[0], S, dtype=torch.bool).scatter_(1, idx, True)
+        w, out = attend(case.q, case.k, case.v, keep)
+        return w, out, S
+    return method
+
+
+def moved_fraction(name: str, fraction: float, S: int, D: int = 128) -> float:
+    """Bytes a step moves over the link for selection, per byte of the unit's exact K/V (bf16):
+    the refined rows' fine summaries of the hot chunks; 0 for the sketch (GPU-resident) and for
+    chunk rows (their summaries are GPU-resident too); the references move nothing."""
+    if "refined" not in name and "ref." not in name:
+        return 0.0
+    spec = LossySpec("int4" if "int4" in name else None, sparse=fraction, sketch=None)
+    hot = 2 if "hot 2" in name else 4 if "hot 4" in name else HOT_FACTOR
+    fine = spec.fine_summary_bytes(min(S, hot * spec.fetched_tokens(S)), D, 2)
+    if "bf16 fine" in name:
+        fine *= 2
+    return fine / (S * 4 * D)
+
+
 def methods(fraction: float, first: bool = True) -> dict[str, tuple[str, object]]:
     """name -> (kind, method(case, exact weights) -> (weights, out[, summaries scored])). Sparse rows
     rank by the default heuristic (range term x 1/2, GQA by estimated attention share) unless they
@@ -143,12 +179,14 @@ def methods(fraction: float, first: bool = True) -> dict[str, tuple[str, object]
     if first:
         rows |= {"int8 (group 64)": ("kvpipe", quantised("int8")),
                  "int4 (group 32)": ("kvpipe", quantised("int4"))}
-    rows |= {f"sparse {pct}, chunks 64": ("kvpipe", sparse(fraction, alpha=1.0, share=False)),
+    rows |= {f"sparse {pct}, 2-bit token sketch": ("kvpipe", sketched(fraction)),
+             f"sparse {pct}, chunks 64": ("kvpipe", sparse(fraction, alpha=1.0, share=False)),
              f"sparse {pct}, refined 64->8": ("kvpipe", sparse(fraction, adaptive=True)),
              f"sparse {pct} refined (32) + int4": ("kvpipe", sparse(fraction, adaptive=True, quant="int4")),
              f"sparse {pct} ref., bound, hot 2": ("variant", sparse(fraction, adaptive=True, hot=2, alpha=1.0,
                                                                     share=False))}
     if first:
+        rows |= {f"sparse {pct}, 4-bit token sketch": ("variant", sketched(fraction, 4))}
         rows |= {f"sparse {pct} ref., hot 4": ("variant", sparse(fraction, adaptive=True, hot=4)),
                  f"sparse {pct} ref., best head": ("variant", sparse(fraction, adaptive=True, share=False)),
                  f"sparse {pct} ref., bf16 fine summ.": ("variant", sparse(fraction, adaptive=True, packed=False)),
@@ -186,9 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         print(f"--fraction: expected fractions in (0, 1], comma-separated, got {args.fraction!r}", file=sys.stderr)
         return 2
-    table = {}
+    table, frac_of = {}, {}
     for i, f in enumerate(fractions):
-        table |= methods(f, first=(i == 0))
+        new = methods(f, first=(i == 0))
+        table |= new
+        frac_of |= {name: f for name in new}
     errs = {name: [] for name in table}
     fetched = {name: [] for name in table}
     chunks = {name: [] for name in table}
@@ -206,8 +246,11 @@ def main(argv: list[str] | None = None) -> int:
             fetched[name].append(((w > 0).any(1).double().mean()).item())
     stats = {k: torch.cat(v) for k, v in shape.items()}
     rows = {name: dict(kind=table[name][0], **summarise_errors(errs[name], fetched[name]),
-                       summaries_per_step=(statistics.fmean(chunks[name]) if chunks[name][0] else None))
+                       summaries_per_step=(statistics.fmean(chunks[name]) if chunks[name][0] else None),
+                       selection_moved_fraction=moved_fraction(name, frac_of[name], spec.context))
             for name in table}
+    for r in rows.values():   # what crosses the link per step, per byte of the exact K/V
+        r["moved_fraction"] = r["tokens_fetched"] + r["selection_moved_fraction"]
     result = {
         "command": "python -m benchmarks.lossy_error " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -233,9 +276,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"exact attention: top 20% of tokens hold {s['exact_top20pct_mass']['mean']:.3f} of the mass "
           f"(min {s['exact_top20pct_mass']['min']:.3f}); needle mass median {s['exact_needle_mass']['median']:.3f} "
           f"(min {s['exact_needle_mass']['min']:.2g}); sink median {s['exact_sink_mass_median']:.3f}")
-    print(f"{'method':36}{'kind':>10}{'fetched':>9}{'recall':>8}{'rec p5':>8}{'rel err':>10}{'max':>10}{'needles':>9}")
+    print("moved: K/V bytes of the fetched tokens + selection bytes crossing the link per step, per exact byte")
+    print(f"{'method':36}{'kind':>10}{'fetched':>9}{'moved':>7}{'recall':>8}{'rec p5':>8}{'rel err':>10}{'max':>10}"
+          f"{'needles':>9}")
     for name, r in rows.items():
-        print(f"{name:36}{r['kind']:>10}{r['tokens_fetched']:>9.3f}{r['recall_mean']:>8.3f}{r['recall_p5']:>8.3f}"
+        print(f"{name:36}{r['kind']:>10}{r['tokens_fetched']:>9.3f}{r['moved_fraction']:>7.3f}{r['recall_mean']:>8.3f}"
+              f"{r['recall_p5']:>8.3f}"
               f"{r['rel_err_mean']:>10.2e}{r['rel_err_max']:>10.2e}{r['needle_hit_rate']:>9.1%}")
     print(f"json: {out}")
     return 0

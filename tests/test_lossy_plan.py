@@ -114,10 +114,16 @@ def test_memory_counts_quantised_homes_and_summaries():
     e, q = breakdown(M, w, _plan()), breakdown(M, w, _plan(LossySpec("int4", sparse=0.2)))
     cap, units = w.kv_capacity, M.units
     spec = LossySpec("int4", sparse=0.2)
-    # fine summaries: one per int4 group of 32 tokens (not 8: a fetch moves whole groups), 1-byte codes
-    assert q.host_kv == units * (spec.unit_bytes(cap, 128, 2) + math.ceil(cap / 32) * 2 * 128)
-    assert q.gpu_kv - e.gpu_kv == units * math.ceil(cap / 64) * 2 * 128 * 2
-    assert q.host_kv < 0.33 * e.host_kv          # 0.3125 int4 + 1/64 fine summaries
+    # default 2-bit sketch: host homes hold only the quantised KV; the GPU holds per unit the
+    # sketch (32 bytes a token), the 64-token chunks' min/max and a 64-token tail chunk's K
+    assert q.host_kv == units * spec.unit_bytes(cap, 128, 2)
+    assert q.gpu_kv - e.gpu_kv == units * (cap * 32 + math.ceil(cap / 64) * 2 * 128 * 2 + 64 * 128 * 2)
+    # sketch=None, fine summaries: one per int4 group of 32 tokens (not 8: a fetch moves whole
+    # groups), 1-byte codes, in host RAM
+    old = breakdown(M, w, _plan(LossySpec("int4", sparse=0.2, sketch=None)))
+    assert old.host_kv == units * (spec.unit_bytes(cap, 128, 2) + math.ceil(cap / 32) * 2 * 128)
+    assert old.gpu_kv - e.gpu_kv == units * math.ceil(cap / 64) * 2 * 128 * 2
+    assert old.host_kv < 0.33 * e.host_kv          # 0.3125 int4 + 1/64 fine summaries
 
 
 def test_simulated_decode_gets_faster_with_fewer_bytes_on_a_pcie_bound_plan():
