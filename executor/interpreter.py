@@ -44,11 +44,14 @@ class Interpreter:
                      "kv_read": self._disk_read, "kv_write": self._disk_write,
                      "kv_compress": self._compress, "kv_decompress": self._decompress,
                      "quant": self._quant, "dequant": self._dequant,
-                     "gpu_compress": self._gpu_compress, "gpu_decompress": self._gpu_decompress}
+                     "gpu_compress": self._gpu_compress, "gpu_decompress": self._gpu_decompress,
+                     "score": self._score}
         self.q = store.q                  # LOSSY: quantised homes of the offloaded units, else None
         self.lossy_error: dict[str, float] | None = None   # measured once (executor/lossy_probe.py)
         self._recs: dict[tuple, tuple] = {}   # (phase, step, layer) -> (records, first block)
         self.coded = store.coded          # host units stored compressed (executor/cstore.py), else None
+        self.sp = store.sparse            # LOSSY: sparse decode's selection state (executor/sparse_homes.py), else None
+        self._sel: dict[tuple, torch.Tensor] = {}   # (step, layer) -> selected tokens [B, n_off, N]
 
     def __call__(self, s: Stage) -> None:
         op = self._ops.get(s.tag)
@@ -76,6 +79,8 @@ class Interpreter:
         cur = self._step(s)
         q, kv = self.adapter.qkv(s.layer, cur.hidden, cur.rope)  # [B, Hq, T, D], [B, H, T, 2, D]
         self.store.write_resident(s.layer, kv, cur.start)
+        if self.sp is not None:           # LOSSY: the offloaded keys' summaries and sketch
+            self.sp.append(s.layer, kv, cur.start)
         B, Hq, T, D = q.shape
         cur.q, cur.out = q, q.new_empty(B, T, Hq, D)
         lo = self.store.layout
@@ -86,6 +91,10 @@ class Interpreter:
         heads, P = s.heads, s.tokens[0]
         h0, G, r = heads[0], len(heads), self.adapter.r
         new = self._kv[(s.phase, s.step, s.layer)][0][:, h0:h0 + G]   # [B, G, T, 2, D]
+        sel = self._sel.get((s.step, s.layer)) if s.phase is Phase.DECODE else None
+        if s.slot is not None and sel is not None and sel.shape[-1] < P:   # LOSSY: sparse decode
+            self._attn_sparse(s, cur, new, sel.shape[-1])
+            return
         if s.slot is not None:                  # offloaded heads were fetched into the slot
             self.store.fill_resident(s.layer, heads, s.slot, P)
             pre = self.store.slot_prefix(s.slot, G, P)                   # [B, G, P, 2, D]
@@ -97,8 +106,34 @@ class Interpreter:
         o = self.adapter.attend(s.layer, cur.q[:, qs], k_of(pre), v_of(pre), k_of(new), v_of(new))
         cur.out[:, :, qs] = o.transpose(1, 2)                            # [B, T, G*r, D]
 
+    def _attn_sparse(self, s: Stage, cur: _Step, new: torch.Tensor, N: int) -> None:
+        """LOSSY: the group's offloaded heads attend the N selected tokens the fetch put in the
+        slot (plus their own token); its resident heads, if any, their whole prefix, apart."""
+        heads, P, r = s.heads, s.tokens[0], self.adapter.r
+        n = self.store.layout.resident[s.layer]
+        h0, k = heads[0], max(0, min(len(heads), n - heads[0]))       # k resident heads lead the group
+        parts = [(h0, k, self.store.resident_prefix(s.layer, heads[:k], P) if k else None),
+                 (h0 + k, len(heads) - k, self.store.slot_prefix(s.slot, len(heads), N)[:, k:])]
+        for first, G, pre in parts:
+            if G == 0:
+                continue
+            qs = slice(first * r, (first + G) * r)
+            nw = new[:, first - h0:first - h0 + G]
+            o = self.adapter.attend(s.layer, cur.q[:, qs], k_of(pre), v_of(pre), k_of(nw), v_of(nw))
+            cur.out[:, :, qs] = o.transpose(1, 2)
+
+    def _score(self, s: Stage) -> None:
+        """LOSSY: select the tokens every offloaded unit of the layer fetches this step."""
+        cur = self._step(s)
+        n, r = self.store.layout.resident[s.layer], self.adapter.r
+        sel = self.sp.select(s.layer, cur.q[:, n * r:], s.tokens[1])
+        self.lanes.protect(sel, Lane.H2D)   # made on the compute stream, read by the gathers
+        self._sel[(s.step, s.layer)] = sel
+
     def _mlp(self, s: Stage) -> None:
         cur = self._step(s)
+        if s.phase is Phase.DECODE:
+            self._sel.pop((s.step, s.layer), None)
         cur.hidden = self.adapter.mlp(s.layer, cur.hidden, cur.out)
         cur.q = cur.out = None
         self._release((s.phase, s.step, s.layer))
@@ -117,6 +152,9 @@ class Interpreter:
     def _fetch(self, s: Stage) -> None:
         assert s.tokens[0] == 0 and s.slot is not None, (s.name, s.tokens, s.slot)
         base = s.group * self.group[s.phase]
+        if s.phase is Phase.DECODE and self.sp is not None:   # LOSSY: only the selected tokens
+            self.moved[s.id] = self.sp.gather(s.layer, s.heads, base, s.slot, self._sel[(s.step, s.layer)])
+            return
         fetch = self.q.fetch if self.q is not None else self.store.fetch
         if self.coded is not None:   # the compressed prefix and the low plane land in the slot row
             fetch = self.coded.fetch

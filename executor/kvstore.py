@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpipe.pipeline.lossy import LossySpec
 from kvpipe.pipeline.plan import Tier, placement
 from kvpipe.pipeline.stage import Graph
 
@@ -50,6 +51,7 @@ class KVLayout:
     quant_bits: int = 0        # LOSSY (--lossy): offloaded units stored quantised (executor/qstore.py)
     quant_group: int = 0
     h2d_codec: str = "none"    # lossless GPU codec of the h2d link: host units stored compressed (cstore.py)
+    sparse: LossySpec | None = None   # LOSSY (--sparse): the selection's GPU state (executor/sparse_homes.py)
 
     def __post_init__(self) -> None:
         for f in ("batch", "kv_heads", "head_dim", "capacity"):
@@ -83,7 +85,8 @@ class KVLayout:
         return cls(w.batch, m.kv_heads, m.head_dim, w.kv_capacity, resident,
                    max(p.depth for p in phases) if offloaded else 0, max(p.group for p in phases),
                    disk, min(plan.prefill.chunk, w.context), codecs.pop() if any(disk) else "none",
-                   quant, plan.lossy.group if quant else 0, h2d)
+                   quant, plan.lossy.group if quant else 0, h2d,
+                   plan.lossy if plan.lossy is not None and plan.lossy.sparse is not None and offloaded else None)
 
     @property
     def layers(self) -> int:
@@ -137,6 +140,7 @@ class KVStore:
         self.row_base: list[int] = []
         self.q = None   # LOSSY: the quantised homes (executor/qstore.py) when layout.quant_bits
         self.coded = None   # the compressed homes (executor/cstore.py) with an h2d codec
+        self.sparse = None   # LOSSY: the sparse selection's state (executor/sparse_homes.py) when layout.sparse
         self.arena = HostArena(self.cuda, torch_pinned=replay)
 
     # ---- lifetime ----------------------------------------------------------------------
@@ -158,6 +162,9 @@ class KVStore:
             if lo.h2d_codec != "none":
                 from .cstore import CompressedHomes
                 self.coded = CompressedHomes(self, lo.h2d_codec)
+            if lo.sparse is not None:
+                from .sparse_homes import SparseHomes
+                self.sparse = SparseHomes(self, lo.sparse)
         except BaseException:
             self.close()
             raise
@@ -206,7 +213,7 @@ class KVStore:
             if self.cuda:
                 self.arena.close()
         self.gpu, self.host, self.slots, self.wstage, self.rstage, self.cstage = [], [], [], [], None, None
-        self.q = self.coded = None
+        self.q = self.coded = self.sparse = None
 
     def __enter__(self) -> "KVStore":
         return self.open()
@@ -230,7 +237,7 @@ class KVStore:
     @property
     def gpu_bytes(self) -> int:
         bufs = [t for t in self.gpu if t is not None] + self.slots
-        return sum(t.numel() * t.element_size() for t in bufs)
+        return sum(t.numel() * t.element_size() for t in bufs) + (self.sparse.gpu_bytes if self.sparse else 0)
 
     def data_ptrs(self) -> tuple[int, ...]:
         """Addresses of every buffer (a test checks they never change during a run)."""

@@ -83,8 +83,6 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
     if adapter.device != device:
         raise ValueError(f"device: the model is on {adapter.device}, the run asks for {device}")
     w = graph.workload
-    if graph.plan.lossy is not None and graph.plan.lossy.sparse is not None:
-        raise ValueError("sparse: the executor does not run sparse decode yet (plan-only); int8/int4 run")
     n_decode = decode_steps(graph)
     adapter.check(graph.model, w.kv_capacity)
     if tuple(prompt_ids.shape) != (w.batch, w.context):

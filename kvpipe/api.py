@@ -216,8 +216,9 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
     temp dir, its file removed however the run ends); `context` to the prompt file's length,
     else 32K; `hw` to the bundled profile of this GPU; `disk` and `codec` as for `plan`. The
     plan is refused before anything is allocated when it does not fit. LOSSY opt-in: `lossy`
-    "int8"/"int4" stores the offloaded KV quantised (executor/qstore.py); sparse decode is
-    plan-only so far and refused here."""
+    "int8"/"int4" stores the offloaded KV quantised (executor/qstore.py); `sparse` F fetches a
+    fraction F of each decode step's offloaded tokens, chosen by a key sketch kept on the GPU
+    (executor/sparse_homes.py; not combined with `lossy` or disk units yet)."""
     trace_path, plot_path = output_path(trace, "trace"), output_path(plot, "plot")
     try:
         import torch  # noqa: F401
@@ -250,14 +251,9 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
                "host": budget(host_mem, session.host_ram_bytes(), "host-mem"),
                "disk": budget(disk_mem, free, "disk-mem")}
     check_weights(spec, budgets)
-    if plan is not None:   # read once; a sparse plan is refused before anything else is checked or allocated
+    if plan is not None:   # read once
         from .inputs import read_plan
         plan = read_plan(plan, spec)
-        if plan.lossy is not None and plan.lossy.sparse is not None:
-            raise ValueError("sparse: kvpipe run does not execute sparse decode yet (plan-only); "
-                             "--lossy int8|int4 runs")
-    if sparse is not None:
-        raise ValueError("sparse: kvpipe run does not execute sparse decode yet (plan-only); --lossy int8|int4 runs")
     from kvpipe.executor.nvcomp_codec import check_available
     from kvpipe.pipeline.codecs import parse_codec
     for link, name in (parse_codec(c) for c in ([codec] if isinstance(codec, str) else codec or ())):
@@ -268,9 +264,14 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
     first, found = _choose(spec, work, profile, budgets, method, group, chunk, resident, plan, objective,
                            disk=disk, codec=codec, h2d_codecs=False)
     chosen = first.plan
-    if lossy is not None:   # LOSSY, explicit opt-in only, over the exact plan
+    if lossy is not None or sparse is not None:   # LOSSY, explicit opt-in only, over the exact plan
         from kvpipe.pipeline.lossy import LossySpec
-        chosen = chosen.with_(lossy=LossySpec(lossy))
+        chosen = chosen.with_(lossy=LossySpec(lossy, sparse=sparse))
+    sp = chosen.lossy
+    if sp is not None and sp.sparse is not None and (sp.quant or chosen.disk or sp.sketch is None
+                                                     or chosen.decode.codec("h2d") != "none"):
+        raise ValueError("sparse: kvpipe run executes --sparse alone, over host-RAM units (the token sketch): "
+                         "not with --lossy int8/int4, disk units, an h2d codec or a plan with sketch null")
     if chosen.lossy is not None and any(p.codec("disk") != "none" for p in (chosen.prefill, chosen.decode)):
         raise ValueError("codec: a disk codec cannot run with --lossy (quantised records go to disk as they are)")
     h2d = chosen.decode.codec("h2d")

@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--replay", choices=["auto", "on", "off"], default="auto", help="decode steps as CUDA-graph replays (auto: on CUDA with bf16/fp16, batch 1)")
     r.add_argument("--lossy", choices=["int8", "int4"],
                    help="LOSSY opt-in: store, move and read back the offloaded KV quantised")
-    r.add_argument("--sparse", type=float, metavar="F", help="LOSSY opt-in (plan-only so far: refused by run)")
+    r.add_argument("--sparse", type=float, metavar="F", help="LOSSY opt-in: each decode step fetches a fraction F of the offloaded tokens, chosen "
+                   "by a key sketch on the GPU (not with --lossy or disk units yet)")
     r.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="time the first run in the process (CUDA: by default one prefill chunk and one "
                         "decode step run first, untimed, as HF baselines warm up)")

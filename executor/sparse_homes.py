@@ -1,0 +1,163 @@
+"""LOSSY, opt-in (`--sparse F`): sparse decode of the offloaded units in the executor.
+
+Per offloaded (layer, KV head) unit the GPU keeps the selection's summaries, counted in the plan's
+GPU budget (LossySpec.gpu_summary_bytes): per sealed 64-token chunk the keys' per-channel min and
+max, per sealed token a `bits`-bit sketch of its key within them (executor/sparse_sketch.py), and
+the K of the chunk still filling (exact; it is sealed when full, so a key is sketched once).
+`append` keeps them on the compute lane as K/V are made (prefill and decode). A decode step's
+`score` stage (compute lane, one per layer) scores every sealed token of the layer's offloaded
+units for the step's queries and selects, per unit, the sink, the recent window, the unsealed
+tail and the best tokens: `idx` [B, n_off, N] on the GPU, N the same for every unit. Each group's
+`kv_fetch` (h2d lane) then gathers exactly those tokens' K/V into its transfer slot, rows 0..N-1
+in token order, and the attention reads them as the group's prefix. Resident units stay exact and
+whole (a mixed group attends its resident heads over their whole prefix, apart). With F = 1 every
+token is selected in order: the slot holds the exact prefix and the step is the exact one.
+
+The gather, and its cost (the choice is made once, at `open`, by a probe, and reported):
+  uva     (CUDA) the layer's pinned host home is wrapped as a CUDA tensor over the same address
+          (__cuda_array_interface__; UVA: registered pinned memory is addressable from the GPU), and
+          `index_select` on the h2d lane's stream reads the selected rows over PCIe straight into
+          the slot. No host sync: selection and gather stay on the GPU, so the h2d lane only waits
+          on the score's CUDA event. Cost: one gather kernel per (sequence, head), reading N rows
+          of 4 D bytes (512 B for D = 128, bf16) as zero-copy PCIe reads, and SM time beside the
+          compute stream.
+  staged  (CUDA, where the probe fails) the indices are copied to the host (a sync of the h2d
+          lane's thread on the score, once per (layer, group)), the rows gathered on the CPU into a
+          pinned staging slot, and sent in one H2D copy per (layer, group): PCIe at full rate but
+          the host-side sync and CPU gather remain on the critical path.
+  cpu     (CPU runs: CI) index_select from the host home into the slot.
+Refused for now: disk units (their rows are read whole), an h2d codec (compressed homes), and
+--lossy int8/int4 with --sparse (a quantised record holds a whole group of tokens)."""
+from __future__ import annotations
+
+import torch
+
+from kvpipe.pipeline.lossy import LossySpec
+
+from . import sparse_sketch
+
+
+class _Interface:
+    """__cuda_array_interface__ (v3) of a host buffer's bytes, for torch.as_tensor on the GPU."""
+
+    def __init__(self, host: torch.Tensor) -> None:
+        self.host = host        # kept alive by the CUDA tensor that wraps it
+        self.__cuda_array_interface__ = {"shape": (host.numel(),), "typestr": "|u1", "version": 3,
+                                         "data": (host.data_ptr(), False), "strides": None}
+
+
+def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """A CUDA tensor over the same bytes as the pinned contiguous host tensor `host` (same shape
+    and dtype), or None where the GPU cannot address it (then the gather is staged). Probed once:
+    a gather through the view must return the bytes a plain copy returns."""
+    try:
+        flat = torch.as_tensor(_Interface(host.reshape(-1).view(torch.uint8)), device=device)
+        n = min(flat.numel(), 4096)
+        got = flat.index_select(0, torch.arange(n, device=device)).cpu()
+        if not torch.equal(got, host.reshape(-1).view(torch.uint8)[:n]):
+            return None
+        return flat.view(host.dtype).view(host.shape)
+    except (RuntimeError, TypeError, ValueError):
+        return None
+
+
+class SparseHomes:
+    """The selection state of a KVStore's offloaded units (`store`, opened) under `spec`."""
+
+    def __init__(self, store, spec: LossySpec) -> None:
+        lo = store.layout
+        if spec.sparse is None or spec.sketch is None:
+            raise ValueError("sparse: the executor runs the token-sketch selection only (sketch bits, not None)")
+        if lo.quant_bits:
+            raise ValueError("sparse: kvpipe run cannot combine --sparse with --lossy int8/int4 yet")
+        if lo.h2d_codec != "none":
+            raise ValueError("sparse: kvpipe run cannot combine --sparse with an h2d codec yet (compressed homes)")
+        if any(lo.disk):
+            raise ValueError("sparse: kvpipe run's sparse decode needs every offloaded unit in host RAM "
+                             "(no disk units); use --disk 0")
+        self.s, self.spec = store, spec
+        self.chunk, self.bits = spec.chunk, spec.sketch
+        B, H, D, cap = lo.batch, lo.kv_heads, lo.head_dim, lo.capacity
+        C = cap // self.chunk
+        gpu = dict(device=store.device)
+        off = [H - n for n in lo.resident]
+        self.lo = [torch.empty(B, o, C, D, dtype=store.dtype, **gpu) if o else None for o in off]
+        self.hi = [torch.empty(B, o, C, D, dtype=store.dtype, **gpu) if o else None for o in off]
+        self.codes = [torch.empty(B, o, C * self.chunk, D * self.bits // 8, dtype=torch.uint8, **gpu) if o else None
+                      for o in off]
+        self.tail = [torch.empty(B, o, self.chunk, D, dtype=store.dtype, **gpu) if o else None for o in off]
+        self.gather_mode = "cpu"
+        self.views: list[torch.Tensor | None] = [None] * lo.layers
+        self.stage: list[torch.Tensor] = []
+        if store.cuda:
+            self.views = [device_view(h, store.device) if h is not None else None for h in store.host]
+            self.gather_mode = "uva" if all(v is not None for v, h in zip(self.views, store.host) if h is not None) \
+                else "staged"
+            if self.gather_mode == "staged":
+                n_max = spec.fetched_tokens(cap)
+                self.stage = [store.arena.empty((B, lo.slot_heads, n_max, 2, D), store.dtype) for _ in range(lo.slots)]
+
+    @property
+    def gpu_bytes(self) -> int:
+        bufs = [t for ts in (self.lo, self.hi, self.codes, self.tail) for t in ts if t is not None]
+        return sum(t.numel() * t.element_size() for t in bufs)
+
+    # ---- compute lane ------------------------------------------------------------------------
+    def append(self, layer: int, kv: torch.Tensor, start: int) -> None:
+        """The step's new K/V kv [B, H, T, 2, D]: the offloaded heads' keys join their unit's tail;
+        the chunks that fill are summarised and sketched."""
+        n, c = self.s.layout.resident[layer], self.chunk
+        if self.tail[layer] is None:
+            return
+        had = start % c
+        seq = torch.cat([self.tail[layer][:, :, :had], kv[:, n:, :, 0]], 2)       # [B, n_off, had+T, D]
+        nb = seq.shape[2] // c
+        if nb:
+            full = seq[:, :, :nb * c]                                            # [B, n_off, nb*c, D]
+            blocks = full.reshape(*full.shape[:2], nb, c, full.shape[-1])
+            lo, hi = blocks.amin(3), blocks.amax(3)                              # [B, n_off, nb, D]
+            c0 = start // c
+            self.lo[layer][:, :, c0:c0 + nb] = lo
+            self.hi[layer][:, :, c0:c0 + nb] = hi
+            self.codes[layer][:, :, c0 * c:(c0 + nb) * c] = sparse_sketch.encode(full, lo, hi, self.bits)
+        left = seq.shape[2] - nb * c
+        self.tail[layer][:, :, :left] = seq[:, :, nb * c:]
+
+    def select(self, layer: int, q: torch.Tensor, prefix: int) -> torch.Tensor:
+        """Tokens each offloaded unit of `layer` fetches this step, for the queries q [B, n_off * r,
+        1, D] of its heads over a `prefix`-token cache: idx [B, n_off, N] int64, ascending."""
+        B, n_off = self.lo[layer].shape[:2]
+        D = q.shape[-1]
+        qg = q.reshape(B, n_off, -1, D)                                          # [B, n_off, r, D]
+        C = prefix // self.chunk
+        sealed = C * self.chunk
+        if C:
+            s = sparse_sketch.scores(qg, self.lo[layer][:, :, :C], self.hi[layer][:, :, :C],
+                                     self.codes[layer][:, :, :sealed], self.bits)   # [B, n_off, r, sealed]
+            share = sparse_sketch.group_share(s)                                  # [B, n_off, sealed]
+        else:
+            share = torch.empty(B, n_off, 0, device=q.device)
+        sp = self.spec
+        return sparse_sketch.select(share, prefix, sp.fetched_tokens(prefix), sp.sink, sp.recent)
+
+    # ---- h2d lane ----------------------------------------------------------------------------
+    def gather(self, layer: int, heads: tuple[int, ...], base: int, slot: int, idx: torch.Tensor) -> int:
+        """The selected tokens idx [B, n_off, N] of offloaded `heads` from their host home into
+        the transfer slot, head h at row h - base, tokens 0..N-1. Returns bytes moved."""
+        lo, st = self.s.layout, self.s
+        n, N = lo.resident[layer], idx.shape[-1]
+        dst = st.slots[slot]                                                     # [B, G, S_cap, 2, D]
+        if self.gather_mode == "staged":
+            cpu = idx.cpu()                                                      # syncs on the score
+            stage = self.stage[slot]
+            for b in range(lo.batch):
+                for h in heads:
+                    torch.index_select(st.host[layer][b, h - n], 0, cpu[b, h - n], out=stage[b, h - base, :N])
+            j0, j1 = heads[0] - base, heads[-1] - base + 1
+            dst[:, j0:j1, :N].copy_(stage[:, j0:j1, :N], non_blocking=True)
+        else:
+            src = self.views[layer] if self.gather_mode == "uva" else st.host[layer]   # [B, n_host, S_cap, 2, D]
+            for b in range(lo.batch):
+                for h in heads:
+                    torch.index_select(src[b, h - n], 0, idx[b, h - n], out=dst[b, h - base, :N])
+        return lo.batch * len(heads) * N * st.token_bytes
