@@ -6,8 +6,9 @@ process, the same machine state): the same plan knobs, run once per variant, who
   python -m benchmarks.lossy_run --model tiny.json --context 512 --chunk 128 --device cpu \
       --gpu-mem 4GB --decode-tokens 2                     # CPU smoke test of the code path
 
-Variants: `exact` (no --lossy), `int8`, `int4` (--lossy; executor/qstore.py). Sparse decode is not
-executed by `kvpipe run` yet, so it has no variant here. Each row: measured decode seconds per
+Variants: `exact` (no --lossy), `int8`, `int4` (--lossy; executor/qstore.py); `--sparse F` adds a
+`sparse` row (kvpipe run --sparse F: executor/sparse_homes.py), e.g.
+  python -m benchmarks.lossy_run --context 128K --sparse 0.2 --variants exact Each row: measured decode seconds per
 token, prefill seconds, its speed-up over the exact row of this invocation, and the error the
 lossy run measured on its own activations (random weights: not a task accuracy).
 JSON (command, date, device, rows) to benchmarks/results/lossy-run-<date>.json or --out; the
@@ -35,7 +36,8 @@ def run_variant(name: str, args) -> dict:
         res = kvpipe.run(model=args.model, random_weights=True, context=args.context,
                          decode_tokens=args.decode_tokens, gpu_mem=args.gpu_mem, group=args.group,
                          resident=args.resident, chunk=args.chunk, device=args.device, hw=args.hw,
-                         progress=False, lossy=VARIANTS[name], seed=args.seed)
+                         progress=False, lossy=VARIANTS.get(name), seed=args.seed,
+                         sparse=args.sparse if name == "sparse" else None)
     except (ValueError, RuntimeError) as e:     # one failed variant (e.g. out of memory) is a row
         return {"variant": name, "error": str(e).splitlines()[0], "wall_s": time.time() - t0}
     finally:
@@ -63,12 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--sparse", type=float, metavar="F", help="also run `sparse`: kvpipe run --sparse F (LOSSY)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if "exact" not in args.variants:
         ap.error("variants: the exact run is the reference of the speed-up; keep it")
     rows = []
-    for name in ["exact"] + [v for v in args.variants if v != "exact"]:
+    for name in ["exact"] + [v for v in args.variants if v != "exact"] + (["sparse"] if args.sparse else []):
         rows.append(run_variant(name, args))
         print(f"lossy_run: {name}: {json.dumps({k: rows[-1].get(k) for k in ('decode_s_per_token', 'prefill_s', 'error', 'wall_s')})}",
               file=sys.stderr, flush=True)
@@ -85,13 +88,15 @@ def main(argv: list[str] | None = None) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
     print(f"wrote {path}")
-    print(f"{'variant':8} {'decode ms/tok':>14} {'speed-up':>9} {'prefill s':>10} {'attn rel err':>13}")
+    print(f"{'variant':8} {'decode ms/tok':>14} {'predicted':>10} {'speed-up':>9} {'prefill s':>10} {'attn rel err':>13}")
     for r in rows:
         if "error" in r:
             print(f"{r['variant']:8} FAILED: {r['error']}")
             continue
-        err = ((r["lossy"] or {}).get("measured_error") or {}).get("attn_rel_err")
-        print(f"{r['variant']:8} {1e3 * r['decode_s_per_token']:14.1f} {r['decode_speedup']:8.2f}x "
+        errs = (r["lossy"] or {}).get("measured_error") or {}
+        err = errs.get("attn_rel_err", errs.get("sparse_attn_rel_err"))
+        print(f"{r['variant']:8} {1e3 * r['decode_s_per_token']:14.1f} {1e3 * r['predicted_decode_s_per_token']:10.1f} "
+              f"{r['decode_speedup']:8.2f}x "
               f"{r['prefill_s']:10.2f} {'-' if err is None else f'{err:.2e}':>13}")
     return 0 if all("error" not in r for r in rows) else 1
 

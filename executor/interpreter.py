@@ -127,6 +127,12 @@ class Interpreter:
         cur = self._step(s)
         n, r = self.store.layout.resident[s.layer], self.adapter.r
         sel = self.sp.select(s.layer, cur.q[:, n * r:], s.tokens[1])
+        if self.lossy_error is None and self.q is None:   # measured once, on the first scored layer
+            from .sparse_probe import measure
+            P, B = s.tokens[1], cur.q.shape[0]
+            self.lossy_error = measure(cur.q[:, n * r:, 0].reshape(B, -1, r, cur.q.shape[-1]),
+                                       self.store.host[s.layer][:, :, :P], sel,
+                                       self.adapter.body.layers[s.layer].self_attn.scaling)
         self.lanes.protect(sel, Lane.H2D)   # made on the compute stream, read by the gathers
         self._sel[(s.step, s.layer)] = sel
 

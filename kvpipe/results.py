@@ -93,13 +93,20 @@ def lossy_json(plan: Plan, measured: dict | None = None, run: bool = False) -> d
     if plan.lossy is None:
         return None
     out = plan.lossy.to_json()
-    if measured:
+    if measured and "sparse_recall_mean" in measured:
+        out["measured_error"] = dict(measured)
+        out["error_note"] = ("measured in this run at the first decode step on the first offloaded layer: "
+                             "each offloaded unit's query heads, exact attention mass on the selected tokens "
+                             "(recall) and the output's relative error against the whole prefix (float64); "
+                             "not a task accuracy")
+    elif measured:
         out["measured_error"] = dict(measured)
         out["error_note"] = ("measured in this run on the first prefill chunk's first offloaded layer: "
                              "K/V relative error of its quantised blocks, and the chunk's last query "
                              "attending the chunk (float64) with and without quantisation; not a task accuracy")
     elif run:
-        out["error_note"] = "nothing measured: no full quantisation block of an offloaded unit in the first prefill chunk"
+        out["error_note"] = ("nothing measured: no decode step scored an offloaded unit" if plan.lossy.sparse is not None
+                             else "nothing measured: no full quantisation block of an offloaded unit in the first prefill chunk")
     if out["measured_error"] is None and not run:
         out["error_note"] = ("not measured by plan: python -m benchmarks.lossy_error measures it on a "
                              "synthetic needle set")

@@ -84,8 +84,10 @@ def print_run(res: RunResult) -> None:
     print(f"output digest: {res.output_digest}")
     if res.plan.lossy:
         e = res.lossy_error
-        print("LOSSY error measured in this run (first offloaded layer, first chunk; not task accuracy): "
+        where = "first decode step" if res.plan.lossy.sparse is not None else "first chunk"
+        print(f"LOSSY error measured in this run (first offloaded layer, {where}; not task accuracy): "
               + (", ".join(f"{k} {v:.3g}" for k, v in e.items() if k != "probe_tokens") if e else
+                 "none (no decode step scored)" if res.plan.lossy.sparse is not None else
                  "none (no full quantisation block of an offloaded unit in the first prefill chunk)"))
     if res.disk:
         d = res.disk

@@ -68,9 +68,9 @@ def test_sparse_step_attends_exactly_the_selected_tokens(tiny_model):
     # asserts it saw a real sparse step whose output differs from full attention).
     model = tiny_model("llama", kv_heads=2, q_heads=8, head_dim=16, layers=2)
     spec = HFAdapter(model).spec()
-    w = Workload(700, 3)
+    w = Workload(300, 2)
     graph = build(spec, w, _plan(SPARSE, resident=1, group=2))
-    ids = torch.randint(0, 128, (1, 700), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(0))
     recs, (gpu, host), adapter = _run_capturing(model, graph, ids)
     lo = KVLayout.of(graph)
     r, seen_sparse, seen_mixed, differs = adapter.r, 0, 0, False
@@ -102,8 +102,8 @@ def test_fraction_one_is_the_exact_run_and_lower_fractions_are_deterministic(tin
     # runs differ), and a sparse run that is in fact exact (F = 0.2 equal to exact).
     model = tiny_model("llama", kv_heads=2, q_heads=8, head_dim=16, layers=2)
     spec = HFAdapter(model).spec()
-    w = Workload(700, 3)
-    ids = torch.randint(0, 128, (1, 700), generator=torch.Generator().manual_seed(1))
+    w = Workload(300, 2)
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(1))
     run = lambda lossy: execute(build(spec, w, _plan(lossy)), model, ids, keep_logits=True)
     exact, one = run(None), run(LossySpec(sparse=1.0, sink=4, recent=32))
     assert torch.equal(exact.tokens, one.tokens) and torch.equal(exact.step_logits, one.step_logits)
@@ -125,6 +125,9 @@ def test_run_json_labels_the_sparse_run(tmp_path, capsys):
     assert main(args + ["--json"]) == 0
     lossy = json.loads(capsys.readouterr().out)["lossy"]
     assert lossy["sparse"] == 0.2 and lossy["quant"] is None and lossy["sketch"] == 2
+    err = lossy["measured_error"]          # the run's own probe: 320 of 700 tokens (sink 64 + recent 256)
+    assert err["fetched_tokens"] == 320 and err["probe_tokens"] == 700
+    assert 0 < err["sparse_recall_mean"] < 1 and err["sparse_attn_rel_err"] > 0
     assert main(args) == 0
     assert capsys.readouterr().out.splitlines()[0].startswith("kvpipe run: LOSSY")
 
