@@ -81,36 +81,41 @@ def group_share(s: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(torch.log_softmax(s, -1), -2)
 
 
-def forced(prefix: int, sealed: int, sink: int, recent: int) -> torch.Tensor:
-    """Indices [F] (ascending) every step fetches: the first `sink` tokens, the last `recent`, and
-    the unsealed tail [sealed, prefix) that has no sketch yet."""
+def _ranges(prefix: int, sealed: int, sink: int, recent: int) -> list[tuple[int, int]]:
+    """Disjoint ascending [a, b) ranges of the tokens every step fetches: the first `sink`, then
+    from the earlier of the recent window's start and the unsealed tail's start to the end."""
     if not 0 <= sealed <= prefix:
         raise ValueError(f"sealed: must lie in 0..{prefix}, got {sealed}")
-    keep = torch.zeros(prefix, dtype=torch.bool)
-    keep[:min(sink, prefix)] = True
-    keep[max(0, prefix - recent):] = True
-    keep[sealed:] = True
-    return keep.nonzero().flatten()
+    head, tail = min(sink, prefix), min(max(0, prefix - recent), sealed)
+    return [(0, head), (max(head, tail), prefix)]
+
+
+def forced(prefix: int, sealed: int, sink: int, recent: int, device=None) -> torch.Tensor:
+    """Indices [F] (ascending, made on `device`: no host-to-device copy) every step fetches: the
+    first `sink` tokens, the last `recent`, and the unsealed tail [sealed, prefix) (no sketch yet)."""
+    return torch.cat([torch.arange(a, b, device=device) for a, b in _ranges(prefix, sealed, sink, recent)])
 
 
 def count(prefix: int, sealed: int, budget: int, sink: int, recent: int) -> int:
     """Tokens a step fetches: `budget`, or the forced ones when they alone are more; never above
     the prefix. The same for every unit of a step (their prefixes are equal)."""
-    return min(prefix, max(budget, int(forced(prefix, sealed, sink, recent).numel())))
+    return min(prefix, max(budget, sum(b - a for a, b in _ranges(prefix, sealed, sink, recent))))
 
 
 def select(share: torch.Tensor, prefix: int, budget: int, sink: int, recent: int) -> torch.Tensor:
     """Tokens to fetch for the ranking share [..., sealed] of the sealed tokens: the forced ones,
     then the best-ranked others, `count(...)` in all: [..., N] int64, ascending. Ties go to the
-    lower index (a stable sort), so CPU and GPU pick the same tokens for the same ranking."""
+    lower index (a stable sort), so CPU and GPU pick the same tokens for the same ranking. Every
+    size is known on the host: on CUDA nothing here waits for the GPU."""
     sealed = share.shape[-1]
-    must = forced(prefix, sealed, sink, recent).to(share.device)             # [F]
+    must = forced(prefix, sealed, sink, recent, share.device)                 # [F]
     n = count(prefix, sealed, budget, sink, recent)
     lead = share.shape[:-1]
     room = n - must.numel()
     if room <= 0:
         return must[:n].expand(*lead, n).contiguous()
     rank = share.clone()
-    rank[..., must[must < sealed]] = -math.inf
+    for a, b in _ranges(prefix, sealed, sink, recent):
+        rank[..., a:min(b, sealed)] = -math.inf
     best = torch.sort(rank, dim=-1, descending=True, stable=True).indices[..., :room]
     return torch.sort(torch.cat([must.expand(*lead, must.numel()), best], -1), -1).values
