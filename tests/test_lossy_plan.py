@@ -53,6 +53,12 @@ def test_byte_formulas_by_hand():
     n = 131072
     assert s.fetch_bytes(n, 128, 2) == math.ceil(0.2 * n) * 512
     assert s.gpu_summary_bytes(n, 128, 2) == n * 32 + (n // 64) * 512 + 64 * 128 * 2
+    # scoring 4 query heads: the chunk bounds (3 FLOPs a channel) and every token's sketch dot
+    # product (2 a channel); it reads the GPU summaries and writes/reads float32 cells (8 bytes a
+    # value) and ~16 bytes of scores per token and head
+    cost = s.score_cost(n, 4, 128, 2)
+    assert cost["flops"] == 3 * 2 * 128 * 4 * (n // 64) + 2 * 128 * 4 * n
+    assert cost["mem_bytes"] == s.gpu_summary_bytes(n, 128, 2) + n * (8 * 128 + 16 * 4)
     # sketch=None: + fine summaries of the hot 5 x 20% (HOT_FACTOR: all), 8-token chunks, min and
     # max of 128 channels at one byte each
     s = LossySpec(sparse=0.2, sketch=None)
