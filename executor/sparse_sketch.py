@@ -21,7 +21,8 @@ import math
 import torch
 
 SKETCH_BITS = (2, 4, 8)
-PASS_VALUES = 1 << 24   # sketch values rebuilt per scoring pass: bounds the float32 temporaries
+PASS_VALUES = 1 << 25   # sketch values rebuilt per scoring pass: bounds the float32 temporaries (128 MiB),
+                        # 4 passes per layer at 128K x 8 units (fewer launches than smaller passes)
 
 
 def _check_bits(bits: int) -> int:

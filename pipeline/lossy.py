@@ -95,10 +95,16 @@ class LossySpec:
 
     def fetched_tokens(self, prefix: int) -> int:
         """Tokens of a `prefix`-token cache one sparse decode step fetches (all without `sparse`):
-        the budget ceil(sparse * prefix), never below sink + recent, never above the prefix."""
+        the budget ceil(sparse * prefix), never below sink + recent (with the sketch: the sink,
+        the recent window and the unsealed tail chunk, as executor/sparse_sketch.py forces them),
+        never above the prefix."""
         if self.sparse is None:
             return prefix
-        return min(prefix, max(math.ceil(self.sparse * prefix), self.sink + self.recent))
+        floor = self.sink + self.recent
+        if self.sketch is not None:   # the unsealed tail chunk has no sketch: fetched too
+            head, tail = min(self.sink, prefix), min(max(0, prefix - self.recent), prefix // self.chunk * self.chunk)
+            floor = head + prefix - max(head, tail)
+        return min(prefix, max(math.ceil(self.sparse * prefix), floor))
 
     def unit_bytes(self, tokens: int, head_dim: int, dtype_bytes: int) -> int:
         """K and V of `tokens` tokens of one (layer, KV head) unit as stored (quantised or not)."""

@@ -208,3 +208,17 @@ def test_sparse_with_disk_units_or_int4_is_refused_naming_the_field(tiny_model):
     for plan in (_plan(LossySpec("int4", sparse=0.2)), _plan(SPARSE).with_(disk=2)):
         with pytest.raises(ValueError, match="sparse"):
             execute(build(spec, w, plan), model, ids)
+
+
+@given(P=st.integers(1, 5000), frac=st.floats(0.001, 1.0), sink=st.integers(0, 100), recent=st.integers(0, 400),
+       chunk=st.sampled_from([16, 64]))
+def test_the_plan_counts_the_tokens_the_executor_fetches(P, frac, sink, recent, chunk):
+    # Fault caught: the builder and simulator (LossySpec.fetched_tokens) charging another number
+    # of tokens than the executor's selection fetches (e.g. the unsealed tail chunk forgotten when
+    # the recent window is shorter than a chunk), so predicted bytes would not be the moved ones.
+    spec = LossySpec(sparse=frac, sink=sink, recent=recent, chunk=chunk)
+    sealed = P // chunk * chunk
+    n = spec.fetched_tokens(P)
+    assert sparse_sketch.count(P, sealed, n, sink, recent) == n
+    share = torch.zeros(1, sealed)
+    assert sparse_sketch.select(share, P, n, sink, recent).shape[-1] == n
