@@ -1,0 +1,87 @@
+"""benchmarks/measure.py (the one row-measuring helper of the GPU benchmarks) and the regret
+benchmark's row schedule, on the CPU with a tiny random model: cheap enough for CI."""
+import json
+
+import pytest
+
+from benchmarks.measure import Bench
+from benchmarks.planner_regret import run_rows
+from kvpipe.pipeline.plan import Method, PhasePlan, Plan
+from kvpipe.pipeline.workload import Workload
+
+
+def _plan(resident: int, group: int = 1, chunk: int = 32) -> Plan:
+    return Plan(Method.HEADWISE, PhasePlan(group, chunk, 2), PhasePlan(group, 1, 2), resident, 0)
+
+
+@pytest.fixture(scope="module")
+def bench(tiny_config):
+    with Bench(tiny_config, "cpu", 1 << 30, max_context=96, host_budget=1 << 30) as b:
+        yield b
+
+
+def test_two_rows_one_offloaded_measure_and_agree(bench):
+    """Fault caught: the helper reusing a row's KV or prompt slice in the next row, or not running
+    the plan it was given: an all-resident and an all-offloaded row of the same workload must both
+    measure (positive prefill and decode times) and give bitwise-equal outputs (placement never
+    changes a bit), and the offloaded row must report a host KV tier the resident one has not."""
+    work = Workload(64, 3, 1)
+    units = bench.spec.units
+    resident = bench.row(_plan(units), work)
+    offloaded = bench.row(_plan(0), work)
+    for row in (resident, offloaded):
+        assert row.ok, row.json
+        m = row.json["measured"]
+        assert m["prefill_s"] > 0 and m["decode_s_per_token"] > 0 and m["total_s"] >= m["prefill_s"]
+        assert len(row.json["tokens"]) == 4 and row.json["wall_s"] >= m["total_s"]
+    assert resident.json["output_digest"] == offloaded.json["output_digest"]
+    assert resident.json["tokens"] == offloaded.json["tokens"]
+
+
+def test_a_failing_row_is_recorded_and_the_next_runs(bench):
+    """Fault caught: an error inside one row (here a head group that does not divide the KV heads,
+    raised while the row is built) escaping the helper and ending the benchmark, and a plan over
+    the budgets being run instead of refused like `kvpipe run` refuses it."""
+    work = Workload(64, 2, 1)
+    bad = bench.row(_plan(0, group=3), work)
+    assert not bad.ok and "group" in bad.json["error"] and bad.json["oom"] is False
+    tight = Bench(bench.model, "cpu", 1000, 96, host_budget=1 << 30)
+    tight.spec = bench.spec
+    over = tight.row(_plan(bench.spec.units), work)
+    assert not over.ok and over.json["error"].startswith("does not fit")
+    assert bench.row(_plan(1), work).ok
+
+
+def test_context_past_the_prompt_is_refused(bench):
+    """Fault caught: a row longer than the bench's one random prompt silently running on a
+    shorter prompt slice."""
+    with pytest.raises(ValueError, match="max_context"):
+        bench.row(_plan(0), Workload(128, 1, 1))
+
+
+def _res(walls: dict):
+    """Two workloads, three ranked rows each, estimated walls from `walls`."""
+    wl = lambda ctx, name: {"context": ctx, "decode_tokens": 1, "rows": [
+        {"label": f"r{k}", "rank": k, "estimated_wall_s": walls[name][k]} for k in range(3)]}
+    return {"workloads": {"A": wl(1, "A"), "B": wl(2, "B")}}
+
+
+def test_schedule_runs_strongest_first_skips_over_budget_and_saves_each_row(tmp_path):
+    """Fault caught: the regret schedule ignoring --budget-s (a 600 s device call killed with
+    rows unsaved), running a weak contender before a pick, or saving only at the end. Rows
+    measured here by a stand-in for the GPU that reports each row's wall as its estimate."""
+    res = _res({"A": [1.0, 1.0, 1.0], "B": [1.0, 50.0, 1.0]})
+    ran, saves = [], []
+    clock = [0.0]
+
+    def measure(name, row):
+        ran.append((name, row["rank"]))
+        clock[0] += row["estimated_wall_s"]
+        return {"measured": {"total_s": 1.0 + row["rank"]}, "wall_s": row["estimated_wall_s"]}
+
+    run_rows(res, "total_s", 10.0, 0.0, measure, lambda: saves.append(json.dumps(res)), order="rank",
+             clock=lambda: clock[0])
+    assert ran == [("A", 0), ("B", 0), ("A", 1), ("A", 2), ("B", 2)]   # B's rank 1 (50 s) skipped
+    assert res["workloads"]["B"]["rows"][1]["skipped"].startswith("budget")
+    assert len(saves) == 6
+    assert res["workloads"]["A"]["pick_regret"] == 0.0 and res["workloads"]["A"]["measured_rows"] == 3
