@@ -145,29 +145,36 @@ class Bench:
                              "process_gpu_bytes": process_mem_bytes() if self.cuda else None},
                 "decode_issue": r.decode_issue, "graphs": r.graphs, "capture_s": r.capture_s, "fused": r.fused,
                 "compile_s": r.compile_s, "warmup_s": t1 - t0, "run_s": t2 - t1,
-                "pinned_alloc_s": self._pinned_alloc_s() - alloc0, "tokens": r.tokens[0].tolist(),
+                "pinned_alloc_s": None if alloc0 is None else self._pinned_alloc_s() - alloc0,
+                "tokens": r.tokens[0].tolist(),
                 "output_digest": m.digest}
         return info, (r.last_logits.detach().float().cpu().clone() if keep_logits else None)
 
-    def _pinned_alloc_s(self) -> float:
+    def _host_stats(self) -> dict:
+        """torch's pinned-host allocator statistics ({} on CPU, or where this torch has none)."""
         import torch
-        if not self.cuda:
-            return 0.0
-        return torch.cuda.memory.host_memory_stats().get("host_alloc_time.total", 0) / 1e6
+        stats = getattr(torch.cuda.memory, "host_memory_stats", None)
+        return stats() if self.cuda and stats else {}
+
+    def _pinned_alloc_s(self) -> float | None:
+        us = self._host_stats().get("host_alloc_time.total")
+        return None if us is None else us / 1e6
 
     def _clean(self) -> None:
         """Free what the last row left: Python garbage first (an exception's tensors), then the
-        allocator's cached blocks; cached pinned host blocks are kept for the next row's KV homes
-        (their creation is the slow part) unless they pass a third of the host budget."""
+        allocator's cached blocks. torch's cached pinned host blocks are kept for the next row's
+        KV homes to reuse (creating pinned memory is slow) unless they pass a third of the host
+        budget; `pinned_alloc_s` shows what each row paid (torch-pinned homes only: replayed rows)."""
         gc.collect()
         if self.cuda:
             import torch
             torch.cuda.synchronize(self.dev)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.dev)
-            cached = torch.cuda.memory.host_memory_stats().get("allocated_bytes.current", 0)
-            if cached > (self.host_budget or 0) / 3:
-                torch.accelerator.empty_host_cache()
+            cached = self._host_stats().get("allocated_bytes.current", 0)
+            release = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+            if release and cached > (self.host_budget or 0) / 3:
+                release()
 
 
 def note(name: str, row: Row) -> None:
@@ -177,6 +184,6 @@ def note(name: str, row: Row) -> None:
         m = j["measured"]
         dec = "-" if m["decode_s_per_token"] is None else f"{m['decode_s_per_token'] * 1e3:.2f} ms/token"
         print(f"{name}: prefill {m['prefill_s']:.3f} s, decode {dec} ({j['wall_s']:.1f} s wall, "
-              f"warm-up {j['warmup_s']:.1f} s, pinned alloc {j['pinned_alloc_s']:.1f} s)", file=sys.stderr, flush=True)
+              f"warm-up {j['warmup_s']:.1f} s, pinned alloc {j['pinned_alloc_s'] or 0:.1f} s)", file=sys.stderr, flush=True)
     else:
         print(f"{name}: {j['error']}", file=sys.stderr, flush=True)

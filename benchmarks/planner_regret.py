@@ -33,7 +33,7 @@ from pathlib import Path
 from benchmarks.regret_plans import OBJECTIVE_KEY, WORKLOADS, candidates
 
 GPU_BUDGET = "24GB"
-PRIOR_FILES = "benchmarks/results/h200-*.json"   # earlier rows with wall_s: the set-up-time prior
+PRIOR_FILES = str(Path(__file__).parent / "results" / "h200-*.json")   # earlier rows with wall_s
 
 
 def setup_prior(spec, pattern: str = PRIOR_FILES) -> dict:
