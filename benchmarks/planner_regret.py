@@ -71,6 +71,15 @@ def parse_part(text: str | None) -> tuple[int, int]:
     return int(i), int(n)
 
 
+def parse_ranks(text: str | None) -> tuple[int, int]:
+    if text is None:
+        return 0, 10**9
+    a, _, b = text.partition("-")
+    if not (a.isdigit() and b.isdigit() and int(a) <= int(b)):
+        raise ValueError(f"ranks: expected FIRST-LAST (e.g. 0-5), got {text!r}")
+    return int(a), int(b)
+
+
 def split(costs: dict[str, float], n: int) -> list[list[str]]:
     """Workloads into n parts of about equal estimated seconds (largest first, to the lightest part)."""
     parts: list[list[str]] = [[] for _ in range(n)]
@@ -119,18 +128,21 @@ def regret(wl: dict, key: str) -> None:
 
 
 def run_rows(res: dict, key: str, budget_s: float | None, started: float, measure, save,
-             order: str = "rank", clock=time.monotonic) -> None:
+             order: str = "rank", clock=time.monotonic, ranks: tuple[int, int] = (0, 10**9)) -> None:
     """Measure rows rank by rank across the workloads (`order` "cheap": workload by workload,
     shortest context first); skip a row whose scaled estimate would pass the budget (scale: median
-    measured/estimated wall of the rows so far). Saves after every row."""
+    measured/estimated wall of the rows so far), and rows outside `ranks` (another call's share).
+    Saves after every row."""
     rows = [(r["rank"], res["workloads"][w]["context"], w, r) for w in res["workloads"]
             for r in res["workloads"][w]["rows"]]
     rows.sort(key=lambda t: t[:2] if order == "rank" else (t[1], t[0]))
     ratios = []
-    for _, _, name, row in rows:
+    for rank, _, name, row in rows:
         scale = statistics.median(ratios) if ratios else 1.0
         left = None if budget_s is None else budget_s - (clock() - started)
-        if left is not None and row["estimated_wall_s"] * scale > left:
+        if not ranks[0] <= rank <= ranks[1]:
+            row["skipped"] = f"ranks: outside {ranks[0]}-{ranks[1]} (another call's)"
+        elif left is not None and row["estimated_wall_s"] * scale > left:
             row["skipped"] = f"budget: about {row['estimated_wall_s'] * scale:.0f} s, {max(left, 0):.0f} s left"
         else:
             row.update(measure(name, row))
@@ -140,11 +152,34 @@ def run_rows(res: dict, key: str, budget_s: float | None, started: float, measur
         save()
 
 
+def merge(results: list[dict]) -> list[dict]:
+    """Saved parts as one result per objective and model: a workload's rows from every part, a
+    measured row taking the place of the same rank skipped elsewhere; regrets recomputed."""
+    out: dict[tuple, dict] = {}
+    for res in results:
+        k = (res["objective"], res["model"], res["gpu_budget"])
+        if k not in out:
+            out[k] = dict(res, workloads={}, part=res.get("part"))
+        else:
+            out[k]["part"] = f"{out[k]['part']} + {res.get('part')}"
+        for name, wl in res["workloads"].items():
+            have = out[k]["workloads"].setdefault(name, dict(wl, rows=[]))
+            rows = {r["rank"]: r for r in have["rows"]}
+            for r in wl["rows"]:
+                if r["rank"] not in rows or ("measured" in r and "measured" not in rows[r["rank"]]):
+                    rows[r["rank"]] = r
+            have["rows"] = [rows[i] for i in sorted(rows)]
+    for res in out.values():
+        for wl in res["workloads"].values():
+            regret(wl, OBJECTIVE_KEY[res["objective"]])
+    return list(out.values())
+
+
 def table(results: list[dict]) -> list[str]:
     from kvpipe.pipeline.units import fmt_tokens
     fmt = lambda x: "-" if x is None else f"{x:.4g}"
     lines = []
-    for res in results:
+    for res in merge(results):
         key = OBJECTIVE_KEY[res["objective"]]
         lines.append(f"planner regret, objective {res['objective']} ({key}, s), {res['model']} random weights on "
                      f"{res.get('device_name', res['device'])}, --gpu-mem {res['gpu_budget']}, part {res.get('part')}")
@@ -187,7 +222,8 @@ def measure_all(args, res: dict, cands: dict, started: float, out: Path) -> None
             note(f"{name} {row['label']}", got)
             return got.json
 
-        run_rows(res, OBJECTIVE_KEY[args.objective], args.budget_s, started, measure, save, args.order)
+        run_rows(res, OBJECTIVE_KEY[args.objective], args.budget_s, started, measure, save, args.order,
+                 ranks=parse_ranks(args.ranks))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=None, help="seconds this process may take; rows that "
                     "would pass it are skipped, the strongest run first")
     ap.add_argument("--part", default=None, metavar="I/N", help="only part I of N (workloads split by estimated time)")
+    ap.add_argument("--ranks", metavar="FIRST-LAST", help="only rows of these ranks (0 the pick): one workload's "
+                    "rows over several calls; --table joins them")
     ap.add_argument("--estimate", action="store_true", help="no GPU: the rows, predictions and estimated seconds "
                     "(with --out: a file for --plans)")
     ap.add_argument("--plans", metavar="FILE.json", help="the rows of an --estimate file instead of planning here "
@@ -245,6 +283,7 @@ def regret_run(args, started: float) -> int:
     from kvpipe.inputs import budget
     from kvpipe.pipeline.model import load_model
     part, nparts = parse_part(args.part)
+    parse_ranks(args.ranks)
     if args.budget_s is not None and args.budget_s <= 0:
         raise ValueError(f"budget-s: must be positive, got {args.budget_s}")
     spec, hw = load_model(args.model), load_profile(args.hw)
@@ -257,7 +296,8 @@ def regret_run(args, started: float) -> int:
            "command": "python -m benchmarks.planner_regret " + " ".join(sys.argv[1:]), "model": args.model,
            "device": args.device, "hw": args.hw, "objective": args.objective, "gpu_budget": args.gpu_mem,
            "gpu_budget_bytes": budgets["gpu"], "host_budget_bytes": budgets["host"], "budget_s": args.budget_s,
-           "part": f"{part}/{nparts}: {' '.join(parts[part - 1])}", "estimate_prior": prior,
+           "part": f"{part}/{nparts}: {' '.join(parts[part - 1])}{f' ranks {args.ranks}' if args.ranks else ''}",
+           "estimate_prior": prior,
            "planning_s": time.monotonic() - started, "plans_from": args.plans or "planned in this process",
            "workloads": {n: wls[n] for n in wls if n in parts[part - 1]}}
     if args.estimate:

@@ -31,5 +31,5 @@ def test_plan_does_not_touch_it(monkeypatch, capsys):
     """Fault caught: the variable set by `kvpipe plan`, which never starts CUDA (a torch-free
     command changing the environment of a process that embeds it)."""
     monkeypatch.delenv(ENV, raising=False)
-    assert cli.main(["plan", "--context", "8K", "--decode-tokens", "1", "--json"]) in (0, 3)
+    assert cli.main(["plan", "--context", "8K", "--decode-tokens", "1", "--method", "standard", "--json"]) in (0, 3)
     assert ENV not in os.environ

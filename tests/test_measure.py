@@ -5,7 +5,7 @@ import json
 import pytest
 
 from benchmarks.measure import Bench
-from benchmarks.planner_regret import run_rows
+from benchmarks.planner_regret import merge, run_rows
 from kvpipe.pipeline.plan import Method, PhasePlan, Plan
 from kvpipe.pipeline.workload import Workload
 
@@ -85,3 +85,18 @@ def test_schedule_runs_strongest_first_skips_over_budget_and_saves_each_row(tmp_
     assert res["workloads"]["B"]["rows"][1]["skipped"].startswith("budget")
     assert len(saves) == 6
     assert res["workloads"]["A"]["pick_regret"] == 0.0 and res["workloads"]["A"]["measured_rows"] == 3
+
+
+def test_table_joins_parts_before_judging_the_pick():
+    """Fault caught: `--table A.json B.json` judging each call's share of a workload alone (the
+    pick would look best in the call that measured it, whatever the other call found)."""
+    head = {"objective": "total", "model": "m", "gpu_budget": "24GB", "device": "cuda"}
+    rows = lambda measured: [dict({"label": f"r{k}", "rank": k}, **({"measured": {"total_s": v}} if v else
+                                                                   {"skipped": "ranks"}))
+                             for k, v in enumerate(measured)]
+    a = dict(head, part="1", workloads={"256K": {"context": 1, "rows": rows([10.0, 10.5, None])}})
+    b = dict(head, part="2", workloads={"256K": {"context": 1, "rows": rows([None, None, 9.0])}})
+    (res,) = merge([a, b])
+    wl = res["workloads"]["256K"]
+    assert [r["measured"]["total_s"] for r in wl["rows"]] == [10.0, 10.5, 9.0]
+    assert wl["measured_rows"] == 3 and abs(wl["pick_regret"] - (10.0 / 9.0 - 1)) < 1e-12
