@@ -67,6 +67,7 @@ class Bench:
     hf: object = field(default=None, init=False)
     ids: object = field(default=None, init=False)
     load_s: float = field(default=0.0, init=False)
+    last_context: int | None = field(default=None, init=False)   # the previous row's (pinned blocks fit it)
 
     def __enter__(self) -> "Bench":
         return self.open()
@@ -110,6 +111,9 @@ class Bench:
         problems = budget_problems(breakdown(self.spec, work, plan), self.budgets)
         if problems:
             return Row({"error": "does not fit: " + "; ".join(problems), "oom": False})
+        if self.last_context not in (None, work.context):
+            self._release_pinned()   # another context: the cached blocks are the wrong sizes
+        self.last_context = work.context
         t0 = time.perf_counter()
         try:
             info, logits = self._run(plan, work, replay, keep_logits)
@@ -160,10 +164,17 @@ class Bench:
         us = self._host_stats().get("host_alloc_time.total")
         return None if us is None else us / 1e6
 
+    def _release_pinned(self) -> None:
+        import torch
+        release = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+        if self.cuda and release:
+            release()
+
     def _clean(self) -> None:
         """Free what the last row left: Python garbage first (an exception's tensors), then the
-        allocator's cached blocks. torch's cached pinned host blocks are kept for the next row's
-        KV homes to reuse (creating pinned memory is slow) unless they pass a third of the host
+        allocator's cached blocks. torch's cached pinned host blocks are kept for the next row of
+        the same context to reuse (creating pinned memory is slow; torch rounds each block up to
+        a power of two: just over 1 GiB per layer at 256K takes 2) unless they pass half the host
         budget; `pinned_alloc_s` shows what each row paid (torch-pinned homes only: replayed rows)."""
         gc.collect()
         if self.cuda:
@@ -171,10 +182,8 @@ class Bench:
             torch.cuda.synchronize(self.dev)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.dev)
-            cached = self._host_stats().get("allocated_bytes.current", 0)
-            release = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
-            if release and cached > (self.host_budget or 0) / 3:
-                release()
+            if self._host_stats().get("allocated_bytes.current", 0) > (self.host_budget or 0) / 2:
+                self._release_pinned()
 
 
 def note(name: str, row: Row) -> None:

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from benchmarks.measure import Bench
-from benchmarks.planner_regret import merge, run_rows
+from benchmarks.planner_regret import run_rows
+from benchmarks.regret_table import merge
 from kvpipe.pipeline.plan import Method, PhasePlan, Plan
 from kvpipe.pipeline.workload import Workload
 
