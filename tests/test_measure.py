@@ -101,3 +101,28 @@ def test_table_joins_parts_before_judging_the_pick():
     wl = res["workloads"]["256K"]
     assert [r["measured"]["total_s"] for r in wl["rows"]] == [10.0, 10.5, 9.0]
     assert wl["measured_rows"] == 3 and abs(wl["pick_regret"] - (10.0 / 9.0 - 1)) < 1e-12
+
+
+@pytest.mark.gpu
+def test_cuda_rows_replay_agree_and_an_out_of_memory_row_is_survived(tmp_path_factory):
+    """Fault caught, on CUDA: the helper's replayed resident and offloaded rows disagreeing or
+    recording no allocator peak, and a CUDA out-of-memory in one row escaping the helper or
+    leaving the next row without memory. The OOM is real: the test holds all but 2-4 MiB of the
+    capped allocator while the row's first 8K-token activation needs 4 MiB."""
+    import torch
+    from conftest import write_config
+    cfg = write_config(tmp_path_factory, torch_dtype="bfloat16", hidden_size=256, head_dim=64)
+    budget, seg = 2 * 10**9, 2 << 20
+    with Bench(cfg, "cuda", budget, max_context=8192, host_budget=1 << 30) as bench:
+        work, units = Workload(8192, 4, 1), bench.spec.units
+        a, b = bench.row(_plan(units, chunk=8192), work), bench.row(_plan(0, chunk=8192), work)
+        assert a.ok and b.ok, (a.json, b.json)
+        assert a.json["decode_issue"] == b.json["decode_issue"] == "graph"
+        assert a.json["output_digest"] == b.json["output_digest"]
+        assert a.json["measured"]["peak_gpu_bytes"] > 0
+        hog = torch.empty((budget - torch.cuda.memory_reserved()) // seg * seg - seg, dtype=torch.uint8,
+                          device="cuda")
+        oom = bench.row(_plan(0, chunk=8192), work)
+        del hog
+        assert not oom.ok and oom.json["oom"], oom.json
+        assert bench.row(_plan(0, chunk=8192), work).ok
