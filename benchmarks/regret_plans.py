@@ -46,8 +46,9 @@ def predicted(spec: ModelSpec, work: Workload, plan: Plan, hw, replay: str, pred
     """The simulator's figures for `plan`, decode replayed as `kvpipe run --replay auto` would
     (`replay` "off": issued stage by stage)."""
     from kvpipe.sim.simulate import replays_decode, simulate
-    rep = (pred or simulate(spec, work, plan, hw,
-                            replay=replay != "off" and replays_decode(spec, work) and not plan.disk)).report
+    replayed = (replay != "off" and replays_decode(spec, work) and not plan.disk
+                and plan.decode.codec("h2d") == "none")
+    rep = (pred or simulate(spec, work, plan, hw, replay=replayed)).report
     t = rep.timing
     return {"prefill_s": t.prefill_s, "ttft_s": t.ttft_s, "decode_s_per_token": t.decode_s_per_token,
             "total_s": t.total_s, "peak_gpu_bytes": rep.peak_bytes["gpu"]}
@@ -91,7 +92,7 @@ def layerlike(spec: ModelSpec, work: Workload, hw, budgets: dict, objective: str
     from kvpipe.sim.planner import NoPlanFits, Pins, search
     try:
         return search(spec, work, hw, budgets, Pins(group=spec.kv_heads, chunk=min(16384, work.context)),
-                      objective).best.plan
+                      objective, h2d_codecs=False).best.plan
     except NoPlanFits:
         return None
 
@@ -105,10 +106,11 @@ def fits(spec: ModelSpec, work: Workload, plan: Plan, budgets: dict) -> bool:
 
 
 def candidates(spec: ModelSpec, work: Workload, hw, budgets: dict, objective: str = "total") -> list[Candidate]:
-    """The pick (the planner asked exactly as `kvpipe run --objective OBJECTIVE` asks it), its
-    runners-up, then the others strongest first; every one fits `budgets`, none repeats."""
+    """The pick (the planner asked exactly as `kvpipe run --objective OBJECTIVE` asks it: no h2d
+    codec tried), its runners-up, then the others strongest first; every one fits `budgets`, none
+    repeats."""
     from kvpipe.sim.planner import search
-    found = search(spec, work, hw, budgets, objective=objective)
+    found = search(spec, work, hw, budgets, objective=objective, h2d_codecs=False)
     rows = [Candidate("planner pick", found.best.plan, "auto",
                       predicted(spec, work, found.best.plan, hw, "auto", found.best.prediction), 0, "the planner")]
     for i, alt in enumerate(found.alternatives, 1):
