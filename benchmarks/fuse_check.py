@@ -15,10 +15,11 @@ import datetime
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
+from benchmarks.measure import Bench, note
 from benchmarks.regimes import GPU_BUDGET, MODEL, floor_of, hbm_read_rate, plan_for
+from kvpipe.api import default_alloc_conf
 
 CONTEXTS = (8192, 32768)
 TARGET = 1.5          # issue 8: resident decode <= 1.5x the HBM floor
@@ -33,27 +34,20 @@ def cold_compile_s(torch, hf) -> float:
 
 
 def measure(args) -> dict:
+    default_alloc_conf()   # before torch starts CUDA
     import torch
 
-    from kvpipe.executor import session
     from kvpipe.executor.fused import FUSE_ENV
-    from kvpipe.pipeline.builder import build
-    from kvpipe.pipeline.model import load_model
-    from kvpipe.pipeline.report import timing_from_trace
     from kvpipe.pipeline.workload import Workload
     res = {"command": "python -m benchmarks.fuse_check " + " ".join(sys.argv[1:]),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "gpu_budget": GPU_BUDGET,
            "rates": {"hbm_read_bytes_per_s": hbm_read_rate(torch)}, "rows": {}}
-    spec = load_model(MODEL)
-    device = session.resolve_device("cuda")
-    t0 = time.perf_counter()
-    hf = session.load_hf_model(MODEL, True, device, torch.bfloat16, 0)
-    res["model_load_s"] = time.perf_counter() - t0
+    bench = Bench(MODEL, "cuda", GPU_BUDGET, max(CONTEXTS)).open()   # the model, built once
+    spec, hf, budgets = bench.spec, bench.hf, bench.budgets
+    res["model_load_s"] = bench.load_s
     res["cold_compile_s"] = cold_compile_s(torch, hf)
     print(f"fused pieces compiled (cold) in {res['cold_compile_s']:.1f} s", file=sys.stderr, flush=True)
-    ids_all = session.prompt_tensor(None, 1, max(CONTEXTS), spec.vocab, 0)
-    budgets = {"gpu": GPU_BUDGET, "host": session.host_ram_bytes(), "disk": 0}
     for context in CONTEXTS:
         work = Workload(context, args.decode, 1)
         plan = plan_for(spec, work, "8", "all", budgets)
@@ -63,28 +57,23 @@ def measure(args) -> dict:
             row = {"context": context, "decode_tokens": args.decode, "kind": "resident", "fuse": fuse,
                    "plan": plan.to_json()}
             os.environ[FUSE_ENV] = "1" if fuse else "0"
-            try:
-                t0 = time.perf_counter()
-                m = session.run_graph(build(spec, work, plan), hf, ids_all[:, :context], device, GPU_BUDGET,
-                                      progress=False, warmup=True, replay="on")
-                r = m.result
-                t = timing_from_trace(r.trace)
-                floor, _ = floor_of(row, spec, res["rates"])
-                row.update(decode_issue=r.decode_issue, fused=r.fused, graphs=r.graphs, capture_s=r.capture_s,
-                           compile_s=r.compile_s, wall_s=time.perf_counter() - t0,
-                           decode_s_per_token=t.decode_s_per_token, prefill_s=t.prefill_s,
-                           hbm_floor_s=floor, ratio=t.decode_s_per_token / floor,
-                           peak_gpu_bytes=r.peak_gpu_bytes, tokens=r.tokens[0].tolist())
-                assert r.fused is fuse, (r.fused, fuse)
-                logits[fuse] = r.last_logits.clone()   # [1, V] fp32, the last decode step
-                del m, r
-            except Exception as e:   # one failed row must not lose the others
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            try:   # one row, measured as `kvpipe run` does; an error (OOM) ends only this row
+                got = bench.row(plan, work, replay="on", keep_logits=True)
             finally:
                 os.environ.pop(FUSE_ENV, None)
-                torch.cuda.empty_cache()
+            r, m = got.json, got.json.get("measured", {})
+            if got.ok and r["fused"] is fuse:
+                floor, _ = floor_of(row, spec, res["rates"])
+                row.update(decode_issue=r["decode_issue"], fused=r["fused"], graphs=r["graphs"],
+                           capture_s=r["capture_s"], compile_s=r["compile_s"], wall_s=r["wall_s"],
+                           decode_s_per_token=m["decode_s_per_token"], prefill_s=m["prefill_s"],
+                           hbm_floor_s=floor, ratio=m["decode_s_per_token"] / floor,
+                           peak_gpu_bytes=m["peak_gpu_bytes"], tokens=r["tokens"])
+                logits[fuse] = got.last_logits   # [1, V] fp32 (CPU), the last decode step
+            else:
+                row["error"] = r.get("error") or f"asked fused={fuse}, the run says fused={r['fused']}"
             res["rows"][name] = row
-            print(f"{name}: {row.get('decode_s_per_token', row.get('error'))}", file=sys.stderr, flush=True)
+            note(name, got)
         if len(logits) == 2:   # the last step's logits, fused vs unfused (same prompt, same plan)
             a, b = logits[True].double(), logits[False].double()
             res["rows"][f"{context // 1024}k-fused"]["last_logits_vs_unfused"] = {
@@ -92,6 +81,7 @@ def measure(args) -> dict:
                 "tokens_equal": res["rows"][f"{context // 1024}k-fused"]["tokens"]
                 == res["rows"][f"{context // 1024}k-unfused"]["tokens"]}
         Path(args.out).write_text(json.dumps(res, indent=2))
+    bench.close()
     return res
 
 

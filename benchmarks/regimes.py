@@ -17,8 +17,9 @@ import datetime
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
+
+from kvpipe.api import default_alloc_conf
 
 GPU_BUDGET = 24_000_000_000
 MODEL = "llama-3-8b"
@@ -96,22 +97,6 @@ def hf_run(torch, model, ids, decode_steps: int) -> dict:
     return res
 
 
-def process_mem_bytes() -> int | None:
-    """This process's GPU memory as nvidia-smi reports it (context and library workspaces included)."""
-    import os
-    import subprocess
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    for line in out.splitlines():
-        pid, mib = (x.strip() for x in line.split(","))
-        if pid == str(os.getpid()):
-            return int(mib) * 2**20
-    return None
-
-
 def floor_of(row: dict, spec, rates: dict) -> tuple[float | None, str]:
     """Seconds per decode step no version can beat, and which floor it is."""
     w = row["context"] + row["decode_tokens"] / 2
@@ -172,12 +157,10 @@ def sim_errors(res: dict) -> list[float]:
 
 
 def measure(args) -> dict:
+    from benchmarks.measure import Bench, note
+    default_alloc_conf()   # before torch starts CUDA
     import torch
 
-    from kvpipe.executor import session
-    from kvpipe.pipeline.memory import breakdown
-    from kvpipe.pipeline.model import load_model
-    from kvpipe.pipeline.report import budget_problems, timing_from_trace
     from kvpipe.pipeline.workload import Workload
     names = list(ROWS) if args.rows == "all" else args.rows.split(",")
     res = {"command": "python -m benchmarks.regimes " + " ".join(sys.argv[1:]),
@@ -192,58 +175,35 @@ def measure(args) -> dict:
     dev = torch.empty(n, dtype=torch.uint8, device="cuda")
     res["rates"] = {"h2d_bytes_per_s": copy_rate(host, dev), "hbm_read_bytes_per_s": hbm_read_rate(torch)}
     del host, dev
-    spec = load_model(MODEL)
-    device = session.resolve_device("cuda")
-    hf = session.load_hf_model(MODEL, True, device, torch.bfloat16, 0)
     contexts = sorted({ROWS[n][0] for n in names})
-    ids_all = session.prompt_tensor(None, 1, max(contexts), spec.vocab, 0)
-    for c in contexts:
-        if c > args.hf_max:
-            continue
-        try:
-            res["hf"][str(c)] = hf_run(torch, hf, ids_all[:, :c].to(device), args.decode)
-        except torch.OutOfMemoryError as e:
-            res["hf"][str(c)] = {"error": str(e).splitlines()[0]}
-        print(f"hf {c}: {res['hf'][str(c)]}", file=sys.stderr, flush=True)
-        save()
-    budgets = {"gpu": GPU_BUDGET, "host": session.host_ram_bytes(), "disk": 0}
-    from kvpipe.pipeline.builder import build
-    for name in names:
-        context, group, resident, kind = ROWS[name]
-        work = Workload(context, args.decode, 1)
-        plan = plan_for(spec, work, group, resident, budgets)
-        row = {"context": context, "decode_tokens": args.decode, "kind": kind, "plan": plan.to_json(),
-               "knobs": {"group": group, "resident": resident}}
-        problems = budget_problems(breakdown(spec, work, plan), budgets)
-        if problems:
-            res["rows"][name] = dict(row, error="; ".join(problems))
-            continue
-        try:
-            t0 = time.perf_counter()
-            m = session.run_graph(build(spec, work, plan), hf, ids_all[:, :context], device, GPU_BUDGET,
-                                  progress=False, warmup=True, replay=args.replay)
-            r = m.result
-            t = timing_from_trace(r.trace)
-            row.update(decode_issue=r.decode_issue, graphs=r.graphs, capture_s=r.capture_s,
-                       wall_s=time.perf_counter() - t0,
-                       measured={"prefill_s": t.prefill_s, "decode_s_per_token": t.decode_s_per_token,
-                                 "peak_gpu_bytes": r.peak_gpu_bytes,
-                                 "reserved_gpu_bytes": torch.cuda.max_memory_reserved(),
-                                 "process_gpu_bytes": process_mem_bytes()})
-            del m, r
-        except Exception as e:   # one failed row must not lose the others
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        finally:
-            torch.cuda.empty_cache()
-        if "error" not in row:
+    with Bench(MODEL, "cuda", GPU_BUDGET, max(contexts)) as bench:
+        spec, device = bench.spec, bench.dev
+        for c in contexts:
+            if c > args.hf_max:
+                continue
             try:
-                row["predicted"] = predict(row)
-            except ImportError as e:   # simpy missing on the GPU machine: --repredict the JSON elsewhere
-                row["predicted"] = {"error": f"{e}; run --repredict on this JSON"}
-            row["ratios"] = ratios(row, spec, res["rates"], res["hf"])
-        res["rows"][name] = row
-        print(f"{name}: {row.get('measured', row.get('error'))}", file=sys.stderr, flush=True)
-        save()
+                res["hf"][str(c)] = hf_run(torch, bench.hf, bench.ids[:, :c].to(device), args.decode)
+            except torch.OutOfMemoryError as e:
+                res["hf"][str(c)] = {"error": str(e).splitlines()[0]}
+            print(f"hf {c}: {res['hf'][str(c)]}", file=sys.stderr, flush=True)
+            save()
+        for name in names:
+            context, group, resident, kind = ROWS[name]
+            work = Workload(context, args.decode, 1)
+            plan = plan_for(spec, work, group, resident, bench.budgets)
+            row = {"context": context, "decode_tokens": args.decode, "kind": kind, "plan": plan.to_json(),
+                   "knobs": {"group": group, "resident": resident}}
+            got = bench.row(plan, work, replay=args.replay)
+            row.update(got.json)
+            note(name, got)
+            if got.ok:
+                try:
+                    row["predicted"] = predict(row)
+                except ImportError as e:   # simpy missing on the GPU machine: --repredict the JSON elsewhere
+                    row["predicted"] = {"error": f"{e}; run --repredict on this JSON"}
+                row["ratios"] = ratios(row, spec, res["rates"], res["hf"])
+            res["rows"][name] = row
+            save()
     res["sim_errors"] = sim_errors(res)
     save()
     return res

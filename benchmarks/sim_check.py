@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import sys
 import time
@@ -151,18 +152,16 @@ def plot(res: dict, path: Path) -> str:
 
 
 def measure(out: Path, names: list[str], decode: int) -> dict:
+    from benchmarks.measure import Bench, note
+    from kvpipe.api import default_alloc_conf
+    default_alloc_conf()   # before torch starts CUDA: fixed segments fragmented 4 rows on 2026-11-30
     import torch
 
-    from kvpipe.executor import session
-    from kvpipe.pipeline.builder import build
-    from kvpipe.pipeline.memory import breakdown
-    from kvpipe.pipeline.model import load_model
-    from kvpipe.pipeline.report import budget_problems, timing_from_trace
     from kvpipe.pipeline.workload import Workload
     res = {"command": "python -m benchmarks.sim_check " + " ".join(sys.argv[1:]),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "gpu_budget": GPU_BUDGET,
-           "rows": {}}
+           "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "rows": {}}
     t_start = time.perf_counter()
     from kvpipe.executor.calibrate import hbm, small_kernels
     from kvpipe.pipeline.calibration import Calibration
@@ -175,37 +174,17 @@ def measure(out: Path, names: list[str], decode: int) -> dict:
                           "how": {k: cal.notes[k] for k in ("gpu.small_kernel_s", "gpu.elementwise_efficiency")},
                           "inventory": cal.extra["small_kernels"]}
     torch.cuda.empty_cache()
-    spec = load_model(MODEL)
-    device = session.resolve_device("cuda")
-    hf = session.load_hf_model(MODEL, True, device, torch.bfloat16, 0)
-    ids_all = session.prompt_tensor(None, 1, max(ROWS[n][0] for n in names), spec.vocab, 0)
-    res["load_s"] = time.perf_counter() - t_start
-    budgets = {"gpu": GPU_BUDGET, "host": session.host_ram_bytes(), "disk": 0}
-    for name in names:
-        context = ROWS[name][0]
-        work, plan = Workload(context, decode, 1), plan_of(name)
-        row = {"context": context, "decode_tokens": decode, "plan": plan.to_json()}
-        problems = budget_problems(breakdown(spec, work, plan), budgets)
-        if problems:
-            res["rows"][name] = dict(row, error="; ".join(problems))
-            continue
-        try:
-            t0 = time.perf_counter()
-            m = session.run_graph(build(spec, work, plan), hf, ids_all[:, :context], device, GPU_BUDGET,
-                                  progress=False, warmup=True, replay="auto")
-            r = m.result
-            t = timing_from_trace(r.trace)
-            row.update(decode_issue=r.decode_issue, wall_s=time.perf_counter() - t0,
-                       measured={"prefill_s": t.prefill_s, "decode_s_per_token": t.decode_s_per_token,
-                                 "peak_gpu_bytes": r.peak_gpu_bytes})
-            del m, r
-        except Exception as e:   # one failed row must not lose the others
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        finally:
-            torch.cuda.empty_cache()
-        res["rows"][name] = row
-        print(f"{name}: {row.get('measured', row.get('error'))} ({row.get('wall_s', 0):.1f} s)", file=sys.stderr, flush=True)
-        out.write_text(json.dumps(res, indent=2))
+    with Bench(MODEL, "cuda", GPU_BUDGET, max(ROWS[n][0] for n in names)) as bench:
+        res["load_s"] = time.perf_counter() - t_start
+        for name in names:
+            context = ROWS[name][0]
+            work, plan = Workload(context, decode, 1), plan_of(name)
+            row = {"context": context, "decode_tokens": decode, "plan": plan.to_json()}
+            got = bench.row(plan, work, replay="auto")
+            row.update(got.json)
+            res["rows"][name] = row
+            note(name, got)
+            out.write_text(json.dumps(res, indent=2))
     res["total_s"] = time.perf_counter() - t_start
     out.write_text(json.dumps(res, indent=2))
     return res

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 from kvpipe.pipeline.model import ModelSpec, load_model
 from kvpipe.pipeline.plan import Plan
@@ -32,6 +33,20 @@ DEFAULT_PLAN_CONTEXT = "1M"
 DEFAULT_RUN_CONTEXT = "32K"      # run without a prompt file; with one, the prompt's length
 DEFAULT_DECODE_TOKENS = 32       # the same for plan and run
 Path_ = str | os.PathLike | None
+ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
+ALLOC_CONF = "expandable_segments:True"
+
+
+def default_alloc_conf(environ=None) -> bool:
+    """Give torch's CUDA caching allocator expandable segments unless the user set
+    PYTORCH_CUDA_ALLOC_CONF (then it is left alone): with fixed segments, rows died of
+    fragmentation on the H200 (benchmarks/results/h200-2026-11-30-sim_check.json). Takes effect
+    only before CUDA initialises. True when it set the variable."""
+    env = os.environ if environ is None else environ
+    if ALLOC_CONF_ENV in env:
+        return False
+    env[ALLOC_CONF_ENV] = ALLOC_CONF
+    return True
 
 
 def _predict(model, work, plan: Plan, hw, budgets, full: bool = False, max_context: int | None = None,
@@ -215,11 +230,15 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
     machine's RAM and the free space of `kv_dir` (the disk tier's directory, default the system
     temp dir, its file removed however the run ends); `context` to the prompt file's length,
     else 32K; `hw` to the bundled profile of this GPU; `disk` and `codec` as for `plan`. The
-    plan is refused before anything is allocated when it does not fit. LOSSY opt-in: `lossy`
+    plan is refused before anything is allocated when it does not fit. Unless PYTORCH_CUDA_ALLOC_CONF
+    is set, it is set to expandable_segments:True before CUDA starts. LOSSY opt-in: `lossy`
     "int8"/"int4" stores the offloaded KV quantised (executor/qstore.py); `sparse` F fetches a
     fraction F of each decode step's offloaded tokens, chosen by a key sketch kept on the GPU
     (executor/sparse_homes.py; not combined with `lossy` or disk units yet)."""
     trace_path, plot_path = output_path(trace, "trace"), output_path(plot, "plot")
+    loaded = sys.modules.get("torch")
+    if loaded is None or not loaded.cuda.is_initialized():   # before CUDA starts, or it is too late
+        default_alloc_conf()
     try:
         import torch  # noqa: F401
         from kvpipe.executor import session

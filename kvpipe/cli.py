@@ -114,7 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="PLAN.json", help="write the chosen plan for `kvpipe run --plan`")
     p.add_argument("--max-context", action="store_true", help="the largest context that fits, with its plan")
     r = sub.add_parser("run", help="execute on this machine's GPU (or CPU) and print measured next to predicted",
-                       formatter_class=_Help, epilog=UNITS)
+                       formatter_class=_Help, epilog=UNITS,
+                       description="Unless PYTORCH_CUDA_ALLOC_CONF is set, run sets it to "
+                                   f"{api.ALLOC_CONF} before CUDA starts (fewer fragmentation OOMs).")
     add_workload_flags(r, context=None, hw=None)
     r.add_argument("--random-weights", action="store_true",
                    help="random weights with the model's shapes (presets and config.json have no weights)")

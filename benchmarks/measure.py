@@ -1,0 +1,198 @@
+"""One benchmark process measuring many plans: the random-weight model is built once, then each
+row (a plan on a workload) runs its prefill and decode steps as `kvpipe run` does (the untimed
+warm-up, the allocator capped at the GPU budget, decode replay and fusion at run's defaults unless
+the caller says otherwise) and comes back as measured seconds and memory, or as the error that
+stopped it (an OOM included); the next row starts from a cleaned allocator.
+
+    with Bench("llama-3-8b", "cuda", 24_000_000_000, max_context=131072) as bench:
+        row = bench.row(plan, Workload(32768, 16, 1))   # Row: .json (dict), .last_logits
+
+Used by benchmarks/planner_regret.py, regimes.py, sim_check.py --measure and fuse_check.py."""
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from kvpipe.api import default_alloc_conf
+
+
+def process_mem_bytes() -> int | None:
+    """This process's GPU memory as nvidia-smi reports it (context and library workspaces included)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.splitlines():
+        pid, _, mib = (x.strip() for x in line.partition(","))
+        if pid == str(os.getpid()) and mib.isdigit():
+            return int(mib) * 2**20
+    return None
+
+
+@dataclass(frozen=True)
+class Row:
+    """One measured row. `json`: `measured` (prefill_s, decode_s_per_token, total_s, ttft_s,
+    peak_gpu_bytes from the allocator, reserved_gpu_bytes, process_gpu_bytes from nvidia-smi),
+    the run's decode issue mode, graphs, capture/compile seconds, `warmup_s`, `run_s` (the timed
+    run's wall, buffers included), `pinned_alloc_s` (time torch spent creating pinned blocks) and
+    `wall_s`; or `error` (with `oom` true for an out-of-memory) when it did not run to the end."""
+
+    json: dict
+    last_logits: object = None   # [B, vocab] fp32 on the CPU when asked for, else None
+
+    @property
+    def ok(self) -> bool:
+        return "error" not in self.json
+
+
+@dataclass
+class Bench:
+    """The model, prompt and budgets of one measuring process; a context manager (builds on enter).
+    `max_context`: the longest prompt any row uses (one random prompt, sliced per row)."""
+
+    model: str
+    device: str
+    gpu_budget: int
+    max_context: int
+    seed: int = 0
+    host_budget: int | None = None   # default: this machine's RAM, as `kvpipe run`
+    spec: object = field(default=None, init=False)
+    dev: object = field(default=None, init=False)     # torch.device
+    cuda: bool = field(default=False, init=False)
+    hf: object = field(default=None, init=False)
+    ids: object = field(default=None, init=False)
+    load_s: float = field(default=0.0, init=False)
+    last_context: int | None = field(default=None, init=False)   # the previous row's (pinned blocks fit it)
+
+    def __enter__(self) -> "Bench":
+        return self.open()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def open(self) -> "Bench":
+        default_alloc_conf()   # before torch starts CUDA; the user's own setting wins
+        import torch
+
+        from kvpipe.executor import session
+        from kvpipe.pipeline.model import load_model
+        t0 = time.perf_counter()
+        self.spec = load_model(self.model)
+        self.dev = session.resolve_device(self.device)
+        self.hf = session.load_hf_model(self.model, True, self.dev, session.TORCH_DTYPES[self.spec.dtype], self.seed)
+        self.ids = session.prompt_tensor(None, 1, self.max_context, self.spec.vocab, self.seed)
+        self.host_budget = self.host_budget or session.host_ram_bytes()
+        self.cuda = self.dev.type == "cuda"
+        if self.cuda:
+            torch.cuda.synchronize(self.dev)
+        self.load_s = time.perf_counter() - t0
+        return self
+
+    def close(self) -> None:
+        self.hf = self.ids = None
+        self._clean()
+
+    @property
+    def budgets(self) -> dict[str, int]:
+        return {"gpu": self.gpu_budget, "host": self.host_budget, "disk": 0}
+
+    def row(self, plan, work, replay: str = "auto", keep_logits: bool = False) -> Row:
+        """Measure `plan` on `work` (batch 1, context <= max_context). A plan over the budgets is
+        refused without running, as `kvpipe run` refuses it; any error ends only this row."""
+        from kvpipe.pipeline.memory import breakdown
+        from kvpipe.pipeline.report import budget_problems
+        if work.context > self.max_context:
+            raise ValueError(f"context: {work.context} exceeds the bench's max_context {self.max_context}")
+        problems = budget_problems(breakdown(self.spec, work, plan), self.budgets)
+        if problems:
+            return Row({"error": "does not fit: " + "; ".join(problems), "oom": False})
+        if self.last_context not in (None, work.context):
+            self._release_pinned()   # another context: the cached blocks are the wrong sizes
+        self.last_context = work.context
+        t0 = time.perf_counter()
+        try:
+            info, logits = self._run(plan, work, replay, keep_logits)
+        except Exception as e:   # one failed row must not lose the others
+            info, logits = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                            "oom": type(e).__name__ == "OutOfMemoryError" or "out of memory" in str(e)}, None
+        # outside the except block: the traceback's frames (and their tensors) are gone
+        info["wall_s"] = time.perf_counter() - t0
+        self._clean()
+        return Row(info, logits)
+
+    def _run(self, plan, work, replay: str, keep_logits: bool) -> tuple[dict, object]:
+        import torch
+
+        from kvpipe.executor import session
+        from kvpipe.pipeline.builder import build
+        from kvpipe.pipeline.report import timing_from_trace
+        graph, ids = build(self.spec, work, plan), self.ids[:, :work.context]
+        alloc0 = self._pinned_alloc_s()
+        t0 = time.perf_counter()
+        if self.cuda:   # run_graph's own steps: cap, then the untimed warm-up
+            total = torch.cuda.get_device_properties(self.dev).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, self.gpu_budget / total), self.dev)
+            session.warm_up(graph, self.hf, ids, self.dev, replay=replay)
+        t1 = time.perf_counter()
+        m = session.run_graph(graph, self.hf, ids, self.dev, self.gpu_budget, progress=False, warmup=False,
+                              replay=replay)
+        t2 = time.perf_counter()
+        r, t = m.result, timing_from_trace(m.result.trace)
+        info = {"measured": {"prefill_s": t.prefill_s, "decode_s_per_token": t.decode_s_per_token,
+                             "total_s": t.total_s, "ttft_s": t.ttft_s, "peak_gpu_bytes": r.peak_gpu_bytes,
+                             "reserved_gpu_bytes": torch.cuda.max_memory_reserved(self.dev) if self.cuda else 0,
+                             "process_gpu_bytes": process_mem_bytes() if self.cuda else None},
+                "decode_issue": r.decode_issue, "graphs": r.graphs, "capture_s": r.capture_s, "fused": r.fused,
+                "compile_s": r.compile_s, "warmup_s": t1 - t0, "run_s": t2 - t1,
+                "pinned_alloc_s": None if alloc0 is None else self._pinned_alloc_s() - alloc0,
+                "tokens": r.tokens[0].tolist(),
+                "output_digest": m.digest}
+        return info, (r.last_logits.detach().float().cpu().clone() if keep_logits else None)
+
+    def _host_stats(self) -> dict:
+        """torch's pinned-host allocator statistics ({} on CPU, or where this torch has none)."""
+        import torch
+        stats = getattr(torch.cuda.memory, "host_memory_stats", None)
+        return stats() if self.cuda and stats else {}
+
+    def _pinned_alloc_s(self) -> float | None:
+        us = self._host_stats().get("host_alloc_time.total")
+        return None if us is None else us / 1e6
+
+    def _release_pinned(self) -> None:
+        import torch
+        release = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+        if self.cuda and release:
+            release()
+
+    def _clean(self) -> None:
+        """Free what the last row left: Python garbage first (an exception's tensors), then the
+        allocator's cached blocks. torch's cached pinned host blocks are kept for the next row of
+        the same context to reuse (creating pinned memory is slow; torch rounds each block up to
+        a power of two: just over 1 GiB per layer at 256K takes 2) unless they pass half the host
+        budget; `pinned_alloc_s` shows what each row paid (torch-pinned homes only: replayed rows)."""
+        gc.collect()
+        if self.cuda:
+            import torch
+            torch.cuda.synchronize(self.dev)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.dev)
+            if self._host_stats().get("allocated_bytes.current", 0) > (self.host_budget or 0) / 2:
+                self._release_pinned()
+
+
+def note(name: str, row: Row) -> None:
+    """One progress line on stderr: the row's times, or its error."""
+    j = row.json
+    if row.ok:
+        m = j["measured"]
+        dec = "-" if m["decode_s_per_token"] is None else f"{m['decode_s_per_token'] * 1e3:.2f} ms/token"
+        print(f"{name}: prefill {m['prefill_s']:.3f} s, decode {dec} ({j['wall_s']:.1f} s wall, "
+              f"warm-up {j['warmup_s']:.1f} s, pinned alloc {j['pinned_alloc_s'] or 0:.1f} s)", file=sys.stderr, flush=True)
+    else:
+        print(f"{name}: {j['error']}", file=sys.stderr, flush=True)
