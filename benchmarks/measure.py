@@ -96,6 +96,9 @@ class Bench:
     def close(self) -> None:
         self.hf = self.ids = None
         self._clean()
+        if getattr(self, "cuda", False):   # the rows' allocator cap is process-wide: lift it, or later work runs capped
+            import torch
+            torch.cuda.set_per_process_memory_fraction(1.0, self.dev)
 
     @property
     def budgets(self) -> dict[str, int]:

@@ -39,6 +39,19 @@ _TINY_FAMILY = {  # config.json fields of a tiny model per family; head_dim set 
 }
 
 
+@pytest.fixture(autouse=True)
+def _lift_cuda_cap():
+    """A run caps the process's CUDA allocator (set_per_process_memory_fraction), which outlives
+    it: a GPU test that capped at 2 GB made the next GPU tests fail for memory on the H200
+    (2026-11-30). Each test starts uncapped."""
+    yield
+    import sys
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     """Factory of tiny seeded random HF causal LMs, cached for the session:
