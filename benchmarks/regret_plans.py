@@ -92,7 +92,7 @@ def layerlike(spec: ModelSpec, work: Workload, hw, budgets: dict, objective: str
     from kvpipe.sim.planner import NoPlanFits, Pins, search
     try:
         return search(spec, work, hw, budgets, Pins(group=spec.kv_heads, chunk=min(16384, work.context)),
-                      objective, h2d_codecs=False).best.plan
+                      objective).best.plan
     except NoPlanFits:
         return None
 
@@ -106,11 +106,11 @@ def fits(spec: ModelSpec, work: Workload, plan: Plan, budgets: dict) -> bool:
 
 
 def candidates(spec: ModelSpec, work: Workload, hw, budgets: dict, objective: str = "total") -> list[Candidate]:
-    """The pick (the planner asked exactly as `kvpipe run --objective OBJECTIVE` asks it: no h2d
-    codec tried), its runners-up, then the others strongest first; every one fits `budgets`, none
+    """The pick (the planner asked exactly as `kvpipe run --objective OBJECTIVE` asks it on a CUDA GPU
+    with nvCOMP: the h2d codec tried), its runners-up, then the others strongest first; every one fits `budgets`, none
     repeats."""
     from kvpipe.sim.planner import search
-    found = search(spec, work, hw, budgets, objective=objective, h2d_codecs=False)
+    found = search(spec, work, hw, budgets, objective=objective)
     rows = [Candidate("planner pick", found.best.plan, "auto",
                       predicted(spec, work, found.best.plan, hw, "auto", found.best.prediction), 0, "the planner")]
     for i, alt in enumerate(found.alternatives, 1):
