@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from kvpipe.pipeline.calibration import Calibration, fit_alpha_beta, half_rate_flops
+from kvpipe.pipeline.calibration import Calibration, fit_alpha_beta, fit_alpha_beta_relative, half_rate_flops
 from kvpipe.pipeline.hardware import HardwareProfile
 
 from .attention import attend_part
@@ -227,6 +227,122 @@ def attention(cal: Calibration, eff_flops: float, quick: bool, heads_kv: int = 8
             else "FA2 builds no plan per shape")
 
 
+DECODE_GROUPS = (1, 2, 4, 8)
+DECODE_LENGTHS = (2048, 8192, 32768, 131072)
+COLD_BYTES = 256 * MiB   # KV a graph of decode calls reads: several times the L2, as in a step
+
+
+def decode_attention_point(G: int, L: int, r: int = 4, d: int = 128, reps: int = 5) -> tuple[int, float, int]:
+    """GPU seconds of one `attend_decode` call (executor/attention.py, the kernel a replayed decode
+    step runs per head group: FA2 varlen split-KV, the length read on the device) of G KV heads
+    over L keys, in a buffer of capacity L + 16 (a store's capacity is context + decode tokens).
+    `calls` calls, each over its own buffer so that a graph reads at least COLD_BYTES (a step's
+    K/V is not in L2: every layer's weights pass between), captured in one CUDA graph as replay
+    runs them; returns (KV bytes one call reads, seconds per call, calls)."""
+    from .attention import attend_decode
+    S, dt = L + 16, torch.bfloat16
+    per = G * S * 2 * d * dt.itemsize
+    calls = min(512, max(32, -(-COLD_BYTES // per)))
+    n_buf = min(calls, max(2, -(-COLD_BYTES // per)))
+    pool = torch.randn(n_buf, 1, G, S, 2, d, device="cuda", dtype=dt)
+    q = torch.randn(1, G * r, 1, d, device="cuda", dtype=dt)
+    lens = torch.tensor([L], dtype=torch.int32, device="cuda")
+    cu_q = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, S], dtype=torch.int32, device="cuda")
+    scale = d ** -0.5
+
+    def step() -> None:
+        for i in range(calls):
+            attend_decode(q, pool[i % n_buf], lens, cu_q, cu_k, scale)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()                                   # warm-up outside the capture (workspace, kernels)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    sec = cuda_median_s(g.replay, reps) / calls
+    del g, pool
+    return G * L * 2 * d * dt.itemsize, sec, calls
+
+
+def decode_attention(cal: Calibration, groups=DECODE_GROUPS, lengths=DECODE_LENGTHS) -> None:
+    """Per group size G (KV heads per call), the replayed decode attention call as `call_s +
+    bytes / bytes_per_s` (relative least squares over `lengths`): a per-call cost (launch of the
+    split-KV kernel and its combine, the splits' fixed work) and the rate at which one call reads
+    its K/V. Small groups read far below the copy rate (few heads: few CTAs per split)."""
+    points = []
+    for G in groups:
+        pts = [decode_attention_point(G, L) for L in lengths]
+        call_s, rate = fit_alpha_beta_relative([b for b, _, _ in pts], [t for _, t, _ in pts])
+        how = (f"attend_decode (FA2 varlen split-KV, GQA 4:1, D=128, bf16) of {G} KV heads over "
+               f"{list(lengths)} keys, each length a CUDA graph of calls over distinct buffers")
+        cal.set(f"gpu.decode_attention.g{G}.call_s", call_s, how + "; intercept of the relative least-squares fit t = call_s + bytes/rate")
+        cal.set(f"gpu.decode_attention.g{G}.bytes_per_s", rate, how + "; slope of the same fit (K/V bytes read)")
+        points += [{"group": G, "keys": L, "kv_bytes": b, "seconds": t, "calls": c} for L, (b, t, c) in zip(lengths, pts)]
+    cal.extra["decode_attention_points"] = points
+
+
+def copy_series(direction, n: int, size: int, reps: int = 5) -> tuple[float, float]:
+    """Seconds per copy of `n` copies of `size` bytes queued back to back on one stream, as the
+    executor issues a group's per-head fetches and a lane's consecutive stages: (queued eagerly
+    behind a sleep kernel, so the host's issue rate cannot show; captured in a CUDA graph and
+    replayed, as a replayed decode step runs its fetches)."""
+    stream = torch.cuda.current_stream()
+    queued = []
+    for _ in range(reps + 1):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(50_000_000)          # tens of ms of GPU cycles: longer than issuing n copies
+        a.record(stream)
+        for i in range(n):
+            direction(size, i)
+        b.record(stream)
+        b.synchronize()
+        queued.append(a.elapsed_time(b) / 1e3 / n)
+    side = torch.cuda.Stream()
+    side.wait_stream(stream)
+    with torch.cuda.stream(side):
+        for i in range(n):
+            direction(size, i)
+    stream.wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(n):
+            direction(size, i)
+    graphed = cuda_median_s(g.replay, reps) / n
+    return statistics.median(queued[1:]), graphed
+
+
+SERIES_SIZES = (64 * 1024, 256 * 1024, MiB, 2 * MiB, 4 * MiB, 16 * MiB, 64 * MiB)
+
+
+def link_series(cal: Calibration, n: int = 32) -> None:
+    """The link costs the lanes pay: pinned copies queued back to back on one stream (n per size,
+    each from/to its own region), seconds per copy vs size, fitted as alpha + bytes/beta in
+    relative error. These replace the isolated-copy fit of `links` (kept in the JSON record as
+    link_isolated): a copy's latency alone (launch, completion) is not what the next copy queued
+    behind it waits for. The same series captured in a CUDA graph (a replayed step's fetches) is
+    fitted too and kept in the record (`{h2d,d2h}_graph_alpha_s`, `..._bytes_per_s`)."""
+    top = max(SERIES_SIZES)
+    host = torch.empty(n * top, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(n * top, dtype=torch.uint8, device="cuda")
+    cal.extra["link_isolated"] = {k: cal.values[k] for k in ("link.h2d_alpha_s", "link.h2d_bytes_per_s",
+                                                             "link.d2h_alpha_s", "link.d2h_bytes_per_s")}
+    for name, direction in (("h2d", lambda s, i: dev[i * s:(i + 1) * s].copy_(host[i * s:(i + 1) * s], non_blocking=True)),
+                            ("d2h", lambda s, i: host[i * s:(i + 1) * s].copy_(dev[i * s:(i + 1) * s], non_blocking=True))):
+        pts = [copy_series(direction, n, s) for s in SERIES_SIZES]
+        alpha, beta = fit_alpha_beta_relative(SERIES_SIZES, [q for q, _ in pts])
+        how = (f"{n} pinned {name.upper()} copies queued back to back on one stream behind a sleep kernel, sizes "
+               f"{SERIES_SIZES[0] // 1024} KiB-{top // MiB} MiB, GPU seconds per copy")
+        cal.set(f"link.{name}_alpha_s", alpha, how + ", intercept of the relative least-squares fit")
+        cal.set(f"link.{name}_bytes_per_s", beta, "slope of the same fit (" + how + ")")
+        g_alpha, g_beta = fit_alpha_beta_relative(SERIES_SIZES, [g for _, g in pts])
+        cal.extra[f"{name}_graph_alpha_s"], cal.extra[f"{name}_graph_bytes_per_s"] = g_alpha, g_beta
+        cal.extra[f"{name}_series_points"] = [{"bytes": s, "queued_s": q, "graph_s": g}
+                                              for s, (q, g) in zip(SERIES_SIZES, pts)]
+
+
 def links(cal: Calibration, quick: bool) -> None:
     sizes = [64 * 1024, MiB, 16 * MiB, 128 * MiB, 512 * MiB] + ([] if quick else [1024 * MiB])
     host = torch.empty(sizes[-1], dtype=torch.uint8, pin_memory=True)
@@ -319,7 +435,9 @@ def calibrate(base: HardwareProfile, name: str, kv_dir: str | None = None, quick
     eff = {}
     steps.append(("GEMM", lambda: eff.setdefault("bf16", gemm(cal, quick))))
     steps.append(("attention", lambda: attention(cal, eff["bf16"], quick)))
+    steps.append(("decode attention", lambda: decode_attention(cal)))
     steps.append(("PCIe links", lambda: links(cal, quick)))
+    steps.append(("PCIe back-to-back", lambda: link_series(cal)))
     steps.append(("disk", lambda: disk(cal, kv_dir, quick)))
     steps.append(("host issue", lambda: host_issue(cal)))
     for i, (label, step) in enumerate(steps, 1):

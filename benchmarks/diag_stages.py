@@ -1,0 +1,181 @@
+"""Stage-level diagnosis of sim_check rows on the GPU (benchmarks/diag.py --rows <sim_check rows>):
+for each row, every stage's measured span and host issue time, its kernels' GPU time split into
+GEMM / attention / small kernels / copies, and the device seconds pipeline/cost.py predicts for
+it; summed per prefill chunk and per decode step in a table printed last.
+
+Three passes per row after one untimed warm-up: (A) the plan exactly as sim_check runs it
+(spans: CUDA events per stage, no profiler); (B) the prefill alone (decode 0) under
+torch.profiler, one `kvpipe#<stage id>` range opened per stage by the runner's stage hook;
+(C) the whole plan under the profiler, whose decode ranges give the replayed steps' kernels.
+The profiler slows the host, so spans come from pass A only; kernel durations are GPU times and
+the profiler does not change them."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from collections import defaultdict
+
+from benchmarks import sim_check
+from benchmarks.kernel_split import ANNOTATION_PREFIX, CATEGORIES, split
+
+HW = "h200-testbox"
+
+
+class StageRanges:
+    """A runner stage hook that opens a profiler range per stage, closing the previous one (the
+    lanes issue one stage at a time on one thread, so the ranges never overlap)."""
+
+    def __init__(self) -> None:
+        self.cur = None
+
+    def __call__(self, s) -> None:
+        import torch
+        self.close()
+        self.cur = torch.autograd.profiler.record_function(f"{ANNOTATION_PREFIX}{s.id}")
+        self.cur.__enter__()
+
+    def close(self) -> None:
+        if self.cur is not None:
+            self.cur.__exit__(None, None, None)
+            self.cur = None
+
+
+def profiled(fn) -> dict:
+    """Run `fn(hook)` under torch.profiler (CPU + CUDA); the kernel split per stage id."""
+    import torch
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    hook = StageRanges()
+    with torch.profiler.profile(activities=acts) as p:
+        try:
+            fn(hook)
+        finally:
+            hook.close()
+            torch.cuda.synchronize()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        p.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    finally:
+        os.unlink(path)
+    return split(events)
+
+
+def stage_key(s) -> dict:
+    return {"phase": s.phase.value, "step": s.step, "layer": s.layer, "group": s.group, "tag": s.tag,
+            "kind": s.kind.value, "tokens": list(s.tokens), "ops": s.ops, "bytes": s.bytes}
+
+
+def trace_row(name: str, hf, ids_all, spec, device, hw) -> dict:
+    import torch
+
+    from kvpipe.executor.runner import execute
+    from kvpipe.executor.session import warm_up
+    from kvpipe.pipeline.builder import build
+    from kvpipe.pipeline.cost import stage_seconds
+    from kvpipe.pipeline.report import timing_from_trace
+    from kvpipe.pipeline.workload import Workload
+    context = sim_check.ROWS[name][0]
+    work, plan = Workload(context, sim_check.DECODE, 1), sim_check.plan_of(name)
+    ids = ids_all[:, :context]
+    graph = build(spec, work, plan)
+    warm_up(graph, hf, ids, device, replay="auto")
+    r = execute(graph, hf, ids, device, replay="auto")                                   # A
+    t = timing_from_trace(r.trace)
+    replayed = r.decode_issue == "graph"
+    spans = {sp.stage: sp for sp in r.trace.spans}
+    del r
+    torch.cuda.empty_cache()
+    pre_graph = build(spec, Workload(context, 0, 1), plan)
+    pre = profiled(lambda hook: execute(pre_graph, hf, ids, device, stage_hook=hook))   # B
+    torch.cuda.empty_cache()
+    try:   # C: graph capture under the profiler; its failure costs only the decode kernel split
+        full, full_error = profiled(lambda hook: execute(graph, hf, ids, device, stage_hook=hook, replay="auto")), None
+    except Exception as e:
+        full, full_error = {}, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    torch.cuda.empty_cache()
+    # pre_graph's prefill stages are graph's (same builder, same plan, decode after): match by key
+    pre_ids = {json.dumps(stage_key(s)): s.id for s in pre_graph.stages}
+    stages = []
+    for s in graph.stages:
+        sp = spans[s.id]
+        row = dict(stage_key(s), id=s.id, measured_s=sp.end_s - sp.start_s, start_s=sp.start_s,
+                   host_s=sp.host_s, predicted_s=stage_seconds(s, hw, spec.dtype, replayed and s.phase.value == "decode"))
+        if s.phase.value == "prefill":
+            row["kernels"] = pre.get(pre_ids.get(json.dumps(stage_key(s)), -2))
+        else:
+            row["kernels"] = full.get(s.id)
+        stages.append(row)
+    return {"context": context, "decode_tokens": work.decode_tokens, "plan": plan.to_json(),
+            "decode_issue": "graph" if replayed else "eager",
+            "measured": {"prefill_s": t.prefill_s, "decode_s_per_token": t.decode_s_per_token},
+            "unattributed_kernels": {"prefill_pass": pre.get(-1), "full_pass": full.get(-1)},
+            "full_pass_error": full_error,
+            "stages": stages}
+
+
+def per_step(row: dict) -> list[dict]:
+    """Per (phase, step): GPU-lane span sums (measured, predicted) per compute tag, host issue
+    seconds, kernel seconds per category, the step's GPU-lane extent, h2d/d2h span sums."""
+    acc: dict[tuple, dict] = {}
+    for s in row["stages"]:
+        k = (s["phase"], s["step"])
+        a = acc.setdefault(k, {"phase": s["phase"], "step": s["step"], "measured": defaultdict(float),
+                               "predicted": defaultdict(float), "host_s": 0.0,
+                               "kernels": {c: 0.0 for c in CATEGORIES}, "first": None, "last": 0.0})
+        lane_tag = s["tag"] if s["kind"] == "compute" else s["kind"]
+        a["measured"][lane_tag] += s["measured_s"]
+        a["predicted"][lane_tag] += s["predicted_s"]
+        a["host_s"] += s["host_s"]
+        for c, (sec, _) in (s.get("kernels") or {}).items():
+            a["kernels"][c] += sec
+        if s["kind"] == "compute":
+            a["first"] = s["start_s"] if a["first"] is None else min(a["first"], s["start_s"])
+            a["last"] = max(a["last"], s["start_s"] + s["measured_s"])
+    return list(acc.values())
+
+
+def table(name: str, row: dict) -> list[str]:
+    lines = [f"{name}: prefill {row['measured']['prefill_s']:.3f} s, decode "
+             f"{(row['measured']['decode_s_per_token'] or 0) * 1e3:.2f} ms; per step, ms measured/predicted "
+             "(GPU lane: qkv attn mlp head (a replayed step: all of it); h2d d2h), host issue, kernels gemm/attn/small/copy"]
+    for a in per_step(row):
+        m, p, k = a["measured"], a["predicted"], a["kernels"]
+        cells = " ".join(f"{t}={m.get(t, 0) * 1e3:.1f}/{p.get(t, 0) * 1e3:.1f}" for t in ("qkv", "attn", "mlp", "head", "h2d", "d2h"))
+        lines.append(f"  {a['phase'][:3]} {a['step']:>2} {cells} host={a['host_s'] * 1e3:.1f} "
+                     f"k={'/'.join(f'{k[c] * 1e3:.1f}' for c in CATEGORIES)}")
+    return lines
+
+
+def stage_trace(names: list[str], out: dict, save) -> None:
+    """Trace `names` (sim_check rows) into `out[name]`, calling `save()` after each row."""
+    import torch
+
+    from kvpipe.executor import session
+    from kvpipe.hw_profiles import load_profile
+    from kvpipe.pipeline.model import load_model
+    t0 = time.perf_counter()
+    spec, hw = load_model(sim_check.MODEL), load_profile(HW)
+    device = session.resolve_device("cuda")
+    torch.cuda.set_per_process_memory_fraction(
+        min(1.0, sim_check.GPU_BUDGET / torch.cuda.get_device_properties(device).total_memory), device)
+    hf = session.load_hf_model(sim_check.MODEL, True, device, torch.bfloat16, 0)
+    ids_all = session.prompt_tensor(None, 1, max(sim_check.ROWS[n][0] for n in names), spec.vocab, 0)
+    print(f"diag: model loaded in {time.perf_counter() - t0:.1f} s", flush=True)
+    lines = []
+    for name in names:
+        t1 = time.perf_counter()
+        try:
+            out[name] = trace_row(name, hf, ids_all, spec, device, hw)
+            lines += table(name, out[name])
+        except Exception as e:   # one failed row must not lose the others
+            out[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+            lines.append(f"{name}: failed: {out[name]['error']}")
+        finally:
+            torch.cuda.empty_cache()
+        print(f"diag: {name} traced in {time.perf_counter() - t1:.1f} s", flush=True)
+        save()
+    print("\n".join(lines), flush=True)

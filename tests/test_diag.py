@@ -1,0 +1,81 @@
+"""benchmarks/kernel_split.py and benchmarks/diag_stages.py: the per-stage kernel split the GPU
+diagnosis of the simulator's misses relies on (issue 8 §3 / issue 10 §4)."""
+import json
+
+import pytest
+
+from benchmarks.kernel_split import ANNOTATION_PREFIX, category, split
+
+
+def _ev(cat, name, ts, dur, tid=1, corr=None):
+    e = {"ph": "X", "cat": cat, "name": name, "pid": 7, "tid": tid, "ts": ts, "dur": dur}
+    if corr is not None:
+        e["args"] = {"correlation": corr}
+    return e
+
+
+def test_kernel_names_fall_in_their_category():
+    # Fault caught: FA2's kernel (its name carries cutlass types) counted as a GEMM, a cuBLAS /
+    # nvjet GEMM or cuDNN's SDPA kernel counted as a small kernel, a memcpy as compute.
+    assert category("kernel", "void flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128, 64, 128, 4, false, "
+                              "false, cutlass::bfloat16_t>>") == "attention"
+    assert category("kernel", "flash_fwd_splitkv_combine_kernel") == "attention"
+    assert category("kernel", "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3") == "attention"
+    assert category("kernel", "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN") == "gemm"
+    assert category("kernel", "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "gemm"
+    assert category("kernel", "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>") == "small"
+    assert category("kernel", "triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "small"
+    assert category("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)") == "copy"
+    assert category("gpu_memset", "Memset (Device)") == "copy"
+
+
+def test_split_ties_kernels_to_the_range_that_launched_them():
+    # Fault caught: kernels attributed by their GPU time (they run long after the host moved on to
+    # later stages) instead of by their launch; a launch outside every range silently dropped.
+    ev = [_ev("user_annotation", f"{ANNOTATION_PREFIX}3", 100, 50),
+          _ev("user_annotation", f"{ANNOTATION_PREFIX}4", 150, 50),
+          _ev("cuda_runtime", "cudaLaunchKernel", 110, 2, corr=1),
+          _ev("cuda_runtime", "cudaMemcpyAsync", 160, 2, corr=2),
+          _ev("cuda_runtime", "cudaLaunchKernel", 170, 2, corr=3),
+          _ev("cuda_runtime", "cudaLaunchKernel", 300, 2, corr=4),
+          # GPU events run later, in the order launched; stage 3's GEMM ends during stage 4's range
+          _ev("kernel", "nvjet_tst_gemm", 180, 40, tid=20, corr=1),
+          _ev("gpu_memcpy", "Memcpy HtoD", 221, 10, tid=21, corr=2),
+          _ev("kernel", "flash_fwd_kernel", 232, 30, tid=20, corr=3),
+          _ev("kernel", "elementwise_kernel", 400, 5, tid=20, corr=4)]
+    out = split(ev)
+    assert out[3]["gemm"] == [pytest.approx(40e-6), 1] and out[3]["attention"] == [0.0, 0]
+    assert out[4]["copy"] == [pytest.approx(10e-6), 1] and out[4]["attention"] == [pytest.approx(30e-6), 1]
+    assert out[-1]["small"] == [pytest.approx(5e-6), 1]
+
+
+def test_stage_ranges_cover_every_stage_of_a_run(tiny_model):
+    # Fault caught: the diag hook opening ranges that nest or leak (one range left open swallows
+    # the next stages' launches), or missing stages: on a CPU run of a tiny model, the profiler
+    # trace holds exactly one `kvpipe#<id>` range per stage, none overlapping on its thread.
+    torch = pytest.importorskip("torch")
+    from benchmarks.diag_stages import StageRanges
+    from kvpipe.executor.adapter import HFAdapter
+    from kvpipe.executor.runner import execute
+    from kvpipe.pipeline.builder import build
+    from kvpipe.pipeline.plan import Method, PhasePlan, Plan
+    from kvpipe.pipeline.workload import Workload
+    model = tiny_model("llama", kv_heads=2, q_heads=4, head_dim=16, layers=2)
+    spec = HFAdapter(model).spec()
+    g = build(spec, Workload(64, 2, 1), Plan(Method.HEADWISE, PhasePlan(1, 32, 2), PhasePlan(1, 1, 2), 1, 0))
+    ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(0))
+    hook = StageRanges()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+        execute(g, model, ids, stage_hook=hook)
+        hook.close()
+    path = __import__("tempfile").mktemp(suffix=".json")
+    p.export_chrome_trace(path)
+    ev = [e for e in json.load(open(path))["traceEvents"]
+          if e.get("cat") == "user_annotation" and e.get("name", "").startswith(ANNOTATION_PREFIX)]
+    assert sorted(int(e["name"][len(ANNOTATION_PREFIX):]) for e in ev) == list(range(len(g.stages)))
+    by_tid = {}
+    for e in ev:
+        by_tid.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"]))
+    for spans in by_tid.values():
+        spans.sort()
+        assert all(a[1] <= b[0] + 1e-3 for a, b in zip(spans, spans[1:]))
