@@ -58,9 +58,28 @@ def host_issue_seconds(s: Stage, hw: HardwareProfile) -> float:
     return hw.host_issue_s_per_stage + s.ops * hw.host_issue_s_per_op
 
 
+def replayed_decode_attention_seconds(group: int, kv_bytes: float, mem_bytes: float,
+                                      hw: HardwareProfile) -> float | None:
+    """The fused kernel of a replayed decode attention (executor/attention.attend_decode, one call
+    per head group) from the profile's measured [gpu.decode_attention] table: per group size a
+    per-call cost and the rate at which the call reads its `kv_bytes` of K/V; the stage's other
+    device traffic (`mem_bytes - kv_bytes`: the query, its output, a mixed group's resident heads
+    copied into the slot) at the HBM copy rate. None without a table (the roofline stands in).
+    The roofline charged one KV head's keys at the copy rate: group-1 steps were predicted 23-34%
+    short on the H200, where a call reads its few heads far below it."""
+    call = hw.decode_attention_seconds(group, kv_bytes)
+    if call is None:
+        return None
+    return call + max(0.0, mem_bytes - kv_bytes) / hw.hbm_eff_bytes_per_s
+
+
 def stage_seconds(s: Stage, hw: HardwareProfile, dtype: str, replayed: bool = False) -> float:
     """Device seconds of `s` on its lane; `replayed`: issued inside a CUDA graph (decode replay)."""
     if s.kind is Kind.COMPUTE:
+        if replayed and split_kv_attention(s):
+            t = replayed_decode_attention_seconds(len(s.heads), s.kv_bytes, s.mem_bytes, hw)
+            if t is not None:
+                return t + stage_small_seconds(s, hw, replayed)
         plan_build = hw.attention_plan_s if new_attention_shape(s) else 0.0
         return (compute_seconds(s.flops, s.mem_bytes, s.ops, hw, dtype, s.tag, replayed,
                                 not split_kv_attention(s)) + plan_build

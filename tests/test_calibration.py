@@ -150,3 +150,21 @@ def test_decode_attention_table_round_trips_through_the_toml(tmp_path):
     path.write_text(to_toml(cal) + "\n[gpu.decode_attention.x1]\ncall_s = 1.0\nbytes_per_s = 1.0\n")
     with pytest.raises(ProfileError, match="gpu.decode_attention.x1"):
         load_profile(str(path))
+
+
+@pytest.mark.gpu
+def test_calibrate_decode_attention_and_copy_series_on_the_gpu():
+    # Fault caught: the decode-attention probe timing something other than one attend_decode call
+    # (its K/V bytes must be G * L * 2 * D * 2 by hand, and a call over 4x the keys must not be
+    # faster), or the back-to-back copy series reporting more per copy than an isolated copy.
+    torch = pytest.importorskip("torch")
+    from kvpipe.executor.calibrate import MiB, copy_series, cuda_median_s, decode_attention_point
+    b1, t1, calls = decode_attention_point(1, 8192)
+    b4, t4, _ = decode_attention_point(1, 32768)
+    assert b1 == 1 * 8192 * 2 * 128 * 2 and calls >= 32 and 0 < t1 <= t4 * 1.05
+    host = torch.empty(32 * MiB, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(32 * MiB, dtype=torch.uint8, device="cuda")
+    one = cuda_median_s(lambda: dev[:MiB].copy_(host[:MiB], non_blocking=True), 5)
+    queued, graphed = copy_series(lambda s, i: dev[i * s:(i + 1) * s].copy_(host[i * s:(i + 1) * s], non_blocking=True),
+                                  16, MiB)
+    assert 0 < queued <= one * 1.05 and graphed > 0

@@ -174,3 +174,30 @@ def test_decode_attention_pays_no_gemm_small_shape_term(replayed):
             assert stage_seconds(s, big, GQA.dtype, replayed) > stage_seconds(s, HW, GQA.dtype, replayed)
     pre = next(s for s in g.stages if s.phase is Phase.PREFILL and s.tag == "attn")
     assert stage_seconds(pre, big, GQA.dtype) > stage_seconds(pre, HW, GQA.dtype)
+
+
+@pytest.mark.parametrize("group", [1, 2])
+def test_replayed_decode_attention_uses_the_measured_call(group):
+    """Fault caught (issue 10 §4, group-1 resident decode 23-34% short on the H200): a replayed
+    decode attention costed as its K/V bytes at the HBM copy rate plus launches, where one
+    attend_decode call of few KV heads reads far below that rate. With a [gpu.decode_attention]
+    table the kernel is call_s + kv_bytes / rate of its group size (between two measured sizes,
+    linear in the size), the rest of its traffic (query, output, a mixed group's copy-in) at the
+    HBM rate, plus its small kernels. By hand from the stage's cost inputs; eager decode and
+    prefill attention keep the roofline; without a table the roofline stands."""
+    from kvpipe.pipeline.hardware import DecodeAttention
+    tab = replace(HW, decode_attention=(DecodeAttention(1, 7e-6, 2e8), DecodeAttention(4, 3e-6, 6e8)))
+    g = build(GQA, GQA_WORK, replace(GQA_PLAN, decode=replace(GQA_PLAN.decode, group=group)))
+    attn = [s for s in g.stages if s.phase is Phase.DECODE and s.tag == "attn"]
+    assert attn and all(len(s.heads) == group for s in attn)
+    for s in attn:
+        kv = GQA_WORK.batch * (s.tokens[1]) * group * GQA.kv_unit_bytes_per_token
+        assert s.kv_bytes == kv
+        w = (group - 1) / 3
+        call = (1 - w) * (7e-6 + kv / 2e8) + w * (3e-6 + kv / 6e8)
+        by_hand = call + (s.mem_bytes - kv) / HW.hbm_eff_bytes_per_s + stage_small_seconds(s, HW, True)
+        assert stage_seconds(s, tab, GQA.dtype, True) == pytest.approx(by_hand, rel=REL)
+        assert stage_seconds(s, tab, GQA.dtype, False) == stage_seconds(s, HW, GQA.dtype, False)
+        assert stage_seconds(s, HW, GQA.dtype, True) != pytest.approx(by_hand, rel=1e-3)
+    pre = next(s for s in g.stages if s.phase is Phase.PREFILL and s.tag == "attn")
+    assert stage_seconds(pre, tab, GQA.dtype) == stage_seconds(pre, HW, GQA.dtype)
