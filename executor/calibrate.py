@@ -222,9 +222,49 @@ def attention(cal: Calibration, eff_flops: float, quick: bool, heads_kv: int = 8
     cal.set("gpu.attention_efficiency", min(1.0, statistics.median(fractions[prefill])),
             f"{prefill} attention of a 4096-token chunk (GQA {r}:1, D={d}) over prefixes {prefixes}, "
             f"median rate / bf16 GEMM rate")
-    cal.set("gpu.attention_plan_s", statistics.median(plan_s) if plan_s else 0.0,
-            "first call at a new prefix length minus the steady call (cuDNN plan build)" if plan_s
-            else "FA2 builds no plan per shape")
+    cal.extra["attention_plan_s_first_calls"] = plan_s   # the first includes cuDNN's one-off start-up
+    if prefill == "cudnn":
+        attention_plan(cal, heads_kv, r, d)
+    else:
+        cal.set("gpu.attention_plan_s", 0.0, "FA2 builds no plan per shape")
+
+
+def attention_plan(cal: Calibration, heads_kv: int = 8, r: int = 4, d: int = 128, chunk: int = 4096,
+                   n: int = 5) -> None:
+    """Host seconds cuDNN spends building the execution plan of a new prefix length: the executor's
+    prefix attention (attend_part over interleaved K/V views of a larger buffer, as the KV store
+    holds them) at `n` prefix lengths never seen before, after a call at another length has paid
+    cuDNN's one-off start-up; per length, the host time until the first call returns minus that of
+    a steady call at the same length (the build runs on the host inside the call), median."""
+    old = os.environ.get("KVPIPE_ATTN")
+    os.environ["KVPIPE_ATTN"] = "cudnn"
+    scale = d ** -0.5
+    lengths = [8192 + 136 * (i + 1) for i in range(n)]
+    buf = torch.randn(1, heads_kv, max(lengths) + 64, 2, d, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(1, heads_kv, r * chunk, d, device="cuda", dtype=torch.bfloat16)
+    points = []
+    try:
+        attend_part(q, buf[:, :, :1000, 0], buf[:, :, :1000, 1], scale, False)   # start-up, another shape
+        torch.cuda.synchronize()
+        for P in lengths:
+            k, v = buf[:, :, :P, 0], buf[:, :, :P, 1]
+            host = []
+            for _ in range(4):                 # the first call builds the plan, the others reuse it
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                attend_part(q, k, v, scale, False)
+                host.append(time.perf_counter() - t0)
+                torch.cuda.synchronize()
+            points.append({"prefix": P, "first_host_s": host[0], "steady_host_s": statistics.median(host[1:])})
+    finally:
+        if old is None:
+            os.environ.pop("KVPIPE_ATTN", None)
+        else:
+            os.environ["KVPIPE_ATTN"] = old
+    cal.set("gpu.attention_plan_s", statistics.median(p["first_host_s"] - p["steady_host_s"] for p in points),
+            f"host time of the first cuDNN prefix attention at {n} new prefix lengths minus a steady call's, "
+            f"after start-up at another length (plan build; chunk {chunk}, {heads_kv} KV heads), median")
+    cal.extra["attention_plan_points"] = points
 
 
 DECODE_GROUPS = (1, 2, 4, 8)

@@ -102,8 +102,9 @@ class HardwareProfile:
     small_shape_half_flops: float  # FLOPs per kernel at which it reaches half of flops_eff
     attention_efficiency: float    # fused attention's rate as a fraction of flops_eff (0 < x <= 1)
     launch_overhead_s: float       # fixed cost of one kernel launch
-    attention_plan_s: float        # GPU stall the first time attention meets a new prefix length
-                                   # (cuDNN builds an execution plan per shape); 0 for kernels without
+    attention_plan_s: float        # host seconds the first attention call at a new prefix length
+                                   # spends building cuDNN's execution plan (the GPU stalls only when
+                                   # its queue runs dry, pipeline/cost.host_issue_seconds); 0 without
     h2d_alpha_s: float             # fixed cost of one host -> device copy
     h2d_bytes_per_s: float
     d2h_alpha_s: float

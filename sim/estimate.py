@@ -96,8 +96,6 @@ def step_busy(model: ModelSpec, work: Workload, hw: HardwareProfile, layout: tup
             disk += B * n_dsk * hw.disk_alpha_s + B * n * n_dsk * ut / hw.disk_write_bytes_per_s
         for lane, v in (("gpu", layer), ("h2d", h2d), ("d2h", d2h), ("disk", disk)):
             busy[lane] += count * v
-    if prefill and start > 0:
-        busy["gpu"] += hw.attention_plan_s
     if with_head:
         gpu += compute_seconds(B * m.head_flops_per_token, m.head_weight_bytes + logits_bytes(m, B), 3,
                                hw, dt, "head", replayed) + _small(layer_ops.head(m, B), hw, replayed)
