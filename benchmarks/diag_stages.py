@@ -64,6 +64,18 @@ def profiled(fn) -> dict:
     return split(events)
 
 
+ALLOC_KEYS = ("num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+
+
+def alloc_counters() -> dict[str, int]:
+    """The caching allocator's cumulative counters that show it hitting the cap: retries (every
+    cached block freed, the device synchronised, the allocation tried again), cudaMalloc / cudaFree
+    calls, full-device synchronisations."""
+    import torch
+    st = torch.cuda.memory_stats()
+    return {k: int(st.get(k, 0)) for k in ALLOC_KEYS}
+
+
 def stage_key(s) -> dict:
     return {"phase": s.phase.value, "step": s.step, "layer": s.layer, "group": s.group, "tag": s.tag,
             "kind": s.kind.value, "tokens": list(s.tokens), "ops": s.ops, "bytes": s.bytes}
@@ -83,8 +95,11 @@ def trace_row(name: str, hf, ids_all, spec, device, hw) -> dict:
     ids = ids_all[:, :context]
     graph = build(spec, work, plan)
     warm_up(graph, hf, ids, device, replay="auto")
+    before = alloc_counters()
     r = execute(graph, hf, ids, device, replay="auto")                                   # A
+    alloc = {k: v - before.get(k, 0) for k, v in alloc_counters().items()}
     t = timing_from_trace(r.trace)
+    peak = r.peak_gpu_bytes
     replayed = r.decode_issue == "graph"
     spans = {sp.stage: sp for sp in r.trace.spans}
     del r
@@ -114,6 +129,7 @@ def trace_row(name: str, hf, ids_all, spec, device, hw) -> dict:
             "measured": {"prefill_s": t.prefill_s, "decode_s_per_token": t.decode_s_per_token},
             "unattributed_kernels": {"prefill_pass": pre.get(-1), "full_pass": full.get(-1)},
             "full_pass_error": full_error,
+            "allocator_pass_a": alloc, "peak_gpu_bytes_pass_a": peak,
             "stages": stages}
 
 
@@ -139,7 +155,8 @@ def per_step(row: dict) -> list[dict]:
 
 
 def table(name: str, row: dict) -> list[str]:
-    lines = [f"{name}: prefill {row['measured']['prefill_s']:.3f} s, decode "
+    lines = [f"{name}: allocator during the run {row['allocator_pass_a']}, peak {row['peak_gpu_bytes_pass_a'] / 1e9:.1f} GB"]
+    lines += [f"{name}: prefill {row['measured']['prefill_s']:.3f} s, decode "
              f"{(row['measured']['decode_s_per_token'] or 0) * 1e3:.2f} ms; per step, ms measured/predicted "
              "(GPU lane: qkv attn mlp head (a replayed step: all of it); h2d d2h), host issue, kernels gemm/attn/small/copy"]
     for a in per_step(row):

@@ -47,22 +47,39 @@ def split_kv_attention(s: Stage) -> bool:
     return s.tag == "attn" and s.phase is Phase.DECODE
 
 
-def new_attention_shape(s: Stage) -> bool:
-    """The first attention stage of a prefill chunk with a prefix: every chunk's prefix length is
-    new to the kernel (the chunk's own shape repeats; decode runs on FA2, which has no plans)."""
-    return s.tag == "attn" and s.phase is Phase.PREFILL and s.layer == 0 and s.group == 0 and s.tokens[0] > 0
+# executor/session.WARMUP_MAX_TOKENS (tests/test_cost.py holds them equal): `kvpipe run` warms up
+# on its first prefill chunk cut to this length, so that chunk's own attention plan is cached.
+WARMUP_TOKENS = 8192
+CUDNN_MIN_ROWS = 256   # executor/attention.CUDNN_MIN_ROWS: shorter chunks attend on FA2 (no plan)
+
+
+def attention_plans(s: Stage) -> int:
+    """cuDNN execution plans the first attention call of a prefill chunk builds (its layer 0,
+    group 0; every later call of the chunk has the same shapes). One for its prefix: every chunk's
+    prefix length is new. One for its own causal attention when the chunk's length is new: the
+    warm-up ran the first chunk cut to WARMUP_TOKENS, and every chunk but the last has the first's
+    length (`start // step`). Decode, and chunks under CUDNN_MIN_ROWS, run on FA2: no plans."""
+    if not (s.tag == "attn" and s.phase is Phase.PREFILL and s.layer == 0 and s.group == 0):
+        return 0
+    start, end = s.tokens
+    n = end - start
+    own = n >= CUDNN_MIN_ROWS
+    if start == 0:
+        return int(own and n > WARMUP_TOKENS)
+    chunk = start // s.step
+    return 1 + int(own and n != chunk and n != min(chunk, WARMUP_TOKENS))
 
 
 def host_issue_seconds(s: Stage, hw: HardwareProfile) -> float:
     """Host seconds to issue `s` eagerly: a fixed cost per stage plus one per launch or copy call,
     plus the cuDNN execution plan of a new attention shape. The plan is built on the host inside
-    the attention call (`kvpipe calibrate` times it as first call minus steady call); the GPU
+    the attention call (`attention_plans`; `kvpipe calibrate` times one as first call minus steady
+    call); the GPU
     stalls only once it has run out of the work queued before it (the simulator's host lane and
     launch queue), so it no longer counts as GPU time: charged to the GPU it over-predicted the
     prefill of rows whose host runs ahead (8k-g1-none-c4k +16%, one plan; 16k-g8-none-c4k +20%,
     three)."""
-    plan_build = hw.attention_plan_s if new_attention_shape(s) else 0.0
-    return hw.host_issue_s_per_stage + s.ops * hw.host_issue_s_per_op + plan_build
+    return hw.host_issue_s_per_stage + s.ops * hw.host_issue_s_per_op + attention_plans(s) * hw.attention_plan_s
 
 
 def replayed_decode_attention_seconds(group: int, kv_bytes: float, mem_bytes: float,
