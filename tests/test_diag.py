@@ -49,29 +49,40 @@ def test_split_ties_kernels_to_the_range_that_launched_them():
     assert out[-1]["small"] == [pytest.approx(5e-6), 1]
 
 
-def test_stage_ranges_cover_every_stage_of_a_run(tiny_model):
+@pytest.mark.gpu
+def test_stage_ranges_tie_every_kernel_of_a_run_to_its_stage(tiny_model):
     # Fault caught: the diag hook opening ranges that nest or leak (one range left open swallows
-    # the next stages' launches), or missing stages: on a CPU run of a tiny model, the profiler
-    # trace holds exactly one `kvpipe#<id>` range per stage, none overlapping on its thread.
+    # the next stages' launches), stages without a range, or kernels not tied to a stage (the
+    # correlation between a kernel and its launch lost): on a CUDA run of a tiny bf16 model under
+    # the profiler, exactly one `kvpipe#<id>` range per stage, none overlapping on its thread, and
+    # every GPU event of the run attributed to a stage, each attention stage holding attention
+    # kernels and each qkv / mlp stage GEMMs. (GPU only: the profiler takes ~16 s to start on the
+    # CPU box, and there are no kernels to tie there.)
     torch = pytest.importorskip("torch")
+    import copy
+    import tempfile
+
     from benchmarks.diag_stages import StageRanges
     from kvpipe.executor.adapter import HFAdapter
     from kvpipe.executor.runner import execute
     from kvpipe.pipeline.builder import build
     from kvpipe.pipeline.plan import Method, PhasePlan, Plan
     from kvpipe.pipeline.workload import Workload
-    model = tiny_model("llama", kv_heads=2, q_heads=4, head_dim=16, layers=2)
+    model = copy.deepcopy(tiny_model("llama", kv_heads=2, q_heads=4, head_dim=64, layers=2)).to("cuda", torch.bfloat16)
     spec = HFAdapter(model).spec()
-    g = build(spec, Workload(64, 2, 1), Plan(Method.HEADWISE, PhasePlan(1, 32, 2), PhasePlan(1, 1, 2), 1, 0))
-    ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(0))
+    g = build(spec, Workload(512, 1, 1), Plan(Method.HEADWISE, PhasePlan(1, 256, 2), PhasePlan(1, 1, 2), 1, 0))
+    ids = torch.randint(0, 128, (1, 512), generator=torch.Generator().manual_seed(0)).cuda()
+    execute(g, model, ids, "cuda")      # warm-up: kernels loaded, plans built
     hook = StageRanges()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
-        execute(g, model, ids, stage_hook=hook)
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as p:
+        execute(g, model, ids, "cuda", stage_hook=hook)
         hook.close()
-    path = __import__("tempfile").mktemp(suffix=".json")
-    p.export_chrome_trace(path)
-    ev = [e for e in json.load(open(path))["traceEvents"]
-          if e.get("cat") == "user_annotation" and e.get("name", "").startswith(ANNOTATION_PREFIX)]
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as d:
+        p.export_chrome_trace(f"{d}/t.json")
+        events = json.load(open(f"{d}/t.json"))["traceEvents"]
+    ev = [e for e in events if e.get("cat") == "user_annotation" and e.get("name", "").startswith(ANNOTATION_PREFIX)]
     assert sorted(int(e["name"][len(ANNOTATION_PREFIX):]) for e in ev) == list(range(len(g.stages)))
     by_tid = {}
     for e in ev:
@@ -79,3 +90,10 @@ def test_stage_ranges_cover_every_stage_of_a_run(tiny_model):
     for spans in by_tid.values():
         spans.sort()
         assert all(a[1] <= b[0] + 1e-3 for a, b in zip(spans, spans[1:]))
+    out = split(events)
+    assert -1 not in out or sum(n for _, n in out[-1].values()) == 0, out.get(-1)
+    for s in g.stages:
+        if s.tag == "attn":
+            assert out[s.id]["attention"][1] >= 1, s.name
+        if s.tag in ("qkv", "mlp"):
+            assert out[s.id]["gemm"][1] >= 1, s.name
