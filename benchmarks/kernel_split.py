@@ -17,7 +17,7 @@ from collections import defaultdict
 ANNOTATION_PREFIX = "kvpipe#"
 CATEGORIES = ("gemm", "attention", "small", "copy")
 _ATTENTION = re.compile(r"flash|fmha|sdpa|attention|cudnn_generated|cudnn.*(attn|mha)", re.I)
-_GEMM = re.compile(r"gemm|nvjet|xmma|cublas|cutlass.*(sm90|sm80|tensorop)|wgmma|matmul", re.I)
+_GEMM = re.compile(r"gemm|gemv|nvjet|xmma|cublas|cutlass.*(sm90|sm80|tensorop)|wgmma|matmul", re.I)
 _COPY_CATS = ("gpu_memcpy", "gpu_memset")
 _KERNEL_CATS = ("kernel",) + _COPY_CATS
 

@@ -22,6 +22,7 @@ def test_kernel_names_fall_in_their_category():
     assert category("kernel", "flash_fwd_splitkv_combine_kernel") == "attention"
     assert category("kernel", "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3") == "attention"
     assert category("kernel", "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN") == "gemm"
+    assert category("kernel", "void gemv2T_kernel_val<int, int, __nv_bfloat16, __nv_bfloat16, float, 128, 16>") == "gemm"
     assert category("kernel", "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "gemm"
     assert category("kernel", "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>") == "small"
     assert category("kernel", "triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "small"
