@@ -24,16 +24,16 @@ HW = "h200-testbox"
 
 
 class StageRanges:
-    """A runner stage hook that opens a profiler range per stage, closing the previous one (the
-    lanes issue one stage at a time on one thread, so the ranges never overlap)."""
+    """A runner stage hook that opens a profiler range per stage, `<prefix><stage id>`, closing the
+    previous one (the lanes issue one stage at a time on one thread: the ranges never overlap)."""
 
-    def __init__(self) -> None:
-        self.cur = None
+    def __init__(self, prefix: str = ANNOTATION_PREFIX) -> None:
+        self.prefix, self.cur = prefix, None
 
     def __call__(self, s) -> None:
         import torch
         self.close()
-        self.cur = torch.autograd.profiler.record_function(f"{ANNOTATION_PREFIX}{s.id}")
+        self.cur = torch.autograd.profiler.record_function(f"{self.prefix}{s.id}")
         self.cur.__enter__()
 
     def close(self) -> None:
@@ -42,17 +42,25 @@ class StageRanges:
             self.cur = None
 
 
-def profiled(fn) -> dict:
-    """Run `fn(hook)` under torch.profiler (CPU + CUDA); the kernel split per stage id."""
+def profiled(passes: dict) -> tuple[dict, dict]:
+    """Run each `fn(hook)` of `passes` ({prefix: fn}) in turn under ONE torch.profiler session
+    (CPU + CUDA; starting one costs seconds), each with its own range prefix; returns the kernel
+    split per stage id of each pass and each pass's error (None when it ran)."""
     import torch
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    hook = StageRanges()
+    errors = {}
     with torch.profiler.profile(activities=acts) as p:
-        try:
-            fn(hook)
-        finally:
-            hook.close()
-            torch.cuda.synchronize()
+        for prefix, fn in passes.items():
+            hook = StageRanges(prefix)
+            try:
+                fn(hook)
+                errors[prefix] = None
+            except Exception as e:   # e.g. graph capture under the profiler: the other pass stays
+                errors[prefix] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            finally:
+                hook.close()
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
@@ -61,7 +69,7 @@ def profiled(fn) -> dict:
             events = json.load(f)["traceEvents"]
     finally:
         os.unlink(path)
-    return split(events)
+    return {prefix: split(events, prefix) for prefix in passes}, errors
 
 
 ALLOC_KEYS = ("num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free", "num_sync_all_streams")
@@ -105,13 +113,10 @@ def trace_row(name: str, hf, ids_all, spec, device, hw) -> dict:
     del r
     torch.cuda.empty_cache()
     pre_graph = build(spec, Workload(context, 0, 1), plan)
-    pre = profiled(lambda hook: execute(pre_graph, hf, ids, device, stage_hook=hook))   # B
-    torch.cuda.empty_cache()
-    try:   # C: graph capture under the profiler; its failure costs only the decode kernel split
-        full, full_error = profiled(lambda hook: execute(graph, hf, ids, device, stage_hook=hook, replay="auto")), None
-    except Exception as e:
-        full, full_error = {}, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    torch.cuda.empty_cache()
+    split_of, errs = profiled({                                                           # B, C
+        "kvpipe-pre#": lambda hook: execute(pre_graph, hf, ids, device, stage_hook=hook),
+        "kvpipe-all#": lambda hook: execute(graph, hf, ids, device, stage_hook=hook, replay="auto")})
+    pre, full = split_of["kvpipe-pre#"], split_of["kvpipe-all#"]
     # pre_graph's prefill stages are graph's (same builder, same plan, decode after): match by key
     pre_ids = {json.dumps(stage_key(s)): s.id for s in pre_graph.stages}
     stages = []
@@ -128,7 +133,7 @@ def trace_row(name: str, hf, ids_all, spec, device, hw) -> dict:
             "decode_issue": "graph" if replayed else "eager",
             "measured": {"prefill_s": t.prefill_s, "decode_s_per_token": t.decode_s_per_token},
             "unattributed_kernels": {"prefill_pass": pre.get(-1), "full_pass": full.get(-1)},
-            "full_pass_error": full_error,
+            "pass_errors": errs,
             "allocator_pass_a": alloc, "peak_gpu_bytes_pass_a": peak,
             "stages": stages}
 

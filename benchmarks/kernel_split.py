@@ -34,10 +34,10 @@ def category(cat: str, name: str) -> str:
     return "small"
 
 
-def split(trace_events: list[dict]) -> dict[int, dict[str, list[float]]]:
+def split(trace_events: list[dict], prefix: str = ANNOTATION_PREFIX) -> dict[int, dict[str, list[float]]]:
     """{stage id: {category: [seconds, kernels]}} over the GPU events of a profiler trace
-    (`json.load(f)["traceEvents"]`) whose launch falls in a `kvpipe#<id>` range; events launched
-    outside every range are under key -1."""
+    (`json.load(f)["traceEvents"]`) whose launch falls in a `<prefix><id>` range; events launched
+    outside every such range are under key -1."""
     ranges: dict[tuple, list[tuple[float, float, int]]] = defaultdict(list)   # (pid, tid) -> (start, end, id)
     launch: dict[int, tuple] = {}     # correlation -> (pid, tid, ts) of the host call
     gpu = []
@@ -45,9 +45,9 @@ def split(trace_events: list[dict]) -> dict[int, dict[str, list[float]]]:
         if e.get("ph") != "X":
             continue
         cat, name = e.get("cat", ""), e.get("name", "")
-        if cat == "user_annotation" and name.startswith(ANNOTATION_PREFIX):
+        if cat == "user_annotation" and name.startswith(prefix) and name[len(prefix):].isdigit():
             ranges[(e.get("pid"), e.get("tid"))].append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)),
-                                                         int(name[len(ANNOTATION_PREFIX):])))
+                                                         int(name[len(prefix):])))
         elif cat in ("cuda_runtime", "cuda_driver"):
             corr = (e.get("args") or {}).get("correlation")
             if corr is not None:
