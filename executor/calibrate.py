@@ -102,6 +102,56 @@ def host_issue(cal: Calibration) -> None:
     cal.extra["issue_probe"] = {"eager": eager, "replay": replay}
 
 
+def host_stage_costs(cal: Calibration, context: int = 2048, chunk: int = 512) -> None:
+    """Host seconds the executor spends issuing each stage (the lane actor's perf_counter around
+    the stage's issue, `Span.host_s`), prefill and eager decode, for a 2-layer Llama-3-8B-shaped
+    model under plans that cover the stage kinds (groups 1 / 2 / 8; all resident, half, none), and
+    each run's whole wall time over its stage count (the actors' turns, event waits and records
+    between issues included). Recorded per (phase, tag, kind, ops) as medians with the least
+    squares of host_s = a + b * ops per phase, in the JSON record (`host_stage_costs`)."""
+    from .adapter import HFAdapter
+    from .loader import random_model
+    from .runner import execute
+    from kvpipe.pipeline.builder import build
+    from kvpipe.pipeline.plan import Method, PhasePlan, Plan
+    from kvpipe.pipeline.workload import Workload
+    cfg = dict(model_type="llama", vocab_size=1024, hidden_size=4096, intermediate_size=14336,
+               num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+               max_position_embeddings=2 * context, tie_word_embeddings=False)
+    model = random_model(cfg, "cuda", torch.bfloat16, 0)
+    spec = HFAdapter(model).spec()
+    work = Workload(context, 8, 1)
+    ids = torch.randint(0, 1024, (1, context), generator=torch.Generator().manual_seed(0))
+    per: dict[tuple, list[float]] = {}
+    runs = []
+    for group, resident in ((1, spec.units), (2, spec.units // 2), (8, 0), (1, 0)):
+        plan = Plan(Method.HEADWISE, PhasePlan(group, chunk, 2), PhasePlan(group, 1, 2), resident, 0)
+        graph = build(spec, work, plan)
+        execute(graph, model, ids, "cuda")                 # warm: kernels, plans
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        res = execute(graph, model, ids, "cuda")
+        wall = time.perf_counter() - t0
+        for sp in res.trace.spans:
+            st = graph.stages[sp.stage]
+            per.setdefault((st.phase.value, st.tag, st.kind.value, st.ops), []).append(sp.host_s)
+        runs.append({"group": group, "resident": resident, "stages": len(graph.stages),
+                     "ops": sum(st.ops for st in graph.stages), "wall_s": wall,
+                     "host_s_sum": sum(sp.host_s for sp in res.trace.spans)})
+    fits = {}
+    for phase in ("prefill", "decode"):
+        pts = [(k[3], h) for k, v in per.items() if k[0] == phase for h in v]
+        if len({o for o, _ in pts}) >= 2:
+            n = len(pts)
+            mx, my = sum(o for o, _ in pts) / n, sum(h for _, h in pts) / n
+            b = sum((o - mx) * (h - my) for o, h in pts) / sum((o - mx) ** 2 for o, _ in pts)
+            fits[phase] = {"per_stage_s": my - b * mx, "per_op_s": b, "points": n}
+    cal.extra["host_stage_costs"] = {
+        "per_kind": [{"phase": k[0], "tag": k[1], "kind": k[2], "ops": k[3], "n": len(v),
+                      "median_s": statistics.median(v)} for k, v in sorted(per.items())],
+        "fits": fits, "runs": runs}
+
+
 def layer_small_ops(a, T: int, P: int):
     """The small kernels (executor/op_inventory.py, calls kept) of layer 0 of adapter `a` for a
     T-token step over a P-token prefix, all KV heads in one group: qkv, the K/V written home,
@@ -480,6 +530,7 @@ def calibrate(base: HardwareProfile, name: str, kv_dir: str | None = None, quick
     steps.append(("PCIe back-to-back", lambda: link_series(cal)))
     steps.append(("disk", lambda: disk(cal, kv_dir, quick)))
     steps.append(("host issue", lambda: host_issue(cal)))
+    steps.append(("host issue per stage", lambda: host_stage_costs(cal)))
     for i, (label, step) in enumerate(steps, 1):
         t0 = time.perf_counter()
         step()
