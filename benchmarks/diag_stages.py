@@ -3,12 +3,12 @@ for each row, every stage's measured span and host issue time, its kernels' GPU 
 GEMM / attention / small kernels / copies, and the device seconds pipeline/cost.py predicts for
 it; summed per prefill chunk and per decode step in a table printed last.
 
-Three passes per row after one untimed warm-up: (A) the plan exactly as sim_check runs it
-(spans: CUDA events per stage, no profiler); (B) the prefill alone (decode 0) under
-torch.profiler, one `kvpipe#<stage id>` range opened per stage by the runner's stage hook;
-(C) the whole plan under the profiler, whose decode ranges give the replayed steps' kernels.
-The profiler slows the host, so spans come from pass A only; kernel durations are GPU times and
-the profiler does not change them."""
+Three passes per row: (A) after an untimed warm-up, the plan exactly as sim_check runs it (spans:
+CUDA events per stage, no profiler), for EVERY row before any profiling (a profiler session
+leaves the host slower for the rest of the process); then per row, in one profiler session,
+(B) the prefill alone (decode 0), one range per stage opened by the runner's stage hook, and
+(C) the whole plan, whose decode ranges give the replayed steps' kernels. Spans and host times
+come from pass A only; kernel durations are GPU times, which the profiler does not change."""
 from __future__ import annotations
 
 import json
@@ -89,7 +89,9 @@ def stage_key(s) -> dict:
             "kind": s.kind.value, "tokens": list(s.tokens), "ops": s.ops, "bytes": s.bytes}
 
 
-def trace_row(name: str, hf, ids_all, spec, device, hw) -> dict:
+def measure_row(name: str, hf, ids_all, spec, device, hw) -> dict:
+    """Pass A of row `name`: warm-up, then the plan as sim_check runs it; every stage's span, host
+    issue seconds and predicted device seconds, and the allocator's counters over the run."""
     import torch
 
     from kvpipe.executor.runner import execute
@@ -100,42 +102,50 @@ def trace_row(name: str, hf, ids_all, spec, device, hw) -> dict:
     from kvpipe.pipeline.workload import Workload
     context = sim_check.ROWS[name][0]
     work, plan = Workload(context, sim_check.DECODE, 1), sim_check.plan_of(name)
-    ids = ids_all[:, :context]
     graph = build(spec, work, plan)
-    warm_up(graph, hf, ids, device, replay="auto")
+    warm_up(graph, hf, ids_all[:, :context], device, replay="auto")
     before = alloc_counters()
-    r = execute(graph, hf, ids, device, replay="auto")                                   # A
+    r = execute(graph, hf, ids_all[:, :context], device, replay="auto")
     alloc = {k: v - before.get(k, 0) for k, v in alloc_counters().items()}
     t = timing_from_trace(r.trace)
-    peak = r.peak_gpu_bytes
     replayed = r.decode_issue == "graph"
     spans = {sp.stage: sp for sp in r.trace.spans}
+    stages = []
+    for s in graph.stages:
+        sp = spans[s.id]
+        stages.append(dict(stage_key(s), id=s.id, measured_s=sp.end_s - sp.start_s, start_s=sp.start_s,
+                           host_s=sp.host_s, predicted_s=stage_seconds(s, hw, spec.dtype, replayed and s.phase.value == "decode")))
+    row = {"context": context, "decode_tokens": work.decode_tokens, "plan": plan.to_json(),
+           "decode_issue": "graph" if replayed else "eager",
+           "measured": {"prefill_s": t.prefill_s, "decode_s_per_token": t.decode_s_per_token},
+           "allocator_pass_a": alloc, "peak_gpu_bytes_pass_a": r.peak_gpu_bytes, "stages": stages}
     del r
     torch.cuda.empty_cache()
+    return row
+
+
+def profile_row(name: str, row: dict, hf, ids_all, spec, device) -> None:
+    """Passes B and C of row `name` under one profiler session: each stage's kernels into `row`."""
+    from kvpipe.executor.runner import execute
+    from kvpipe.pipeline.builder import build
+    from kvpipe.pipeline.workload import Workload
+    context = sim_check.ROWS[name][0]
+    plan = sim_check.plan_of(name)
+    ids = ids_all[:, :context]
+    graph = build(spec, Workload(context, sim_check.DECODE, 1), plan)
     pre_graph = build(spec, Workload(context, 0, 1), plan)
-    split_of, errs = profiled({                                                           # B, C
+    split_of, errs = profiled({
         "kvpipe-pre#": lambda hook: execute(pre_graph, hf, ids, device, stage_hook=hook),
         "kvpipe-all#": lambda hook: execute(graph, hf, ids, device, stage_hook=hook, replay="auto")})
     pre, full = split_of["kvpipe-pre#"], split_of["kvpipe-all#"]
     # pre_graph's prefill stages are graph's (same builder, same plan, decode after): match by key
     pre_ids = {json.dumps(stage_key(s)): s.id for s in pre_graph.stages}
-    stages = []
-    for s in graph.stages:
-        sp = spans[s.id]
-        row = dict(stage_key(s), id=s.id, measured_s=sp.end_s - sp.start_s, start_s=sp.start_s,
-                   host_s=sp.host_s, predicted_s=stage_seconds(s, hw, spec.dtype, replayed and s.phase.value == "decode"))
-        if s.phase.value == "prefill":
-            row["kernels"] = pre.get(pre_ids.get(json.dumps(stage_key(s)), -2))
-        else:
-            row["kernels"] = full.get(s.id)
-        stages.append(row)
-    return {"context": context, "decode_tokens": work.decode_tokens, "plan": plan.to_json(),
-            "decode_issue": "graph" if replayed else "eager",
-            "measured": {"prefill_s": t.prefill_s, "decode_s_per_token": t.decode_s_per_token},
-            "unattributed_kernels": {"prefill_pass": pre.get(-1), "full_pass": full.get(-1)},
-            "pass_errors": errs,
-            "allocator_pass_a": alloc, "peak_gpu_bytes_pass_a": peak,
-            "stages": stages}
+    for s, st in zip(graph.stages, row["stages"]):
+        st["kernels"] = (pre.get(pre_ids.get(json.dumps(stage_key(s)), -2)) if s.phase.value == "prefill"
+                         else full.get(s.id))
+    # outside the pass's own ranges, the OTHER pass's kernels included (one session holds both)
+    row["unattributed_kernels"] = {"prefill_pass": pre.get(-1), "full_pass": full.get(-1)}
+    row["pass_errors"] = errs
 
 
 def per_step(row: dict) -> list[dict]:
@@ -188,16 +198,31 @@ def stage_trace(names: list[str], out: dict, save) -> None:
     ids_all = session.prompt_tensor(None, 1, max(sim_check.ROWS[n][0] for n in names), spec.vocab, 0)
     print(f"diag: model loaded in {time.perf_counter() - t0:.1f} s", flush=True)
     lines = []
+    # Every row's pass A first: on the H200 (2026-11-30) the rows measured after a profiler session
+    # issued 1.5-2.4x slower than the same process's first row and the calibrate probe (suspected:
+    # the profiler's residue), so no span or host time is measured after the first profiler starts.
     for name in names:
         t1 = time.perf_counter()
         try:
-            out[name] = trace_row(name, hf, ids_all, spec, device, hw)
-            lines += table(name, out[name])
+            out[name] = measure_row(name, hf, ids_all, spec, device, hw)
         except Exception as e:   # one failed row must not lose the others
             out[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
-            lines.append(f"{name}: failed: {out[name]['error']}")
         finally:
             torch.cuda.empty_cache()
-        print(f"diag: {name} traced in {time.perf_counter() - t1:.1f} s", flush=True)
+        print(f"diag: {name} measured in {time.perf_counter() - t1:.1f} s", flush=True)
+        save()
+    for name in names:
+        if "error" in out[name]:
+            lines.append(f"{name}: failed: {out[name]['error']}")
+            continue
+        t1 = time.perf_counter()
+        try:
+            profile_row(name, out[name], hf, ids_all, spec, device)
+        except Exception as e:
+            out[name]["pass_errors"] = {"profile": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+        finally:
+            torch.cuda.empty_cache()
+        lines += table(name, out[name])
+        print(f"diag: {name} profiled in {time.perf_counter() - t1:.1f} s", flush=True)
         save()
     print("\n".join(lines), flush=True)

@@ -43,6 +43,10 @@ _FIELDS = {
     "disk.alpha_s": ("disk_alpha_s", float),
     "disk.bytes": ("disk_bytes", int),
 }
+_OPTIONAL = {   # TOML key -> HardwareProfile field: absent means the field's default
+    "host.copy_s_per_stage": "host_copy_s_per_stage",
+    "host.copy_s_per_op": "host_copy_s_per_op",
+}
 _COMPUTE = {"peak_flops_per_s": "flops_peak_per_s", "effective_flops_per_s": "flops_eff_per_s"}
 _CODEC = ("compress_bytes_per_s", "decompress_bytes_per_s", "ratio")   # [codec.<name>] fields
 
@@ -83,7 +87,7 @@ def _load(path: Path, label: str) -> HardwareProfile:
         raise fail(f"cannot read: {e}") from None
     flat = _flatten(doc)
     tabled = [k for k in flat if k.startswith(("gpu.compute.", "codec.", "gpu.decode_attention."))]
-    unknown = sorted(set(flat) - set(_FIELDS) - set(tabled))
+    unknown = sorted(set(flat) - set(_FIELDS) - set(_OPTIONAL) - set(tabled))
     if unknown:
         raise fail(f"field '{unknown[0]}' is not a known field")
     kwargs: dict[str, object] = {}
@@ -94,6 +98,12 @@ def _load(path: Path, label: str) -> HardwareProfile:
             kwargs[field] = _typed(flat[key], kind)
         except ValueError as e:
             raise fail(f"field '{key}' {e}") from None
+    for key, field in _OPTIONAL.items():
+        if key in flat:
+            try:
+                kwargs[field] = _typed(flat[key], float)
+            except ValueError as e:
+                raise fail(f"field '{key}' {e}") from None
     compute = _tables(flat, "gpu.compute", tuple(_COMPUTE), fail)
     if not compute:
         raise fail("field 'gpu.compute' is missing (e.g. [gpu.compute.bf16])")
@@ -177,6 +187,8 @@ def _toml_key(field: str) -> str:
     """HardwareProfile field ('flops_eff_per_s.bf16' for a dtype entry) -> its TOML key."""
     if field.startswith("decode_attention"):
         return "gpu." + field
+    if field in _OPTIONAL.values():
+        return next(k for k, f in _OPTIONAL.items() if f == field)
     base, _, dtype = field.partition(".")
     for toml_name, f in _COMPUTE.items():
         if base == f:

@@ -56,6 +56,15 @@ def fit_alpha_beta_relative(sizes_bytes: Sequence[float], seconds: Sequence[floa
     return alpha, 1.0 / slope
 
 
+def copy_issue_fit(per_kind: Sequence[dict]) -> tuple[float, float]:
+    """(host seconds per copy stage, per copy call) from calibrate's `host_stage_costs` record:
+    least squares of median host seconds = a + b * ops over its h2d / d2h stage groups (one point
+    per (phase, tag, kind, ops) group)."""
+    pts = [(k["ops"], k["median_s"]) for k in per_kind if k["kind"] in ("h2d", "d2h")]
+    per_stage, rate = fit_alpha_beta([o for o, _ in pts], [t for _, t in pts])
+    return per_stage, 1.0 / rate
+
+
 def half_rate_flops(points: Sequence[tuple[float, ...]], eff_flops_per_s: float) -> float:
     """FLOPs per kernel at which a kernel reaches half of `eff_flops_per_s`, from measured
     (kernel_flops, seconds[, memory_seconds]) points under the model rate(f) = eff * f / (f + h):

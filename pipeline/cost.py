@@ -78,7 +78,12 @@ def host_issue_seconds(s: Stage, hw: HardwareProfile) -> float:
     stalls only once it has run out of the work queued before it (the simulator's host lane and
     launch queue), so it no longer counts as GPU time: charged to the GPU it over-predicted the
     prefill of rows whose host runs ahead (8k-g1-none-c4k +16%, one plan; 16k-g8-none-c4k +20%,
-    three)."""
+    three). A copy stage costs `host_copy_s_per_stage + ops * host_copy_s_per_op` where the profile
+    has them (calibrate: the executor's copy stages timed one by one): issued with the compute
+    figures, a replayed step's 32 eager write-backs of 8 copies cost 22 ms of host on h200-testbox
+    (4k-g8-none-c4k decode predicted +90%) where the executor spends ~6 ms."""
+    if s.kind in (Kind.H2D, Kind.D2H) and hw.host_copy_s_per_op is not None:
+        return (hw.host_copy_s_per_stage or 0.0) + s.ops * hw.host_copy_s_per_op
     return hw.host_issue_s_per_stage + s.ops * hw.host_issue_s_per_op + attention_plans(s) * hw.attention_plan_s
 
 

@@ -131,6 +131,11 @@ class HardwareProfile:
     # The replayed decode attention call per group size ([gpu.decode_attention.g<G>]); empty: the
     # roofline (KV bytes at hbm_eff_bytes_per_s plus launches) stands in.
     decode_attention: tuple[DecodeAttention, ...] = ()
+    # Host seconds to issue a copy stage (h2d / d2h): per stage plus per copy call. A copy call is
+    # far cheaper to issue than a compute stage's launches (which bring their small kernels);
+    # None: the compute figures above stand in.
+    host_copy_s_per_stage: float | None = None
+    host_copy_s_per_op: float | None = None
 
     def __post_init__(self) -> None:
         for f in ("name", "description"):
@@ -152,6 +157,9 @@ class HardwareProfile:
         if isinstance(ew, bool) or not isinstance(ew, (int, float)) or not 0 < ew <= 1:
             raise HardwareFieldError("elementwise_efficiency", f"must be a number in (0, 1], got {ew!r}")
         object.__setattr__(self, "elementwise_efficiency", float(ew))
+        for f in ("host_copy_s_per_stage", "host_copy_s_per_op"):
+            if getattr(self, f) is not None:
+                object.__setattr__(self, f, _number(f, getattr(self, f), True))
         table = tuple(sorted(self.decode_attention, key=lambda e: e.group))
         if any(not isinstance(e, DecodeAttention) for e in table):
             raise HardwareFieldError("decode_attention", "entries must be DecodeAttention")

@@ -168,3 +168,34 @@ def test_calibrate_decode_attention_and_copy_series_on_the_gpu():
     queued, graphed = copy_series(lambda s, i: dev[i * s:(i + 1) * s].copy_(host[i * s:(i + 1) * s], non_blocking=True),
                                   16, MiB)
     assert 0 < queued <= one * 1.05 and graphed > 0
+
+
+def test_copy_issue_fit_by_hand():
+    # Fault caught: the copy issue fit taking compute stages in, or returning the rate (calls per
+    # second) for the per-call seconds. Copy groups at a = 20 us, b = 5 us per call, a compute
+    # group far off the line that must be ignored.
+    from kvpipe.pipeline.calibration import copy_issue_fit
+    kinds = [{"kind": k, "ops": o, "median_s": 20e-6 + o * 5e-6} for k, o in (("h2d", 1), ("h2d", 8), ("d2h", 4))]
+    kinds.append({"kind": "compute", "ops": 5, "median_s": 1e-3})
+    a, b = copy_issue_fit(kinds)
+    assert a == pytest.approx(20e-6, rel=1e-9) and b == pytest.approx(5e-6, rel=1e-9)
+
+
+def test_optional_copy_issue_fields_load_and_are_checked(tmp_path):
+    # Fault caught: the loader requiring host.copy_s_per_* in every profile (they are optional),
+    # dropping them when present, or accepting a negative one without naming it.
+    from kvpipe.hw_profiles import ProfileError
+    import kvpipe.hw_profiles as hp
+    from pathlib import Path
+    text = (Path(hp.__file__).parent / "h200.toml").read_text()
+    base = text.replace("copy_s_per_stage", "x_copy_s_per_stage").replace("copy_s_per_op", "x_copy_s_per_op")
+    base = "\n".join(line for line in base.splitlines() if "x_copy_s_per" not in line)
+    path = tmp_path / "p.toml"
+    path.write_text(base)
+    assert load_profile(str(path)).host_copy_s_per_op is None
+    path.write_text(base.replace("[host]\n", "[host]\ncopy_s_per_stage = 3e-05\ncopy_s_per_op = 2e-06\n"))
+    hw = load_profile(str(path))
+    assert (hw.host_copy_s_per_stage, hw.host_copy_s_per_op) == (3e-5, 2e-6)
+    path.write_text(base.replace("[host]\n", "[host]\ncopy_s_per_op = -1e-06\n"))
+    with pytest.raises(ProfileError, match="host.copy_s_per_op"):
+        load_profile(str(path))

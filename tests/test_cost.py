@@ -240,3 +240,22 @@ def test_cost_mirrors_the_executor_constants():
     from kvpipe.executor.session import WARMUP_MAX_TOKENS
     from kvpipe.pipeline import cost
     assert (cost.WARMUP_TOKENS, cost.CUDNN_MIN_ROWS) == (WARMUP_MAX_TOKENS, CUDNN_MIN_ROWS)
+
+
+def test_copy_stages_issue_at_the_copy_rate_when_the_profile_has_one():
+    """Fault caught (issue 10 §4, 4k-g8-none-c4k decode predicted +90% on the calibrated H200
+    profile): a copy stage's host issue charged the compute stages' per-launch figure (86.7 us a
+    call, a fit over decode steps whose launches bring their small kernels), so a replayed step's
+    32 eager write-backs of 8 copies cost 22 ms of host where the executor spends ~6 ms. With
+    host_copy_s_per_stage / host_copy_s_per_op an h2d or d2h stage costs a + ops * b by hand;
+    compute stages keep the old figures; without them copies keep the old figures too."""
+    g = build(MHA, MHA_WORK, MHA_PLAN)
+    hw = replace(HW, host_copy_s_per_stage=3e-5, host_copy_s_per_op=2e-6)
+    copies = [s for s in g.stages if s.kind in (Kind.H2D, Kind.D2H)]
+    assert copies and any(s.ops > 1 for s in copies)
+    for s in copies:
+        assert host_issue_seconds(s, hw) == pytest.approx(3e-5 + s.ops * 2e-6, rel=REL)
+        assert host_issue_seconds(s, HW) == pytest.approx(1e-4 + s.ops * 1e-5, rel=REL)
+    for s in g.stages:
+        if s.kind is Kind.COMPUTE:
+            assert host_issue_seconds(s, hw) == host_issue_seconds(s, HW)
