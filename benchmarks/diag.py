@@ -5,7 +5,16 @@ its time in, against the step's HBM floor).
 
   python -m benchmarks.diag --out DIR
 
-Random bf16 weights, Llama-3-8B shapes, --gpu-mem 24GB. Prints a short table last."""
+Random bf16 weights, Llama-3-8B shapes, --gpu-mem 24GB. Prints a short table last.
+
+Rows named as in benchmarks/sim_check.py (e.g. `--rows 8k-g2-some-c2k,16k-g8-none-c4k`) are traced
+stage by stage instead (`stage_trace`): one model load for all of them; per row an untimed
+warm-up, then (A) the plan run as sim_check runs it, every stage's measured span (CUDA events) and
+host issue seconds kept; (B) its prefill alone under torch.profiler with one range per stage, each
+stage's kernels split into GEMM / attention / small kernels / copies (benchmarks/kernel_split.py);
+(C) the whole run again under the profiler, the decode steps' kernels split the same way. Written
+to DIR/diag.json (`stage_rows`), with each stage's predicted device seconds (pipeline/cost.py on
+the profile) beside its measured span; the table printed last sums them per prefill chunk."""
 from __future__ import annotations
 
 import argparse
@@ -36,7 +45,17 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     summary = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                "command": "python -m benchmarks.diag " + " ".join(f"--{k} {v}" for k, v in vars(args).items())}
-    for name in args.rows.split(","):
+    names = args.rows.split(",")
+    from benchmarks import sim_check
+    unknown = [n for n in names if n not in ROWS and n not in sim_check.ROWS]
+    if unknown:
+        ap.error(f"rows: unknown row {unknown[0]!r}")
+    staged = [n for n in names if n in sim_check.ROWS]
+    if staged:
+        from benchmarks.diag_stages import stage_trace
+        summary["stage_rows"] = {}
+        stage_trace(staged, summary["stage_rows"], lambda: (out / "diag.json").write_text(json.dumps(summary, indent=1)))
+    for name in (n for n in names if n in ROWS):
         ctx, dec, knobs, prof = ROWS[name]
         kw = dict(model="llama-3-8b", random_weights=True, context=ctx, decode_tokens=dec, gpu_mem="24GB",
                   hw="h200-testbox", progress=False, trace=out / f"{name}.trace.json" if args.traces else None, **knobs)

@@ -18,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from kvpipe.pipeline.calibration import Calibration, fit_alpha_beta, half_rate_flops
+from kvpipe.pipeline.calibration import (Calibration, copy_issue_fit, fit_alpha_beta, fit_alpha_beta_relative,
+                                         half_rate_flops)
 from kvpipe.pipeline.hardware import HardwareProfile
 
 from .attention import attend_part
@@ -100,6 +101,61 @@ def host_issue(cal: Calibration) -> None:
     cal.set("host.graph_replay_s", statistics.median(r["host_s_per_step"] for r in replay if r["resident"]),
             "host seconds of one replayed decode step (same model, resident plans), median")
     cal.extra["issue_probe"] = {"eager": eager, "replay": replay}
+
+
+def host_stage_costs(cal: Calibration, context: int = 2048, chunk: int = 512) -> None:
+    """Host seconds the executor spends issuing each stage (the lane actor's perf_counter around
+    the stage's issue, `Span.host_s`), prefill and eager decode, for a 2-layer Llama-3-8B-shaped
+    model under plans that cover the stage kinds (groups 1 / 2 / 8; all resident, half, none), and
+    each run's whole wall time over its stage count (the actors' turns, event waits and records
+    between issues included). Recorded per (phase, tag, kind, ops) as medians with the least
+    squares of host_s = a + b * ops per phase, in the JSON record (`host_stage_costs`)."""
+    from .adapter import HFAdapter
+    from .loader import random_model
+    from .runner import execute
+    from kvpipe.pipeline.builder import build
+    from kvpipe.pipeline.plan import Method, PhasePlan, Plan
+    from kvpipe.pipeline.workload import Workload
+    cfg = dict(model_type="llama", vocab_size=1024, hidden_size=4096, intermediate_size=14336,
+               num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+               max_position_embeddings=2 * context, tie_word_embeddings=False)
+    model = random_model(cfg, "cuda", torch.bfloat16, 0)
+    spec = HFAdapter(model).spec()
+    work = Workload(context, 8, 1)
+    ids = torch.randint(0, 1024, (1, context), generator=torch.Generator().manual_seed(0))
+    per: dict[tuple, list[float]] = {}
+    runs = []
+    for group, resident in ((1, spec.units), (2, spec.units // 2), (8, 0), (1, 0)):
+        plan = Plan(Method.HEADWISE, PhasePlan(group, chunk, 2), PhasePlan(group, 1, 2), resident, 0)
+        graph = build(spec, work, plan)
+        execute(graph, model, ids, "cuda")                 # warm: kernels, plans
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        res = execute(graph, model, ids, "cuda")
+        wall = time.perf_counter() - t0
+        for sp in res.trace.spans:
+            st = graph.stages[sp.stage]
+            per.setdefault((st.phase.value, st.tag, st.kind.value, st.ops), []).append(sp.host_s)
+        runs.append({"group": group, "resident": resident, "stages": len(graph.stages),
+                     "ops": sum(st.ops for st in graph.stages), "wall_s": wall,
+                     "host_s_sum": sum(sp.host_s for sp in res.trace.spans)})
+    fits = {}
+    for phase in ("prefill", "decode"):
+        pts = [(k[3], h) for k, v in per.items() if k[0] == phase for h in v]
+        if len({o for o, _ in pts}) >= 2:
+            n = len(pts)
+            mx, my = sum(o for o, _ in pts) / n, sum(h for _, h in pts) / n
+            b = sum((o - mx) * (h - my) for o, h in pts) / sum((o - mx) ** 2 for o, _ in pts)
+            fits[phase] = {"per_stage_s": my - b * mx, "per_op_s": b, "points": n}
+    per_kind = [{"phase": k[0], "tag": k[1], "kind": k[2], "ops": k[3], "n": len(v),
+                 "median_s": statistics.median(v)} for k, v in sorted(per.items())]
+    cal.extra["host_stage_costs"] = {"per_kind": per_kind, "fits": fits, "runs": runs}
+    per_stage, per_op = copy_issue_fit(per_kind)
+    how = ("host seconds of the executor's h2d / d2h stages issued one by one (Span.host_s) in a 2-layer "
+           "Llama-3-8B-shaped model's prefill and eager decode under 4 plans; least squares of the "
+           "median per (phase, tag, ops) = a + b * ops")
+    cal.set("host.copy_s_per_stage", per_stage, how + " (a)")
+    cal.set("host.copy_s_per_op", per_op, how + " (b)")
 
 
 def layer_small_ops(a, T: int, P: int):
@@ -222,9 +278,165 @@ def attention(cal: Calibration, eff_flops: float, quick: bool, heads_kv: int = 8
     cal.set("gpu.attention_efficiency", min(1.0, statistics.median(fractions[prefill])),
             f"{prefill} attention of a 4096-token chunk (GQA {r}:1, D={d}) over prefixes {prefixes}, "
             f"median rate / bf16 GEMM rate")
-    cal.set("gpu.attention_plan_s", statistics.median(plan_s) if plan_s else 0.0,
-            "first call at a new prefix length minus the steady call (cuDNN plan build)" if plan_s
-            else "FA2 builds no plan per shape")
+    cal.extra["attention_plan_s_first_calls"] = plan_s   # the first includes cuDNN's one-off start-up
+    if prefill == "cudnn":
+        attention_plan(cal, heads_kv, r, d)
+    else:
+        cal.set("gpu.attention_plan_s", 0.0, "FA2 builds no plan per shape")
+
+
+def attention_plan(cal: Calibration, heads_kv: int = 8, r: int = 4, d: int = 128, chunk: int = 4096,
+                   n: int = 5) -> None:
+    """Host seconds cuDNN spends building the execution plan of a new prefix length: the executor's
+    prefix attention (attend_part over interleaved K/V views of a larger buffer, as the KV store
+    holds them) at `n` prefix lengths never seen before, after a call at another length has paid
+    cuDNN's one-off start-up; per length, the host time until the first call returns minus that of
+    a steady call at the same length (the build runs on the host inside the call), median."""
+    old = os.environ.get("KVPIPE_ATTN")
+    os.environ["KVPIPE_ATTN"] = "cudnn"
+    scale = d ** -0.5
+    lengths = [8192 + 136 * (i + 1) for i in range(n)]
+    buf = torch.randn(1, heads_kv, max(lengths) + 64, 2, d, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(1, heads_kv, r * chunk, d, device="cuda", dtype=torch.bfloat16)
+    points = []
+    try:
+        attend_part(q, buf[:, :, :1000, 0], buf[:, :, :1000, 1], scale, False)   # start-up, another shape
+        torch.cuda.synchronize()
+        for P in lengths:
+            k, v = buf[:, :, :P, 0], buf[:, :, :P, 1]
+            host = []
+            for _ in range(4):                 # the first call builds the plan, the others reuse it
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                attend_part(q, k, v, scale, False)
+                host.append(time.perf_counter() - t0)
+                torch.cuda.synchronize()
+            points.append({"prefix": P, "first_host_s": host[0], "steady_host_s": statistics.median(host[1:])})
+    finally:
+        if old is None:
+            os.environ.pop("KVPIPE_ATTN", None)
+        else:
+            os.environ["KVPIPE_ATTN"] = old
+    cal.set("gpu.attention_plan_s", statistics.median(p["first_host_s"] - p["steady_host_s"] for p in points),
+            f"host time of the first cuDNN prefix attention at {n} new prefix lengths minus a steady call's, "
+            f"after start-up at another length (plan build; chunk {chunk}, {heads_kv} KV heads), median")
+    cal.extra["attention_plan_points"] = points
+
+
+DECODE_GROUPS = (1, 2, 4, 8)
+DECODE_LENGTHS = (2048, 8192, 32768, 131072)
+COLD_BYTES = 256 * MiB   # KV a graph of decode calls reads: several times the L2, as in a step
+
+
+def decode_attention_point(G: int, L: int, r: int = 4, d: int = 128, reps: int = 5) -> tuple[int, float, int]:
+    """GPU seconds of one `attend_decode` call (executor/attention.py, the kernel a replayed decode
+    step runs per head group: FA2 varlen split-KV, the length read on the device) of G KV heads
+    over L keys, in a buffer of capacity L + 16 (a store's capacity is context + decode tokens).
+    `calls` calls, each over its own buffer so that a graph reads at least COLD_BYTES (a step's
+    K/V is not in L2: every layer's weights pass between), captured in one CUDA graph as replay
+    runs them; returns (KV bytes one call reads, seconds per call, calls)."""
+    from .attention import attend_decode
+    S, dt = L + 16, torch.bfloat16
+    per = G * S * 2 * d * dt.itemsize
+    calls = min(512, max(32, -(-COLD_BYTES // per)))
+    n_buf = min(calls, max(2, -(-COLD_BYTES // per)))
+    pool = torch.randn(n_buf, 1, G, S, 2, d, device="cuda", dtype=dt)
+    q = torch.randn(1, G * r, 1, d, device="cuda", dtype=dt)
+    lens = torch.tensor([L], dtype=torch.int32, device="cuda")
+    cu_q = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, S], dtype=torch.int32, device="cuda")
+    scale = d ** -0.5
+
+    def step() -> None:
+        for i in range(calls):
+            attend_decode(q, pool[i % n_buf], lens, cu_q, cu_k, scale)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()                                   # warm-up outside the capture (workspace, kernels)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    sec = cuda_median_s(g.replay, reps) / calls
+    del g, pool
+    return G * L * 2 * d * dt.itemsize, sec, calls
+
+
+def decode_attention(cal: Calibration, groups=DECODE_GROUPS, lengths=DECODE_LENGTHS) -> None:
+    """Per group size G (KV heads per call), the replayed decode attention call as `call_s +
+    bytes / bytes_per_s` (relative least squares over `lengths`): a per-call cost (launch of the
+    split-KV kernel and its combine, the splits' fixed work) and the rate at which one call reads
+    its K/V. Small groups read far below the copy rate (few heads: few CTAs per split)."""
+    points = []
+    for G in groups:
+        pts = [decode_attention_point(G, L) for L in lengths]
+        call_s, rate = fit_alpha_beta_relative([b for b, _, _ in pts], [t for _, t, _ in pts])
+        how = (f"attend_decode (FA2 varlen split-KV, GQA 4:1, D=128, bf16) of {G} KV heads over "
+               f"{list(lengths)} keys, each length a CUDA graph of calls over distinct buffers")
+        cal.set(f"gpu.decode_attention.g{G}.call_s", call_s, how + "; intercept of the relative least-squares fit t = call_s + bytes/rate")
+        cal.set(f"gpu.decode_attention.g{G}.bytes_per_s", rate, how + "; slope of the same fit (K/V bytes read)")
+        points += [{"group": G, "keys": L, "kv_bytes": b, "seconds": t, "calls": c} for L, (b, t, c) in zip(lengths, pts)]
+    cal.extra["decode_attention_points"] = points
+
+
+def copy_series(direction, n: int, size: int, reps: int = 5) -> tuple[float, float]:
+    """Seconds per copy of `n` copies of `size` bytes queued back to back on one stream, as the
+    executor issues a group's per-head fetches and a lane's consecutive stages: (queued eagerly
+    behind a sleep kernel, so the host's issue rate cannot show; captured in a CUDA graph and
+    replayed, as a replayed decode step runs its fetches)."""
+    stream = torch.cuda.current_stream()
+    queued = []
+    for _ in range(reps + 1):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(50_000_000)          # tens of ms of GPU cycles: longer than issuing n copies
+        a.record(stream)
+        for i in range(n):
+            direction(size, i)
+        b.record(stream)
+        b.synchronize()
+        queued.append(a.elapsed_time(b) / 1e3 / n)
+    side = torch.cuda.Stream()
+    side.wait_stream(stream)
+    with torch.cuda.stream(side):
+        for i in range(n):
+            direction(size, i)
+    stream.wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(n):
+            direction(size, i)
+    graphed = cuda_median_s(g.replay, reps) / n
+    return statistics.median(queued[1:]), graphed
+
+
+SERIES_SIZES = (64 * 1024, 256 * 1024, MiB, 2 * MiB, 4 * MiB, 16 * MiB, 64 * MiB)
+
+
+def link_series(cal: Calibration, n: int = 32) -> None:
+    """The link costs the lanes pay: pinned copies queued back to back on one stream (n per size,
+    each from/to its own region), seconds per copy vs size, fitted as alpha + bytes/beta in
+    relative error. These replace the isolated-copy fit of `links` (kept in the JSON record as
+    link_isolated): a copy's latency alone (launch, completion) is not what the next copy queued
+    behind it waits for. The same series captured in a CUDA graph (a replayed step's fetches) is
+    fitted too and kept in the record (`{h2d,d2h}_graph_alpha_s`, `..._bytes_per_s`)."""
+    top = max(SERIES_SIZES)
+    host = torch.empty(n * top, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(n * top, dtype=torch.uint8, device="cuda")
+    cal.extra["link_isolated"] = {k: cal.values[k] for k in ("link.h2d_alpha_s", "link.h2d_bytes_per_s",
+                                                             "link.d2h_alpha_s", "link.d2h_bytes_per_s")}
+    for name, direction in (("h2d", lambda s, i: dev[i * s:(i + 1) * s].copy_(host[i * s:(i + 1) * s], non_blocking=True)),
+                            ("d2h", lambda s, i: host[i * s:(i + 1) * s].copy_(dev[i * s:(i + 1) * s], non_blocking=True))):
+        pts = [copy_series(direction, n, s) for s in SERIES_SIZES]
+        alpha, beta = fit_alpha_beta_relative(SERIES_SIZES, [q for q, _ in pts])
+        how = (f"{n} pinned {name.upper()} copies queued back to back on one stream behind a sleep kernel, sizes "
+               f"{SERIES_SIZES[0] // 1024} KiB-{top // MiB} MiB, GPU seconds per copy")
+        cal.set(f"link.{name}_alpha_s", alpha, how + ", intercept of the relative least-squares fit")
+        cal.set(f"link.{name}_bytes_per_s", beta, "slope of the same fit (" + how + ")")
+        g_alpha, g_beta = fit_alpha_beta_relative(SERIES_SIZES, [g for _, g in pts])
+        cal.extra[f"{name}_graph_alpha_s"], cal.extra[f"{name}_graph_bytes_per_s"] = g_alpha, g_beta
+        cal.extra[f"{name}_series_points"] = [{"bytes": s, "queued_s": q, "graph_s": g}
+                                              for s, (q, g) in zip(SERIES_SIZES, pts)]
 
 
 def links(cal: Calibration, quick: bool) -> None:
@@ -319,9 +531,12 @@ def calibrate(base: HardwareProfile, name: str, kv_dir: str | None = None, quick
     eff = {}
     steps.append(("GEMM", lambda: eff.setdefault("bf16", gemm(cal, quick))))
     steps.append(("attention", lambda: attention(cal, eff["bf16"], quick)))
+    steps.append(("decode attention", lambda: decode_attention(cal)))
     steps.append(("PCIe links", lambda: links(cal, quick)))
+    steps.append(("PCIe back-to-back", lambda: link_series(cal)))
     steps.append(("disk", lambda: disk(cal, kv_dir, quick)))
     steps.append(("host issue", lambda: host_issue(cal)))
+    steps.append(("host issue per stage", lambda: host_stage_costs(cal)))
     for i, (label, step) in enumerate(steps, 1):
         t0 = time.perf_counter()
         step()

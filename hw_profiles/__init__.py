@@ -10,7 +10,7 @@ try:
 except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib  # type: ignore[no-redef]
 
-from kvpipe.pipeline.hardware import CodecRates, HardwareFieldError, HardwareProfile
+from kvpipe.pipeline.hardware import CodecRates, DecodeAttention, HardwareFieldError, HardwareProfile
 
 _HERE = Path(__file__).resolve().parent
 # TOML key -> (HardwareProfile field, kind). The [gpu.compute.<dtype>] tables are read apart.
@@ -42,6 +42,10 @@ _FIELDS = {
     "disk.write_bytes_per_s": ("disk_write_bytes_per_s", float),
     "disk.alpha_s": ("disk_alpha_s", float),
     "disk.bytes": ("disk_bytes", int),
+}
+_OPTIONAL = {   # TOML key -> HardwareProfile field: absent means the field's default
+    "host.copy_s_per_stage": "host_copy_s_per_stage",
+    "host.copy_s_per_op": "host_copy_s_per_op",
 }
 _COMPUTE = {"peak_flops_per_s": "flops_peak_per_s", "effective_flops_per_s": "flops_eff_per_s"}
 _CODEC = ("compress_bytes_per_s", "decompress_bytes_per_s", "ratio")   # [codec.<name>] fields
@@ -82,8 +86,8 @@ def _load(path: Path, label: str) -> HardwareProfile:
     except (OSError, UnicodeDecodeError) as e:
         raise fail(f"cannot read: {e}") from None
     flat = _flatten(doc)
-    tabled = [k for k in flat if k.startswith(("gpu.compute.", "codec."))]
-    unknown = sorted(set(flat) - set(_FIELDS) - set(tabled))
+    tabled = [k for k in flat if k.startswith(("gpu.compute.", "codec.", "gpu.decode_attention."))]
+    unknown = sorted(set(flat) - set(_FIELDS) - set(_OPTIONAL) - set(tabled))
     if unknown:
         raise fail(f"field '{unknown[0]}' is not a known field")
     kwargs: dict[str, object] = {}
@@ -94,6 +98,12 @@ def _load(path: Path, label: str) -> HardwareProfile:
             kwargs[field] = _typed(flat[key], kind)
         except ValueError as e:
             raise fail(f"field '{key}' {e}") from None
+    for key, field in _OPTIONAL.items():
+        if key in flat:
+            try:
+                kwargs[field] = _typed(flat[key], float)
+            except ValueError as e:
+                raise fail(f"field '{key}' {e}") from None
     compute = _tables(flat, "gpu.compute", tuple(_COMPUTE), fail)
     if not compute:
         raise fail("field 'gpu.compute' is missing (e.g. [gpu.compute.bf16])")
@@ -102,9 +112,20 @@ def _load(path: Path, label: str) -> HardwareProfile:
     codecs = _tables(flat, "codec", _CODEC, fail)
     try:
         kwargs["codecs"] = tuple(CodecRates(n, **v) for n, v in codecs.items())
+        kwargs["decode_attention"] = _decode_attention(flat, fail)
         return HardwareProfile(**kwargs, **tables)
     except HardwareFieldError as e:
         raise fail(f"field '{_toml_key(e.field)}' {e.problem}") from None
+
+
+def _decode_attention(flat: dict[str, object], fail) -> tuple:
+    """The [gpu.decode_attention.g<G>] tables (call_s, bytes_per_s) as DecodeAttention entries."""
+    out = []
+    for name, v in _tables(flat, "gpu.decode_attention", ("call_s", "bytes_per_s"), fail).items():
+        if not (name.startswith("g") and name[1:].isdigit() and int(name[1:]) > 0):
+            raise fail(f"field 'gpu.decode_attention.{name}' is not a known field (expected g<KV heads per call>)")
+        out.append(DecodeAttention(int(name[1:]), **v))
+    return tuple(out)
 
 
 def _tables(flat: dict[str, object], prefix: str, fields: tuple[str, ...], fail) -> dict[str, dict[str, float]]:
@@ -164,6 +185,10 @@ def _typed(value: object, kind: type) -> object:
 
 def _toml_key(field: str) -> str:
     """HardwareProfile field ('flops_eff_per_s.bf16' for a dtype entry) -> its TOML key."""
+    if field.startswith("decode_attention"):
+        return "gpu." + field
+    if field in _OPTIONAL.values():
+        return next(k for k, f in _OPTIONAL.items() if f == field)
     base, _, dtype = field.partition(".")
     for toml_name, f in _COMPUTE.items():
         if base == f:

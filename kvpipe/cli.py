@@ -172,7 +172,10 @@ def cmd_calibrate(args) -> int:
     cal = calibrate(base, args.name, args.kv_dir, args.quick, progress=lambda s: print(s, file=sys.stderr))
     with open(args.out, "w") as f:
         f.write(to_toml(cal))
-    print(f"profile: {args.out} ({cal.source})")
+    record = args.out[:-len(".toml")] + ".json"   # the measurements behind the fits (points, extras)
+    with open(record, "w") as f:
+        json.dump({"source": cal.source, "values": cal.values, "notes": cal.notes, "extra": cal.extra}, f, indent=1, default=str)
+    print(f"profile: {args.out} ({cal.source}); measurements: {record}")
     return 0
 
 

@@ -191,6 +191,7 @@ class _Builder:
                         mem_bytes=B * (start + n) * len(heads) * unit_tok
                         + 2 * B * n * q_heads * m.head_dim * m.dtype_bytes + 2 * ws + copy_in,
                         ops=5 if start else 2, takes=((Pool.GPU, ws),), frees=((Pool.GPU, ws + deq),),
+                        kv_bytes=B * (start + n) * len(heads) * unit_tok,
                         **_small(layer_ops.attn(m, B * n, pp.group, start)))
         if fetch is not None:
             self.slot_user[slot] = attn

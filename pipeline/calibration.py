@@ -27,6 +27,44 @@ def fit_alpha_beta(sizes_bytes: Sequence[float], seconds: Sequence[float]) -> tu
     return max(0.0, my - slope * mx), 1.0 / slope
 
 
+def fit_alpha_beta_relative(sizes_bytes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
+    """Least squares of `t = alpha + bytes / beta` in RELATIVE error (each point weighted by
+    1 / t^2), so that a series spanning 64 KiB to 64 MiB is fitted as well at its small end (where
+    alpha shows) as at its large end; the plain fit lets the largest points set alpha, whose error
+    there is a rounding of their time. Returns (alpha_s >= 0, beta_bytes_per_s)."""
+    if len(sizes_bytes) != len(seconds) or len(sizes_bytes) < 2:
+        raise ValueError(f"sizes/seconds: need two or more matching points, got {len(sizes_bytes)} and {len(seconds)}")
+    if len(set(sizes_bytes)) < 2:
+        raise ValueError("sizes: need at least two distinct sizes to fit a slope")
+    if min(seconds) <= 0:
+        raise ValueError(f"seconds: must be > 0 for a relative fit, got {min(seconds)!r}")
+    # minimise sum ((a + b x - t) / t)^2: weighted normal equations, weights w = 1 / t^2
+    w = [1.0 / (t * t) for t in seconds]
+    sw = sum(w)
+    sx = sum(wi * x for wi, x in zip(w, sizes_bytes))
+    sy = sum(wi * t for wi, t in zip(w, seconds))
+    sxx = sum(wi * x * x for wi, x in zip(w, sizes_bytes))
+    sxy = sum(wi * x * t for wi, x, t in zip(w, sizes_bytes, seconds))
+    det = sw * sxx - sx * sx
+    slope = (sw * sxy - sx * sy) / det
+    if slope <= 0:
+        raise ValueError(f"seconds: do not grow with size (slope {slope!r}); the timings are broken")
+    alpha = (sy - slope * sx) / sw
+    if alpha < 0:   # no fixed cost: the slope alone, through the origin, in relative error
+        slope = sum(wi * x * t for wi, x, t in zip(w, sizes_bytes, seconds)) / sxx
+        alpha = 0.0
+    return alpha, 1.0 / slope
+
+
+def copy_issue_fit(per_kind: Sequence[dict]) -> tuple[float, float]:
+    """(host seconds per copy stage, per copy call) from calibrate's `host_stage_costs` record:
+    least squares of median host seconds = a + b * ops over its h2d / d2h stage groups (one point
+    per (phase, tag, kind, ops) group)."""
+    pts = [(k["ops"], k["median_s"]) for k in per_kind if k["kind"] in ("h2d", "d2h")]
+    per_stage, rate = fit_alpha_beta([o for o, _ in pts], [t for _, t in pts])
+    return per_stage, 1.0 / rate
+
+
 def half_rate_flops(points: Sequence[tuple[float, ...]], eff_flops_per_s: float) -> float:
     """FLOPs per kernel at which a kernel reaches half of `eff_flops_per_s`, from measured
     (kernel_flops, seconds[, memory_seconds]) points under the model rate(f) = eff * f / (f + h):

@@ -47,23 +47,70 @@ def split_kv_attention(s: Stage) -> bool:
     return s.tag == "attn" and s.phase is Phase.DECODE
 
 
-def new_attention_shape(s: Stage) -> bool:
-    """The first attention stage of a prefill chunk with a prefix: every chunk's prefix length is
-    new to the kernel (the chunk's own shape repeats; decode runs on FA2, which has no plans)."""
-    return s.tag == "attn" and s.phase is Phase.PREFILL and s.layer == 0 and s.group == 0 and s.tokens[0] > 0
+# executor/session.WARMUP_MAX_TOKENS (tests/test_cost.py holds them equal): `kvpipe run` warms up
+# on its first prefill chunk cut to this length, so that chunk's own attention plan is cached.
+WARMUP_TOKENS = 8192
+CUDNN_MIN_ROWS = 256   # executor/attention.CUDNN_MIN_ROWS: shorter chunks attend on FA2 (no plan)
+
+
+def attention_plans(s: Stage) -> int:
+    """cuDNN execution plans the first attention call of a prefill chunk builds (its layer 0,
+    group 0; every later call of the chunk has the same shapes). One for its prefix: every chunk's
+    prefix length is new. One for its own causal attention when the chunk's length is new: the
+    warm-up ran the first chunk cut to WARMUP_TOKENS, and every chunk but the last has the first's
+    length (`start // step`). Decode, and chunks under CUDNN_MIN_ROWS, run on FA2: no plans."""
+    if not (s.tag == "attn" and s.phase is Phase.PREFILL and s.layer == 0 and s.group == 0):
+        return 0
+    start, end = s.tokens
+    n = end - start
+    own = n >= CUDNN_MIN_ROWS
+    if start == 0:
+        return int(own and n > WARMUP_TOKENS)
+    chunk = start // s.step
+    return 1 + int(own and n != chunk and n != min(chunk, WARMUP_TOKENS))
 
 
 def host_issue_seconds(s: Stage, hw: HardwareProfile) -> float:
-    """Host seconds to issue `s` eagerly: a fixed cost per stage plus one per launch or copy call."""
-    return hw.host_issue_s_per_stage + s.ops * hw.host_issue_s_per_op
+    """Host seconds to issue `s` eagerly: a fixed cost per stage plus one per launch or copy call,
+    plus the cuDNN execution plan of a new attention shape. The plan is built on the host inside
+    the attention call (`attention_plans`; `kvpipe calibrate` times one as first call minus steady
+    call); the GPU
+    stalls only once it has run out of the work queued before it (the simulator's host lane and
+    launch queue), so it no longer counts as GPU time: charged to the GPU it over-predicted the
+    prefill of rows whose host runs ahead (8k-g1-none-c4k +16%, one plan; 16k-g8-none-c4k +20%,
+    three). A copy stage costs `host_copy_s_per_stage + ops * host_copy_s_per_op` where the profile
+    has them (calibrate: the executor's copy stages timed one by one): issued with the compute
+    figures, a replayed step's 32 eager write-backs of 8 copies cost 22 ms of host on h200-testbox
+    (4k-g8-none-c4k decode predicted +90%) where the executor spends ~6 ms."""
+    if s.kind in (Kind.H2D, Kind.D2H) and hw.host_copy_s_per_op is not None:
+        return (hw.host_copy_s_per_stage or 0.0) + s.ops * hw.host_copy_s_per_op
+    return hw.host_issue_s_per_stage + s.ops * hw.host_issue_s_per_op + attention_plans(s) * hw.attention_plan_s
+
+
+def replayed_decode_attention_seconds(group: int, kv_bytes: float, mem_bytes: float,
+                                      hw: HardwareProfile) -> float | None:
+    """The fused kernel of a replayed decode attention (executor/attention.attend_decode, one call
+    per head group) from the profile's measured [gpu.decode_attention] table: per group size a
+    per-call cost and the rate at which the call reads its `kv_bytes` of K/V; the stage's other
+    device traffic (`mem_bytes - kv_bytes`: the query, its output, a mixed group's resident heads
+    copied into the slot) at the HBM copy rate. None without a table (the roofline stands in).
+    The roofline charged one KV head's keys at the copy rate: group-1 steps were predicted 23-34%
+    short on the H200, where a call reads its few heads far below it."""
+    call = hw.decode_attention_seconds(group, kv_bytes)
+    if call is None:
+        return None
+    return call + max(0.0, mem_bytes - kv_bytes) / hw.hbm_eff_bytes_per_s
 
 
 def stage_seconds(s: Stage, hw: HardwareProfile, dtype: str, replayed: bool = False) -> float:
     """Device seconds of `s` on its lane; `replayed`: issued inside a CUDA graph (decode replay)."""
     if s.kind is Kind.COMPUTE:
-        plan_build = hw.attention_plan_s if new_attention_shape(s) else 0.0
+        if replayed and split_kv_attention(s):
+            t = replayed_decode_attention_seconds(len(s.heads), s.kv_bytes, s.mem_bytes, hw)
+            if t is not None:
+                return t + stage_small_seconds(s, hw, replayed)
         return (compute_seconds(s.flops, s.mem_bytes, s.ops, hw, dtype, s.tag, replayed,
-                                not split_kv_attention(s)) + plan_build
+                                not split_kv_attention(s))
                 + stage_small_seconds(s, hw, replayed))
     if s.kind is Kind.H2D:   # with a codec on h2d: its stored bytes
         return s.ops * hw.h2d_alpha_s + stored_bytes(s, hw) / hw.h2d_bytes_per_s

@@ -34,6 +34,27 @@ class CodecRates:
             object.__setattr__(self, f, _number(f"codec.{self.name}.{f}", getattr(self, f), False))
 
 
+@dataclass(frozen=True)
+class DecodeAttention:
+    """The replayed decode attention call on one machine for `group` KV heads per call
+    (executor/attention.attend_decode, FA2 varlen split-KV): `call_s + kv_bytes / bytes_per_s`,
+    measured by `kvpipe calibrate` ([gpu.decode_attention.g<group>]). Few heads per call read
+    their K/V far below the copy rate, so the rate is per group size."""
+
+    group: int
+    call_s: float
+    bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        if isinstance(self.group, bool) or not isinstance(self.group, int) or self.group <= 0:
+            raise HardwareFieldError(f"decode_attention.g{self.group}", f"group must be a positive integer, got {self.group!r}")
+        object.__setattr__(self, "call_s", _number(f"decode_attention.g{self.group}.call_s", self.call_s, True))
+        object.__setattr__(self, "bytes_per_s", _number(f"decode_attention.g{self.group}.bytes_per_s", self.bytes_per_s, False))
+
+    def seconds(self, kv_bytes: float) -> float:
+        return self.call_s + kv_bytes / self.bytes_per_s
+
+
 class HardwareFieldError(ValueError):
     """A bad HardwareProfile field; `field` names it ('flops_eff_per_s.bf16' for a dtype entry)."""
 
@@ -81,8 +102,9 @@ class HardwareProfile:
     small_shape_half_flops: float  # FLOPs per kernel at which it reaches half of flops_eff
     attention_efficiency: float    # fused attention's rate as a fraction of flops_eff (0 < x <= 1)
     launch_overhead_s: float       # fixed cost of one kernel launch
-    attention_plan_s: float        # GPU stall the first time attention meets a new prefix length
-                                   # (cuDNN builds an execution plan per shape); 0 for kernels without
+    attention_plan_s: float        # host seconds the first attention call at a new prefix length
+                                   # spends building cuDNN's execution plan (the GPU stalls only when
+                                   # its queue runs dry, pipeline/cost.host_issue_seconds); 0 without
     h2d_alpha_s: float             # fixed cost of one host -> device copy
     h2d_bytes_per_s: float
     d2h_alpha_s: float
@@ -106,6 +128,14 @@ class HardwareProfile:
     # The defaults (free floor, copy rate) serve synthetic profiles; bundled ones state theirs.
     small_kernel_s: float = 0.0
     elementwise_efficiency: float = 1.0
+    # The replayed decode attention call per group size ([gpu.decode_attention.g<G>]); empty: the
+    # roofline (KV bytes at hbm_eff_bytes_per_s plus launches) stands in.
+    decode_attention: tuple[DecodeAttention, ...] = ()
+    # Host seconds to issue a copy stage (h2d / d2h): per stage plus per copy call. A copy call is
+    # far cheaper to issue than a compute stage's launches (which bring their small kernels);
+    # None: the compute figures above stand in.
+    host_copy_s_per_stage: float | None = None
+    host_copy_s_per_op: float | None = None
 
     def __post_init__(self) -> None:
         for f in ("name", "description"):
@@ -127,6 +157,15 @@ class HardwareProfile:
         if isinstance(ew, bool) or not isinstance(ew, (int, float)) or not 0 < ew <= 1:
             raise HardwareFieldError("elementwise_efficiency", f"must be a number in (0, 1], got {ew!r}")
         object.__setattr__(self, "elementwise_efficiency", float(ew))
+        for f in ("host_copy_s_per_stage", "host_copy_s_per_op"):
+            if getattr(self, f) is not None:
+                object.__setattr__(self, f, _number(f, getattr(self, f), True))
+        table = tuple(sorted(self.decode_attention, key=lambda e: e.group))
+        if any(not isinstance(e, DecodeAttention) for e in table):
+            raise HardwareFieldError("decode_attention", "entries must be DecodeAttention")
+        if len({e.group for e in table}) != len(table):
+            raise HardwareFieldError("decode_attention", f"group sizes repeat: {[e.group for e in table]}")
+        object.__setattr__(self, "decode_attention", table)
         if not isinstance(self.pcie_duplex, bool):
             raise HardwareFieldError("pcie_duplex", f"must be true or false, got {self.pcie_duplex!r}")
         for f in ("flops_peak_per_s", "flops_eff_per_s"):
@@ -143,6 +182,23 @@ class HardwareProfile:
         if self.hbm_eff_bytes_per_s > self.hbm_peak_bytes_per_s:
             raise HardwareFieldError("hbm_eff_bytes_per_s", f"{self.hbm_eff_bytes_per_s!r} exceeds "
                                      f"the peak {self.hbm_peak_bytes_per_s!r}")
+
+    def decode_attention_seconds(self, group: int, kv_bytes: float) -> float | None:
+        """GPU seconds of one replayed decode attention call of `group` KV heads reading `kv_bytes`
+        of K/V, from the measured [gpu.decode_attention] table: the entry of that group size, else
+        linear in the group size between the two measured sizes around it (the nearest one
+        outside them); None when the profile has no table."""
+        table = self.decode_attention
+        if not table:
+            return None
+        if group <= table[0].group:
+            return table[0].seconds(kv_bytes)
+        if group >= table[-1].group:
+            return table[-1].seconds(kv_bytes)
+        hi = next(i for i, e in enumerate(table) if e.group >= group)
+        a, b = table[hi - 1], table[hi]
+        w = (group - a.group) / (b.group - a.group)
+        return (1 - w) * a.seconds(kv_bytes) + w * b.seconds(kv_bytes)
 
     def codec(self, name: str) -> CodecRates:
         """Rates of codec `name` on this machine; ValueError naming the missing table."""

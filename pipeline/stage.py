@@ -79,6 +79,7 @@ class Stage:
     codec: str = "none"   # a disk read/write moves `bytes` through this codec; (de)compress runs it
     small_ops: int = 0         # compute: small kernels besides GEMMs and fused attention (layer_ops.py) ...
     small_bytes: float = 0.0   # ... and the bytes they read + write
+    kv_bytes: float = 0.0      # attention: the K/V bytes its fused kernel reads (part of mem_bytes)
 
     @property
     def lane(self) -> Lane:

@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from kvpipe.pipeline import layer_ops
-from kvpipe.pipeline.cost import compute_seconds, small_seconds
+from kvpipe.pipeline.cost import compute_seconds, replayed_decode_attention_seconds, small_seconds
 from kvpipe.pipeline.hardware import HardwareProfile
 from kvpipe.pipeline.memory import (attn_ws_bytes, chunk_sizes, hidden_bytes, layer_act_bytes,
                                     logits_bytes, mlp_act_bytes)
@@ -78,10 +78,13 @@ def step_busy(model: ModelSpec, work: Workload, hw: HardwareProfile, layout: tup
         for (o, d), k in kinds:
             copy_in = 2 * B * start * (G - o) * ut if o else 0
             mem = B * (start + n) * G * ut + 2 * B * n * q_heads * m.head_dim * b + 2 * ws + copy_in
-            layer += k * (compute_seconds(attn_flops, mem, 5 if start else 2, hw, dt, "attn", replayed,
-                                          prefill)   # decode: split-KV, no small-shape term (cost.py)
-                          + (small_seconds(1 + bool(o and start), 0.0, hw, True) if replayed
-                             else _small(layer_ops.attn(m, B * n, G, start), hw, False)))
+            table = (replayed_decode_attention_seconds(G, B * (start + n) * G * ut, mem, hw)
+                     if replayed and not prefill else None)   # the measured call, as cost.stage_seconds
+            kernel = table if table is not None else compute_seconds(
+                attn_flops, mem, 5 if start else 2, hw, dt, "attn", replayed,
+                prefill)   # decode: split-KV, no small-shape term (cost.py)
+            layer += k * (kernel + (small_seconds(1 + bool(o and start), 0.0, hw, True) if replayed
+                                    else _small(layer_ops.attn(m, B * n, G, start), hw, False)))
             if o and start > 0:
                 h2d += k * (B * o * hw.h2d_alpha_s + B * start * o * ut / hw.h2d_bytes_per_s)
             if d and start > 0:
@@ -93,8 +96,6 @@ def step_busy(model: ModelSpec, work: Workload, hw: HardwareProfile, layout: tup
             disk += B * n_dsk * hw.disk_alpha_s + B * n * n_dsk * ut / hw.disk_write_bytes_per_s
         for lane, v in (("gpu", layer), ("h2d", h2d), ("d2h", d2h), ("disk", disk)):
             busy[lane] += count * v
-    if prefill and start > 0:
-        busy["gpu"] += hw.attention_plan_s
     if with_head:
         gpu += compute_seconds(B * m.head_flops_per_token, m.head_weight_bytes + logits_bytes(m, B), 3,
                                hw, dt, "head", replayed) + _small(layer_ops.head(m, B), hw, replayed)

@@ -7,7 +7,8 @@ import pytest
 from kvpipe.pipeline.builder import build
 from dataclasses import replace
 
-from kvpipe.pipeline.cost import compute_seconds, small_seconds, stage_seconds, stage_small_seconds
+from kvpipe.pipeline.cost import (compute_seconds, host_issue_seconds, small_seconds, stage_seconds,
+                                  stage_small_seconds)
 from kvpipe.pipeline.hardware import HardwareProfile
 from kvpipe.pipeline.stage import Kind, Phase, Stage
 from test_memory import GQA, GQA_PLAN, GQA_WORK, MHA, MHA_PLAN, MHA_WORK
@@ -89,8 +90,10 @@ def test_mha_compute_by_hand(mha):
     # attn layer 0, group 0 (heads 0, 1 both resident; 2 query heads), queries 4..7 over keys 0..7:
     # 5+6+7+8 = 26 pairs x 4 x 16 x 2 heads x 2 seq = 6656 FLOPs. Traffic: keys 2 x 8 x 2 x 64 =
     # 2048, q and out 2 x 2 x 4 x 2 x 16 x 2 = 1024, workspace written and read 2 x 2176 -> 7424.
-    # The first attention of a chunk with a prefix builds a plan: + 0.01 s.
-    check(mha["prefill.1.L0.attn.g0"], "bf16", flops=6656, mem=7424, seconds=7424 / 1e9 + 5e-6 + 0.01)
+    # The first attention of a chunk with a prefix builds a plan: 0.01 s of HOST time, not device time.
+    check(mha["prefill.1.L0.attn.g0"], "bf16", flops=6656, mem=7424, seconds=7424 / 1e9 + 5e-6)
+    assert host_issue_seconds(mha["prefill.1.L0.attn.g0"], HW) == pytest.approx(1e-4 + 5 * 1e-5 + 0.01, rel=REL)
+    assert host_issue_seconds(mha["prefill.1.L1.attn.g0"], HW) == pytest.approx(1e-4 + 5 * 1e-5, rel=REL)
     # Layer 1, group 0: head 0 resident, head 1 fetched: the resident head's prefix is copied into
     # the slot too, 2 (K, V reads and writes) x 2 seq x 4 tok x 1 head x 64 = 1024 more; no plan build.
     check(mha["prefill.1.L1.attn.g0"], "bf16", flops=6656, mem=8448, seconds=8448 / 1e9 + 5e-6)
@@ -114,7 +117,7 @@ def test_gqa_by_hand(gqa):
     # 6+7+8+9 = 30 pairs x 4 x 32 x 8 = 30720 FLOPs. Traffic: keys 9 x 2 x 256 = 4608; q and out
     # 2 x 4 x 8 x 32 x 4 = 8192; workspace 2 x 8448; the resident head's prefix copy 2 x 5 x 256
     # = 2560 -> 32256. Plan build (first attention of a chunk with a prefix).
-    check(gqa["prefill.1.L0.attn.g0"], "fp32", flops=30720, mem=32256, seconds=32256 / 1e9 + 5e-6 + 0.01)
+    check(gqa["prefill.1.L0.attn.g0"], "fp32", flops=30720, mem=32256, seconds=32256 / 1e9 + 5e-6)
 
 
 def test_compute_seconds_roofline_by_hand():
@@ -174,3 +177,85 @@ def test_decode_attention_pays_no_gemm_small_shape_term(replayed):
             assert stage_seconds(s, big, GQA.dtype, replayed) > stage_seconds(s, HW, GQA.dtype, replayed)
     pre = next(s for s in g.stages if s.phase is Phase.PREFILL and s.tag == "attn")
     assert stage_seconds(pre, big, GQA.dtype) > stage_seconds(pre, HW, GQA.dtype)
+
+
+@pytest.mark.parametrize("group", [1, 2])
+def test_replayed_decode_attention_uses_the_measured_call(group):
+    """Fault caught (issue 10 §4, group-1 resident decode 23-34% short on the H200): a replayed
+    decode attention costed as its K/V bytes at the HBM copy rate plus launches, where one
+    attend_decode call of few KV heads reads far below that rate. With a [gpu.decode_attention]
+    table the kernel is call_s + kv_bytes / rate of its group size (between two measured sizes,
+    linear in the size), the rest of its traffic (query, output, a mixed group's copy-in) at the
+    HBM rate, plus its small kernels. By hand from the stage's cost inputs; eager decode and
+    prefill attention keep the roofline; without a table the roofline stands."""
+    from kvpipe.pipeline.hardware import DecodeAttention
+    tab = replace(HW, decode_attention=(DecodeAttention(1, 7e-6, 2e8), DecodeAttention(4, 3e-6, 6e8)))
+    g = build(GQA, GQA_WORK, replace(GQA_PLAN, decode=replace(GQA_PLAN.decode, group=group)))
+    attn = [s for s in g.stages if s.phase is Phase.DECODE and s.tag == "attn"]
+    assert attn and all(len(s.heads) == group for s in attn)
+    for s in attn:
+        kv = GQA_WORK.batch * (s.tokens[1]) * group * GQA.kv_unit_bytes_per_token
+        assert s.kv_bytes == kv
+        w = (group - 1) / 3
+        call = (1 - w) * (7e-6 + kv / 2e8) + w * (3e-6 + kv / 6e8)
+        by_hand = call + (s.mem_bytes - kv) / HW.hbm_eff_bytes_per_s + stage_small_seconds(s, HW, True)
+        assert stage_seconds(s, tab, GQA.dtype, True) == pytest.approx(by_hand, rel=REL)
+        assert stage_seconds(s, tab, GQA.dtype, False) == stage_seconds(s, HW, GQA.dtype, False)
+        assert stage_seconds(s, HW, GQA.dtype, True) != pytest.approx(by_hand, rel=1e-3)
+    pre = next(s for s in g.stages if s.phase is Phase.PREFILL and s.tag == "attn")
+    assert stage_seconds(pre, tab, GQA.dtype) == stage_seconds(pre, HW, GQA.dtype)
+
+
+def test_attention_plans_per_chunk_by_hand():
+    """Fault caught: a cuDNN plan charged per chunk with a prefix only, missing the chunk's own
+    causal attention when its length is new: the warm-up runs the first chunk cut to 8192 tokens,
+    so a 16K chunk builds its own plan in the measured run (H200 sim_check 16k-g1-all-c16k, one
+    16K chunk, was predicted 12% short with none). By hand per chunk (layer 0, group 0 only):
+    16K context in 16K chunks: [1]; 40K in 16K chunks: [1, 1, 1] (the last chunk's 8K is the
+    warm-up's length, seen); 20K in 8K chunks: [0, 1, 2] (the last 4K chunk is new); 10K in 4K
+    chunks: [0, 1, 2]; 128-token chunks attend on FA2: prefix plans only (as charged before)."""
+    from kvpipe.pipeline.cost import attention_plans
+    from kvpipe.pipeline.model import PRESETS
+    from kvpipe.pipeline.plan import Method, PhasePlan, Plan
+    from kvpipe.pipeline.workload import Workload
+    m = PRESETS["llama-3-8b"]
+    cases = [(16384, 16384, [1]), (40960, 16384, [1, 1, 1]), (20480, 8192, [0, 1, 2]), (10240, 4096, [0, 1, 2]),
+             (8192, 8192, [0]), (1000, 128, [0, 1, 1, 1, 1, 1, 1, 1])]
+    for ctx, chunk, want in cases:
+        g = build(m, Workload(ctx, 1), Plan(Method.HEADWISE, PhasePlan(8, chunk, 2), PhasePlan(8, 1, 2), m.units, 0))
+        got = {}
+        for s in g.stages:
+            if s.phase is Phase.PREFILL:
+                got[s.step] = got.get(s.step, 0) + attention_plans(s)
+            else:
+                assert attention_plans(s) == 0
+        assert [got[k] for k in sorted(got)] == want, (ctx, chunk)
+
+
+def test_cost_mirrors_the_executor_constants():
+    """Fault caught: the cost model's copies of the executor's warm-up length and cuDNN row
+    threshold drifting from the executor (pipeline/ cannot import torch-side modules)."""
+    pytest.importorskip("torch")
+    from kvpipe.executor.attention import CUDNN_MIN_ROWS
+    from kvpipe.executor.session import WARMUP_MAX_TOKENS
+    from kvpipe.pipeline import cost
+    assert (cost.WARMUP_TOKENS, cost.CUDNN_MIN_ROWS) == (WARMUP_MAX_TOKENS, CUDNN_MIN_ROWS)
+
+
+def test_copy_stages_issue_at_the_copy_rate_when_the_profile_has_one():
+    """Fault caught (issue 10 §4, 4k-g8-none-c4k decode predicted +90% on the calibrated H200
+    profile): a copy stage's host issue charged the compute stages' per-launch figure (86.7 us a
+    call, a fit over decode steps whose launches bring their small kernels), so a replayed step's
+    32 eager write-backs of 8 copies cost 22 ms of host where the executor spends ~6 ms. With
+    host_copy_s_per_stage / host_copy_s_per_op an h2d or d2h stage costs a + ops * b by hand;
+    compute stages keep the old figures; without them copies keep the old figures too."""
+    g = build(MHA, MHA_WORK, MHA_PLAN)
+    hw = replace(HW, host_copy_s_per_stage=3e-5, host_copy_s_per_op=2e-6)
+    copies = [s for s in g.stages if s.kind in (Kind.H2D, Kind.D2H)]
+    assert copies and any(s.ops > 1 for s in copies)
+    for s in copies:
+        assert host_issue_seconds(s, hw) == pytest.approx(3e-5 + s.ops * 2e-6, rel=REL)
+        assert host_issue_seconds(s, HW) == pytest.approx(1e-4 + s.ops * 1e-5, rel=REL)
+    for s in g.stages:
+        if s.kind is Kind.COMPUTE:
+            assert host_issue_seconds(s, hw) == host_issue_seconds(s, HW)

@@ -189,3 +189,25 @@ def test_unknown_field_inside_a_table_is_named(tmp_path, table, key):
     path = tmp_path / "x.toml"
     path.write_text(text)
     assert f"field '{key}' is not a known field" in _error(str(path))
+
+
+def test_decode_attention_seconds_per_group_and_between():
+    # Fault caught: a group size read from another group's entry (groups unsorted, off by one in
+    # the bracket), or the table ignored. Entries by hand: g1 10 us + bytes/0.5 TB/s,
+    # g4 5 us + bytes/2 TB/s; at 1 MB: g1 12 us, g4 5.5 us; g2 is 1/3 of the way: 12 - 6.5/3 us.
+    from dataclasses import replace
+
+    from kvpipe.hw_profiles import load_profile
+    from kvpipe.pipeline.hardware import DecodeAttention
+    base = replace(load_profile("h200"), decode_attention=())
+    assert base.decode_attention_seconds(1, 1e6) is None        # no table: the caller's roofline
+    hw = replace(base, decode_attention=(DecodeAttention(4, 5e-6, 2e12), DecodeAttention(1, 10e-6, 5e11)))
+    assert [e.group for e in hw.decode_attention] == [1, 4]
+    assert hw.decode_attention_seconds(1, 1e6) == pytest.approx(12e-6)
+    assert hw.decode_attention_seconds(4, 1e6) == pytest.approx(5.5e-6)
+    assert hw.decode_attention_seconds(2, 1e6) == pytest.approx(12e-6 - 6.5e-6 / 3)
+    assert hw.decode_attention_seconds(8, 1e6) == pytest.approx(5.5e-6)      # beyond the table: nearest
+    with pytest.raises(ValueError, match="decode_attention"):
+        replace(base, decode_attention=(DecodeAttention(1, 1e-6, 1e12), DecodeAttention(1, 2e-6, 1e12)))
+    with pytest.raises(ValueError, match="decode_attention.g1.bytes_per_s"):
+        DecodeAttention(1, 1e-6, 0.0)

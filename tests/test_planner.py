@@ -140,6 +140,30 @@ def test_step_busy_sums_to_the_simulated_lane_busy(case, hw_name):
         assert decb[lane] == pytest.approx(sim["decode"][lane], rel=FLOAT_TOL, abs=1e-12), lane
 
 
+@pytest.mark.parametrize("case", EST_CASES[:2] + EST_CASES[3:])
+def test_replayed_decode_busy_matches_the_simulation_with_a_decode_attention_table(case):
+    """Catches sim/estimate.py drifting from pipeline/cost.py on replayed decode steps when the
+    profile has a measured [gpu.decode_attention] table (the planner would rank group sizes by a
+    cost the simulator does not charge): the summed step busy equals the replayed simulation's."""
+    from dataclasses import replace
+
+    from kvpipe.pipeline.hardware import DecodeAttention
+    from kvpipe.sim.estimate import layer_classes, phase_layout
+    layers, kv, ctx, dec, gp, gd, chunk, r, d = case
+    model, work = tiny(layers, kv), Workload(ctx, dec)
+    hw = replace(load_profile("rtx4090"), decode_attention=(DecodeAttention(1, 9e-6, 3e11), DecodeAttention(4, 4e-6, 8e11)))
+    plan = Plan(Method.HEADWISE, PhasePlan(gp, chunk, 2), PhasePlan(gd, 1, 2), r, 0)
+    cls = layer_classes(model, r, 0)
+    busy = 0.0
+    for k in range(dec):
+        busy += step_busy(model, work, hw, phase_layout(model, cls, gd), gd, False, ctx + k, 1, True, replayed=True)["gpu"]
+    sim = simulate(model, work, plan, hw, full=True, replay=True).report.phase_busy_s
+    assert busy == pytest.approx(sim["decode"]["gpu"], rel=FLOAT_TOL)
+    plain = replace(hw, decode_attention=())
+    assert sim["decode"]["gpu"] != pytest.approx(
+        simulate(model, work, plan, plain, full=True, replay=True).report.phase_busy_s["decode"]["gpu"], rel=1e-3)
+
+
 @settings(max_examples=20)
 @given(problems(), st.data())
 def test_lower_bounds_hold(problem, data):

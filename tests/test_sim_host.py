@@ -53,8 +53,11 @@ def test_free_host_issue_and_launch_give_the_gpu_bound_prediction():
     """Fault caught: host or replay terms leaking in when they are zero. With free issue, replays
     and graph nodes costing what launches cost, a replayed step is never faster than an eager one
     (it only adds the barrier between steps) and eager keeps its GPU-bound step time."""
+    # (free copy issue too, and no measured decode-attention table: the replayed call would then
+    # cost its measured time where the eager one costs the roofline)
     hw = replace(HW, host_issue_s_per_stage=0.0, host_issue_s_per_op=0.0, graph_replay_s=0.0,
-                 graph_node_s=HW.launch_overhead_s, small_kernel_s=HW.launch_overhead_s)
+                 graph_node_s=HW.launch_overhead_s, small_kernel_s=HW.launch_overhead_s,
+                 host_copy_s_per_stage=None, host_copy_s_per_op=None, decode_attention=())
     g = build(SPEC, Workload(512, 6, 1), plan(group=2, resident=3))
     eager, _ = run(g, hw)
     replayed, _ = run(g, hw, replay=True)
