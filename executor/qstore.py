@@ -11,17 +11,56 @@ GPU byte slot; `dequant` decodes them into the exact transfer slot and appends t
 the attention reads the slot as on the exact path. Resident units never pass through here.
 
 Stages (builder: `quant` before `kv_store`, `dequant` after `kv_fetch`): `encode` (compute lane)
--> `store` (d2h) -> `disk_write` (disk lane), and `disk_read` -> `fetch` (h2d) -> `decode`."""
+-> `store` (d2h) -> `disk_write` (disk lane), and `disk_read` -> `fetch` (h2d) -> `decode`.
+
+`decode` on CUDA with float16 metadata (bf16/fp16 models) is ONE torch.compile'd function per
+fetch (`fused_decode`: unpack, scale, shift, round, write into the slot; inductor emits a kernel
+each for K and V, no float32 temporaries in memory), compiled once per process with dynamic
+shapes. It equals the eager `dequantize` bit for bit: a code (<= 255, 8 bits) times a float16
+scale (11 significant bits) is exact in float32, so a fused multiply-add (which the compiler may
+emit) and eager's multiply-then-add round the same sum once; one rounding to the model dtype
+follows. Float32 metadata (fp32 models) has no such guarantee and stays eager, as does the CPU."""
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
-from .quant import LEVELS, Quantized, dequantize, quantize
+from .quant import LEVELS, Quantized, dequant_math, dequantize, quantize
 
-DECODE_VALUES = 1 << 25   # values dequantised per pass: bounds the float32 temporaries (128 MiB
-                          # each), under the exact-size output the plan books for a dequant
+DECODE_VALUES = 1 << 25   # eager decode: values dequantised per pass, bounding the float32
+                          # temporaries (128 MiB each) under the exact-size output the plan books
+
+
+def block_decode(kc: torch.Tensor, ks: torch.Tensor, kz: torch.Tensor, vc: torch.Tensor, vs: torch.Tensor,
+                 vz: torch.Tensor, out: torch.Tensor, bits: int) -> None:
+    """The block decode arithmetic (pure but for writing `out`): K codes [*L, D, 1, g*bits/8] and
+    scale/zero [*L, D, 1] (groups along the block's tokens), V codes [*L, g, nv, gv*bits/8] and
+    scale/zero [*L, g, nv] (groups along channels) -> out [*L, g, 2, D] (the model dtype)."""
+    k = dequant_math(kc, ks, kz, bits, torch.float32, out.dtype)          # [*L, D, 1, g]
+    out[..., 0, :].copy_(k.flatten(-2).transpose(-1, -2))                 # [*L, g, D]
+    v = dequant_math(vc, vs, vz, bits, torch.float32, out.dtype)          # [*L, g, nv, gv]
+    out[..., 1, :].copy_(v.flatten(-2))
+
+
+def slot_decode(codec: "BlockCodec", qslot: torch.Tensor, slot: torch.Tensor, j0: int, j1: int) -> None:
+    """EVERY record of rows [j0, j1) of a byte slot qslot [B, heads, blocks * record] decoded into
+    the exact slot [B, heads, S_cap, 2, D], tokens [0, blocks * group): fixed shapes, so the
+    compiled version is built once per codec and slot layout. Blocks past the fetched prefix hold
+    stale bytes; they decode into slot tokens the attention never reads (it reads [0, length), and
+    the exact tail overwrites [full blocks, length))."""
+    B, J, nb = qslot.shape[0], j1 - j0, qslot.shape[2] // codec.record
+    rec = qslot[:, j0:j1].view(B, J, nb, codec.record)
+    out = slot[:, j0:j1, :nb * codec.group].view(B, J, nb, codec.group, 2, codec.D)
+    block_decode(*codec.fields(rec), out, codec.bits)
+
+
+@functools.cache
+def fused_decode():
+    """`slot_decode` compiled by torch.compile (inductor: Triton on CUDA, C++ on CPU), memoised for
+    the process; static shapes (dynamo specialises on the codec's constants and j0, j1)."""
+    return torch.compile(slot_decode, dynamic=False)
 
 
 class BlockCodec:
@@ -36,9 +75,9 @@ class BlockCodec:
         self.meta = torch.float16 if dtype in (torch.bfloat16, torch.float16) else torch.float32
         ms, D, g = self.meta.itemsize, head_dim, group
         nv = g * (D // self.gv)                                # V groups per block
-        self.fields = (("ks", D * ms), ("kz", D * ms), ("vs", nv * ms), ("vz", nv * ms),
+        self.parts = (("ks", D * ms), ("kz", D * ms), ("vs", nv * ms), ("vz", nv * ms),
                        ("kc", D * g * bits // 8), ("vc", g * D * bits // 8))
-        self.record = -(-sum(n for _, n in self.fields) // 16) * 16
+        self.record = -(-sum(n for _, n in self.parts) // 16) * 16
 
     def encode(self, kv: torch.Tensor) -> torch.Tensor:
         """kv [N, group, 2, D] -> records [N, record] uint8, on kv's device."""
@@ -50,24 +89,35 @@ class BlockCodec:
         out = torch.zeros(N, self.record, dtype=torch.uint8, device=kv.device)
         parts = {"ks": qk.scale, "kz": qk.zero, "vs": qv.scale, "vz": qv.zero, "kc": qk.codes, "vc": qv.codes}
         at = 0
-        for name, n in self.fields:
+        for name, n in self.parts:
             out[:, at:at + n] = parts[name].reshape(N, -1).view(torch.uint8)
             at += n
         return out
 
-    def decode(self, rec: torch.Tensor, out: torch.Tensor) -> None:
-        """Records rec [..., record] uint8 -> out [..., group, 2, D] (the model dtype), in place."""
-        lead, D, g = tuple(rec.shape[:-1]), self.D, self.group
+    @property
+    def fusable(self) -> bool:
+        """Whether `fused_decode` is bit-exact for this codec: float16 metadata (module docstring)."""
+        return self.meta == torch.float16
+
+    def fields(self, rec: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Views of records rec [*L, record] uint8 (no copy): K codes [*L, D, 1, g*bits/8], K scale
+        and zero [*L, D, 1], V codes [*L, g, nv, gv*bits/8], V scale and zero [*L, g, nv]."""
+        lead, D, g, nv = tuple(rec.shape[:-1]), self.D, self.group, self.D // self.gv
         f, at = {}, 0
-        for name, n in self.fields:
+        for name, n in self.parts:
             f[name] = rec[..., at:at + n]
             at += n
         m = lambda name, *shape: f[name].view(self.meta).reshape(*lead, *shape)
-        k = Quantized(f["kc"].reshape(*lead, D, 1, -1), m("ks", D, 1), m("kz", D, 1),
-                      self.bits, g, len(lead), (*lead, D, g), g, self.dtype)
-        nv = D // self.gv
-        v = Quantized(f["vc"].reshape(*lead, g, nv, -1), m("vs", g, nv), m("vz", g, nv),
-                      self.bits, self.gv, len(lead) + 1, (*lead, g, D), D, self.dtype)
+        return (f["kc"].reshape(*lead, D, 1, -1), m("ks", D, 1), m("kz", D, 1),
+                f["vc"].reshape(*lead, g, nv, -1), m("vs", g, nv), m("vz", g, nv))
+
+    def decode(self, rec: torch.Tensor, out: torch.Tensor) -> None:
+        """Records rec [..., record] uint8 -> out [..., group, 2, D] (the model dtype), in place,
+        eagerly through `dequantize` (the reference the fused decode equals bit for bit)."""
+        kc, ks, kz, vc, vs, vz = self.fields(rec)
+        lead, D, g = tuple(rec.shape[:-1]), self.D, self.group
+        k = Quantized(kc, ks, kz, self.bits, g, len(lead), (*lead, D, g), g, self.dtype)
+        v = Quantized(vc, vs, vz, self.bits, self.gv, len(lead) + 1, (*lead, g, D), D, self.dtype)
         out[..., 0, :].copy_(dequantize(k))
         out[..., 1, :].copy_(dequantize(v))
 
@@ -96,6 +146,8 @@ class QuantHomes:
                        if d else None for d in lo.disk] if any(lo.disk) else []
         self.qslots = [torch.empty(B, lo.slot_heads, row, dtype=torch.uint8, **gpu) for _ in range(lo.slots)]
         self.pending: dict[int, tuple[int, int]] = {}            # layer -> (first block, blocks) staged
+        # the fetch's dequantise as one compiled kernel (fused_decode) on CUDA where it is bit-exact
+        self.fused = store.cuda and c.fusable
 
     @property
     def host_bytes(self) -> int:
@@ -189,8 +241,11 @@ class QuantHomes:
         if nb:
             rec = self.qslots[slot][:, j0:j1, :nb * self.rec].view(B, J, nb, self.rec)
             out = dst[:, :, :nb * g].view(B, J, nb, g, 2, lo.head_dim)
-            step = max(1, DECODE_VALUES // (B * J * g * 2 * lo.head_dim))   # blocks per pass
-            for c in range(0, nb, step):
-                self.codec.decode(rec[:, :, c:c + step], out[:, :, c:c + step])
+            if self.fused:      # one compiled call for the whole fetch: no float32 temporaries
+                fused_decode()(self.codec, self.qslots[slot], self.s.slots[slot], j0, j1)
+            else:
+                step = max(1, DECODE_VALUES // (B * J * g * 2 * lo.head_dim))   # blocks per pass
+                for c in range(0, nb, step):
+                    self.codec.decode(rec[:, :, c:c + step], out[:, :, c:c + step])
         if length > nb * g:
             dst[:, :, nb * g:length].copy_(self.tail[layer][:, heads[0] - n:heads[-1] - n + 1, :length - nb * g])

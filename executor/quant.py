@@ -3,7 +3,8 @@ consecutive values along one axis share a scale and a zero-point (the group mini
 float16 (float32 for float32/float64 input); int4 codes are packed two per byte, the even element
 in the low nibble. Lossy: `dequantize(quantize(x))` differs from x by at most half a step per
 value (plus the metadata's float16 rounding of the minimum). Device-agnostic torch; quantise and
-dequantise run wherever the tensor lives.
+dequantise run wherever the tensor lives. `dequant_math` is dequantize's arithmetic alone, the
+function executor/qstore.py compiles into one kernel (see its bit-exactness argument there).
 
 The axis matters for K: its outlier channels (analysis/needles.py) widen every per-token group
 they fall in, so KIVI quantises K per channel (groups along tokens) and V per token."""
@@ -76,12 +77,20 @@ def quantize(x: torch.Tensor, bits: int, group: int = 64, axis: int = -1) -> Qua
     return Quantized(codes, scale, zero, bits, group, axis, shape, n, x.dtype)
 
 
+def dequant_math(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
+                 work: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    """codes [..., groups, group * bits / 8] uint8, scale, zero [..., groups] -> [..., groups, group]
+    in `dtype`: code * scale + zero computed in `work` precision, then rounded once to `dtype`.
+    Pure and shape-generic (torch.compile traces it; dequantize runs it eagerly)."""
+    c = codes
+    if bits == 4:
+        c = torch.stack([c & 0xF, c >> 4], -1).flatten(-2)                   # even element: low nibble
+    return (c.to(work) * scale.to(work)[..., None] + zero.to(work)[..., None]).to(dtype)
+
+
 def dequantize(q: Quantized, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The tensor `q` stands for, in `dtype` (default: the original dtype), original shape."""
-    c = q.codes
-    if q.bits == 4:
-        c = torch.stack([c & 0xF, c >> 4], -1).flatten(-2)                   # [..., groups, group]
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
-    y = c.to(work) * q.scale.to(work)[..., None] + q.zero.to(work)[..., None]
+    y = dequant_math(q.codes, q.scale, q.zero, q.bits, work, work)          # [..., groups, group]
     y = y.flatten(-2)[..., :q.length]
     return y.to(dtype or q.dtype).movedim(-1, q.axis)
