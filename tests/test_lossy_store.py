@@ -51,3 +51,59 @@ def test_empty_encode_and_record_size():
     exact = 32 * 2 * 128 * 2
     assert codec.record / exact == pytest.approx(0.3125, abs=0.01)     # int4, group 32: pipeline/lossy.py ratio
     assert BlockCodec(8, 64, 128, torch.bfloat16).record / (64 * 2 * 128 * 2) == pytest.approx(0.53125, abs=0.01)
+
+
+def _slot_case(bits: int, group: int, dtype: torch.dtype, device: str, heads: int = 6, blocks: int = 5):
+    """A byte slot of `heads` rows of `blocks` records (K with an outlier channel, values spanning
+    1e-4..1e2 so that float16 scales include tiny ones) and an exact slot to decode into."""
+    gen = torch.Generator().manual_seed(bits + group)
+    D = 128
+    kv = torch.randn(2 * heads * blocks, group, 2, D, generator=gen) * torch.logspace(-4, 2, D)
+    kv[:, :, 0, 3] += 30.0
+    codec = BlockCodec(bits, group, D, dtype)
+    rec = codec.encode(kv.to(dtype).to(device)).view(2, heads, blocks * codec.record)
+    slot = torch.full((2, heads, blocks * group + 3, 2, D), float("nan"), dtype=dtype, device=device)
+    return codec, rec, slot
+
+
+def _assert_fused_equals_eager(bits, group, dtype, device):
+    from kvpipe.executor.qstore import fused_decode
+    codec, rec, slot = _slot_case(bits, group, dtype, device)
+    j0, j1 = 1, 5                                             # a group of rows inside the slot
+    fused_decode()(codec, rec, slot, j0, j1)
+    B, J, nb = rec.shape[0], j1 - j0, rec.shape[2] // codec.record
+    ref = torch.empty(B, J, nb, group, 2, codec.D, dtype=dtype, device=device)
+    codec.decode(rec[:, j0:j1].reshape(B, J, nb, codec.record), ref)      # eager dequantize
+    got = slot[:, j0:j1, :nb * group].reshape(ref.shape)
+    assert torch.equal(got.view(torch.int16), ref.view(torch.int16))        # bit for bit, NaN-safe
+    assert bool(slot[:, :j0].isnan().all()) and bool(slot[:, j1:].isnan().all())   # other rows untouched
+
+
+def test_fused_decode_equals_eager_dequantize_bit_for_bit_on_cpu():
+    """Faults: the torch.compile'd decode computing another function than eager `dequantize` (a
+    contracted multiply-add rounding differently, nibble order, a field read at a wrong offset, K
+    not transposed back), or writing rows outside its head range. Bits compared, not values.
+    One codec only on CPU (an inductor C++ compile takes tens of seconds); the GPU test covers more."""
+    _assert_fused_equals_eager(4, 32, torch.bfloat16, "cpu")
+
+
+def test_fused_decode_refuses_float32_metadata():
+    """Fault: float32 models (float32 scales: products not exact, so no bit-exactness argument)
+    taking the fused path."""
+    assert not BlockCodec(4, 32, 128, torch.float32).fusable
+    assert BlockCodec(4, 32, 128, torch.bfloat16).fusable and BlockCodec(8, 64, 128, torch.float16).fusable
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits,group,dtype", [(4, 32, torch.bfloat16), (8, 64, torch.bfloat16),
+                                              (4, 16, torch.float16)])
+def test_fused_decode_equals_eager_dequantize_bit_for_bit_on_cuda(bits, group, dtype):
+    """Faults: Triton's fused multiply-add (or any reordering) changing a bit of the dequantised KV
+    against eager CUDA `dequantize`; a CUDA result that differs from the CPU's eager decode."""
+    _assert_fused_equals_eager(bits, group, dtype, "cuda")
+    codec, rec, _ = _slot_case(bits, group, dtype, "cuda")
+    on_gpu, on_cpu = (torch.empty(*rec.shape[:2], rec.shape[2] // codec.record, group, 2, 128, dtype=dtype,
+                                  device=d) for d in ("cuda", "cpu"))
+    codec.decode(rec.view(*rec.shape[:2], -1, codec.record), on_gpu)
+    codec.decode(rec.cpu().view(*rec.shape[:2], -1, codec.record), on_cpu)
+    assert torch.equal(on_gpu.cpu().view(torch.int16), on_cpu.view(torch.int16))
