@@ -20,6 +20,11 @@ share of a step is ~4 ms of the exact step's ~310 ms at 128K, see benchmarks/REA
                their packed summaries (uint8 within the coarse range) are gathered from host RAM
                and scored, and the best 8-token chunks gathered (kvpipe's default sparse method)
   sparse+int4  the 64-token selection over the int4 cache, dequantised after the gather
+`--dequant` instead times the executor's dequantise alone (executor/qstore.py: the fused
+compiled decode of a whole byte slot, and the eager decode it replaced) at each context, for
+int8 (group 64) and int4 (group 32): GB/s of exact KV written, the figure the simulator's
+`dequant` stage needs (it costs it as an elementwise kernel: bytes / (hbm_eff_bytes_per_s x
+elementwise_efficiency) of the profile, printed beside it with `--hw`).
 Only `--layers-distinct` layers hold distinct data (the others reuse them), to keep pinned
 memory small; every layer still moves its own bytes. Median of `--steps` steps after one warm-up.
 JSON (command, date, GPU, per-variant ms per step and speed-up over exact) goes to
@@ -247,6 +252,96 @@ def check_gather(device: torch.device, kernel) -> str:
         return f"failed: {type(e).__name__}: {e}"
 
 
+def dequant_rate(device: torch.device, bits: int, group: int, tokens: int, fused: bool, reps: int = 5,
+                 heads: int = KV_HEADS) -> dict:
+    """Seconds (median of `reps` after a warm-up, CUDA events on CUDA) to dequantise one layer's
+    `heads` x `tokens` KV from a byte slot into the exact slot as the executor does, and the rates:
+    exact bytes written per second, and read + written bytes per second."""
+    from kvpipe.executor.qstore import DECODE_VALUES, BlockCodec, fused_decode
+    codec = BlockCodec(bits, group, D, torch.bfloat16)
+    nb = tokens // group
+    g = torch.Generator(device=device).manual_seed(bits)
+    kv = torch.randn(heads * nb, group, 2, D, generator=g, device=device, dtype=torch.bfloat16)
+    qslot = codec.encode(kv).view(1, heads, nb * codec.record)
+    del kv
+    slot = torch.empty(1, heads, nb * group, 2, D, device=device, dtype=torch.bfloat16)
+
+    def once() -> None:
+        if fused:
+            fused_decode()(codec, qslot, slot, 0, heads)
+            return
+        rec, out = qslot.view(1, heads, nb, codec.record), slot.view(1, heads, nb, group, 2, D)
+        step = max(1, DECODE_VALUES // (heads * group * 2 * D))
+        for c in range(0, nb, step):
+            codec.decode(rec[:, :, c:c + step], out[:, :, c:c + step])
+
+    t0 = time.perf_counter()
+    once()                                               # warm-up (the compile, for the fused decode)
+    warm_s = time.perf_counter() - t0
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            once()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            once()
+            times.append(time.perf_counter() - t0)
+    sec = statistics.median(times)
+    out_b, in_b = slot.numel() * slot.element_size(), qslot.numel()
+    return {"bits": bits, "group": group, "tokens": tokens, "heads": heads, "fused": fused, "s": sec,
+            "first_call_s": warm_s, "out_bytes": out_b, "in_bytes": in_b,
+            "out_bytes_per_s": out_b / sec, "traffic_bytes_per_s": (out_b + in_b) / sec}
+
+
+def dequant_main(args, device: torch.device) -> int:
+    """`--dequant`: the dequantise micro-benchmark (module docstring)."""
+    hw = None
+    if args.hw:
+        from kvpipe.hw_profiles import load_profile
+        hw = load_profile(args.hw)
+    modes = [True, False] if args.fused == "both" else [args.fused == "on"]
+    res = {"command": "python -m benchmarks.lossy_speed " + " ".join(args.argv),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "torch": torch.__version__, "what": "dequantise of one layer's 8 KV heads, byte slot -> exact bf16 slot",
+           "rows": []}
+    if hw is not None:
+        res["profile"] = {"name": hw.name, "modelled_bytes_per_s": hw.hbm_eff_bytes_per_s * hw.elementwise_efficiency,
+                          "how": "hbm_eff_bytes_per_s x elementwise_efficiency (read + written bytes)"}
+    for ctx in args.context:
+        for bits, group in ((8, 64), (4, 32)):
+            for fused in modes:
+                try:
+                    row = dequant_rate(device, bits, group, parse_tokens(ctx), fused, args.steps)
+                except Exception as e:   # reported, not hidden; the other rows still run
+                    row = {"bits": bits, "group": group, "tokens": parse_tokens(ctx), "fused": fused,
+                           "error": f"{type(e).__name__}: {str(e)[:300]}"}
+                res["rows"].append(row)
+    out = Path(args.out or f"benchmarks/results/dequant-rate-{datetime.date.today().isoformat()}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2) + "\n")
+    print(f"dequantise, one layer (8 KV heads x D {D}, bf16 out), {res['device']}")
+    if hw is not None:
+        print(f"profile {hw.name}: the simulator streams dequant's read + written bytes at "
+              f"{res['profile']['modelled_bytes_per_s'] / 1e9:.0f} GB/s")
+    print(f"{'tokens':>8}{'codec':>12}{'path':>7}{'ms':>9}{'out GB/s':>10}{'r+w GB/s':>10}{'1st call s':>11}")
+    for r in res["rows"]:
+        name = f"int{r['bits']} g{r['group']}"
+        path = "fused" if r["fused"] else "eager"
+        if "error" in r:
+            print(f"{r['tokens']:>8}{name:>12}{path:>7}  not measured: {r['error']}")
+            continue
+        print(f"{r['tokens']:>8}{name:>12}{path:>7}{1e3 * r['s']:>9.3f}{r['out_bytes_per_s'] / 1e9:>10.0f}"
+              f"{r['traffic_bytes_per_s'] / 1e9:>10.0f}{r['first_call_s']:>11.1f}")
+    print(f"json: {out}")
+    return 0 if all("error" not in r for r in res["rows"]) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--context", nargs="+", default=["128K", "512K"])
@@ -258,8 +353,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=LAYERS, help="layers per step (32 for Llama-3-8B)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out")
+    ap.add_argument("--dequant", action="store_true", help="time the executor's dequantise alone (GB/s)")
+    ap.add_argument("--fused", choices=["on", "off", "both"], default="both", help="--dequant: which decode")
+    ap.add_argument("--hw", help="--dequant: a profile whose modelled dequant rate is printed beside")
     args = ap.parse_args(argv)
+    args.argv = list(argv if argv is not None else sys.argv[1:])
     device = torch.device(args.device)
+    if args.dequant:
+        return dequant_main(args, device)
     kernel = _triton_gather() if device.type == "cuda" else None
     gather_status = check_gather(device, kernel)
     if gather_status != "ok" and device.type == "cuda":

@@ -38,3 +38,25 @@ def test_gather_rows_on_the_host_path():
 def test_zero_copy_gather_reads_pinned_host_rows():
     # Fault caught: the Triton kernel unable to read pinned host memory, or reading wrong rows.
     assert lossy_speed.check_gather(torch.device("cuda"), lossy_speed._triton_gather()) == "ok"
+
+
+def test_dequant_rate_benchmark_reports_each_codec(tmp_path):
+    # Fault caught: the dequantise micro-benchmark crashing on the executor's slot layout, or
+    # reporting a rate that is not bytes written / seconds measured.
+    out = tmp_path / "dq.json"
+    assert lossy_speed.main(["--dequant", "--context", "1K", "--device", "cpu", "--fused", "off", "--steps", "1",
+                             "--hw", "h200-testbox", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [(r["bits"], r["group"]) for r in res["rows"]] == [(8, 64), (4, 32)]
+    for r in res["rows"]:
+        assert r["out_bytes"] == 8 * 1024 * 2 * 128 * 2 and r["out_bytes_per_s"] == r["out_bytes"] / r["s"]
+    assert res["profile"]["modelled_bytes_per_s"] > 0
+
+
+@pytest.mark.gpu
+def test_fused_dequant_is_faster_than_eager_on_cuda():
+    # Fault caught: the compiled decode falling back to eager (a graph break, a recompile limit) or
+    # running no faster than the eager ops it replaced (the int4 miss of 2026-11-30).
+    fused = lossy_speed.dequant_rate(torch.device("cuda"), 4, 32, 32768, True)
+    eager = lossy_speed.dequant_rate(torch.device("cuda"), 4, 32, 32768, False)
+    assert fused["s"] < eager["s"] / 2
