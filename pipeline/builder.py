@@ -139,6 +139,19 @@ class _Builder:
             for h in disk:
                 self.last_write[(layer, h)] = write
 
+    def dequant_work(self, lossy, sparse: bool, start: int, n_off: int, unit_fetch: int, deq: int) -> dict:
+        """Cost inputs of one `dequant` stage. bf16/fp16 models on CUDA run it as ONE compiled call
+        (executor/qstore.py fused_decode: a K and a V kernel) over the whole byte slot, i.e. every
+        full block of the KV capacity: an elementwise stream of its records read and its exact
+        K/V written, costed at the profile's elementwise rate (small kernels). Float32 models run
+        the eager dequantise: a launch per op and head, at the HBM rate."""
+        m, B = self.m, self.w.batch
+        if m.dtype_bytes != 2 or sparse:
+            return {"mem_bytes": unit_fetch * n_off + deq, "ops": 2 * n_off}
+        tokens = self.w.kv_capacity // lossy.group * lossy.group
+        read = B * n_off * lossy.unit_bytes(tokens, m.head_dim, m.dtype_bytes)
+        return {"ops": 1, "small_ops": 2, "small_bytes": read + B * n_off * tokens * m.kv_unit_bytes_per_token}
+
     def group(self, phase: Phase, idx: int, layer: int, g: int, start: int, n: int,
               pp: PhasePlan, qkv: int) -> int:
         """Fetch (if needed), attention and write-back of one head group; returns the attn id."""
@@ -181,8 +194,8 @@ class _Builder:
             if lossy is not None and lossy.quant:   # LOSSY: dequantised on the GPU after the fetch
                 deq = B * (lossy.fetched_tokens(start) if sparse else start) * len(off) * unit_tok
                 fetch = self.add(Kind.COMPUTE, "dequant", phase, idx, layer, g, (0, start), (fetch,), heads=off,
-                                 slot=slot, mem_bytes=unit_fetch * len(off) + deq, ops=2 * len(off),
-                                 takes=((Pool.GPU, deq),))   # freed by the attention that reads it
+                                 slot=slot, takes=((Pool.GPU, deq),),   # freed by the attention that reads it
+                                 **self.dequant_work(lossy, sparse, start, len(off), unit_fetch, deq))
         ws = attn_ws_bytes(m, B, n, pp.group)
         q_heads = pp.group * m.gqa_ratio
         copy_in = 2 * B * start * (len(heads) - len(off)) * unit_tok if off else 0  # resident heads of a mixed group
