@@ -95,6 +95,74 @@ def quantised(quant: str, k_axis: int = 0, group: int | None = None):
     return method
 
 
+def blocks(quant: str, group: int | None = None, v_per_channel: bool = False):
+    """kvpipe --lossy QUANT as the executor stores it (executor/qstore.py BlockCodec): whole
+    `group`-token blocks, K per channel (groups along the block's tokens), V per token (groups of
+    gcd(group, D) channels), the tokens of the last partial block exact; attended in float64.
+    `v_per_channel`: V grouped along tokens like K (a variant)."""
+    spec = LossySpec(quant, group=group)
+
+    def method(case, ref_w):
+        return attend(case.q, *block_kv(case.k, case.v, spec, v_per_channel))
+    return method
+
+
+def block_kv(k: torch.Tensor, v: torch.Tensor, spec: LossySpec, v_per_channel: bool = False):
+    """k, v [S, D] -> the K/V a lossy run reads back (full blocks dequantised, tail exact)."""
+    from kvpipe.executor.qstore import BlockCodec
+    S, D = k.shape
+    g = spec.group
+    nb = S // g
+    kv = torch.stack([k, v], 1)                                              # [S, 2, D]
+    out = kv.clone()
+    codec = BlockCodec(spec.bits, g, D, kv.dtype)
+    full = kv[:nb * g].reshape(nb, g, 2, D)
+    dq = torch.empty_like(full)
+    codec.decode(codec.encode(full), dq)
+    out[:nb * g] = dq.reshape(nb * g, 2, D)
+    if v_per_channel:
+        out[:nb * g, 1] = dequantize(quantize(v[:nb * g], spec.bits, g, axis=0))
+    return out[:, 0], out[:, 1]
+
+
+def probe_cases(n: int, tokens: int, seed: int):
+    """The random-weights probe of a `kvpipe run` (executor/lossy_probe.py) rebuilt offline at
+    Llama-3-8B shapes: layer-0 inputs are RMS-normalised embeddings (unit-variance entries),
+    W_q, W_k, W_v drawn as HF initialises them (normal, std 0.02 = initializer_range), RoPE
+    (theta 500000), one KV head and its 4 query heads; the last token's queries attend every key.
+    Yields (k [S, D], v [S, D], q [1, 4, D]) rounded to bf16."""
+    from kvpipe.analysis.needles import rope
+    g = torch.Generator().manual_seed(seed)
+    hidden, D, r = 4096, 128, 4
+    for _ in range(n):
+        x = torch.randn(tokens, hidden, generator=g)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+        wk, wv = (torch.randn(hidden, D, generator=g) * 0.02 for _ in range(2))
+        wq = torch.randn(hidden, r * D, generator=g) * 0.02
+        pos = torch.arange(tokens)
+        k = rope((x @ wk).double(), pos).to(torch.bfloat16)
+        v = (x @ wv).to(torch.bfloat16)
+        q = rope((x[-1:] @ wq).view(1, r, D).transpose(0, 1).double(), pos[-1:]).transpose(0, 1)
+        yield k, v, q.to(torch.bfloat16)
+
+
+QUANT_SWEEP = (("int8", 64), ("int4", 16), ("int4", 32), ("int4", 64), ("int4", 128))
+
+
+def probe_rows(n: int, tokens: int, seed: int) -> dict:
+    """Relative error of the probe's attention output per quantisation (executor layout)."""
+    errs = {q: [] for q in QUANT_SWEEP}
+    for k, v, q in probe_cases(n, tokens, seed):
+        ref = attend(q, k, v)[1]
+        for quant, group in QUANT_SWEEP:
+            out = attend(q, *block_kv(k, v, LossySpec(quant, group=group)))[1]
+            errs[(quant, group)].append(((out - ref).norm(dim=-1) / ref.norm(dim=-1)).flatten())
+    return {f"{quant} (group {group})": {"rel_err_mean": torch.cat(e).mean().item(),
+                                          "rel_err_max": torch.cat(e).max().item(),
+                                          "bits_per_value": 16 * LossySpec(quant, group=group).ratio(2)}
+            for (quant, group), e in errs.items()}
+
+
 def sparse(fraction: float, chunk: int = 64, adaptive: bool = False, quant: str | None = None,
            packed: bool = True, hot: float = HOT_FACTOR, alpha: float = RANGE_ALPHA, share: bool = True):
     """kvpipe --sparse F: per step, chunks ranked by their key summaries for the step's query
@@ -176,9 +244,11 @@ def methods(fraction: float, first: bool = True) -> dict[str, tuple[str, object]
     rows = {f"oracle top {pct} tokens": ("reference", oracle(fraction)),
             f"oracle {pct}, 8-token chunks": ("reference", chunk_oracle(fraction)),
             f"sink + recent window {pct}": ("reference", window(fraction))}
-    if first:
-        rows |= {"int8 (group 64)": ("kvpipe", quantised("int8")),
-                 "int4 (group 32)": ("kvpipe", quantised("int4"))}
+    if first:   # quantisation as the executor stores it (blocks); a group sweep of int4 as variants
+        rows |= {"int8 (group 64)": ("kvpipe", blocks("int8", 64)),
+                 "int4 (group 32)": ("kvpipe", blocks("int4", 32))}
+        rows |= {f"int4 (group {g})": ("variant", blocks("int4", g)) for g in (16, 64, 128)}
+        rows |= {"int4 (group 32), V per channel": ("variant", blocks("int4", 32, v_per_channel=True))}
     rows |= {f"sparse {pct}, 2-bit token sketch": ("kvpipe", sketched(fraction)),
              f"sparse {pct}, chunks 64": ("kvpipe", sparse(fraction, alpha=1.0, share=False)),
              f"sparse {pct}, refined 64->8": ("kvpipe", sparse(fraction, adaptive=True)),
@@ -191,8 +261,7 @@ def methods(fraction: float, first: bool = True) -> dict[str, tuple[str, object]
                  f"sparse {pct} ref., best head": ("variant", sparse(fraction, adaptive=True, share=False)),
                  f"sparse {pct} ref., bf16 fine summ.": ("variant", sparse(fraction, adaptive=True, packed=False)),
                  f"sparse {pct}, chunks 8, bound": ("variant", sparse(fraction, chunk=8, alpha=1.0, share=False)),
-                 "int8, K per token (group 64)": ("variant", quantised("int8", k_axis=-1)),
-                 "int4, group 64": ("variant", quantised("int4", group=64))}
+                 "int8, K per token (group 64)": ("variant", quantised("int8", k_axis=-1))}
     return rows
 
 
@@ -214,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fraction", default="0.2", help="token budget of sparse rows; a comma list runs each")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="JSON path (default benchmarks/results/lossy-error-<date>.json)")
+    ap.add_argument("--probe-cases", type=int, default=4, help="random-weights probe cases (0: none)")
+    ap.add_argument("--probe-tokens", default="16K", help="random-weights probe: tokens per case")
     args = ap.parse_args(argv)
     spec = NeedleSpec(context=parse_tokens(args.context), cases=args.cases, steps=args.steps, seed=args.seed)
     torch.manual_seed(0)
@@ -251,6 +322,11 @@ def main(argv: list[str] | None = None) -> int:
             for name in table}
     for r in rows.values():   # what crosses the link per step, per byte of the exact K/V
         r["moved_fraction"] = r["tokens_fetched"] + r["selection_moved_fraction"]
+    for name, row in rows.items():   # stored bits per KV value (codes + float16 scale and zero)
+        quant = next((q for q in ("int8", "int4") if name.startswith(q)), None)
+        if quant:
+            row["bits_per_value"] = 16 * LossySpec(quant, group=int(name.split("group ")[1].split(")")[0])).ratio(2)
+    probe = probe_rows(args.probe_cases, parse_tokens(args.probe_tokens), args.seed) if args.probe_cases else {}
     result = {
         "command": "python -m benchmarks.lossy_error " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -266,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
                 "exact_top20pct_mass": {"mean": stats["top20_mass"].mean().item(),
                                         "min": stats["top20_mass"].min().item()}},
         "rows": rows,
+        "probe": {"what": "random-weights probe at Llama-3-8B shapes (HF init std 0.02, layer 0, last query "
+                          "over every key), as `kvpipe run --random-weights --lossy` measures itself; not task accuracy",
+                  "cases": args.probe_cases, "tokens": parse_tokens(args.probe_tokens), "rows": probe},
     }
     out = Path(args.out or f"benchmarks/results/lossy-error-{datetime.date.today().isoformat()}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -283,6 +362,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:36}{r['kind']:>10}{r['tokens_fetched']:>9.3f}{r['moved_fraction']:>7.3f}{r['recall_mean']:>8.3f}"
               f"{r['recall_p5']:>8.3f}"
               f"{r['rel_err_mean']:>10.2e}{r['rel_err_max']:>10.2e}{r['needle_hit_rate']:>9.1%}")
+    if probe:
+        print(f"quantisation error vs group size ({spec.context}-token needle set, mean / max rel err of the "
+              f"attention output) and the random-weights probe ({args.probe_cases} x {parse_tokens(args.probe_tokens)} tokens):")
+        print(f"{'quantisation':24}{'bits/value':>11}{'needle mean':>13}{'needle max':>12}{'probe mean':>12}")
+        for name, p in probe.items():
+            r = rows.get(name, {})
+            nm = f"{r['rel_err_mean']:.2e}" if r else "-"
+            nx = f"{r['rel_err_max']:.2e}" if r else "-"
+            print(f"{name:24}{p['bits_per_value']:>11.2f}{nm:>13}{nx:>12}{p['rel_err_mean']:>12.2e}")
     print(f"json: {out}")
     return 0
 
