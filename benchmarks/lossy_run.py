@@ -8,9 +8,11 @@ process, the same machine state): the same plan knobs, run once per variant, who
 
 Variants: `exact` (no --lossy), `int8`, `int4` (--lossy; executor/qstore.py); `--sparse F` adds a
 `sparse` row (kvpipe run --sparse F: executor/sparse_homes.py), e.g.
-  python -m benchmarks.lossy_run --context 128K --sparse 0.2 --variants exact Each row: measured decode seconds per
-token, prefill seconds, its speed-up over the exact row of this invocation, and the error the
-lossy run measured on its own activations (random weights: not a task accuracy).
+  python -m benchmarks.lossy_run --context 128K --sparse 0.2 --variants exact
+Each row: measured decode seconds per token next to the simulator's prediction for the same plan
+(the quantised rows predicted as they run: eagerly issued, the dequantise one compiled call), its
+speed-up over the exact row of this invocation (measured and predicted), prefill seconds, and the
+error the lossy run measured on its own activations (random weights: not a task accuracy).
 JSON (command, date, device, rows) to benchmarks/results/lossy-run-<date>.json or --out; the
 table is printed last."""
 from __future__ import annotations
@@ -88,15 +90,21 @@ def main(argv: list[str] | None = None) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
     print(f"wrote {path}")
-    print(f"{'variant':8} {'decode ms/tok':>14} {'predicted':>10} {'speed-up':>9} {'prefill s':>10} {'attn rel err':>13}")
+    pred_exact = rows[0].get("predicted_decode_s_per_token")
+    for r in rows:
+        p = r.get("predicted_decode_s_per_token")
+        r["predicted_speedup"] = pred_exact / p if pred_exact and p else None
+    print(f"{'variant':8} {'decode ms/tok':>14} {'predicted':>10} {'meas/pred':>10} {'speed-up':>9} "
+          f"{'pred. s-up':>10} {'prefill s':>10} {'attn rel err':>13}")
     for r in rows:
         if "error" in r:
             print(f"{r['variant']:8} FAILED: {r['error']}")
             continue
         errs = (r["lossy"] or {}).get("measured_error") or {}
         err = errs.get("attn_rel_err", errs.get("sparse_attn_rel_err"))
-        print(f"{r['variant']:8} {1e3 * r['decode_s_per_token']:14.1f} {1e3 * r['predicted_decode_s_per_token']:10.1f} "
-              f"{r['decode_speedup']:8.2f}x "
+        p = r["predicted_decode_s_per_token"]
+        print(f"{r['variant']:8} {1e3 * r['decode_s_per_token']:14.1f} {1e3 * p:10.1f} "
+              f"{r['decode_s_per_token'] / p:10.2f} {r['decode_speedup']:8.2f}x {r['predicted_speedup']:9.2f}x "
               f"{r['prefill_s']:10.2f} {'-' if err is None else f'{err:.2e}':>13}")
     return 0 if all("error" not in r for r in rows) else 1
 

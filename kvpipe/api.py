@@ -155,7 +155,8 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
          compare: bool = False, full_sim: bool = False, trace: Path_ = None, plot: Path_ = None,
          disk: Knob = None, kv_dir: Path_ = None, codec: str | list[str] = (),
          lossy: str | None = None, sparse: float | None = None,
-         objective: str = "total", out: Path_ = None, max_context: bool = False) -> PlanResult:
+         objective: str = "total", out: Path_ = None, max_context: bool = False,
+         max_error: float | None = None) -> PlanResult:
     """Predict latency and memory of `model` on hardware profile `hw` (no GPU, no torch).
     Budgets default to the profile's. Head-wise plans come from the planner (sim/planner.py),
     which minimises `objective` (total, ttft or decode); `group`/`chunk`/`resident` other than
@@ -164,12 +165,15 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
     given, makes its free space the disk budget; `codec` is LINK=NAME (or a list), NAME `auto`
     letting the simulator decide. LOSSY opt-ins, never chosen for the user: `lossy` "int8"/"int4"
     quantises the offloaded KV, `sparse` F fetches a fraction F of the tokens per decode step
-    (pipeline/lossy.py). `max_context` answers the largest context that fits, with its plan;
+    (pipeline/lossy.py). `max_error`: an attention-output error budget within which the planner
+    may pick int8/int4 by their measured error (sim/lossy_choice.py); without it, never lossy.
+    `max_context` answers the largest context that fits, with its plan;
     `out` writes the plan for `run(plan=...)`. `trace`/`plot` paths are checked first and written
     last. ValueError names the argument for bad input."""
     from kvpipe.hw_profiles import load_profile
     trace_path, plot_path = output_path(trace, "trace"), output_path(plot, "plot")
     out_path = output_path(out, "trace") if out is not None else None   # a .json in an existing folder
+    _check_max_error(max_error, lossy, sparse)
     spec = load_model(model)
     profile = load_profile(hw)
     work = Workload.parse(context, decode_tokens, batch)
@@ -191,7 +195,17 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
     if lossy is not None or sparse is not None:   # explicit opt-in only, over the exact plan
         from kvpipe.pipeline.lossy import LossySpec
         chosen = chosen.with_(lossy=LossySpec(lossy, sparse=sparse))
-        main = _predict(spec, work, chosen, profile, budgets, full=full_sim)
+        main = _predict(spec, work, chosen, profile, budgets, full=full_sim, replay=_lossy_replay(chosen))
+    choice = None
+    if max_error is not None:      # LOSSY only from the explicit budget, by measured error
+        from kvpipe.sim.lossy_choice import choose_lossy
+        exact = main
+
+        def predict(p: Plan) -> Predicted:
+            return exact if p is chosen else _predict(spec, work, p, profile, budgets, full=full_sim,
+                                                      replay=_lossy_replay(p))
+        main, choice = choose_lossy(chosen, max_error, objective, predict)
+        chosen = main.plan
     methods = None
     if compare:
         from kvpipe.pipeline.plan import Method
@@ -213,7 +227,23 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
     if plot_path:
         from kvpipe.analysis.timeline import plot_timeline
         plot_timeline(plot_path, main.trace, title=f"{spec.name} on {profile.name}, {fmt_tokens(work.context)}")
-    return PlanResult(spec, profile, work, budgets, main, methods, warnings, found, largest)
+    return PlanResult(spec, profile, work, budgets, main, methods, warnings, found, largest,
+                      choice.describe() if choice else None)
+
+
+def _check_max_error(max_error, lossy, sparse) -> None:
+    """--max-error is a budget in (0, 1) and excludes the explicit opt-ins (ValueError naming it)."""
+    if max_error is None:
+        return
+    from kvpipe.sim.lossy_choice import check_budget
+    check_budget(max_error)
+    if lossy is not None or sparse is not None:
+        raise ValueError("max-error: the planner picks within the budget; give --max-error or --lossy/--sparse, not both")
+
+
+def _lossy_replay(plan: Plan) -> bool | None:
+    """Quantised KV runs eagerly (its stages cannot be replayed): predicted so; else the default."""
+    return False if plan.lossy is not None and plan.lossy.quant else None
 
 
 def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | None = None,
@@ -224,7 +254,7 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
         prompt_file: Path_ = None, progress: bool = True, warmup: bool = True, replay: str = "auto",
         trace: Path_ = None, plot: Path_ = None, disk: Knob = None, kv_dir: Path_ = None,
         codec: str | list[str] = (), objective: str = "total", lossy: str | None = None,
-        sparse: float | None = None) -> RunResult:
+        sparse: float | None = None, max_error: float | None = None) -> RunResult:
     """Execute on this machine (torch and transformers needed) and measure next to the
     prediction. `device` defaults to cuda when available; budgets to the GPU's memory and this
     machine's RAM and the free space of `kv_dir` (the disk tier's directory, default the system
@@ -234,8 +264,10 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
     is set, it is set to expandable_segments:True before CUDA starts. LOSSY opt-in: `lossy`
     "int8"/"int4" stores the offloaded KV quantised (executor/qstore.py); `sparse` F fetches a
     fraction F of each decode step's offloaded tokens, chosen by a key sketch kept on the GPU
-    (executor/sparse_homes.py; not combined with `lossy` or disk units yet)."""
+    (executor/sparse_homes.py; not combined with `lossy` or disk units yet). `max_error` as
+    for `plan`."""
     trace_path, plot_path = output_path(trace, "trace"), output_path(plot, "plot")
+    _check_max_error(max_error, lossy, sparse)
     loaded = sys.modules.get("torch")
     if loaded is None or not loaded.cuda.is_initialized():   # before CUDA starts, or it is too late
         default_alloc_conf()
@@ -296,6 +328,13 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
                                                      or chosen.decode.codec("h2d") != "none"):
         raise ValueError("sparse: kvpipe run executes --sparse alone, over host-RAM units (the token sketch): "
                          "not with --lossy int8/int4, disk units, an h2d codec or a plan with sketch null")
+    choice = None
+    if max_error is not None:   # LOSSY only from the explicit budget, by measured error
+        from kvpipe.sim.lossy_choice import choose_lossy
+        replay_ok = issue == "graph" and work.decode_tokens > 0 and not chosen.disk
+        picked, choice = choose_lossy(chosen, max_error, objective, lambda p: _predict(
+            spec, work, p, profile, budgets, replay=replay_ok and not (p.lossy and p.lossy.quant)))
+        chosen = picked.plan
     if chosen.lossy is not None and any(p.codec("disk") != "none" for p in (chosen.prefill, chosen.decode)):
         raise ValueError("codec: a disk codec cannot run with --lossy (quantised records go to disk as they are)")
     h2d = chosen.decode.codec("h2d")
@@ -331,4 +370,4 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
                      measured.digest, str(dev), attention, "random weights" if random_weights else str(model),
                      warnings, {"mode": res.decode_issue, "graphs": res.graphs, "capture_s": res.capture_s,
                                 "fused": res.fused, "compile_s": res.compile_s},
-                     res.disk, found, res.lossy_error)
+                     res.disk, found, res.lossy_error, choice.describe() if choice else None)

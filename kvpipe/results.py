@@ -62,6 +62,7 @@ class PlanResult:
     warnings: tuple[str, ...] = ()
     search: object = None            # sim.planner.PlannerResult when the planner chose the plan
     max_context: int | None = None   # set by max_context=True: the workload's context is it
+    lossy_choice: str | None = None  # --max-error: the options, their measured errors and the pick
 
     @property
     def plan(self) -> Plan:
@@ -78,6 +79,7 @@ class PlanResult:
                    predicted=p.report.to_json(), budgets_bytes=dict(self.budgets), warnings=list(self.warnings),
                    lossy=lossy_json(p.plan))
         out.update(_search_json(self.search, self.model))
+        out["lossy_choice"] = self.lossy_choice
         if self.max_context is not None:
             out["max_context"] = self.max_context
         if self.methods is not None:
@@ -136,6 +138,7 @@ class RunResult:
     disk: dict | None = None   # the disk tier's I/O: bytes, seconds, checksum cost, notes (None: no disk units)
     search: object = None  # sim.planner.PlannerResult when the planner chose the plan
     lossy_error: dict | None = None   # LOSSY runs: the error measured in the run (executor/lossy_probe.py)
+    lossy_choice: str | None = None   # --max-error: the options, their measured errors and the pick
 
     @property
     def plan(self) -> Plan:
@@ -150,6 +153,7 @@ class RunResult:
                    measured=measured, tokens=[list(t) for t in self.tokens], output_digest=self.output_digest,
                    device=self.device, attention=self.attention, budgets_bytes=dict(self.budgets),
                    warnings=list(self.warnings), disk=self.disk, lossy=lossy_json(self.plan, self.lossy_error, run=True))
+        out["lossy_choice"] = self.lossy_choice
         if self.decode_issue is not None:
             out["decode_issue"] = dict(self.decode_issue)
         return out

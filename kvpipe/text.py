@@ -37,6 +37,8 @@ def print_plan(res: PlanResult) -> None:
         print(f"max context: {fmt_tokens(res.max_context)} ({res.max_context} tokens) fits the budgets")
     _print_workload_plan(res.workload, p.plan)
     _print_search(res.search)
+    if res.lossy_choice:
+        print(f"lossy choice: {res.lossy_choice}")
     budget = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in res.budgets.items())
     if p.fits:
         print(f"fits: yes   (budgets: {budget})")
@@ -76,6 +78,8 @@ def print_run(res: RunResult) -> None:
           f"attention kernel {res.attention}; predicted on profile {res.hardware.name}")
     _print_workload_plan(res.workload, res.plan)
     _print_search(res.search)
+    if res.lossy_choice:
+        print(f"lossy choice: {res.lossy_choice}")
     for line in format_report(res.predicted.report, res.measured):
         print(line)
     print(f"  measured critical lane: {res.measured.critical_lane}; {res.real_trace.note}")

@@ -47,6 +47,8 @@ class LossySpec:
     leaf: int | None = 8
     sketch: int | None = 2
     error: tuple[tuple[str, float], ...] | None = None
+    basis: str | None = None     # why the planner picked it (--max-error: the budget, the measured
+                                 # error and its source); None when the user opted in (--lossy)
 
     def __post_init__(self) -> None:
         if self.quant is not None and self.quant not in QUANT_BITS:
@@ -69,6 +71,8 @@ class LossySpec:
                 raise ValueError(f"{f}: must be >= 0 tokens, got {v!r}")
         if self.quant is None and self.sparse is None:
             raise ValueError("lossy: a lossy spec needs quant or sparse (exact runs have no spec)")
+        if self.basis is not None and not isinstance(self.basis, str):
+            raise ValueError(f"basis: must be a sentence or None, got {self.basis!r}")
 
     @property
     def fine(self) -> int | None:
@@ -166,6 +170,8 @@ class LossySpec:
                          + (f", {self.sketch}-bit token sketch" if self.sketch else "")
                          + (f" refined to {self.fine}" if self.fine else "")
                          + f", sink {self.sink}, recent {self.recent})")
+        if self.basis:
+            parts.append(self.basis)
         return ", ".join(parts)
 
     def to_json(self) -> dict:
@@ -175,13 +181,14 @@ class LossySpec:
                 "recent": self.recent if self.sparse is not None else None,
                 "leaf": self.leaf if self.sparse is not None else None,
                 "sketch": self.sketch if self.sparse is not None else None,
-                "measured_error": dict(self.error) if self.error else None}
+                "measured_error": dict(self.error) if self.error else None,
+                **({"basis": self.basis} if self.basis else {})}
 
     @classmethod
     def from_json(cls, obj: dict | None) -> "LossySpec | None":
         if obj is None:
             return None
-        keep = {k: obj[k] for k in ("quant", "group", "sparse", "chunk", "sink", "recent", "leaf", "sketch")
+        keep = {k: obj[k] for k in ("quant", "group", "sparse", "chunk", "sink", "recent", "leaf", "sketch", "basis")
                 if k in obj and (obj[k] is not None or k in ("leaf", "sketch"))}
         err = obj.get("measured_error")
         return cls(**keep, error=tuple(sorted(err.items())) if err else None)
