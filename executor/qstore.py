@@ -146,8 +146,12 @@ class QuantHomes:
                        if d else None for d in lo.disk] if any(lo.disk) else []
         self.qslots = [torch.empty(B, lo.slot_heads, row, dtype=torch.uint8, **gpu) for _ in range(lo.slots)]
         self.pending: dict[int, tuple[int, int]] = {}            # layer -> (first block, blocks) staged
-        # the fetch's dequantise as one compiled kernel (fused_decode) on CUDA where it is bit-exact
+        # the fetch's dequantise as one compiled kernel (fused_decode) on CUDA where it is bit-exact;
+        # compiled here, in the store's open, on the slots' real shapes (a group of every slot row),
+        # so that no compile lands inside a timed stage (stale bytes decode into unread rows)
         self.fused = store.cuda and c.fusable
+        if self.fused:
+            fused_decode()(c, self.qslots[0], store.slots[0], 0, lo.slot_heads)
 
     @property
     def host_bytes(self) -> int:

@@ -11,8 +11,11 @@ import math
 from dataclasses import dataclass
 
 QUANT_BITS = {"int8": 8, "int4": 4}
-# Default values per scale/zero-point: int4 needs smaller groups to stay near 1e-1 output error on
-# the synthetic needle set (benchmarks/lossy_error.py: group 64 gave 0.12, group 32 about 0.09).
+# Default values per scale/zero-point. int4: group 32 is the largest group (fewest bytes: 5 bits
+# a value, 0.3125 of bf16) within 1e-1 mean attention-output error on the needle set
+# (benchmarks/results/lossy-error-2026-11-30-quant.json, executor layout: 16 -> 0.072, 32 -> 0.085,
+# 64 -> 0.102, 128 -> 0.122). The random-weights probe misses 1e-1 at every group >= 16 (0.105 at 16,
+# 0.125 at 32): its scores spread ~1.6 logits, which multiplies K's error; int4 cannot meet it.
 DEFAULT_GROUP = {"int8": 64, "int4": 32}
 META_BYTES = 2     # scale and zero-point (the group minimum) are float16 each
 FINE_CODE_BYTES = 1   # a fine summary's min/max: a uint8 code within its coarse chunk's range
