@@ -13,10 +13,10 @@ the attention reads the slot as on the exact path. Resident units never pass thr
 Stages (builder: `quant` before `kv_store`, `dequant` after `kv_fetch`): `encode` (compute lane)
 -> `store` (d2h) -> `disk_write` (disk lane), and `disk_read` -> `fetch` (h2d) -> `decode`.
 
-`decode` on CUDA with float16 metadata (bf16/fp16 models) is ONE torch.compile'd function per
-fetch (`fused_decode`: unpack, scale, shift, round, write into the slot; inductor emits a kernel
-each for K and V, no float32 temporaries in memory), compiled once per process with dynamic
-shapes. It equals the eager `dequantize` bit for bit: a code (<= 255, 8 bits) times a float16
+`decode` on CUDA with float16 metadata (bf16/fp16 models) is ONE torch.compile'd call per fetch
+(`fused_decode`: unpack, scale, shift, round, write into the slot; inductor emits a kernel each
+for K and V, no float32 temporaries in memory) over the WHOLE byte slot, so its shapes never
+change: it is compiled once per slot layout, in the store's open, not in a timed stage. It equals the eager `dequantize` bit for bit: a code (<= 255, 8 bits) times a float16
 scale (11 significant bits) is exact in float32, so a fused multiply-add (which the compiler may
 emit) and eager's multiply-then-add round the same sum once; one rounding to the model dtype
 follows. Float32 metadata (fp32 models) has no such guarantee and stays eager, as does the CPU."""
