@@ -80,3 +80,20 @@ def test_bad_max_error_is_one_line_exit_2(extra, capsys):
     assert main(["plan", "--context", "8K", *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "max-error" in err[0]
+
+
+def test_run_takes_the_budget_too_and_without_it_stays_exact(tmp_path_factory, capsys):
+    # Fault caught: `kvpipe run` ignoring --max-error (no choice made or reported), or picking a
+    # lossy option without it. Tiny model on the CPU: which option wins is the simulator's call;
+    # the pick, whatever it is, must be within the budget and say so.
+    from conftest import write_config
+    cfg = write_config(tmp_path_factory, head_dim=32)
+    common = ["run", "--device", "cpu", "--no-progress", "--json", "--model", cfg, "--random-weights",
+              "--context", "96", "--decode-tokens", "2", "--chunk", "32", "--resident", "none", "--group", "1"]
+    assert main(common) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["lossy"] is None and plain["lossy_choice"] is None
+    assert main(common + ["--max-error", "0.05"]) == 0
+    j = json.loads(capsys.readouterr().out)
+    assert j["lossy_choice"].startswith("--max-error 0.05: ")
+    assert j["lossy"] is None or (j["lossy"]["quant"] == "int8" and SOURCE in j["lossy"]["basis"])
