@@ -333,7 +333,8 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
         from kvpipe.sim.lossy_choice import choose_lossy
         replay_ok = issue == "graph" and work.decode_tokens > 0 and not chosen.disk
         picked, choice = choose_lossy(chosen, max_error, objective, lambda p: _predict(
-            spec, work, p, profile, budgets, replay=replay_ok and not (p.lossy and p.lossy.quant)))
+            spec, work, p, profile, budgets, replay=replay_ok and not (p.lossy and p.lossy.quant)),
+            refuse="not with --replay on (lossy stages run eagerly)" if replay == "on" else None)
         chosen = picked.plan
     if chosen.lossy is not None and any(p.codec("disk") != "none" for p in (chosen.prefill, chosen.decode)):
         raise ValueError("codec: a disk codec cannot run with --lossy (quantised records go to disk as they are)")

@@ -55,12 +55,25 @@ def admitted(max_error: float) -> list[tuple[str, LossySpec | None, str]]:
     return out
 
 
-def choose_lossy(plan: Plan, max_error: float, objective: str, predict: Callable) -> tuple[object, LossyChoice]:
+def excluded(plan: Plan) -> str | None:
+    """Why no quantisation can run over `plan` (a codec on a link: quantised records cross the
+    links as they are), or None."""
+    if any(name != "none" for pp in (plan.prefill, plan.decode) for _, name in pp.codecs):
+        return "not with a codec on a link"
+    return None
+
+
+def choose_lossy(plan: Plan, max_error: float, objective: str, predict: Callable,
+                 refuse: str | None = None) -> tuple[object, LossyChoice]:
     """The best of `plan` (exact) and its admitted lossy variants. `predict(plan)` returns an
-    object with `problems` (budget misses) and the simulator's `report` (api._predict)."""
+    object with `problems` (budget misses) and the simulator's `report` (api._predict).
+    `refuse`: why the caller cannot run a lossy plan at all (e.g. --replay on), or None."""
     max_error = check_budget(max_error)
+    refuse = refuse or excluded(plan)
     best, best_v, rows = None, math.inf, []
     for name, spec, verdict in admitted(max_error):
+        if name != "exact" and spec is not None and refuse:
+            spec, verdict = None, refuse
         if name != "exact" and spec is None:
             m = MEASURED.get((name, DEFAULT_GROUP[name]))
             rows.append((name, m.worst if m else None, verdict))

@@ -97,3 +97,27 @@ def test_run_takes_the_budget_too_and_without_it_stays_exact(tmp_path_factory, c
     j = json.loads(capsys.readouterr().out)
     assert j["lossy_choice"].startswith("--max-error 0.05: ")
     assert j["lossy"] is None or (j["lossy"]["quant"] == "int8" and SOURCE in j["lossy"]["basis"])
+
+
+def test_no_lossy_pick_over_a_codec_or_when_the_caller_refuses():
+    # Fault caught: int8 picked over a plan with a lossless codec on a link (the run then refuses
+    # the combination), or over a caller's refusal (--replay on); the reason must be shown.
+    from dataclasses import replace
+
+    from kvpipe.pipeline.plan import Method, PhasePlan, Plan
+    from kvpipe.sim.lossy_choice import choose_lossy, excluded
+
+    class Pred:      # the two things choose_lossy reads of a prediction; lossy predicted faster
+        def __init__(self, plan):
+            self.plan, self.problems = plan, ()
+            t = 1.0 if plan.lossy is None else 0.5
+            self.report = type("R", (), {"timing": type("T", (), {"total_s": t, "ttft_s": t,
+                                                                   "decode_s_per_token": t})()})()
+    base = Plan(Method.HEADWISE, PhasePlan(8, 2048), PhasePlan(8, 1), 0)
+    assert excluded(base) is None and choose_lossy(base, 0.05, "total", Pred)[1].chosen == "int8"
+    coded = replace(base, decode=replace(base.decode, codecs=(("h2d", "nvcomp-ans-planes"), ("d2h", "none"),
+                                                               ("disk", "none"))))
+    best, choice = choose_lossy(coded, 0.05, "total", Pred)
+    assert best.plan.lossy is None and "not with a codec on a link" in choice.describe()
+    best, choice = choose_lossy(base, 0.05, "total", Pred, refuse="not with --replay on")
+    assert best.plan.lossy is None and "not with --replay on" in choice.describe()
