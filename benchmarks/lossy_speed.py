@@ -336,8 +336,8 @@ def dequant_main(args, device: torch.device) -> int:
         if "error" in r:
             print(f"{r['tokens']:>8}{name:>12}{path:>7}  not measured: {r['error']}")
             continue
-        print(f"{r['tokens']:>8}{name:>12}{path:>7}{1e3 * r['s']:>9.3f}{r['out_bytes_per_s'] / 1e9:>10.0f}"
-              f"{r['traffic_bytes_per_s'] / 1e9:>10.0f}{r['first_call_s']:>11.1f}")
+        print(f"{r['tokens']:>8}{name:>12}{path:>7}{1e3 * r['s']:>9.3f}{r['out_bytes_per_s'] / 1e9:>10.1f}"
+              f"{r['traffic_bytes_per_s'] / 1e9:>10.1f}{r['first_call_s']:>11.1f}")
     print(f"json: {out}")
     return 0 if all("error" not in r for r in res["rows"]) else 1
 
