@@ -80,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     exact = rows[0].get("decode_s_per_token")
     for r in rows:
         r["decode_speedup"] = exact / r["decode_s_per_token"] if exact and r.get("decode_s_per_token") else None
+    pred_exact = rows[0].get("predicted_decode_s_per_token")
+    for r in rows:
+        p = r.get("predicted_decode_s_per_token")
+        r["predicted_speedup"] = pred_exact / p if pred_exact and p else None
     import torch
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     out = {"command": " ".join([sys.executable, "-m", "benchmarks.lossy_run", *(argv or sys.argv[1:])]),
@@ -90,10 +94,6 @@ def main(argv: list[str] | None = None) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
     print(f"wrote {path}")
-    pred_exact = rows[0].get("predicted_decode_s_per_token")
-    for r in rows:
-        p = r.get("predicted_decode_s_per_token")
-        r["predicted_speedup"] = pred_exact / p if pred_exact and p else None
     print(f"{'variant':8} {'decode ms/tok':>14} {'predicted':>10} {'meas/pred':>10} {'speed-up':>9} "
           f"{'pred. s-up':>10} {'prefill s':>10} {'attn rel err':>13}")
     for r in rows:
