@@ -2,9 +2,10 @@
 attended) in static device buffers (`DeviceStep`), and the interpreter's decode ops rewritten to
 read them (`ReplayInterpreter`): new K/V written at a device-held index, attention that reads its
 length on the device (`attention.attend_decode`), prefix copies of a fixed bucket length. The
-same ops serve a captured graph and eager issue; prefill runs the eager ops unchanged. With
-`fuse` (default: KVPIPE_FUSE) the decode ops call `fused.FusedDecode` instead of the adapter's
-pieces: the same math with the elementwise work fused (every placement runs the same code)."""
+same ops serve a captured graph and eager issue; prefill runs the eager ops unchanged. Under the
+fuse setting (`fuse`: auto|on|off, default pipeline/fusion.fuse_mode(): auto where it can run) the
+decode ops call `fused.FusedDecode` instead of the adapter's pieces: the same math with the
+elementwise work fused (every placement runs the same code)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ import torch
 from kvpipe.pipeline.stage import Phase, Stage
 
 from .attention import attend_decode
-from .fused import FusedDecode, fuse_setting
+from .fused import fuse_mode, make_fused, warm_or_fall_back
 from .interpreter import Interpreter, _Step
 
 
@@ -38,16 +39,27 @@ class DeviceStep:
 class ReplayInterpreter(Interpreter):
     """The interpreter with decode ops that read their step from `dev` (a DeviceStep) instead of
     host integers; prefill (and decode while `dev` is None) runs the eager ops unchanged.
-    `fuse`: decode ops through FusedDecode (None: the KVPIPE_FUSE setting); the residual stream
-    then carries the last MLP's output in `_pending` until the next norm adds it."""
+    `fuse`: the fuse setting (auto|on|off; None: pipeline/fusion.fuse_mode()); where it fuses, decode
+    ops go through FusedDecode and the residual stream carries the last MLP's output in `_pending`
+    until the next norm adds it. `fuse_note` says why a fusing setting runs unfused (else None)."""
 
     dev: DeviceStep | None = None
 
-    def __init__(self, *args, fuse: bool | None = None, **kwargs) -> None:
+    def __init__(self, *args, fuse: str | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        fuse = fuse_setting() if fuse is None else fuse
-        self.fused = FusedDecode(self.adapter) if fuse else None
+        self.fuse = fuse_mode(fuse)
+        self.fused, self.fuse_note = make_fused(self.adapter, self.fuse)
         self._pending: torch.Tensor | None = None   # [B, 1, hidden] MLP output not yet added
+
+    def warm_fused(self, positions: torch.Tensor) -> float:
+        """Compile and warm the fused pieces before any capture -> seconds; a compile that fails
+        under `auto` leaves the decode unfused (`fused` None, `fuse_note` says why)."""
+        if self.fused is None:
+            return 0.0
+        seconds, note = warm_or_fall_back(self.fused, self.fuse, positions)
+        if note is not None:
+            self.fused, self.fuse_note = None, note
+        return seconds
 
     def _device_step(self, s: Stage) -> bool:
         return s.phase is Phase.DECODE and self.dev is not None

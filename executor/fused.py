@@ -3,8 +3,10 @@ RoPE with the q/k/v layout, the MLP's act(gate) * up) as a few functions compile
 torch.compile (inductor: Triton on CUDA, C++ on CPU), each computing HF's math from the HF
 modules' own weights and config; the matmuls stay the HF modules' own `nn.Linear` calls.
 
-Opt-in (`KVPIPE_FUSE=1`), used only by the replayed decode step (executor/device_step.py), so
-offloaded and resident placements run the same fused code. Inductor keeps intermediates in fp32
+On by default where it can run (`--fuse auto|on|off`, the setting of pipeline/fusion.py): only
+the replayed decode step uses it (executor/device_step.py), on CUDA with a working Triton, so
+offloaded and resident placements run the same fused code; CPU and eager decode stay unfused.
+Under `auto` a compile that fails falls back to HF's modules (`warm_or_fall_back`, one note). Inductor keeps intermediates in fp32
 where HF rounds them to bf16; `emulate_precision_casts` restores HF's roundings at its casts, but
 the reductions' order differs, so fused != HF eager bit for bit (compared within bf16 rounding).
 The residual add after the MLP is deferred into the next RMSNorm (next layer's input norm, or
@@ -14,23 +16,15 @@ every layer (same shapes; weights are arguments, not guarded), before any CUDA-g
 from __future__ import annotations
 
 import functools
-import os
 import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-FUSE_ENV = "KVPIPE_FUSE"
+from kvpipe.pipeline.fusion import FUSE_ENV, fuse_mode  # noqa: F401  (the setting's one definition)
+
 _ACTS = {"silu": F.silu}      # hidden_act -> the function HF's ACT2FN applies (extension: one line)
-
-
-def fuse_setting() -> bool:
-    """KVPIPE_FUSE, validated: 1/on/true -> fused decode, 0/off/false/unset -> HF's modules."""
-    v = os.environ.get(FUSE_ENV, "0").strip().lower() or "0"
-    if v not in ("0", "1", "on", "off", "true", "false"):
-        raise ValueError(f"{FUSE_ENV}={v!r}: expected 1 or 0")
-    return v in ("1", "on", "true")
 
 
 # ---- the math (pure; compiled below) --------------------------------------------------------------
@@ -89,10 +83,9 @@ class FusedDecode:
     (hidden, pending): `pending` is the last MLP's output, added by the next norm (None at layer 0)."""
 
     def __init__(self, adapter, compile: bool = True) -> None:
-        cfg = adapter.model.config
-        act = getattr(cfg, "hidden_act", None)
+        act = getattr(adapter.model.config, "hidden_act", None)
         if act not in _ACTS:
-            raise ValueError(f"{FUSE_ENV}: hidden_act {act!r} has no fused form (supported: {', '.join(_ACTS)})")
+            raise ValueError(f"fuse: hidden_act {act!r} has no fused form (supported: {', '.join(_ACTS)})")
         self.adapter, self.act = adapter, act
         self.norm, self.add_norm = compiled("norm", compile), compiled("add_norm", compile)
         self.rope, self.act_mul = compiled("rope", compile), compiled("act_mul", compile)
@@ -153,3 +146,48 @@ class FusedDecode:
             torch.cuda.synchronize(a.device)
         self.compile_s = time.perf_counter() - t0
         return self.compile_s
+
+
+# ---- where it runs, and the fallback ----------------------------------------------------------------
+def unavailable(adapter) -> str | None:
+    """Why the fused pieces cannot run for `adapter`'s model and device, or None when they can."""
+    act = getattr(adapter.model.config, "hidden_act", None)
+    if act not in _ACTS:
+        return f"hidden_act {act!r} has no fused form (supported: {', '.join(_ACTS)})"
+    if adapter.device.type != "cuda":
+        return "fused decode runs in replayed CUDA decode steps only"
+    from torch.utils._triton import has_triton
+    if not has_triton():
+        return "no working Triton for torch.compile on this GPU"
+    return None
+
+
+def make_fused(adapter, mode: str) -> tuple[FusedDecode | None, str | None]:
+    """The fused pieces for a replayed decode under setting `mode` (pipeline/fusion.MODES), or
+    (None, why) where they cannot run: `on` then raises a ValueError, `auto` runs unfused."""
+    if mode == "off":
+        return None, None
+    why = unavailable(adapter)
+    if why is None:
+        return FusedDecode(adapter), None
+    if mode == "on":
+        raise ValueError(f"fuse: on cannot run here: {why}")
+    return None, f"fuse: auto runs decode unfused: {why}"
+
+
+def warm_or_fall_back(fused: FusedDecode, mode: str, positions: torch.Tensor) -> tuple[float, str | None]:
+    """Compile and warm `fused` (FusedDecode.warm) -> (seconds, None). A compile that fails under
+    `auto` -> (seconds spent, one line saying decode runs unfused): the caller drops the fused
+    pieces, so the answer is HF's modules', never a half-compiled step. Under `on` the failure is a
+    ValueError. A CUDA out-of-memory is not a compile failure: it propagates."""
+    t0 = time.perf_counter()
+    try:
+        return fused.warm(positions), None
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:   # inductor/Triton: compiler missing, codegen or Triton compile errors
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        what = f"{type(e).__name__}: {first}"[:300]
+        if mode == "on":
+            raise ValueError(f"fuse: torch.compile of the fused decode pieces failed ({what})") from None
+        return time.perf_counter() - t0, f"fuse: torch.compile of the fused decode pieces failed ({what}); decode runs unfused"

@@ -12,8 +12,8 @@ first decode step, in one memory pool. The write-back of each step's new K/V to 
 (its host offset moves every step) is issued eagerly on the d2h stream after the replay, and the
 next replay waits for it. Eager issue (`capture=False`) runs the very same step code without a
 graph: the fallback, and the reference the replay is tested against bitwise. With fused decode
-pieces (KVPIPE_FUSE=1, executor/fused.py) their compilation runs before the first capture
-(`compile_s`, printed on stderr).
+pieces (the default where they run: --fuse, executor/fused.py) their compilation runs before the
+first capture (`compile_s`, printed on stderr); under auto a failed compile leaves the decode unfused.
 """
 from __future__ import annotations
 
@@ -190,10 +190,11 @@ class DecodeReplay:
         gpu, d2h = streams[Lane.GPU], streams[Lane.D2H]
         for lane in (Lane.H2D, Lane.D2H):
             gpu.wait_stream(streams[lane])   # the prefill's copies are home before any step
-        if self.interp.fused is not None:    # compiled outside any capture
+        if self.interp.fused is not None:    # compiled outside any capture (auto: unfused if it fails)
             with torch.cuda.stream(gpu):
-                self.compile_s = self.interp.fused.warm(self.pos_all[:1])
-            print(f"kvpipe: fused decode pieces compiled and warmed in {self.compile_s:.1f} s", file=sys.stderr, flush=True)
+                self.compile_s = self.interp.warm_fused(self.pos_all[:1])
+            if self.interp.fused is not None:
+                print(f"kvpipe: fused decode pieces compiled and warmed in {self.compile_s:.1f} s", file=sys.stderr, flush=True)
         if self.capture:
             self._capture_all()
         dev = self.dev

@@ -43,8 +43,9 @@ class RunResult:
                                   # step code without a graph; "eager": stage by stage
     graphs: int = 0               # CUDA graphs captured
     capture_s: float = 0.0        # host seconds spent capturing them (before the first decode step)
-    fused: bool = False           # decode steps ran the fused pieces (KVPIPE_FUSE=1, executor/fused.py)
+    fused: bool = False           # decode steps ran the fused pieces (--fuse, executor/fused.py)
     compile_s: float = 0.0        # host seconds compiling them (before the first capture)
+    fuse_note: str | None = None  # why a fusing setting (auto) ran unfused, e.g. a failed compile
     disk_bytes: int = 0
     disk: dict | None = None
     lossy_error: dict | None = None   # LOSSY runs: errors measured in the run (executor/lossy_probe.py)
@@ -66,14 +67,16 @@ def decode_steps(graph: Graph) -> int:
 def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
             device: str | torch.device | None = None, *, keep_logits: bool = False,
             stage_hook: Callable[[Stage], None] | None = None, turns: random.Random | None = None,
-            replay: str = "off", disk: DiskOptions | None = None) -> RunResult:
+            replay: str = "off", disk: DiskOptions | None = None, fuse: str | None = None) -> RunResult:
     """Run `graph` with `hf_model` (already on `device`, default: the model's) on `prompt_ids`
     [B, context]. Greedy decoding; bitwise independent of where the KV cache lives.
     `stage_hook(stage)` is called on the stage's lane (its stream current) after the stage's
     dependency waits, outside its span: a progress bar, or a test delaying streams at random.
     `turns` (seeded) randomises the lane actors' turn order (tests: many interleavings on CPU).
     `replay` (auto|on|off, see executor/replay.py): decode steps as CUDA-graph replays; `on`
-    raises a ValueError where that is not supported (CPU, fp32, batch > 1, disk units).
+    raises a ValueError where that is not supported (CPU, fp32, batch > 1, disk units). `fuse`
+    (auto|on|off, None: pipeline/fusion.fuse_mode()): replayed decode steps with fused elementwise
+    work (executor/fused.py); eager decode is never fused.
     `disk` says where the disk units' file goes (default: the system temp dir); it is removed
     when the run ends, however it ends."""
     adapter = HFAdapter(hf_model)
@@ -111,7 +114,7 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
                 interp = Interpreter(graph, adapter, store, lanes, prompt, tokens, step_logits)
                 spans = lanes.run(graph, interp, before=stage_hook)
             else:
-                interp = ReplayInterpreter(graph, adapter, store, lanes, prompt, tokens, step_logits)
+                interp = ReplayInterpreter(graph, adapter, store, lanes, prompt, tokens, step_logits, fuse=fuse)
                 spans, extra = _prefill_then_replay(graph, interp, lanes, tokens, step_logits, stage_hook,
                                                     capture=issue == "graph")
             peak = torch.cuda.max_memory_allocated(device) if cuda else 0
@@ -140,7 +143,8 @@ def _prefill_then_replay(graph: Graph, interp: ReplayInterpreter, lanes: Lanes, 
     with DecodeReplay(graph, interp, lanes, tokens, step_logits, capture=capture) as rep:
         spans = spans + rep.run(base, before=hook)
         extra = dict(decode_issue="graph" if capture else "issue", graphs=len(rep.captured),
-                     capture_s=rep.capture_s, fused=interp.fused is not None, compile_s=rep.compile_s)
+                     capture_s=rep.capture_s, fused=interp.fused is not None, compile_s=rep.compile_s,
+                     fuse_note=interp.fuse_note)
     assert [sp.stage for sp in spans] == list(range(len(graph.stages)))
     return spans, extra
 

@@ -150,7 +150,7 @@ def output_digest(result: RunResult) -> str:
 
 
 def warm_up(graph: Graph, hf_model: torch.nn.Module, ids: torch.Tensor, device: torch.device,
-            replay: str = "off", disk: DiskOptions | None = None) -> int:
+            replay: str = "off", disk: DiskOptions | None = None, fuse: str | None = None) -> int:
     """Run the same plan, untimed, on the first prefill chunk and one decode step: CUDA context,
     cuBLAS/cuDNN handles, kernel loading and the chunk's own attention plan are paid here, not in
     the measurement (HF's baselines warm up the same way). Returns the tokens run."""
@@ -158,7 +158,7 @@ def warm_up(graph: Graph, hf_model: torch.nn.Module, ids: torch.Tensor, device: 
     context = min(w.context, plan.prefill.chunk, WARMUP_MAX_TOKENS)  # `standard`'s chunk is the prompt
     small_plan = replace(plan, prefill=replace(plan.prefill, chunk=context))
     small = build(graph.model, Workload(context, 1, w.batch), small_plan)
-    execute(small, hf_model, ids[:, :context], device, replay=replay, disk=disk)
+    execute(small, hf_model, ids[:, :context], device, replay=replay, disk=disk, fuse=fuse)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()  # the real run starts from the same allocator state as a cold one
@@ -167,14 +167,14 @@ def warm_up(graph: Graph, hf_model: torch.nn.Module, ids: torch.Tensor, device: 
 
 def run_graph(graph: Graph, hf_model: torch.nn.Module, ids: torch.Tensor, device: torch.device,
               gpu_budget: int, progress: bool = True, warmup: bool = True, replay: str = "off",
-              kv_dir: str | None = None) -> Measured:
+              kv_dir: str | None = None, fuse: str | None = None) -> Measured:
     """Execute with the GPU allocator capped at `gpu_budget` and a progress bar over steps (on
-    CUDA after an untimed warm-up unless `warmup` is False); `replay` as in `runner.execute`."""
+    CUDA after an untimed warm-up unless `warmup` is False); `replay` and `fuse` as in `runner.execute`."""
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_budget / total), device)
         if warmup:
-            n = warm_up(graph, hf_model, ids, device, replay=replay, disk=DiskOptions(kv_dir))
+            n = warm_up(graph, hf_model, ids, device, replay=replay, disk=DiskOptions(kv_dir), fuse=fuse)
             print(f"kvpipe: warmed up on {n} tokens and 1 decode step (untimed)", file=sys.stderr, flush=True)
     steps = len({(s.phase, s.step) for s in graph.stages if s.tag == "embed"})
     last_layer = graph.model.layers - 1
@@ -194,7 +194,7 @@ def run_graph(graph: Graph, hf_model: torch.nn.Module, ids: torch.Tensor, device
 
     try:
         result = execute(graph, hf_model, ids, device, stage_hook=tick if bar else None, replay=replay,
-                         disk=DiskOptions(kv_dir))
+                         disk=DiskOptions(kv_dir), fuse=fuse)
     finally:
         if bar:
             bar.close()

@@ -50,9 +50,11 @@ def default_alloc_conf(environ=None) -> bool:
 
 
 def _predict(model, work, plan: Plan, hw, budgets, full: bool = False, max_context: int | None = None,
-             replay: bool | None = None, pred=None) -> Predicted:
+             replay: bool | None = None, pred=None, fuse: str = "auto") -> Predicted:
     """`replay`: decode steps as CUDA-graph replays; None: as `run --replay auto` would on a GPU.
+    `fuse`: the fuse setting (auto|on|off; `on` refused where decode is not replayed).
     `pred`: a prediction already simulated for this plan (the planner's)."""
+    from kvpipe.pipeline.fusion import decode_fused, refuse_unfusable
     from kvpipe.pipeline.memory import breakdown
     from kvpipe.pipeline.report import budget_problems
     from kvpipe.sim.simulate import replays_decode, simulate
@@ -60,8 +62,9 @@ def _predict(model, work, plan: Plan, hw, budgets, full: bool = False, max_conte
     problems = tuple(budget_problems(breakdown(model, work, plan), budgets))
     if replay is None:   # disk units run eagerly (their reads cannot sit in a CUDA graph)
         replay = replays_decode(model, work) and not plan.disk and plan.decode.codec("h2d") == "none"
-    pred = pred or simulate(model, work, plan, hw, full=full, replay=replay)
-    return Predicted(plan, problems, pred.report, pred.trace, max_context)
+    refuse_unfusable(fuse, replay)
+    pred = pred or simulate(model, work, plan, hw, full=full, replay=replay, fuse=decode_fused(fuse, replay))
+    return Predicted(plan, problems, pred.report, pred.trace, max_context, pred.fused, pred.compile_s)
 
 
 def _searches(method, plan: PlanArg) -> bool:
@@ -71,7 +74,7 @@ def _searches(method, plan: PlanArg) -> bool:
 
 
 def _choose(spec, work, profile, budgets, method, group, chunk, resident, plan, objective, full=False,
-            disk=None, codec=(), h2d_codecs=True):
+            disk=None, codec=(), h2d_codecs=True, fuse: str = "auto"):
     """(the plan's prediction, the planner's result or None). --disk/--codec are not dimensions of
     the search yet: given, they apply over the planner's plan, which is then simulated again."""
     from .inputs import _is_auto
@@ -79,14 +82,16 @@ def _choose(spec, work, profile, budgets, method, group, chunk, resident, plan, 
         from kvpipe.sim.planner import search
         found = search(spec, work, profile, budgets, planner_pins(spec, group, chunk, resident), objective,
                        full=full, h2d_codecs=h2d_codecs and not any(str(c).startswith("h2d=") for c in
-                                                                    ([codec] if isinstance(codec, str) else codec)))
+                                                                    ([codec] if isinstance(codec, str) else codec)),
+                       fuse=fuse)
         if _is_auto(disk) and not codec:
-            return _predict(spec, work, found.best.plan, profile, budgets, pred=found.best.prediction), found
+            return _predict(spec, work, found.best.plan, profile, budgets, pred=found.best.prediction,
+                            fuse=fuse), found
         chosen = _tiers(spec, work, found.best.plan, profile, disk, codec)
-        return _predict(spec, work, chosen, profile, budgets, full=full), found
+        return _predict(spec, work, chosen, profile, budgets, full=full, fuse=fuse), found
     chosen = resolve_plan(spec, work, budgets, method, group, chunk, resident, plan)
     chosen = _tiers(spec, work, chosen, profile, disk, codec)
-    return _predict(spec, work, chosen, profile, budgets, full=full), None
+    return _predict(spec, work, chosen, profile, budgets, full=full, fuse=fuse), None
 
 
 def _max_context(spec, work, budgets, method, group=None, chunk=None, resident=None, plan=None) -> int:
@@ -156,7 +161,7 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
          disk: Knob = None, kv_dir: Path_ = None, codec: str | list[str] = (),
          lossy: str | None = None, sparse: float | None = None,
          objective: str = "total", out: Path_ = None, max_context: bool = False,
-         max_error: float | None = None) -> PlanResult:
+         max_error: float | None = None, fuse: str | None = None) -> PlanResult:
     """Predict latency and memory of `model` on hardware profile `hw` (no GPU, no torch).
     Budgets default to the profile's. Head-wise plans come from the planner (sim/planner.py),
     which minimises `objective` (total, ttft or decode); `group`/`chunk`/`resident` other than
@@ -167,13 +172,17 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
     quantises the offloaded KV, `sparse` F fetches a fraction F of the tokens per decode step
     (pipeline/lossy.py). `max_error`: an attention-output error budget within which the planner
     may pick int8/int4 by their measured error (sim/lossy_choice.py); without it, never lossy.
+    `fuse` auto|on|off (None: KVPIPE_FUSE, else auto; pipeline/fusion.py): replayed decode steps
+    with fused elementwise work, its one-time compile reported beside the total.
     `max_context` answers the largest context that fits, with its plan;
     `out` writes the plan for `run(plan=...)`. `trace`/`plot` paths are checked first and written
     last. ValueError names the argument for bad input."""
     from kvpipe.hw_profiles import load_profile
+    from kvpipe.pipeline.fusion import fuse_mode
     trace_path, plot_path = output_path(trace, "trace"), output_path(plot, "plot")
     out_path = output_path(out, "trace") if out is not None else None   # a .json in an existing folder
     _check_max_error(max_error, lossy, sparse)
+    fuse = fuse_mode(fuse)
     spec = load_model(model)
     profile = load_profile(hw)
     work = Workload.parse(context, decode_tokens, batch)
@@ -189,21 +198,22 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
         work = Workload(largest, work.decode_tokens, work.batch)
     warnings = _warnings(spec, work)
     main, found = _choose(spec, work, profile, budgets, method, group, chunk, resident, plan, objective, full_sim,
-                          disk, codec, h2d_codecs=lossy is None and sparse is None)
+                          disk, codec, h2d_codecs=lossy is None and sparse is None, fuse=fuse)
     warnings += _room_warning(spec, work, main, budgets, chunk)
     chosen = main.plan
     if lossy is not None or sparse is not None:   # explicit opt-in only, over the exact plan
         from kvpipe.pipeline.lossy import LossySpec
         chosen = chosen.with_(lossy=LossySpec(lossy, sparse=sparse))
-        main = _predict(spec, work, chosen, profile, budgets, full=full_sim, replay=_lossy_replay(chosen))
+        main = _predict(spec, work, chosen, profile, budgets, full=full_sim, replay=_lossy_replay(chosen),
+                        fuse=fuse)
     choice = None
     if max_error is not None:      # LOSSY only from the explicit budget, by measured error
         from kvpipe.sim.lossy_choice import choose_lossy
         exact = main
 
-        def predict(p: Plan) -> Predicted:
+        def predict(p: Plan) -> Predicted:   # a candidate that cannot fuse is predicted unfused, not refused
             return exact if p is chosen else _predict(spec, work, p, profile, budgets, full=full_sim,
-                                                      replay=_lossy_replay(p))
+                                                      replay=_lossy_replay(p), fuse="auto" if fuse == "on" else fuse)
         main, choice = choose_lossy(chosen, max_error, objective, predict)
         chosen = main.plan
     methods = None
@@ -214,7 +224,8 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
             if m is chosen.method:
                 pred = main
             else:
-                pred, _ = _choose(spec, work, profile, budgets, m, None, None, None, None, objective, full_sim)
+                pred, _ = _choose(spec, work, profile, budgets, m, None, None, None, None, objective, full_sim,
+                                  fuse=fuse)
             ctx = (_max_context(spec, work, budgets, method, group, chunk, resident, plan) if m is chosen.method
                    else _max_context(spec, work, budgets, m))
             methods[m.value] = Predicted(pred.plan, pred.problems, pred.report, pred.trace, ctx)
@@ -254,7 +265,7 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
         prompt_file: Path_ = None, progress: bool = True, warmup: bool = True, replay: str = "auto",
         trace: Path_ = None, plot: Path_ = None, disk: Knob = None, kv_dir: Path_ = None,
         codec: str | list[str] = (), objective: str = "total", lossy: str | None = None,
-        sparse: float | None = None, max_error: float | None = None) -> RunResult:
+        sparse: float | None = None, max_error: float | None = None, fuse: str | None = None) -> RunResult:
     """Execute on this machine (torch and transformers needed) and measure next to the
     prediction. `device` defaults to cuda when available; budgets to the GPU's memory and this
     machine's RAM and the free space of `kv_dir` (the disk tier's directory, default the system
@@ -265,7 +276,9 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
     "int8"/"int4" stores the offloaded KV quantised (executor/qstore.py); `sparse` F fetches a
     fraction F of each decode step's offloaded tokens, chosen by a key sketch kept on the GPU
     (executor/sparse_homes.py; not combined with `lossy` or disk units yet). `max_error` as
-    for `plan`."""
+    for `plan`. `fuse` auto|on|off (None: KVPIPE_FUSE, else auto): replayed decode steps with fused
+    elementwise work where it can run; a compile that fails under auto runs unfused with one
+    warning; `on` is refused where decode is not replayed."""
     trace_path, plot_path = output_path(trace, "trace"), output_path(plot, "plot")
     _check_max_error(max_error, lossy, sparse)
     loaded = sys.modules.get("torch")
@@ -294,8 +307,9 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
                          "omit --context to use the prompt's length")
     from kvpipe.executor.replay import resolve_mode   # `replay` refused before anything is loaded
     issue = resolve_mode(replay, dev, session.TORCH_DTYPES[spec.dtype], work.batch, spec.head_dim)
-    from kvpipe.executor.fused import fuse_setting   # a bad KVPIPE_FUSE too
-    fuse_setting()
+    from kvpipe.pipeline.fusion import fuse_mode, refuse_unfusable   # a bad --fuse or KVPIPE_FUSE too
+    fuse = fuse_mode(fuse)
+    refuse_unfusable(fuse, issue != "eager")   # `on` where decode is not replayed (CPU, fp32, --replay off)
     profile = load_profile(hw or session.guess_profile(dev) or DEFAULT_HW)
     free = free_disk(kv_dir)                # also checks --kv-dir; the disk budget the search may place units within
     budgets = {"gpu": budget(gpu_mem, session.device_budget(dev), "gpu-mem"),
@@ -318,7 +332,7 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
     except ValueError:
         runnable = False
     first, found = _choose(spec, work, profile, budgets, method, group, chunk, resident, plan, objective,
-                           disk=disk, codec=codec, h2d_codecs=runnable)
+                           disk=disk, codec=codec, h2d_codecs=runnable, fuse=fuse)
     chosen = first.plan
     if lossy is not None or sparse is not None:   # LOSSY, explicit opt-in only, over the exact plan
         from kvpipe.pipeline.lossy import LossySpec
@@ -333,7 +347,8 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
         from kvpipe.sim.lossy_choice import choose_lossy
         replay_ok = issue == "graph" and work.decode_tokens > 0 and not chosen.disk
         picked, choice = choose_lossy(chosen, max_error, objective, lambda p: _predict(
-            spec, work, p, profile, budgets, replay=replay_ok and not (p.lossy and p.lossy.quant)),
+            spec, work, p, profile, budgets, replay=replay_ok and not (p.lossy and p.lossy.quant),
+            fuse="auto" if fuse == "on" else fuse),
             refuse="not with --replay on (lossy stages run eagerly)" if replay == "on" else None)
         chosen = picked.plan
     if chosen.lossy is not None and any(p.codec("disk") != "none" for p in (chosen.prefill, chosen.decode)):
@@ -346,7 +361,8 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
             raise ValueError("replay: decode replay cannot run disk units, lossy KV or an h2d codec; "
                              "use --replay off or auto")
         issue, replay = "eager", "off"
-    predicted = _predict(spec, work, chosen, profile, budgets, replay=issue == "graph" and work.decode_tokens > 0)
+    replayed = issue == "graph" and work.decode_tokens > 0
+    predicted = _predict(spec, work, chosen, profile, budgets, replay=replayed, fuse=fuse)
     if predicted.problems:   # refused before anything is allocated
         raise ValueError(f"budget: the plan does not fit: {'; '.join(predicted.problems)}")
     warnings = _warnings(spec, work) + _room_warning(spec, work, predicted, budgets, chunk)
@@ -357,8 +373,13 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
     hf = session.load_hf_model(model, random_weights, dev, session.TORCH_DTYPES[spec.dtype], seed)
     ids = session.prompt_tensor(prompt, work.batch, work.context, spec.vocab, seed)
     measured = session.run_graph(graph, hf, ids, dev, budgets["gpu"], progress=progress, warmup=warmup,
-                                 replay=replay, kv_dir=None if kv_dir is None else str(kv_dir))
+                                 replay=replay, kv_dir=None if kv_dir is None else str(kv_dir), fuse=fuse)
     res, real = measured.result, measured.result.trace
+    if res.fuse_note:   # auto ran unfused (e.g. a failed compile): one line, and predict what ran
+        log.warning(res.fuse_note)
+        warnings += (res.fuse_note,)
+    if res.fused != predicted.fused:
+        predicted = _predict(spec, work, chosen, profile, budgets, replay=replayed, fuse="off")
     mrep = Report(timing_from_trace(real), real.lane_busy_s(),
                   {"gpu": res.peak_gpu_bytes, "host": res.host_pinned_bytes, "disk": res.disk_bytes}, {}, (real.note,))
     if trace_path:
@@ -370,5 +391,6 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
     return RunResult(spec, profile, work, budgets, predicted, mrep, real, res.tokens.cpu().tolist(),
                      measured.digest, str(dev), attention, "random weights" if random_weights else str(model),
                      warnings, {"mode": res.decode_issue, "graphs": res.graphs, "capture_s": res.capture_s,
-                                "fused": res.fused, "compile_s": res.compile_s},
+                                "fuse": fuse, "fused": res.fused, "compile_s": res.compile_s,
+                                "fuse_note": res.fuse_note},
                      res.disk, found, res.lossy_error, choice.describe() if choice else None)

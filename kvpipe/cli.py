@@ -93,6 +93,10 @@ def add_workload_flags(p: argparse.ArgumentParser, *, context: str | None, hw: s
     p.add_argument("--plan", metavar="PLAN.json", help="a plan.json (written by plan --out); replaces the search and --group/--chunk/--resident")
     p.add_argument("--objective", default="total", choices=["total", "ttft", "decode"],
                    help="what the planner minimises: total time, time to first token or decode time per token")
+    p.add_argument("--fuse", type=str.lower, choices=["auto", "on", "off"],
+                   help="fused decode: the elementwise work of replayed decode steps compiled by torch.compile "
+                        "(auto: where it runs, CUDA + Triton; on: refused where it cannot; off: HF's modules). "
+                        "Default: KVPIPE_FUSE if set, else auto")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--trace", metavar="FILE.json", help="write the Chrome/Perfetto trace")
     p.add_argument("--plot", metavar="FILE.png", help="draw the timeline (needs kvpipe[plot]); .png, .pdf, .svg ...")

@@ -36,13 +36,21 @@ def _search_json(search, model: ModelSpec) -> dict:
 @dataclass(frozen=True)
 class Predicted:
     """One plan's prediction: whether it fits the budgets (else `problems`, one line per pool),
-    and the simulated report and trace. `max_context` is set for `compare`."""
+    and the simulated report and trace. `max_context` is set for `compare`. `fused`: decode steps
+    modelled with the fused pieces; `compile_s` their one-time compile (None: the profile does not
+    say), reported beside total_s, not in it (`run` pays it once per process, in its warm-up)."""
 
     plan: Plan
     problems: tuple[str, ...]
     report: Report
     trace: Trace
     max_context: int | None = None
+    fused: bool = False
+    compile_s: float | None = 0.0
+
+    def report_json(self) -> dict:
+        """The report's JSON with the fused-decode setting and its compile time."""
+        return {**self.report.to_json(), "fused_decode": self.fused, "compile_s": self.compile_s}
 
     @property
     def fits(self) -> bool:
@@ -76,7 +84,7 @@ class PlanResult:
         out = _head(self.model, self.hardware, self.workload)
         p = self.predicted
         out.update(plan=p.plan.to_json(self.model), fits=p.fits, problems=list(p.problems),
-                   predicted=p.report.to_json(), budgets_bytes=dict(self.budgets), warnings=list(self.warnings),
+                   predicted=p.report_json(), budgets_bytes=dict(self.budgets), warnings=list(self.warnings),
                    lossy=lossy_json(p.plan))
         out.update(_search_json(self.search, self.model))
         out["lossy_choice"] = self.lossy_choice
@@ -134,7 +142,8 @@ class RunResult:
     attention: str
     weights: str          # "random weights" or the model directory
     warnings: tuple[str, ...] = ()
-    decode_issue: dict | None = None   # {"mode": graph|issue|eager, "graphs": n, "capture_s": s}
+    decode_issue: dict | None = None   # {"mode": graph|issue|eager, "graphs": n, "capture_s": s, "fuse": setting,
+                                       #  "fused": ran fused, "compile_s": s, "fuse_note": why unfused or None}
     disk: dict | None = None   # the disk tier's I/O: bytes, seconds, checksum cost, notes (None: no disk units)
     search: object = None  # sim.planner.PlannerResult when the planner chose the plan
     lossy_error: dict | None = None   # LOSSY runs: the error measured in the run (executor/lossy_probe.py)
@@ -149,7 +158,7 @@ class RunResult:
         measured = self.measured.to_json()
         measured.pop("gpu_breakdown_bytes")
         out.update(_search_json(self.search, self.model))
-        out.update(plan=self.plan.to_json(self.model), fits=True, predicted=self.predicted.report.to_json(),
+        out.update(plan=self.plan.to_json(self.model), fits=True, predicted=self.predicted.report_json(),
                    measured=measured, tokens=[list(t) for t in self.tokens], output_digest=self.output_digest,
                    device=self.device, attention=self.attention, budgets_bytes=dict(self.budgets),
                    warnings=list(self.warnings), disk=self.disk, lossy=lossy_json(self.plan, self.lossy_error, run=True))

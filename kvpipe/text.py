@@ -46,8 +46,16 @@ def print_plan(res: PlanResult) -> None:
         print(f"fits: NO — {'; '.join(p.problems)}")
     for line in format_report(p.report):
         print(line)
+    _print_fused(p)
     for note in p.report.notes:
         print(f"  note: {note}")
+
+
+def _print_fused(p) -> None:
+    """Whether decode is predicted fused, and the one-time compile that is not in the total."""
+    if p.fused:
+        c = "unknown for this profile" if p.compile_s is None else fmt_s(p.compile_s)
+        print(f"  decode fused (--fuse): compiled once per process, {c}, not in the total")
 
 
 def print_compare(res: PlanResult) -> None:
@@ -82,6 +90,11 @@ def print_run(res: RunResult) -> None:
         print(f"lossy choice: {res.lossy_choice}")
     for line in format_report(res.predicted.report, res.measured):
         print(line)
+    _print_fused(res.predicted)
+    d = res.decode_issue or {}
+    if d.get("fused"):
+        print(f"  measured: decode fused; compile in the timed run {fmt_s(d.get('compile_s') or 0.0)} "
+              "(the warm-up compiles first)")
     print(f"  measured critical lane: {res.measured.critical_lane}; {res.real_trace.note}")
     tokens = res.tokens[0]
     print(f"tokens: {tokens[:16]}{' ...' if len(tokens) > 16 else ''}")

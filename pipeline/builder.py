@@ -10,7 +10,8 @@ on the cpu lane. With a GPU codec on h2d (host units only), `gpu_compress` runs 
 before each `kv_store` and `gpu_decompress` after each `kv_fetch`, and both copies move the stored
 bytes (raw / ratio). Slots are reused round-robin, so a fetch
 waits only for the attention that last read its slot: the h2d lane runs ahead across group and
-layer boundaries by `depth` slots (ping-pong prefetch with cross-layer lookahead)."""
+layer boundaries by `depth` slots (ping-pong prefetch with cross-layer lookahead). With `fused`,
+decode steps count the small kernels of the fused decode pieces (layer_ops' fused forms)."""
 from __future__ import annotations
 
 from . import layer_ops
@@ -24,8 +25,8 @@ from .workload import Workload
 
 
 class _Builder:
-    def __init__(self, model: ModelSpec, work: Workload, plan: Plan) -> None:
-        self.m, self.w, self.plan = model, work, plan
+    def __init__(self, model: ModelSpec, work: Workload, plan: Plan, fused: bool = False) -> None:
+        self.m, self.w, self.plan, self.fused = model, work, plan, fused
         self.graph = Graph(model, work, plan)
         self.tiers = placement(model, plan)
         self.last_write: dict[tuple[int, int], int] = {}   # unit -> stage that last wrote it home
@@ -54,6 +55,10 @@ class _Builder:
         b, unit_tok = m.dtype_bytes, m.kv_unit_bytes_per_token
         end, G = start + n, pp.group
         hid = hidden_bytes(m, B, n)
+        fused = self.fused and phase is Phase.DECODE   # the fused pieces run in decode steps only
+        qkv_ops = layer_ops.fused_qkv if fused else layer_ops.qkv
+        mlp_ops = layer_ops.fused_mlp if fused else layer_ops.mlp
+        head_ops = layer_ops.fused_head if fused else layer_ops.head
         prev = self.add(Kind.COMPUTE, "embed", phase, idx, None, None, (start, end), (after,),
                         mem_bytes=2 * hid, takes=((Pool.GPU, hid),), **_small(layer_ops.embed(m, B * n)))
         qkv_w = m.hidden * (m.q_heads + 2 * m.kv_heads) * m.head_dim * b
@@ -64,7 +69,7 @@ class _Builder:
             q = self.add(Kind.COMPUTE, "qkv", phase, idx, layer, None, (start, end), (prev,),
                          flops=B * n * m.qkv_flops_per_token,
                          mem_bytes=qkv_w + la + B * n * resident * unit_tok, ops=6,
-                         takes=((Pool.GPU, la),), **_small(layer_ops.qkv(m, B * n, resident)))
+                         takes=((Pool.GPU, la),), **_small(qkv_ops(m, B * n, resident)))
             scored = self.score(phase, idx, layer, start, q)
             attns = [self.group(phase, idx, layer, g, start, n, pp, scored) for g in range(m.kv_heads // G)]
             self.store(phase, idx, layer, start, n, q)
@@ -72,12 +77,12 @@ class _Builder:
             prev = self.add(Kind.COMPUTE, "mlp", phase, idx, layer, None, (start, end), attns,
                             flops=B * n * m.mlp_flops_per_token, mem_bytes=mlp_w + ma + la, ops=8,
                             takes=((Pool.GPU, ma),), frees=((Pool.GPU, ma + la + (hid if last else 0)),),
-                            **_small(layer_ops.mlp(m, B * n)))
+                            **_small(mlp_ops(m, B * n)))
         if with_head:
             lg = logits_bytes(m, B)
             prev = self.add(Kind.COMPUTE, "head", phase, idx, None, None, (end - 1, end), (prev,),
                             flops=B * m.head_flops_per_token, mem_bytes=m.head_weight_bytes + lg, ops=3,
-                            takes=((Pool.GPU, lg),), frees=((Pool.GPU, lg + hid),), **_small(layer_ops.head(m, B)))
+                            takes=((Pool.GPU, lg),), frees=((Pool.GPU, lg + hid),), **_small(head_ops(m, B)))
         return prev
 
     def disk_codec(self, phase: Phase) -> str:
@@ -216,12 +221,14 @@ def _small(ops: layer_ops.SmallOps) -> dict:
 
 
 def build(model: ModelSpec, work: Workload, plan: Plan, *, prefill: bool | range = True,
-          decode: range | None = None) -> Graph:
+          decode: range | None = None, fused: bool = False) -> Graph:
     """The graph of the prefill (if `prefill`; a range: those prefill chunks only) and the decode
     steps in `decode` (default: all). A graph that starts past chunk 0 or with a decode window
-    starts with the cache before it already home (used by the simulator's steady-state shortcuts)."""
+    starts with the cache before it already home (used by the simulator's steady-state shortcuts).
+    `fused`: decode steps run the fused decode pieces (replayed decode, pipeline/fusion.py); only
+    their small-kernel counts differ, the stages are the same."""
     plan.check(model, work)
-    b = _Builder(model, work, plan)
+    b = _Builder(model, work, plan, fused)
     mem = breakdown(model, work, plan)
     b.graph.static = [Alloc(Pool.GPU, "weights", mem.weights), Alloc(Pool.GPU, "kv", mem.gpu_kv),
                       Alloc(Pool.GPU, "buffers", mem.gpu_buffers), Alloc(Pool.HOST, "kv", mem.host_kv),

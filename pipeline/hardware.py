@@ -136,6 +136,9 @@ class HardwareProfile:
     # None: the compute figures above stand in.
     host_copy_s_per_stage: float | None = None
     host_copy_s_per_op: float | None = None
+    # Host seconds to compile the fused decode pieces (executor/fused.py) once per process; a
+    # one-time cost the prediction reports beside total_s. None: the profile does not say.
+    compile_s: float | None = None
 
     def __post_init__(self) -> None:
         for f in ("name", "description"):
@@ -157,7 +160,7 @@ class HardwareProfile:
         if isinstance(ew, bool) or not isinstance(ew, (int, float)) or not 0 < ew <= 1:
             raise HardwareFieldError("elementwise_efficiency", f"must be a number in (0, 1], got {ew!r}")
         object.__setattr__(self, "elementwise_efficiency", float(ew))
-        for f in ("host_copy_s_per_stage", "host_copy_s_per_op"):
+        for f in ("host_copy_s_per_stage", "host_copy_s_per_op", "compile_s"):
             if getattr(self, f) is not None:
                 object.__setattr__(self, f, _number(f, getattr(self, f), True))
         table = tuple(sorted(self.decode_attention, key=lambda e: e.group))

@@ -8,7 +8,15 @@ aten ops that the real HF modules and the executor's attention dispatch on CPU
 
 Each form returns `SmallOps(kernels, bytes)` for one stage of `tokens` query tokens (batch
 included); pipeline/cost.py turns them into seconds (bytes at the elementwise HBM rate, each
-kernel at least the profile's per-kernel floor)."""
+kernel at least the profile's per-kernel floor).
+
+The `fused_*` forms count a replayed decode step with fused elementwise work (executor/fused.py,
+the default where it runs): each compiled function is the kernels inductor emits for it with
+Triton, a fused kernel reading its inputs and writing its outputs once (intermediates stay in
+registers). The counts follow the fused code's structure (stated per function below; a row-wise
+norm is one persistent-reduction kernel, `cat`/`stack` lower to pointwise reads on CUDA);
+tests/test_layer_ops.py holds them against inductor's kernels on CPU, which does not fuse a
+reduction's pointwise epilogue (one more kernel per norm), and, marked gpu, against Triton's."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -112,9 +120,83 @@ def mlp(m: ModelSpec, tokens: float) -> SmallOps:
     return rms_norm(tokens, m.hidden, e) + SmallOps(4, tokens * e * (6 * m.hidden + 5 * m.intermediate))
 
 
-def head(m: ModelSpec, batch: int) -> SmallOps:
-    """Final norm of the last position, logits to float32, greedy argmax, the token written."""
+def _head_tail(m: ModelSpec, batch: int) -> SmallOps:
+    """After the final norm and lm_head: logits to float32, greedy argmax, the token written."""
     e = m.dtype_bytes
     c = _cast(e)
-    return rms_norm(batch, m.hidden, e) + SmallOps(2 + c, batch * (c * (e + FP32) * m.vocab + FP32 * m.vocab
-                                                                   + 3 * INDEX))
+    return SmallOps(2 + c, batch * (c * (e + FP32) * m.vocab + FP32 * m.vocab + 3 * INDEX))
+
+
+def head(m: ModelSpec, batch: int) -> SmallOps:
+    """Final norm of the last position, logits to float32, greedy argmax, the token written."""
+    return rms_norm(batch, m.hidden, m.dtype_bytes) + _head_tail(m, batch)
+
+
+# ---- fused decode (executor/fused.py) ---------------------------------------------------------------
+# One function each, as compiled: (rows or tokens) -> SmallOps of its Triton kernels.
+def fused_norm(rows: float, width: int, e: int) -> SmallOps:
+    """fused.rms_norm: one persistent-reduction kernel; reads x, writes the normed row, reads the
+    weight once."""
+    return SmallOps(1, rows * 2 * e * width + e * width)
+
+
+def fused_add_norm(rows: float, width: int, e: int) -> SmallOps:
+    """fused.add_norm: the residual add feeding the norm, one kernel; reads x and d, writes the sum
+    and the normed row, reads the weight once."""
+    return SmallOps(1, rows * 4 * e * width + e * width)
+
+
+def fused_rope(m: ModelSpec, tokens: float) -> SmallOps:
+    """fused.rope_layout: two pointwise kernels, q roped into [B, Hq, T, D] and k roped with v
+    stacked into [B, Hkv, T, 2, D] (rotate_half's cat read in place), each reading cos and sin.
+    Qwen3's per-head q/k norms fold into the same two kernels as row reductions (an assumption from
+    the structure: not checked on CPU, where inductor splits them further; the gpu test checks it)."""
+    e, d = m.dtype_bytes, m.head_dim
+    q = tokens * e * (2 * m.q_heads * d + 2 * d)
+    kv = tokens * e * (4 * m.kv_heads * d + 2 * d)
+    return SmallOps(2, q + kv + (2 * e * d if m.qk_norm else 0))
+
+
+def fused_act_mul(m: ModelSpec, tokens: float) -> SmallOps:
+    """fused.act_mul: act(gate) * up, one pointwise kernel."""
+    return SmallOps(1, tokens * 3 * m.dtype_bytes * m.intermediate)
+
+
+FUSED_FUNCTIONS = ("norm", "add_norm", "rope", "act_mul")   # executor/fused.py's compiled functions
+
+
+def fused_function(name: str, m: ModelSpec, tokens: float) -> SmallOps:
+    """One call of compiled function `name` over `tokens` rows of the model's hidden size (norms)."""
+    e = m.dtype_bytes
+    forms = {"norm": lambda: fused_norm(tokens, m.hidden, e), "add_norm": lambda: fused_add_norm(tokens, m.hidden, e),
+             "rope": lambda: fused_rope(m, tokens), "act_mul": lambda: fused_act_mul(m, tokens)}
+    if name not in forms:
+        raise ValueError(f"fused function: unknown {name!r} (known: {', '.join(FUSED_FUNCTIONS)})")
+    return forms[name]()
+
+
+# A fused decode step defers each MLP's residual add into the next norm (the next layer's input
+# norm, or the final norm): that kernel is counted once, in `fused_qkv` / `fused_head` as a plain
+# norm, and the add's extra bytes (d read, the sum written) go to the `fused_mlp` that made d. So
+# every layer's forms are the same, and a step sums to the kernels the executor runs.
+def fused_qkv(m: ModelSpec, tokens: float, resident: int) -> SmallOps:
+    """Input norm (with the deferred add), q/k roped and K/V stacked, the resident heads' new K/V
+    written home (the same index copy as unfused)."""
+    e, d = m.dtype_bytes, m.head_dim
+    ops = fused_norm(tokens, m.hidden, e) + fused_rope(m, tokens)
+    if resident:
+        ops = ops + SmallOps(1, tokens * 4 * e * resident * d)
+    return ops
+
+
+def fused_mlp(m: ModelSpec, tokens: float) -> SmallOps:
+    """Residual add after o_proj with the post-attention norm, act(gate) * up, and the bytes of the
+    MLP's own residual add (deferred into the next norm's kernel)."""
+    e = m.dtype_bytes
+    return (fused_add_norm(tokens, m.hidden, e) + fused_act_mul(m, tokens)
+            + SmallOps(0, tokens * 2 * e * m.hidden))
+
+
+def fused_head(m: ModelSpec, batch: int) -> SmallOps:
+    """Final norm (with the last deferred add) of the last position, then as `head`."""
+    return fused_norm(batch, m.hidden, m.dtype_bytes) + _head_tail(m, batch)

@@ -53,11 +53,15 @@ def phase_layout(model: ModelSpec, classes: Counter, G: int) -> tuple:
 
 
 def step_busy(model: ModelSpec, work: Workload, hw: HardwareProfile, layout: tuple, G: int,
-              prefill: bool, start: int, n: int, with_head: bool, replayed: bool = False) -> dict[str, float]:
+              prefill: bool, start: int, n: int, with_head: bool, replayed: bool = False,
+              fused: bool = False) -> dict[str, float]:
     """Busy seconds per lane of one step over tokens [start, start+n), as the builder's stages cost;
     `layout` from `phase_layout` for group size G; `replayed`: a decode step inside a CUDA graph
-    (its kernels cost the graph node time instead of a launch)."""
+    (its kernels cost the graph node time instead of a launch); `fused`: with the fused decode
+    pieces' small kernels (layer_ops' fused forms, as the builder counts them)."""
     m, B = model, work.batch
+    fused = fused and not prefill
+    qkv_ops, mlp_ops = (layer_ops.fused_qkv, layer_ops.fused_mlp) if fused else (layer_ops.qkv, layer_ops.mlp)
     b, ut, dt = m.dtype_bytes, m.kv_unit_bytes_per_token, m.dtype
     busy = dict.fromkeys(LANES, 0.0)
     hid = hidden_bytes(m, B, n)
@@ -69,11 +73,11 @@ def step_busy(model: ModelSpec, work: Workload, hw: HardwareProfile, layout: tup
     ws = attn_ws_bytes(m, B, n, G)
     attn_flops = B * m.attn_flops(start, start + n, start + n, q_heads)
     mlp = compute_seconds(B * n * m.mlp_flops_per_token, mlp_w + ma + la, 8, hw, dt, "mlp", replayed) \
-        + _small(layer_ops.mlp(m, B * n), hw, replayed)
+        + _small(mlp_ops(m, B * n), hw, replayed)
     for count, n_off, n_dsk, kinds in layout:
         resident = m.kv_heads - n_off
         layer = compute_seconds(B * n * m.qkv_flops_per_token, qkv_w + la + B * n * resident * ut, 6,
-                                hw, dt, "qkv", replayed) + mlp + _small(layer_ops.qkv(m, B * n, resident), hw, replayed)
+                                hw, dt, "qkv", replayed) + mlp + _small(qkv_ops(m, B * n, resident), hw, replayed)
         h2d = disk = 0.0
         for (o, d), k in kinds:
             copy_in = 2 * B * start * (G - o) * ut if o else 0
@@ -98,7 +102,7 @@ def step_busy(model: ModelSpec, work: Workload, hw: HardwareProfile, layout: tup
             busy[lane] += count * v
     if with_head:
         gpu += compute_seconds(B * m.head_flops_per_token, m.head_weight_bytes + logits_bytes(m, B), 3,
-                               hw, dt, "head", replayed) + _small(layer_ops.head(m, B), hw, replayed)
+                               hw, dt, "head", replayed) + _small((layer_ops.fused_head if fused else layer_ops.head)(m, B), hw, replayed)
     busy["gpu"] += gpu
     return busy
 
@@ -194,11 +198,11 @@ def prefill_estimate(model, work, hw, layout: tuple, G: int, chunk: int):
     return busy, last, est
 
 
-def decode_estimate(model, work, hw, layout: tuple, G: int, replayed: bool = False):
+def decode_estimate(model, work, hw, layout: tuple, G: int, replayed: bool = False, fused: bool = False):
     """(lane busy lower bounds, busy of the longest step, busiest lane of a mean step)."""
     M = work.decode_tokens
     if not M:
         return dict.fromkeys(LANES, 0.0), dict.fromkeys(LANES, 0.0), None
-    b = step_busy(model, work, hw, layout, G, False, int(work.context + (M - 1) / 2), 1, True, replayed)
-    longest = step_busy(model, work, hw, layout, G, False, work.context + M - 1, 1, True, replayed)
+    b = step_busy(model, work, hw, layout, G, False, int(work.context + (M - 1) / 2), 1, True, replayed, fused)
+    longest = step_busy(model, work, hw, layout, G, False, work.context + M - 1, 1, True, replayed, fused)
     return {lane: M * b[lane] for lane in LANES}, longest, _bound(b, hw)

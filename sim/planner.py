@@ -9,13 +9,17 @@ simulated. Resident units: as many as the GPU holds, that count rounded down to 
 groups, or none (every count up to the most for models of at most `EVERY_RESIDENT_UNITS` units);
 disk units: the fewest the host budget allows. Knobs the user gives pin their dimension.
 A lossless GPU codec on h2d is tried on the winner (`_h2d_codec`): simulated with each one the
-profile rates, it replaces the winner where the simulator predicts it better. Hook: graph replay
+profile rates, it replaces the winner where the simulator predicts it better. Graph replay and fused
+decode are settings, not dimensions: decode is replayed and fused as `kvpipe run` would (`--fuse
+auto`: fused wherever decode is replayed); the reason says when it is fused and what its one-time
+compile costs (not in the objective: `run` pays it once per process, untimed). Hook: graph replay
 becomes a dimension of `Space` once `Plan` has a replay switch (the estimate then needs host issue)."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
 
+from kvpipe.pipeline.fusion import decode_fused
 from kvpipe.pipeline.hardware import HardwareProfile
 from kvpipe.pipeline.memory import breakdown
 from kvpipe.pipeline.model import ModelSpec
@@ -134,12 +138,16 @@ class _Search:
     classes: dict = field(default_factory=dict)
     layouts: dict = field(default_factory=dict)
     replay: bool | None = None       # decode as CUDA-graph replays; None: as `run --replay auto` would
+    fuse: str = "auto"               # the fuse setting (pipeline/fusion.py): replayed decode is fused unless off
     pre: dict = field(default_factory=dict)
     dec: dict = field(default_factory=dict)
 
     def replays(self, plan: Plan) -> bool:
         return self.replay if self.replay is not None else (replays_decode(self.model, self.work) and not plan.disk
                                                             and plan.decode.codec("h2d") == "none")
+
+    def fuses(self, plan: Plan) -> bool:
+        return decode_fused(self.fuse, self.replays(plan))
 
     @property
     def unit_bytes(self) -> int:
@@ -219,7 +227,7 @@ class _Search:
         dk = (plan.decode.group,) + rd
         if dk not in self.dec:
             self.dec[dk] = decode_estimate(self.model, self.work, self.hw, self.layout(rd, dk[0]), dk[0],
-                                           self.replays(plan))
+                                           self.replays(plan), self.fuses(plan))
         (pb, plast, pe), (db, dlong, dstep) = self.pre[pk], self.dec[dk]
         total = pe + (dstep or 0.0) * self.work.decode_tokens
         depth = max(plan.prefill.depth, plan.decode.depth)
@@ -242,15 +250,17 @@ def _key(plan: Plan) -> tuple:
 
 def search(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dict[str, int],
            pins: Pins = Pins(), objective: str = "total", *, sim_budget: int = SIM_BUDGET,
-           full: bool = False, replay: bool | None = None, h2d_codecs: bool = True) -> PlannerResult:
+           full: bool = False, replay: bool | None = None, h2d_codecs: bool = True,
+           fuse: str = "auto") -> PlannerResult:
     """The best plan the simulator finds for `objective`, with the two runners-up. Plans are
     simulated best estimate first until every other one is pruned by its lower bound or the
     stages simulated pass `sim_budget` (then the search is anytime, not exhaustive). `replay`:
     decode steps as CUDA-graph replays; None: as `run --replay auto` would on a GPU.
-    `h2d_codecs`: try the profile's lossless GPU codecs on h2d for the winner (`_h2d_codec`)."""
+    `h2d_codecs`: try the profile's lossless GPU codecs on h2d for the winner (`_h2d_codec`).
+    `fuse`: the fuse setting (auto|on|off), applied to every plan whose decode is replayed."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective: {objective!r} is not one of {', '.join(OBJECTIVES)}")
-    s = _Search(model, work, hw, budgets, replay=replay)
+    s = _Search(model, work, hw, budgets, replay=replay, fuse=fuse)
     space = Space.of(model, work, pins)
     plans = s.candidates(space, pins, space.depths)
     if not plans:
@@ -270,7 +280,7 @@ def search(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dict[
         if spent >= sim_budget and len(done) >= 1 + RUNNERS_UP:
             unexplored = sum(s.estimate(p).lower_bound(objective) < best for p in ranked[i:])
             break             # anytime: the rest ranks worse on the estimate and may not be pruned
-        pred = simulate(model, work, plan, hw, full=full, replay=s.replays(plan))
+        pred = simulate(model, work, plan, hw, full=full, replay=s.replays(plan), fuse=s.fuses(plan))
         done[_key(plan)] = Scored(plan, pred, objective_value(pred, objective))
         spent += sim_cost(model, work, plan, full)
     order = sorted(done.values(), key=lambda c: (c.value, c.prediction.report.timing.total_s))
@@ -303,7 +313,7 @@ def _h2d_codec(s: _Search, best: Scored, objective: str, full: bool) -> Scored:
             coded = s.place(with_codec(plan, "h2d", name), resident)
         if coded is None or coded.disk:
             continue
-        pred = simulate(m, s.work, coded, s.hw, full=full, replay=s.replays(coded))
+        pred = simulate(m, s.work, coded, s.hw, full=full, replay=s.replays(coded), fuse=s.fuses(coded))
         value = objective_value(pred, objective)
         if value < chosen.value:
             note = f"{SOURCE}; h2d codec {name}: {value:.4g} vs {best.value:.4g} without it ({objective})"
@@ -326,6 +336,10 @@ def _reason(s: _Search, best: Scored, rest, objective: str) -> str:
         parts.append(f"host memory binds: {plan.disk} units on disk")
     lanes = ", ".join(f"{ph} {rep.critical_lane_of(ph)}" for ph in rep.phase_busy_s if rep.critical_lane_of(ph))
     parts.append(f"critical lane: {lanes}")
+    if best.prediction.fused:
+        c = best.prediction.compile_s
+        parts.append("decode fused (one-time compile " + ("time unknown" if c is None else f"{c:.1f} s")
+                     + ", not in the total)")
     return "; ".join(parts)
 
 

@@ -63,6 +63,8 @@ class Prediction:
     report: Report
     trace: Trace
     memory: MemoryBreakdown
+    fused: bool = False                # decode steps modelled with the fused pieces (pipeline/fusion.py)
+    compile_s: float | None = 0.0      # their one-time compile (profile's compile_s; None: unknown), not in total_s
 
 
 _LANE_OF = {kind: lane.value for kind, lane in LANE_OF_KIND.items()}
@@ -102,9 +104,9 @@ def _interp(points: list[tuple[float, float]], x: float) -> float:
 class _PrefillShortcut:
     """Samples prefill windows and answers the chunk time and per-lane busy of any chunk."""
 
-    def __init__(self, model, work, plan, hw, replay: bool) -> None:
+    def __init__(self, model, work, plan, hw, replay: bool, fuse: bool = False) -> None:
         self.args = (model, work, plan)
-        self.hw, self.replay = hw, replay
+        self.hw, self.replay, self.fuse = hw, replay, fuse
         self.chunks = len(chunk_sizes(work.context, plan.prefill.chunk))
         self.dur: dict[float, float] = {}                 # centre index -> steady chunk time
         self.busy: dict[float, dict[str, float]] = {}     # centre index -> lane busy of one chunk
@@ -114,7 +116,8 @@ class _PrefillShortcut:
     def window(self, k: int, n: int, decode: range = range(0)) -> Trace:
         """Simulate chunks [k, k+n) (and `decode` steps) from a cache home up to chunk k."""
         model, work, plan = self.args
-        tr, pools = run(build(model, work, plan, prefill=range(k, k + n), decode=decode), self.hw, self.replay)
+        tr, pools = run(build(model, work, plan, prefill=range(k, k + n), decode=decode, fused=self.fuse),
+                        self.hw, self.replay)
         self.peaks.append(pools.peak)
         self.windows += 1
         return tr
@@ -152,9 +155,12 @@ def _shifted(tr: Trace, shift: float, note: str) -> Trace:
 
 
 def simulate(model: ModelSpec, work: Workload, plan: Plan, hw: HardwareProfile, *,
-             full: bool = False, window: int = DECODE_WINDOW, replay: bool = False) -> Prediction:
+             full: bool = False, window: int = DECODE_WINDOW, replay: bool = False,
+             fuse: bool = False) -> Prediction:
     """Predict `work` under `plan` on `hw`; `replay`: decode steps as CUDA-graph replays (as
-    `kvpipe run --replay` executes them), else issued stage by stage."""
+    `kvpipe run --replay` executes them), else issued stage by stage; `fuse` (replayed only): with
+    the fused decode pieces (`kvpipe run --fuse`), whose one-time compile is `compile_s`."""
+    fuse = fuse and replay
     mem = breakdown(model, work, plan)
     M = work.decode_tokens
     whole_decode = full or M <= 2 * window
@@ -162,14 +168,14 @@ def simulate(model: ModelSpec, work: Workload, plan: Plan, hw: HardwareProfile, 
     C = len(chunk_sizes(work.context, plan.prefill.chunk))
     notes = []
     if full or C < PREFILL_MIN_CHUNKS:
-        trace, pools = run(build(model, work, plan, decode=first_decode), hw, replay)
+        trace, pools = run(build(model, work, plan, decode=first_decode, fused=fuse), hw, replay)
         peaks, shift = [pools.peak], 0.0
         prefill_busy = trace.lane_busy_s()["prefill"]
         head = timing_from_trace(trace)
         prefill_s, ttft_s = head.prefill_s, head.ttft_s
     else:
         W = PREFILL_WINDOW
-        ps = _PrefillShortcut(model, work, plan, hw, replay)
+        ps = _PrefillShortcut(model, work, plan, hw, replay, fuse)
         a = ps.window(0, W)
         z0 = C - W - 1                                   # the last window: chunks z0 .. C-1
         z = ps.window(z0, W + 1, first_decode)
@@ -204,7 +210,7 @@ def simulate(model: ModelSpec, work: Workload, plan: Plan, hw: HardwareProfile, 
         # The end window runs after `lead` steps of lead-in, so that the host has fallen into its
         # steady distance ahead of the GPU (the launch queue fills over a few steps).
         lead = min(window, M - 2 * window)
-        late, late_pools = run(build(model, work, plan, prefill=False, decode=range(M - window - lead, M)),
+        late, late_pools = run(build(model, work, plan, prefill=False, decode=range(M - window - lead, M), fused=fuse),
                                hw, replay)
         peaks.append(late_pools.peak)
         e1, e2 = decode_head_ends(trace), decode_head_ends(late)[lead:]
@@ -235,4 +241,4 @@ def simulate(model: ModelSpec, work: Workload, plan: Plan, hw: HardwareProfile, 
         trace.note += (f"; this trace holds the last {PREFILL_WINDOW + 1} prefill chunks on, placed at "
                        f"{shift:.3f} s (--full-sim for a whole trace)")
     report = Report(timing, busy, peak, mem.gpu_breakdown(), tuple(notes))
-    return Prediction(report, trace, mem)
+    return Prediction(report, trace, mem, fuse, hw.compile_s if fuse else 0.0)
