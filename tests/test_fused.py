@@ -1,9 +1,15 @@
-"""Fused decode pieces (executor/fused.py): on CPU, each piece against the HF modules it replaces
-(float64 uncompiled: the same math; bf16 compiled by inductor: within bf16 rounding); on CUDA,
-decode replay with KVPIPE_FUSE=1: offloaded == resident bit for bit, replay == the same fused
-steps issued without a graph, and fused within bf16 rounding of the unfused and eager paths."""
+"""Fused decode pieces (executor/fused.py) and the fuse setting (pipeline/fusion.py): on CPU, each
+piece against the HF modules it replaces (float64 uncompiled: the same math; bf16 compiled by
+inductor: within bf16 rounding), the setting's parsing and refusals, `--fuse` on plan and run, and
+auto's fallback when torch.compile fails (a real failing compiler); on CUDA, fused decode replay:
+offloaded == resident bit for bit, replay == the same fused steps issued without a graph, fused
+within bf16 rounding of the unfused and eager paths, and auto fusing by default."""
 
+import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpipe.executor.adapter import HFAdapter
-from kvpipe.executor.fused import FUSE_ENV, FusedDecode, fuse_setting
+from kvpipe.executor.fused import FUSE_ENV, FusedDecode, make_fused
+from kvpipe.pipeline.fusion import decode_fused, fuse_mode, refuse_unfusable
 from kvpipe.executor.loader import random_model
 from test_replay import cases, cuda_model, headwise, run
 
@@ -109,20 +116,105 @@ def test_compiled_pieces_match_hf_in_bf16(single_thread):
     assert err < 1e-2, err
 
 
-def test_setting_and_refusals(monkeypatch):
-    """Fault caught: a typo in KVPIPE_FUSE silently running unfused (or fused), or a model whose
-    activation has no fused form run with SiLU anyway."""
-    for v, want in (("1", True), ("on", True), ("0", False), ("", False), ("off", False)):
-        monkeypatch.setenv(FUSE_ENV, v)
-        assert fuse_setting() is want, v
-    monkeypatch.delenv(FUSE_ENV)
-    assert fuse_setting() is False
-    monkeypatch.setenv(FUSE_ENV, "yes please")
+def test_setting_and_refusals():
+    """Fault caught: a typo in --fuse or KVPIPE_FUSE silently running unfused (or fused), the
+    environment overriding an explicit flag, a default other than auto, `on` accepted where decode
+    is not replayed (it would silently run unfused), or a model whose activation has no fused form
+    run with SiLU anyway."""
+    for v, want in (("1", "on"), ("on", "on"), ("TRUE", "on"), ("0", "off"), ("off", "off"), ("auto", "auto"),
+                    ("", "auto"), (" ", "auto")):
+        assert fuse_mode(None, {FUSE_ENV: v}) == want, v
+    assert fuse_mode(None, {}) == "auto"
+    assert fuse_mode("off", {FUSE_ENV: "1"}) == "off" and fuse_mode("AUTO", {FUSE_ENV: "0"}) == "auto"
     with pytest.raises(ValueError, match=FUSE_ENV):
-        fuse_setting()
+        fuse_mode(None, {FUSE_ENV: "yes please"})
+    with pytest.raises(ValueError, match="^fuse: "):
+        fuse_mode("1", {})          # the flag takes the three words only
+    assert [decode_fused(m, r) for m in ("auto", "on", "off") for r in (True, False)] == \
+        [True, False, True, False, False, False]
+    refuse_unfusable("auto", False)
+    refuse_unfusable("on", True)
+    with pytest.raises(ValueError, match="^fuse: on needs decode steps replayed"):
+        refuse_unfusable("on", False)
     m = tiny("llama", torch.float32, hidden_act="gelu")
     with pytest.raises(ValueError, match="hidden_act 'gelu'"):
         FusedDecode(HFAdapter(m), compile=False)
+    # where the pieces cannot run: auto says why and runs unfused, on is refused
+    for model in (m, tiny("llama", torch.float32)):           # gelu; and a CPU model
+        fused, note = make_fused(HFAdapter(model), "auto")
+        assert fused is None and note.startswith("fuse: auto runs decode unfused: ")
+        with pytest.raises(ValueError, match="^fuse: on cannot run here"):
+            make_fused(HFAdapter(model), "on")
+    assert make_fused(HFAdapter(m), "off") == (None, None)
+
+
+_FAILING_COMPILE = """
+import json, sys, torch
+from kvpipe.executor.adapter import HFAdapter
+from kvpipe.executor.fused import FusedDecode, warm_or_fall_back
+from test_fused import tiny
+f = FusedDecode(HFAdapter(tiny("llama", torch.bfloat16)), compile=True)
+with torch.inference_mode():
+    seconds, note = warm_or_fall_back(f, "auto", torch.zeros(1, dtype=torch.long))
+    print(json.dumps(note))
+    try:
+        warm_or_fall_back(f, "on", torch.zeros(1, dtype=torch.long))
+        print("on: no error")
+    except ValueError as e:
+        print("on:", str(e).splitlines()[0])
+"""
+
+
+def test_auto_falls_back_unfused_when_compile_fails():
+    """Fault caught: a torch.compile failure under auto surfacing as a traceback (or as a half-
+    compiled step) instead of one line saying decode runs unfused; and `on` swallowing it. The
+    failure is real: inductor on CPU pointed at a C++ compiler that does not exist (CXX)."""
+    env = dict(os.environ, CXX="/nonexistent/g++", PYTHONPATH=os.path.dirname(__file__))
+    out = subprocess.run([sys.executable, "-c", _FAILING_COMPILE], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line, on = out.stdout.strip().splitlines()[-2:]
+    note = json.loads(line)
+    assert note.startswith("fuse: torch.compile of the fused decode pieces failed (") and "\n" not in note, note
+    assert note.endswith("decode runs unfused") and "C++ compiler" in note, note
+    assert on.startswith("on: fuse: torch.compile of the fused decode pieces failed"), on
+
+
+def test_fuse_flag_on_plan_and_run(tiny_config, capsys):
+    """Fault caught: --fuse not reaching the prediction (fused and unfused predicted alike, or the
+    compile time missing), a bad value accepted or refused with a traceback, `on` accepted on the
+    CPU (whose decode is never replayed, so it would silently run unfused), and auto fusing on the
+    CPU instead of falling back to the unfused eager decode."""
+    from kvpipe.cli import main
+
+    def plan(*extra):
+        rc = main(["plan", "--model", "llama-3-8b", "--hw", "h200", "--context", "8K", "--decode-tokens", "4",
+                   "--group", "8", "--resident", "all", "--gpu-mem", "24GB", "--json", *extra])
+        out, err = capsys.readouterr()
+        assert rc == 0, err
+        return json.loads(out)
+    auto_json, off_json = plan(), plan("--fuse", "off")
+    auto, off = auto_json["predicted"], off_json["predicted"]
+    assert "decode fused (one-time compile 5.4 s" in auto_json["planner"]["reason"]
+    assert "decode fused" not in off_json["planner"]["reason"]
+    assert auto["fused_decode"] is True and auto["compile_s"] == 5.4
+    assert off["fused_decode"] is False and off["compile_s"] == 0.0
+    assert auto["decode_s_per_token"] < off["decode_s_per_token"] and auto["prefill_s"] == off["prefill_s"]
+    for cmd in (["plan"], ["run", "--device", "cpu", "--model", tiny_config, "--random-weights", "--context", "64"]):
+        rc = main(cmd + ["--fuse", "sometimes"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1 and "--fuse" in err[0] and "invalid choice" in err[0], (cmd, err)
+    common = ["run", "--device", "cpu", "--no-progress", "--model", tiny_config, "--random-weights",
+              "--context", "64", "--decode-tokens", "2"]
+    rc = main(common + ["--fuse", "on"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("kvpipe: error: fuse: on needs decode steps replayed"), err
+    rc = main(common + ["--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    res = json.loads(out)
+    assert res["decode_issue"]["fuse"] == "auto" and res["decode_issue"]["fused"] is False
+    assert res["predicted"]["fused_decode"] is False and res["decode_issue"]["compile_s"] == 0.0
 
 
 # ---- CUDA: fused decode under replay -------------------------------------------------------------
