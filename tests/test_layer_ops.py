@@ -3,10 +3,12 @@ the aten ops that real HF modules and the executor's attention dispatch on CPU, 
 executor/op_inventory.py. Faults caught: a form that misses or invents a kernel (a norm's casts,
 RoPE's rotate_half, q's contiguous copy, the LSE merge), bytes off by a factor (dtype size, fp32
 intermediates, head counts, GQA repeat), a form that does not follow Qwen3's q/k norms or fp32
-models, and a transformers upgrade that changes HF's op sequence (the count then differs)."""
+models, and a transformers upgrade that changes HF's op sequence (the count then differs). The
+fused decode forms are held against the kernels inductor emits for executor/fused.py's functions."""
 from __future__ import annotations
 
 import functools
+import shutil
 
 import pytest
 import torch
@@ -103,3 +105,100 @@ def test_calibration_layer_replays_the_kernels_the_simulator_counts():
     lse_copy = [b for name, b, _ in inv.small if name == "clone" and b == 4 * m.q_heads * T]   # CPU only
     assert len(lse_copy) == 1
     _check(form, inv, 1, 2 * lse_copy[0])
+
+
+# ---- fused decode (executor/fused.py) ----------------------------------------------------------------
+# Inductor on CPU does not fuse a row reduction's pointwise epilogue into the reduction (two loop
+# nests); Triton does (one persistent-reduction kernel). So on CPU each norm emits one kernel more
+# than the GPU form counts. `force_pointwise_cat` is the lowering CUDA uses for cat/stack (inductor
+# uses ConcatKernel copies on CPU only); the fx graph cache is off so every call really compiles.
+CPU_EXTRA = {"norm": 1, "add_norm": 1, "rope": 0, "act_mul": 0}
+_CPU_OPTIONS = {"emulate_precision_casts": True, "force_pointwise_cat": True, "fx_graph_cache": False}
+
+
+def _fused_args(name: str, m, dt):
+    g = torch.Generator().manual_seed(5)
+    r = lambda *shape: torch.randn(*shape, generator=g).to(dt)
+    D = m.head_dim
+    return {"norm": lambda: (r(1, 1, m.hidden), r(m.hidden), 1e-5),
+            "add_norm": lambda: (r(1, 1, m.hidden), r(1, 1, m.hidden), r(m.hidden), 1e-5),
+            "rope": lambda: (r(1, 1, m.q_heads, D), r(1, 1, m.kv_heads, D), r(1, 1, m.kv_heads, D), r(1, 1, D),
+                             r(1, 1, D), None),
+            "act_mul": lambda: (r(1, 1, m.intermediate), r(1, 1, m.intermediate), "silu")}[name]()
+
+
+@pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
+                    reason="inductor on CPU compiles C++: no C++ compiler on this machine")
+def test_fused_forms_match_the_kernels_inductor_emits(single_thread):
+    """layer_ops' fused forms against executor/fused.py's functions as inductor compiles them.
+    Faults caught: a fused function that no longer compiles to the kernels the simulator counts (an
+    op inductor cannot fuse, a graph break or an aten fallback adds kernels; a form that invents or
+    misses one), and bytes off (dtype size, head counts, an input or output forgotten): a fused
+    kernel reads each input once and writes each output once, measured here on the real tensors
+    (rope's two kernels each read cos and sin)."""
+    import torch._inductor.metrics as metrics
+
+    from kvpipe.executor import fused
+    a, m = _setup("llama", "bf16")
+    try:
+        for name in layer_ops.FUSED_FUNCTIONS:
+            args = _fused_args(name, m, torch.bfloat16)
+            torch._dynamo.reset()
+            metrics.reset()
+            fn = torch.compile(fused._MATH[name], fullgraph=True, dynamic=False, options=_CPU_OPTIONS)
+            with torch.inference_mode():
+                out = fn(*args)
+            form = layer_ops.fused_function(name, m, 1)
+            assert metrics.generated_kernel_count == form.kernels + CPU_EXTRA[name], (name, metrics.generated_kernel_count)
+            outs = out if isinstance(out, tuple) else (out,)
+            moved = sum(tensor_bytes(t) for t in args if isinstance(t, torch.Tensor)) + sum(map(tensor_bytes, outs))
+            if name == "rope":
+                moved += tensor_bytes(args[3]) + tensor_bytes(args[4])
+            assert form.bytes == moved, (name, form.bytes, moved)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_fused_decode_step_forms_sum_to_the_calls_the_executor_makes():
+    """A fused decode step's stage forms (fused_qkv, fused_mlp per layer, fused_head) against the
+    compiled calls FusedDecode's chain makes through every layer (recorded; uncompiled: the calls
+    are the same). Faults caught: the deferred residual add mis-attributed (its bytes dropped or
+    counted twice, its norm counted as an extra kernel), a stage form missing a call (rope, the
+    act*up), or layer 0's and the head's norms counted unlike the executor runs them."""
+    from kvpipe.executor import fused
+    L = 3
+    model = random_model(dict(CFG, model_type="llama", num_hidden_layers=L), "cpu", torch.bfloat16, 0)
+    a = HFAdapter(model)
+    m = a.spec()
+    f = fused.FusedDecode(a, compile=False)
+    calls = []
+
+    def spy(name, fn):
+        def call(*args):
+            calls.append((name, args[0].shape[:2].numel()))   # tokens [B, T] of the call
+            return fn(*args)
+        return call
+    for name in layer_ops.FUSED_FUNCTIONS:
+        setattr(f, name, spy(name, getattr(f, name)))
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    with torch.inference_mode():
+        hidden, rope = a.embed(ids, 0, positions=torch.zeros(1, 1, dtype=torch.long))
+        pending = None
+        for layer in range(L):
+            hidden, q, _ = f.qkv(layer, hidden, pending, rope)
+            hidden, pending = f.mlp(layer, hidden, q.transpose(1, 2))
+        f.head(hidden, pending)
+    made = layer_ops.NONE
+    for name, rows in calls:
+        made = made + layer_ops.fused_function(name, m, rows)
+    tail = layer_ops.head(m, 1)
+    norm = layer_ops.rms_norm(1, m.hidden, m.dtype_bytes)
+    step = layer_ops.NONE
+    for _ in range(L):
+        step = step + layer_ops.fused_qkv(m, 1, 0) + layer_ops.fused_mlp(m, 1)
+    step = step + layer_ops.fused_head(m, 1)
+    # the head's tail (cast, argmax, token) is not a compiled call
+    assert (step.kernels - (tail.kernels - norm.kernels), step.bytes - (tail.bytes - norm.bytes)) == \
+        (made.kernels, made.bytes), calls
+    names = [c for c, _ in calls]   # layer 0 has no pending add; the head adds the last MLP's
+    assert names.count("norm") == 1 and names.count("add_norm") == 2 * L and names.count("rope") == L
