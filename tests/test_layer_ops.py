@@ -202,3 +202,40 @@ def test_fused_decode_step_forms_sum_to_the_calls_the_executor_makes():
         (made.kernels, made.bytes), calls
     names = [c for c, _ in calls]   # layer 0 has no pending add; the head adds the last MLP's
     assert names.count("norm") == 1 and names.count("add_norm") == 2 * L and names.count("rope") == L
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_fused_forms_match_the_triton_kernels(model_type):
+    """On CUDA, the fused forms are Triton's own kernel count (no CPU correction; cat/stack lowered
+    as CUDA lowers them). Faults caught: Triton splitting a function the form counts as fused
+    (e.g. a norm's epilogue, rope's two outputs, Qwen3's q/k norms folded into rope, which is an
+    assumption on CPU), and the bytes of the real tensors moved."""
+    import torch._inductor.metrics as metrics
+
+    from kvpipe.executor import fused
+    _, m = _setup(model_type, "bf16")
+    try:
+        for name in layer_ops.FUSED_FUNCTIONS:
+            args = tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in _fused_args(name, m, torch.bfloat16))
+            if name == "rope" and m.qk_norm:
+                w = lambda: torch.randn(m.head_dim, device="cuda").to(torch.bfloat16)
+                args = args[:5] + ((w(), 1e-6, w(), 1e-6),)
+            torch._dynamo.reset()
+            metrics.reset()
+            fn = torch.compile(fused._MATH[name], fullgraph=True, dynamic=False,
+                               options={"emulate_precision_casts": True, "fx_graph_cache": False})
+            with torch.inference_mode():
+                out = fn(*args)
+            form = layer_ops.fused_function(name, m, 1)
+            assert metrics.generated_kernel_count == form.kernels, (name, metrics.generated_kernel_count)
+            outs = out if isinstance(out, tuple) else (out,)
+            inputs = [t for t in args if isinstance(t, torch.Tensor)]
+            if name == "rope" and args[5] is not None:        # Qwen3's q/k norm weights
+                inputs += [t for t in args[5] if isinstance(t, torch.Tensor)]
+            moved = sum(map(tensor_bytes, inputs)) + sum(map(tensor_bytes, outs))
+            if name == "rope":
+                moved += tensor_bytes(args[3]) + tensor_bytes(args[4])
+            assert form.bytes == moved, (name, form.bytes, moved)
+    finally:
+        torch._dynamo.reset()
