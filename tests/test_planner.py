@@ -172,7 +172,7 @@ def test_lower_bounds_hold(problem, data):
     model, work, hw, _ = problem
     plan = data.draw(st.sampled_from(list(every_plan(model, work))[::7]))
     s = _Search(model, work, hw, {"gpu": 2**50, "host": 2**50, "disk": 2**50})
-    pred = simulate(model, work, plan, hw, full=True, replay=s.replays(plan))
+    pred = simulate(model, work, plan, hw, full=True, replay=s.replays(plan), fuse=s.fuses(plan))
     for objective in OBJECTIVES:
         bound = s.estimate(plan).lower_bound(objective)
         assert bound <= objective_value(pred, objective) * (1 + FLOAT_TOL), (objective, plan.describe())
@@ -213,9 +213,9 @@ def test_search_finds_the_brute_force_optimum(problem, objective):
         key = (p.prefill, p.decode, p.resident)
         fewest[key] = min(fewest.get(key, p.disk), p.disk)
     fitting = [p for p in fitting if p.disk == fewest[(p.prefill, p.decode, p.resident)]]
-    replays = _Search(model, work, hw, budgets).replays     # as `run --replay auto` would decode
-    best = min(objective_value(simulate(model, work, p, hw, full=True, replay=replays(p)), objective)
-               for p in fitting)
+    s = _Search(model, work, hw, budgets)     # as `run --replay auto --fuse auto` would decode
+    best = min(objective_value(simulate(model, work, p, hw, full=True, replay=s.replays(p), fuse=s.fuses(p)),
+                               objective) for p in fitting)
     res = search(model, work, hw, budgets, objective=objective, full=True)
     assert res.best.value <= best * (1 + TIE_TOL), (res.best.plan.describe(), res.best.value, best)
 
