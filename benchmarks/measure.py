@@ -104,9 +104,10 @@ class Bench:
     def budgets(self) -> dict[str, int]:
         return {"gpu": self.gpu_budget, "host": self.host_budget, "disk": 0}
 
-    def row(self, plan, work, replay: str = "auto", keep_logits: bool = False) -> Row:
+    def row(self, plan, work, replay: str = "auto", keep_logits: bool = False, fuse: str | None = None) -> Row:
         """Measure `plan` on `work` (batch 1, context <= max_context). A plan over the budgets is
-        refused without running, as `kvpipe run` refuses it; any error ends only this row."""
+        refused without running, as `kvpipe run` refuses it; any error ends only this row. `fuse`:
+        auto|on|off (None: run's default, KVPIPE_FUSE else auto)."""
         from kvpipe.pipeline.memory import breakdown
         from kvpipe.pipeline.report import budget_problems
         if work.context > self.max_context:
@@ -119,7 +120,7 @@ class Bench:
         self.last_context = work.context
         t0 = time.perf_counter()
         try:
-            info, logits = self._run(plan, work, replay, keep_logits)
+            info, logits = self._run(plan, work, replay, keep_logits, fuse)
         except Exception as e:   # one failed row must not lose the others
             info, logits = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
                             "oom": type(e).__name__ == "OutOfMemoryError" or "out of memory" in str(e)}, None
@@ -128,7 +129,7 @@ class Bench:
         self._clean()
         return Row(info, logits)
 
-    def _run(self, plan, work, replay: str, keep_logits: bool) -> tuple[dict, object]:
+    def _run(self, plan, work, replay: str, keep_logits: bool, fuse: str | None = None) -> tuple[dict, object]:
         import torch
 
         from kvpipe.executor import session
@@ -140,10 +141,10 @@ class Bench:
         if self.cuda:   # run_graph's own steps: cap, then the untimed warm-up
             total = torch.cuda.get_device_properties(self.dev).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, self.gpu_budget / total), self.dev)
-            session.warm_up(graph, self.hf, ids, self.dev, replay=replay)
+            session.warm_up(graph, self.hf, ids, self.dev, replay=replay, fuse=fuse)
         t1 = time.perf_counter()
         m = session.run_graph(graph, self.hf, ids, self.dev, self.gpu_budget, progress=False, warmup=False,
-                              replay=replay)
+                              replay=replay, fuse=fuse)
         t2 = time.perf_counter()
         r, t = m.result, timing_from_trace(m.result.trace)
         info = {"measured": {"prefill_s": t.prefill_s, "decode_s_per_token": t.decode_s_per_token,
@@ -151,7 +152,7 @@ class Bench:
                              "reserved_gpu_bytes": torch.cuda.max_memory_reserved(self.dev) if self.cuda else 0,
                              "process_gpu_bytes": process_mem_bytes() if self.cuda else None},
                 "decode_issue": r.decode_issue, "graphs": r.graphs, "capture_s": r.capture_s, "fused": r.fused,
-                "compile_s": r.compile_s, "warmup_s": t1 - t0, "run_s": t2 - t1,
+                "compile_s": r.compile_s, "fuse_note": r.fuse_note, "warmup_s": t1 - t0, "run_s": t2 - t1,
                 "pinned_alloc_s": None if alloc0 is None else self._pinned_alloc_s() - alloc0,
                 "tokens": r.tokens[0].tolist(),
                 "output_digest": m.digest}
