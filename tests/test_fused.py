@@ -219,11 +219,29 @@ def test_fuse_flag_on_plan_and_run(tiny_config, capsys):
 
 # ---- CUDA: fused decode under replay -------------------------------------------------------------
 def fused_run(model, case, replay, fuse, plan=None):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(FUSE_ENV, "1" if fuse else "0")
-        res = run(model, case, replay, plan=plan)
+    res = run(model, case, replay, plan=plan, fuse="on" if fuse and replay != "off" else "off")
     assert res.fused is (fuse and replay != "off")
     return res
+
+
+@pytest.mark.gpu
+def test_auto_fuses_replayed_decode_by_default(tiny_model, monkeypatch):
+    """Fault caught: the default (no --fuse, no KVPIPE_FUSE) not fusing a replayed CUDA decode, or
+    fusing an eager one; KVPIPE_FUSE=0 not turning it off."""
+    from kvpipe.executor.runner import execute
+    from kvpipe.pipeline.builder import build
+    from kvpipe.pipeline.workload import Workload
+    from test_replay import headwise
+    monkeypatch.delenv(FUSE_ENV, raising=False)
+    model = cuda_model(tiny_model)
+    spec = HFAdapter(model).spec()
+    w = Workload(40, 3, 1)
+    g = build(spec, w, headwise(1, 16, 2, 0, 1, 2))
+    ids = torch.randint(0, spec.vocab, (1, 40), generator=torch.Generator().manual_seed(0))
+    assert execute(g, model, ids, "cuda", replay="auto").fused is True
+    assert execute(g, model, ids, "cuda", replay="off").fused is False
+    monkeypatch.setenv(FUSE_ENV, "0")
+    assert execute(g, model, ids, "cuda", replay="auto").fused is False
 
 
 @pytest.mark.gpu

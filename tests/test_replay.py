@@ -64,13 +64,16 @@ def cuda_model(tiny_model, family="llama", kv=8, layers=3, hidden=256):
                       max_position_embeddings=4096)
 
 
-def run(model, case, replay, plan=None, hook=None):
+def run(model, case, replay, plan=None, hook=None, fuse="off"):
+    """One run of `case`; `fuse` off by default: these tests hold the unfused replay (HF's modules),
+    tests/test_fused.py the fused one (the default of `kvpipe run`)."""
     spec = HFAdapter(model).spec()
     w = Workload(case["context"], case["decode"], 1)
     plan = plan or headwise(case["group"], case["chunk"], case["depth"], case["resident"],
                             case["decode_group"], case["decode_depth"])
     ids = torch.randint(0, spec.vocab, (1, w.context), generator=torch.Generator().manual_seed(case["seed"]))
-    return execute(build(spec, w, plan), model, ids, "cuda", keep_logits=True, replay=replay, stage_hook=hook)
+    return execute(build(spec, w, plan), model, ids, "cuda", keep_logits=True, replay=replay, stage_hook=hook,
+                   fuse=fuse)
 
 
 @st.composite
