@@ -94,3 +94,19 @@ def test_planner_fuses_replayed_plans_as_run_would_and_says_so():
     assert fused.best.prediction.fused and "decode fused (one-time compile 5.4 s" in fused.reason
     assert not plain.best.prediction.fused and "fused" not in plain.reason
     assert fused.best.value < plain.best.value
+
+
+def test_compile_s_is_an_optional_validated_profile_field(tmp_path):
+    """Faults caught: a profile without `host.compile_s` (as `kvpipe calibrate` writes them today)
+    refused or read as a zero compile, and a negative value accepted."""
+    from kvpipe.hw_profiles import ProfileError, _HERE
+    text = (_HERE / "h200-testbox.toml").read_text()
+    line = next(x for x in text.splitlines() if x.startswith("compile_s ="))
+    (tmp_path / "none.toml").write_text(text.replace(line + "\n", ""))
+    (tmp_path / "neg.toml").write_text(text.replace(line, "compile_s = -1.0"))
+    hw = load_profile(str(tmp_path / "none.toml"))
+    assert hw.compile_s is None
+    pred = simulate(SPEC, Workload(4096, 2), RESIDENT, hw, replay=True, fuse=True)
+    assert pred.fused and pred.compile_s is None
+    with pytest.raises(ProfileError, match="host.compile_s"):
+        load_profile(str(tmp_path / "neg.toml"))
