@@ -6,7 +6,8 @@ modules' own weights and config; the matmuls stay the HF modules' own `nn.Linear
 On by default where it can run (`--fuse auto|on|off`, the setting of pipeline/fusion.py): only
 the replayed decode step uses it (executor/device_step.py), on CUDA with a working Triton, so
 offloaded and resident placements run the same fused code; CPU and eager decode stay unfused.
-Under `auto` a compile that fails falls back to HF's modules (`warm_or_fall_back`, one note). Inductor keeps intermediates in fp32
+Under `auto` a compile that fails falls back to HF's modules (`warm_or_fall_back`, one note).
+Inductor keeps intermediates in fp32
 where HF rounds them to bf16; `emulate_precision_casts` restores HF's roundings at its casts, but
 the reductions' order differs, so fused != HF eager bit for bit (compared within bf16 rounding).
 The residual add after the MLP is deferred into the next RMSNorm (next layer's input norm, or
@@ -190,4 +191,5 @@ def warm_or_fall_back(fused: FusedDecode, mode: str, positions: torch.Tensor) ->
         what = f"{type(e).__name__}: {first}"[:300]
         if mode == "on":
             raise ValueError(f"fuse: torch.compile of the fused decode pieces failed ({what})") from None
-        return time.perf_counter() - t0, f"fuse: torch.compile of the fused decode pieces failed ({what}); decode runs unfused"
+        note = f"fuse: torch.compile of the fused decode pieces failed ({what}); decode runs unfused"
+        return time.perf_counter() - t0, note

@@ -61,7 +61,8 @@ def step_busy(model: ModelSpec, work: Workload, hw: HardwareProfile, layout: tup
     pieces' small kernels (layer_ops' fused forms, as the builder counts them)."""
     m, B = model, work.batch
     fused = fused and not prefill
-    qkv_ops, mlp_ops = (layer_ops.fused_qkv, layer_ops.fused_mlp) if fused else (layer_ops.qkv, layer_ops.mlp)
+    qkv_ops, mlp_ops, head_ops = ((layer_ops.fused_qkv, layer_ops.fused_mlp, layer_ops.fused_head) if fused
+                                  else (layer_ops.qkv, layer_ops.mlp, layer_ops.head))
     b, ut, dt = m.dtype_bytes, m.kv_unit_bytes_per_token, m.dtype
     busy = dict.fromkeys(LANES, 0.0)
     hid = hidden_bytes(m, B, n)
@@ -102,7 +103,7 @@ def step_busy(model: ModelSpec, work: Workload, hw: HardwareProfile, layout: tup
             busy[lane] += count * v
     if with_head:
         gpu += compute_seconds(B * m.head_flops_per_token, m.head_weight_bytes + logits_bytes(m, B), 3,
-                               hw, dt, "head", replayed) + _small((layer_ops.fused_head if fused else layer_ops.head)(m, B), hw, replayed)
+                               hw, dt, "head", replayed) + _small(head_ops(m, B), hw, replayed)
     busy["gpu"] += gpu
     return busy
 
