@@ -54,7 +54,8 @@ def predict(row: dict, hw_name: str = "h200") -> dict:
     from kvpipe.sim.simulate import simulate
     spec, hw = load_model(MODEL), load_profile(hw_name)
     work = Workload(row["context"], row["decode_tokens"], 1)
-    rep = simulate(spec, work, Plan.from_json(row["plan"]), hw, replay=row["decode_issue"] == "graph").report
+    rep = simulate(spec, work, Plan.from_json(row["plan"]), hw, replay=row["decode_issue"] == "graph",
+                   fuse=row.get("fused", False)).report   # rows from before fusion was the default: unfused
     return {"prefill_s": rep.timing.prefill_s, "decode_s_per_token": rep.timing.decode_s_per_token}
 
 

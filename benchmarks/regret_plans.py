@@ -44,11 +44,11 @@ class Candidate:
 
 def predicted(spec: ModelSpec, work: Workload, plan: Plan, hw, replay: str, pred=None) -> dict:
     """The simulator's figures for `plan`, decode replayed as `kvpipe run --replay auto` would
-    (`replay` "off": issued stage by stage)."""
+    (`replay` "off": issued stage by stage), and fused where replayed (`--fuse auto`, run's default)."""
     from kvpipe.sim.simulate import replays_decode, simulate
     replayed = (replay != "off" and replays_decode(spec, work) and not plan.disk
                 and plan.decode.codec("h2d") == "none")
-    rep = (pred or simulate(spec, work, plan, hw, replay=replayed)).report
+    rep = (pred or simulate(spec, work, plan, hw, replay=replayed, fuse=replayed)).report
     t = rep.timing
     return {"prefill_s": t.prefill_s, "ttft_s": t.ttft_s, "decode_s_per_token": t.decode_s_per_token,
             "total_s": t.total_s, "peak_gpu_bytes": rep.peak_bytes["gpu"]}

@@ -82,7 +82,7 @@ def predict(row: dict, hw) -> dict:
     from kvpipe.sim.simulate import simulate
     work = Workload(row["context"], row["decode_tokens"], 1)
     rep = simulate(load_model(MODEL), work, Plan.from_json(row["plan"]), hw,
-                   replay=row.get("decode_issue", "graph") == "graph").report
+                   replay=row.get("decode_issue", "graph") == "graph", fuse=row.get("fused", False)).report
     return {"prefill_s": rep.timing.prefill_s, "decode_s_per_token": rep.timing.decode_s_per_token}
 
 
