@@ -41,7 +41,7 @@ for spec in "$@"; do
     regrows) timeout "$lim" python3 -m benchmarks.regimes --rows "$ROWS" --decode 4 --out "$OUT/regimes-rows.json" 2>&1 | tail -24 ;;
     regimes) timeout "$lim" python3 -m benchmarks.regimes --decode 8 --out "$OUT/regimes.json" 2>&1 | tail -32 ;;
     diag) timeout "$lim" python3 -m benchmarks.diag --out "$OUT/diag" ${DIAG_ROWS:+--rows $DIAG_ROWS} 2>&1 | grep -v Warning | tail -12 ;;
-    fuse) timeout "$lim" python3 -m benchmarks.fuse_check --out "$OUT/fuse_check.json" 2>&1 | grep -v Warning | tail -10 ;;
+    fuse) timeout "$lim" python3 -m benchmarks.fuse_check --out "$OUT/fuse_check.json" 2>&1 | grep -v Warning | tail -13 ;;
     simcheck) timeout "$lim" python3 -m benchmarks.sim_check --measure "$OUT/sim_check.json" 2>&1 | grep -v Warning | tail -8 ;;
     lossyrun) timeout "$lim" python3 -m benchmarks.lossy_run --context 128K --decode-tokens 8 --gpu-mem 24GB --group 8 --resident none --hw h200 --device cuda --out "$OUT/lossy-run-128k.json" 2>&1 | grep -v Warning | tail -8 ;;
     regret) timeout "$lim" python3 -m benchmarks.planner_regret --plans "$R/benchmarks/results/planner-regret-plans.json" ${REGRET_ARGS:-} --out "$OUT/planner-regret${REGRET_TAG:+-$REGRET_TAG}.json" 2>&1 | grep -v "Warning\|kvpipe: executing" | tail -72 ;;
