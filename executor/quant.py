@@ -68,7 +68,10 @@ def quantize(x: torch.Tensor, bits: int, group: int = 64, axis: int = -1) -> Qua
     step = (hi - zero.to(work)) / torch.full_like(hi, LEVELS[bits])
     scale = step.to(meta)
     low = scale.to(work) < step                  # rounded down: bump so the top code still covers hi
-    scale = torch.where(low, (step * (1 + 2.0 ** -9)).to(meta), scale)
+    bump = step * (1 + 2.0 ** -9)
+    if meta == torch.float16:   # a subnormal float16 scale (step < 2**-14) moves only by whole 2**-24
+        bump = bump + 2.0 ** -24
+    scale = torch.where(low, bump.to(meta), scale)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))           # constant group
     codes = torch.round((y - zero.to(work)[..., None]) / scale.to(work)[..., None])
     codes = codes.clamp_(0, LEVELS[bits]).to(torch.uint8)
