@@ -12,6 +12,7 @@ import mmap
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -502,6 +503,68 @@ def disk(cal: Calibration, kv_dir: str, quick: bool, block: int = 16 * MiB, dept
     cal.set("disk.alpha_s", statistics.median(lat), f"{direct} 4 KiB reads at {len(lat)} offsets, median")
 
 
+
+def codecs(cal: Calibration, tokens: int = 8192, block_tokens: int = 4096, reps: int = 5) -> None:
+    """[codec.nvcomp-ans-planes] as the executor runs it (executor/cstore.py): the high byte plane
+    of each unit's block of `block_tokens` tokens ANS-coded in one nvCOMP batch, the low plane
+    raw. Ratio and rates (per raw K/V byte; the plane split and interleave are charged elsewhere at
+    the HBM rate) on the K and V of a prefill of `tokens` random ids through two random-weight
+    Llama-3-8B-shaped layers: random-weight K/V, whose statistics differ from a trained model's.
+    Without nvCOMP nothing is written, and the JSON record says so."""
+    from .loader import random_model
+    from .nvcomp_codec import AnsBlocks, split_planes
+    try:
+        import nvidia.nvcomp  # noqa: F401
+    except ImportError as e:
+        cal.extra["codec.nvcomp-ans-planes"] = f"not measured: nvCOMP does not import ({e})"
+        return
+    cfg = dict(model_type="llama", vocab_size=1024, hidden_size=4096, intermediate_size=14336,
+               num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+               max_position_embeddings=2 * tokens, tie_word_embeddings=False)
+    model = random_model(cfg, "cuda", torch.bfloat16, 0)
+    ids = torch.randint(0, 1024, (1, tokens), generator=torch.Generator().manual_seed(0)).cuda()
+    with torch.no_grad():
+        cache = model.model(ids, use_cache=True).past_key_values
+    units = torch.cat([t.reshape(-1, block_tokens, t.shape[-1]) for layer in cache.layers
+                       for t in (layer.keys, layer.values)])          # [blocks, block_tokens, D] bf16
+    del model, cache
+    high, low = split_planes(units)
+    high = high.reshape(units.shape[0], -1).contiguous()
+    raw = units.numel() * units.element_size()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        ans = AnsBlocks(torch.device("cuda", torch.cuda.current_device()), stream, high.shape[1])
+        enc, sizes = ans.encode(high)
+        stored = sum(min(n, high.shape[1]) for n in sizes) + low.numel()
+        back = torch.empty_like(high)
+        offsets = [i * enc.shape[1] for i in range(len(sizes))]
+        outs = [i * high.shape[1] for i in range(len(sizes))]
+        enc_s = cuda_median_s(lambda: ans.encode(high), reps)
+        dec_s = cuda_median_s(lambda: ans.decode(enc.view(-1), offsets, sizes, back.view(-1), outs), reps)
+        stream.synchronize()
+        exact = bool(torch.equal(back, high))
+        ans.close()
+    if not exact:
+        raise RuntimeError("calibrate: nvCOMP ANS round trip of the K/V high planes was not bit-exact")
+    how = (f"nvCOMP ANS on the high byte plane of {units.shape[0]} blocks of {block_tokens} tokens "
+           f"(K/V of a {tokens}-token prefill, 2 random-weight Llama-3-8B layers: random-weight K/V)")
+    cal.set("codec.nvcomp-ans-planes.compress_bytes_per_s", raw / enc_s, f"{how}, one batch, per raw K/V byte")
+    cal.set("codec.nvcomp-ans-planes.decompress_bytes_per_s", raw / dec_s, f"{how}, one batch, per raw K/V byte")
+    cal.set("codec.nvcomp-ans-planes.ratio", raw / stored, f"{how}: raw / (coded high planes + raw low planes)")
+
+
+def _optional(cal: Calibration, what: str, step) -> None:
+    """Run a step whose table the profile can do without (the planner then never picks it): a
+    failure is recorded in the JSON record and printed, and the calibration goes on."""
+    try:
+        step(cal)
+    except Exception as e:   # noqa: BLE001 - any failure leaves the table out, said so
+        for key in [k for k in cal.values if k.startswith(what + ".")]:   # no half-written table
+            del cal.values[key], cal.notes[key]
+        cal.extra[what] = f"not measured: {type(e).__name__}: {e}"
+        print(f"kvpipe: calibrate: {what} not measured ({type(e).__name__}: {e}); the profile has no such table",
+              file=sys.stderr)
+
 def _driver_version() -> str:
     import subprocess
     try:
@@ -537,6 +600,7 @@ def calibrate(base: HardwareProfile, name: str, kv_dir: str | None = None, quick
     steps.append(("disk", lambda: disk(cal, kv_dir, quick)))
     steps.append(("host issue", lambda: host_issue(cal)))
     steps.append(("host issue per stage", lambda: host_stage_costs(cal)))
+    steps.append(("codecs", lambda: _optional(cal, "codec.nvcomp-ans-planes", codecs)))
     for i, (label, step) in enumerate(steps, 1):
         t0 = time.perf_counter()
         step()

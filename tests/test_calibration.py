@@ -199,3 +199,18 @@ def test_optional_copy_issue_fields_load_and_are_checked(tmp_path):
     path.write_text(base.replace("[host]\n", "[host]\ncopy_s_per_op = -1e-06\n"))
     with pytest.raises(ProfileError, match="host.copy_s_per_op"):
         load_profile(str(path))
+
+
+def test_a_failing_optional_step_leaves_its_table_out_and_says_so(capsys):
+    """Fault caught: the codec step (nvCOMP, GPU only) failing aborts `kvpipe calibrate`, or leaves
+    a half-written [codec.*] table the planner would then trust."""
+    from kvpipe.executor.calibrate import _optional
+    from kvpipe.pipeline.calibration import Calibration, to_toml
+    cal = Calibration("t", "d", "s")
+
+    def half_then_fail(c):
+        c.set("codec.x.compress_bytes_per_s", 1e9, "a first figure")
+        c.set("codec.x.ratio", float("nan"), "then a non-finite one")   # set raises ValueError
+    _optional(cal, "codec.x", half_then_fail)
+    assert "codec.x" not in to_toml(cal) and cal.extra["codec.x"].startswith("not measured: ValueError")
+    assert "codec.x not measured" in capsys.readouterr().err
