@@ -19,7 +19,6 @@ import argparse
 import datetime
 import gc
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,21 +29,15 @@ RANDOM_KV = "ratio on K/V of a random-weight model (a trained model's K/V has ot
 
 
 def h2d_rate(device, nbytes: int = 1 << 30, reps: int = 5) -> float:
-    """Pinned host -> GPU bytes/s of one large copy, median of `reps` (after one warm-up)."""
+    """Pinned host -> GPU bytes/s of one large copy, median of `reps` (benchmarks.link.copy_rate)."""
     import torch
+
+    from benchmarks.link import copy_rate
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    times = []
-    for i in range(reps + 1):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src, non_blocking=True)
-        b.record()
-        b.synchronize()
-        if i:
-            times.append(a.elapsed_time(b) / 1e3)
+    rate = copy_rate(src, dst, reps)
     del src, dst
-    return nbytes / statistics.median(times)
+    return rate
 
 
 def run_row(codec: str, spec, work, hw, hf, ids, dev, budget: int, args) -> dict:

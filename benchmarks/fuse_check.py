@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.measure import Bench, note
-from benchmarks.regimes import GPU_BUDGET, MODEL, floor_of, hbm_read_rate, plan_for
+from benchmarks.regimes import GPU_BUDGET, MODEL, floor_of, floor_rates, plan_for
 from kvpipe.api import default_alloc_conf
 
 # name -> (context, --resident, what the floor is)
@@ -85,7 +85,6 @@ def measure(args) -> dict:
     default_alloc_conf()   # before torch starts CUDA
     import torch
 
-    from benchmarks.link import copy_rate
     from kvpipe.hw_profiles import load_profile
     from kvpipe.pipeline.workload import Workload
     names = args.rows.split(",")
@@ -99,12 +98,7 @@ def measure(args) -> dict:
            "profile": hw.name, "rows": {}}
     out = Path(args.out)
     save = lambda: out.write_text(json.dumps(res, indent=2))
-    n = 1 << 30
-    host = torch.empty(n, dtype=torch.uint8, pin_memory=True).random_()
-    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
-    res["rates"] = {"h2d_bytes_per_s": copy_rate(host, dev), "hbm_read_bytes_per_s": hbm_read_rate(torch)}
-    del host, dev
-    torch.cuda.empty_cache()
+    res["rates"] = floor_rates(torch)
     bench = Bench(MODEL, "cuda", GPU_BUDGET, max(ROWS[n][0] for n in names)).open()   # the model, built once
     spec, hf, budgets = bench.spec, bench.hf, bench.budgets
     res["model_load_s"] = bench.load_s

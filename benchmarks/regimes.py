@@ -75,6 +75,19 @@ def hbm_read_rate(torch) -> float:
     return statistics.median(rates[1:])
 
 
+
+def floor_rates(torch) -> dict:
+    """The floors' denominators, measured in this process: pinned H2D over 1 GiB copies
+    (benchmarks.link.copy_rate) and the HBM read rate."""
+    from benchmarks.link import copy_rate
+    n = 1 << 30
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True).random_()
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    rates = {"h2d_bytes_per_s": copy_rate(host, dev), "hbm_read_bytes_per_s": hbm_read_rate(torch)}
+    del host, dev
+    torch.cuda.empty_cache()
+    return rates
+
 def hf_run(torch, model, ids, decode_steps: int) -> dict:
     """HF's own inference, all on the GPU: one forward over the prompt, then greedy steps."""
     from transformers import DynamicCache
@@ -170,12 +183,7 @@ def measure(args) -> dict:
            "rows": {}, "hf": {}}
     out = Path(args.out)
     save = lambda: out.write_text(json.dumps(res, indent=2))
-    from benchmarks.link import copy_rate
-    n = 1 << 30
-    host = torch.empty(n, dtype=torch.uint8, pin_memory=True).random_()
-    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
-    res["rates"] = {"h2d_bytes_per_s": copy_rate(host, dev), "hbm_read_bytes_per_s": hbm_read_rate(torch)}
-    del host, dev
+    res["rates"] = floor_rates(torch)
     contexts = sorted({ROWS[n][0] for n in names})
     with Bench(MODEL, "cuda", GPU_BUDGET, max(contexts)) as bench:
         spec, device = bench.spec, bench.dev
