@@ -14,11 +14,12 @@ def _print_workload_plan(work, plan) -> None:
     print(f"      from {plan.source}")
 
 
-def _print_search(search) -> None:
-    """Why the planner's choice won, and its two runners-up with their predicted figures."""
+def _print_search(search, plan) -> None:
+    """Why the planner's choice won, and its two runners-up with their predicted figures. A lossy
+    plan is the exact search's choice made lossy afterwards: its "why" is said to be the exact one's."""
     if search is None:
         return
-    print(f"      why: {search.reason}")
+    print(f"      why{' (the exact plan, before the lossy option)' if plan.lossy else ''}: {search.reason}")
     print(f"      searched {search.fitting} fitting plans, simulated {search.simulated}, "
           f"pruned {search.pruned} by lower bound"
           + (f", {search.unexplored} left unsimulated (simulation budget)" if search.unexplored else ""))
@@ -36,7 +37,7 @@ def print_plan(res: PlanResult) -> None:
     if res.max_context is not None:
         print(f"max context: {fmt_tokens(res.max_context)} ({res.max_context} tokens) fits the budgets")
     _print_workload_plan(res.workload, p.plan)
-    _print_search(res.search)
+    _print_search(res.search, p.plan)
     if res.lossy_choice:
         print(f"lossy choice: {res.lossy_choice}")
     budget = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in res.budgets.items())
@@ -85,7 +86,7 @@ def print_run(res: RunResult) -> None:
     print(f"kvpipe run: {lossy}{res.model.name} on {res.device} ({res.weights}); "
           f"attention kernel {res.attention}; predicted on profile {res.hardware.name}")
     _print_workload_plan(res.workload, res.plan)
-    _print_search(res.search)
+    _print_search(res.search, res.plan)
     if res.lossy_choice:
         print(f"lossy choice: {res.lossy_choice}")
     for line in format_report(res.predicted.report, res.measured):

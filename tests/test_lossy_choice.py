@@ -46,7 +46,8 @@ def test_budget_below_int4s_measured_error_never_picks_int4():
 
 
 def test_a_budget_that_admits_both_picks_the_fastest_labelled_lossy(exact_vs_lossy, capsys):
-    # Fault caught: a pick that is not the predicted best, or not labelled LOSSY as --lossy is.
+    # Faults caught: a pick that is not the predicted best, or not labelled LOSSY as --lossy is; the
+    # exact search's "why" (e.g. "decode fused", which lossy decode never is) shown as the lossy plan's.
     res = api.plan(**KW, max_error=0.5)
     assert res.plan.lossy.quant == "int4"
     assert res.predicted.report.timing.total_s == pytest.approx(exact_vs_lossy["int4"], rel=1e-9)
@@ -54,6 +55,7 @@ def test_a_budget_that_admits_both_picks_the_fastest_labelled_lossy(exact_vs_los
                  "none", "--chunk", "16384", "--decode-tokens", "4", "--max-error", "0.5"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("kvpipe plan: LOSSY (int4") and "lossy choice: --max-error 0.5: int4 chosen" in out
+    assert "why (the exact plan, before the lossy option): " in out
 
 
 def test_a_budget_below_every_measured_error_stays_exact():
