@@ -52,6 +52,9 @@ class Interpreter:
         self.coded = store.coded          # host units stored compressed (executor/cstore.py), else None
         self.sp = store.sparse            # LOSSY: sparse decode's selection state (executor/sparse_homes.py), else None
         self._sel: dict[tuple, torch.Tensor] = {}   # (step, layer) -> selected tokens [B, n_off, N]
+        # where the offloaded K/V lives, chosen once (quantised and compressed homes never coexist):
+        # its fetch and disk_read serve the kv_fetch and kv_read stages
+        self._home = next(h for h in (self.q, self.coded, store) if h is not None)
 
     def __call__(self, s: Stage) -> None:
         op = self._ops.get(s.tag)
@@ -161,10 +164,7 @@ class Interpreter:
         if s.phase is Phase.DECODE and self.sp is not None:   # LOSSY: only the selected tokens
             self.moved[s.id] = self.sp.gather(s.layer, s.heads, base, s.slot, self._sel[(s.step, s.layer)])
             return
-        fetch = self.q.fetch if self.q is not None else self.store.fetch
-        if self.coded is not None:   # the compressed prefix and the low plane land in the slot row
-            fetch = self.coded.fetch
-        self.moved[s.id] = fetch(s.layer, s.heads, base, s.slot, s.tokens[1])
+        self.moved[s.id] = self._home.fetch(s.layer, s.heads, base, s.slot, s.tokens[1])
 
     def _store(self, s: Stage) -> None:
         key = (s.phase, s.step, s.layer)
@@ -192,8 +192,7 @@ class Interpreter:
     def _disk_read(self, s: Stage) -> None:
         assert s.tokens[0] == 0 and s.slot is not None, (s.name, s.tokens, s.slot)
         base = s.group * self.group[s.phase]
-        read = self.q.disk_read if self.q is not None else self.store.disk_read
-        self.moved[s.id] = read(s.layer, s.heads, base, s.slot, s.tokens[1])
+        self.moved[s.id] = self._home.disk_read(s.layer, s.heads, base, s.slot, s.tokens[1])
 
     def _disk_write(self, s: Stage) -> None:
         if self.q is not None:
