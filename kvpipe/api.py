@@ -326,9 +326,9 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
             check_available(name, dev)   # refused before the prediction (its profile may not rate it)
     # The planner of `run` tries an h2d codec as `plan` does, where this run can execute one (CUDA
     # and nvCOMP; the H200 ran it bit-exact at 0.90x the raw-PCIe floor, 2026-11-30).
-    runnable = lossy is None and sparse is None and dev.type == "cuda"
     try:
-        check_available("nvcomp-ans-planes", dev) if runnable else None
+        check_available("nvcomp-ans-planes", dev)   # CUDA and nVCOMP
+        runnable = lossy is None and sparse is None
     except ValueError:
         runnable = False
     first, found = _choose(spec, work, profile, budgets, method, group, chunk, resident, plan, objective,
