@@ -75,6 +75,16 @@ class CudaStreams:
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
+    def release(self) -> None:
+        """Free what torch keeps per stream after the streams are gone: cuBLAS holds a workspace
+        (32 MiB on Hopper) per (handle, stream) in the caching allocator and never frees it, so
+        every run's new compute stream left one behind, counted as allocated by the next run in
+        the same process (64 MiB a row in a benchmark: a warm-up's stream and the run's). Freed
+        here after the lanes synchronised; the next GEMM on a live stream makes its own again."""
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            clear()
+
     def seconds(self, base: torch.cuda.Event, event: torch.cuda.Event) -> float:
         return base.elapsed_time(event) / 1e3
 
@@ -104,6 +114,10 @@ class Lanes:
     def close(self) -> None:
         if self.ops is not None:
             self.ops.synchronize()
+            release = getattr(self.ops, "release", None)   # test fakes record without it
+            self.streams = {}
+            if release is not None:
+                release()
         self.streams = {}
 
     def __enter__(self) -> "Lanes":

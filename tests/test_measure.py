@@ -127,3 +127,23 @@ def test_cuda_rows_replay_agree_and_an_out_of_memory_row_is_survived(tmp_path_fa
         del hog
         assert not oom.ok and oom.json["oom"], oom.json
         assert bench.row(_plan(0, chunk=8192), work).ok
+
+
+@pytest.mark.gpu
+def test_cuda_rows_in_one_process_leave_nothing_allocated(tmp_path_factory):
+    """Fault caught, on CUDA: a run leaving memory allocated after it ends (each run's new compute
+    stream got a cuBLAS workspace that torch never freed: 64 MiB a row on the H200, so a regret or
+    sim_check process's later rows measured a peak ~1 GB above the plan's and ran out of memory).
+    After a first row, four more rows of the same plan must leave memory_allocated where the
+    first left it (a leak of one workspace per row would show as 4 x 32 MiB)."""
+    import torch
+    from conftest import write_config
+    cfg = write_config(tmp_path_factory, torch_dtype="bfloat16", hidden_size=256, head_dim=64)
+    torch.cuda.empty_cache()
+    with Bench(cfg, "cuda", torch.cuda.memory_reserved() + 2 * 10**9, max_context=4096, host_budget=1 << 30) as bench:
+        work, plan = Workload(4096, 3, 1), _plan(0, chunk=4096)
+        assert bench.row(plan, work).ok
+        after_one = torch.cuda.memory_allocated()
+        for _ in range(4):
+            assert bench.row(plan, work).ok
+        assert torch.cuda.memory_allocated() - after_one < 16 << 20, (after_one, torch.cuda.memory_allocated())
