@@ -96,7 +96,9 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
         prompt = prompt_ids.to(device=device, dtype=torch.long)
-        tokens = torch.zeros(w.batch, n_decode + 1, dtype=torch.long, device=device)
+        # every column is written by a head stage (the prefill's column 0, decode step k's k + 1);
+        # empty, not zeros: a fill kernel here ran outside every stage (tests/test_diag.py's range check)
+        tokens = torch.empty(w.batch, n_decode + 1, dtype=torch.long, device=device)
         step_logits = (torch.empty(n_decode + 1, w.batch, graph.model.vocab, device=device)
                        if keep_logits else None)
         issue = resolve_mode(replay, device, adapter.dtype, w.batch, adapter.head_dim) if n_decode else "eager"
