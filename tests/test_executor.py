@@ -224,8 +224,9 @@ def test_stress_random_schedules_cuda(tiny_model):
 
 
 def test_warm_up_runs_one_chunk_and_leaves_the_run_unchanged(tiny_model):
-    """`kvpipe run`'s warm-up: the plan's first prefill chunk and one decode step (a `standard`
-    plan's whole-prompt chunk capped), with no effect on the bits of the run that follows."""
+    """`kvpipe run`'s warm-up: the plan's first prefill chunk (plus a short second one where the
+    run attends to a prefix with cuDNN) and one decode step (a `standard` plan's whole-prompt
+    chunk capped), with no effect on the bits of the run that follows."""
     from kvpipe.executor.session import WARMUP_MAX_TOKENS, warm_up
     model = tiny_model("llama", kv_heads=2, layers=2, max_position_embeddings=16384)
     spec = HFAdapter(model).spec()
@@ -238,6 +239,14 @@ def test_warm_up_runs_one_chunk_and_leaves_the_run_unchanged(tiny_model):
     long_ids = torch.randint(0, 128, (1, WARMUP_MAX_TOKENS + 5), generator=torch.Generator().manual_seed(3))
     whole = build(spec, Workload(WARMUP_MAX_TOKENS + 5, 1, 1), headwise(2, WARMUP_MAX_TOKENS + 5, 2, 4))
     assert warm_up(whole, model, long_ids, torch.device("cpu")) == WARMUP_MAX_TOKENS
+    # Fault caught: a warm-up that never attends to a prefix with cuDNN (chunks >= CUDNN_MIN_ROWS),
+    # leaving the first prefix attention's one-time ~0.8 s to the timed run: a second chunk of
+    # CUDNN_MIN_ROWS tokens follows the first; none where the run's prefix chunks are too short.
+    from kvpipe.executor.attention import CUDNN_MIN_ROWS
+    chunked = build(spec, Workload(1024, 1, 1), headwise(1, 512, 2, 1))
+    assert warm_up(chunked, model, long_ids[:, :1024], torch.device("cpu")) == 512 + CUDNN_MIN_ROWS
+    short_tail = build(spec, Workload(512 + CUDNN_MIN_ROWS - 1, 1, 1), headwise(1, 512, 2, 1))
+    assert warm_up(short_tail, model, long_ids[:, :512 + CUDNN_MIN_ROWS - 1], torch.device("cpu")) == 512
 
 
 @pytest.mark.gpu
