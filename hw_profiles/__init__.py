@@ -50,6 +50,9 @@ _OPTIONAL = {   # TOML key -> HardwareProfile field: absent means the field's de
 }
 _COMPUTE = {"peak_flops_per_s": "flops_peak_per_s", "effective_flops_per_s": "flops_eff_per_s"}
 _CODEC = ("compress_bytes_per_s", "decompress_bytes_per_s", "ratio")   # [codec.<name>] fields
+# optional [codec.<name>] fields (absent: CodecRates' defaults, as profiles written before them say)
+_CODEC_OPTIONAL = {"compress_call_s": float, "decompress_call_s": float, "split_bytes_per_s": float,
+                   "interleave_bytes_per_s": float, "decompress_waits_h2d": bool}
 
 
 class ProfileError(ValueError):
@@ -110,7 +113,7 @@ def _load(path: Path, label: str) -> HardwareProfile:
         raise fail("field 'gpu.compute' is missing (e.g. [gpu.compute.bf16])")
     tables = {field: {dtype: rates[toml_name] for dtype, rates in compute.items()}
               for toml_name, field in _COMPUTE.items()}
-    codecs = _tables(flat, "codec", _CODEC, fail)
+    codecs = _tables(flat, "codec", _CODEC, fail, _CODEC_OPTIONAL)
     try:
         kwargs["codecs"] = tuple(CodecRates(n, **v) for n, v in codecs.items())
         kwargs["decode_attention"] = _decode_attention(flat, fail)
@@ -129,9 +132,12 @@ def _decode_attention(flat: dict[str, object], fail) -> tuple:
     return tuple(out)
 
 
-def _tables(flat: dict[str, object], prefix: str, fields: tuple[str, ...], fail) -> dict[str, dict[str, float]]:
-    """The `[prefix.NAME]` tables of `flat`, each holding exactly the float `fields`, as
-    {NAME: {field: value}} sorted by NAME; a missing, non-numeric or unknown key fails."""
+def _tables(flat: dict[str, object], prefix: str, fields: tuple[str, ...], fail,
+            optional: dict[str, type] | None = None) -> dict[str, dict[str, object]]:
+    """The `[prefix.NAME]` tables of `flat`, each holding exactly the float `fields` (and any of
+    the `optional` {field: kind}), as {NAME: {field: value}} sorted by NAME; a missing,
+    mistyped or unknown key fails."""
+    optional = optional or {}
     keys = [k for k in flat if k.startswith(prefix + ".")]
     at = prefix.count(".") + 1
     names = sorted({k.split(".")[at] for k in keys})
@@ -146,7 +152,14 @@ def _tables(flat: dict[str, object], prefix: str, fields: tuple[str, ...], fail)
                 out[name][f] = _typed(flat[key], float)
             except ValueError as e:
                 raise fail(f"field '{key}' {e}") from None
-    unknown = sorted(set(keys) - {f"{prefix}.{n}.{f}" for n in names for f in fields})
+        for f, kind in optional.items():
+            key = f"{prefix}.{name}.{f}"
+            if key in flat:
+                try:
+                    out[name][f] = _typed(flat[key], kind)
+                except ValueError as e:
+                    raise fail(f"field '{key}' {e}") from None
+    unknown = sorted(set(keys) - {f"{prefix}.{n}.{f}" for n in names for f in (*fields, *optional)})
     if unknown:
         raise fail(f"field '{unknown[0]}' is not a known field")
     return out

@@ -2,6 +2,7 @@
 hardware profile (roofline for compute, alpha + bytes/beta for transfers)."""
 from __future__ import annotations
 
+from .codecs import H2D_BLOCK_TOKENS
 from .hardware import HardwareProfile
 from .stage import Kind, Phase, Stage
 
@@ -127,9 +128,31 @@ def stage_seconds(s: Stage, hw: HardwareProfile, dtype: str, replayed: bool = Fa
     if rates is None:
         return s.bytes / hw.cpu_codec_bytes_per_s
     compress = s.kind in (Kind.COMPRESS, Kind.GPU_COMPRESS)
-    # a GPU codec also splits / interleaves the byte planes (mem_bytes at the HBM rate)
-    extra = s.ops * hw.launch_overhead_s + s.mem_bytes / hw.hbm_eff_bytes_per_s if gpu else 0.0
-    return extra + s.bytes / (rates.compress_bytes_per_s if compress else rates.decompress_bytes_per_s)
+    if gpu:
+        return gpu_codec_seconds(s, rates, hw)
+    return s.bytes / (rates.compress_bytes_per_s if compress else rates.decompress_bytes_per_s)
+
+
+def gpu_codec_calls(s: Stage) -> float:
+    """Codec calls (batches) a GPU codec stage makes (executor/cstore.py): a decompress decodes
+    its fetch's blocks in one call; a compress encodes the blocks a step fills in one call, i.e.
+    once per prefill chunk, and in decode once per H2D_BLOCK_TOKENS steps (charged spread over them)."""
+    if s.kind is Kind.GPU_DECOMPRESS or s.phase is Phase.PREFILL:
+        return 1.0
+    return (s.tokens[1] - s.tokens[0]) / H2D_BLOCK_TOKENS
+
+
+def gpu_codec_seconds(s: Stage, rates, hw: HardwareProfile) -> float:
+    """A GPU codec stage (gpu_compress / gpu_decompress): its codec calls at `call_s + raw bytes /
+    rate` each (the profile's [codec.<name>] fit on batches of the executor's blocks), plus the
+    byte-plane kernels around them (the split before an encode, the set-aside and interleave after
+    a decode) at their measured rate per raw byte, or, where the profile has none, their bytes
+    (`mem_bytes`) at the HBM copy rate; and a launch per kernel."""
+    compress = s.kind is Kind.GPU_COMPRESS
+    call_s, rate, planes = ((rates.compress_call_s, rates.compress_bytes_per_s, rates.split_bytes_per_s) if compress
+                            else (rates.decompress_call_s, rates.decompress_bytes_per_s, rates.interleave_bytes_per_s))
+    plane_s = s.bytes / planes if planes is not None else s.mem_bytes / hw.hbm_eff_bytes_per_s
+    return gpu_codec_calls(s) * call_s + s.bytes / rate + plane_s + s.ops * hw.launch_overhead_s
 
 
 def codec_rates(s: Stage, hw: HardwareProfile):

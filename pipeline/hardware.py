@@ -22,16 +22,38 @@ FlopsTable = tuple[tuple[str, float], ...]  # ((dtype, FLOP/s), ...) sorted by d
 @dataclass(frozen=True)
 class CodecRates:
     """One codec on one machine: raw bytes per second through its pool each way, and the ratio
-    raw / stored on K/V (data-dependent: each profile says on what K/V it was measured)."""
+    raw / stored on K/V (data-dependent: each profile says on what K/V it was measured).
+
+    A GPU codec is called once per batch of blocks: a call costs `*_call_s + raw bytes / rate`
+    (`kvpipe calibrate` fits both on batches of the executor's block size; 0: no fixed cost, as
+    profiles written before the fit say). `split_bytes_per_s` / `interleave_bytes_per_s`: raw bytes
+    per second of the byte-plane kernels around the codec (split before the encode; set-aside and
+    interleave after the decode); None: charged at the HBM copy rate. `decompress_waits_h2d`: a
+    decode call issued while host -> device copies of another stream are in flight starts only
+    after they end (measured by calibrate; the simulator then holds each decompress stage until
+    the fetches the executor issued before it have ended)."""
 
     name: str
     compress_bytes_per_s: float
     decompress_bytes_per_s: float
     ratio: float
+    compress_call_s: float = 0.0
+    decompress_call_s: float = 0.0
+    split_bytes_per_s: float | None = None
+    interleave_bytes_per_s: float | None = None
+    decompress_waits_h2d: bool = False
 
     def __post_init__(self) -> None:
         for f in ("compress_bytes_per_s", "decompress_bytes_per_s", "ratio"):
             object.__setattr__(self, f, _number(f"codec.{self.name}.{f}", getattr(self, f), False))
+        for f in ("compress_call_s", "decompress_call_s"):
+            object.__setattr__(self, f, _number(f"codec.{self.name}.{f}", getattr(self, f), True))
+        for f in ("split_bytes_per_s", "interleave_bytes_per_s"):
+            if getattr(self, f) is not None:
+                object.__setattr__(self, f, _number(f"codec.{self.name}.{f}", getattr(self, f), False))
+        if not isinstance(self.decompress_waits_h2d, bool):
+            raise HardwareFieldError(f"codec.{self.name}.decompress_waits_h2d",
+                                     f"must be true or false, got {self.decompress_waits_h2d!r}")
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from kvpipe.pipeline.hardware import HardwareProfile
 from kvpipe.pipeline.stage import Graph, Kind, Lane, Phase, Pool
 from kvpipe.pipeline.trace import Span, Trace
 
+from .codec_sync import decompress_waits
 from .onepass import exact_for, schedule
 
 
@@ -49,7 +50,7 @@ def run(graph: Graph, hw: HardwareProfile, replay: bool = False) -> tuple[Trace,
     """Simulate `graph` on `hw` (decode steps replayed as CUDA graphs if `replay`); returns the
     trace and the pools (with peaks). Where its result is the same (`onepass.exact_for`), the
     one-pass schedule computes it several times faster than the event simulation."""
-    if exact_for(graph, hw):
+    if exact_for(graph, hw) and not decompress_waits(graph, hw):   # its waits point forward: events only
         trace, used, peak = schedule(graph, hw, replay)
         pools = Pools(graph)
         pools.used, pools.peak = used, peak
@@ -68,6 +69,7 @@ def run_events(graph: Graph, hw: HardwareProfile, replay: bool = False) -> tuple
     pools = Pools(graph)
     # Without duplex, the two copy directions queue on one link.
     link = None if hw.pcie_duplex else simpy.Resource(env, capacity=1)
+    synced = decompress_waits(graph, hw)   # a GPU codec's decode waits for the fetches issued before it
 
     in_graph = [replay and s.phase is Phase.DECODE and s.kind is not Kind.D2H for s in stages]
     seconds = [stage_seconds(s, hw, dtype, in_graph[s.id]) for s in stages]
@@ -121,7 +123,7 @@ def run_events(graph: Graph, hw: HardwareProfile, replay: bool = False) -> tuple
                 yield issued[s.id]
             if s.id in gate and not step_done[gate[s.id]].processed:
                 yield step_done[gate[s.id]]
-            for d in s.deps:
+            for d in s.deps + ((synced[s.id],) if s.id in synced else ()):
                 ev = done[d]
                 if not ev.processed:
                     yield ev
