@@ -504,53 +504,54 @@ def disk(cal: Calibration, kv_dir: str, quick: bool, block: int = 16 * MiB, dept
 
 
 
-def codecs(cal: Calibration, tokens: int = 8192, block_tokens: int = 4096, reps: int = 5) -> None:
-    """[codec.nvcomp-ans-planes] as the executor runs it (executor/cstore.py): the high byte plane
-    of each unit's block of `block_tokens` tokens ANS-coded in one nvCOMP batch, the low plane
-    raw. Ratio and rates (per raw K/V byte; the plane split and interleave are charged elsewhere at
-    the HBM rate) on the K and V of a prefill of `tokens` random ids through two random-weight
-    Llama-3-8B-shaped layers: random-weight K/V, whose statistics differ from a trained model's.
-    Without nvCOMP nothing is written, and the JSON record says so."""
-    from .loader import random_model
-    from .nvcomp_codec import AnsBlocks, split_planes
+def codecs(cal: Calibration, quick: bool, tokens: int = 32768) -> None:
+    """The codecs on the K/V of a prefill of `tokens` random ids through two random-weight
+    Llama-3-8B-shaped layers (executor/codec_probe.py): the disk link's CPU codec
+    ([codec.zstd-planes], host.cpu_codec_bytes_per_s) and the h2d link's GPU codec
+    ([codec.nvcomp-ans-planes]: per-call cost and rate of encode and decode on batches of the
+    executor's blocks, the byte-plane kernels, whether a decode waits for in-flight H2D copies).
+    Each is optional: a failure (no zstandard, no nvCOMP) leaves its table out and says so."""
+    from kvpipe.pipeline.codecs import H2D_BLOCK_TOKENS
+
+    from . import codec_probe as cp
+    from .kvstore import MAX_BLOCK, DiskOptions
+    kv = cp.llama_kv(tokens, "cuda")                                    # [units, tokens, 2, D] bf16
+    what = f"the K/V of a {tokens}-token prefill through 2 random-weight Llama-3-8B-shaped layers"
+    _optional(cal, "codec.zstd-planes", lambda c: cp.cpu_codec(c, kv, DiskOptions().threads, MAX_BLOCK, what,
+                                                               (64 if quick else 256) << 20))
+    _optional(cal, "codec.nvcomp-ans-planes", lambda c: gpu_codec(c, kv, H2D_BLOCK_TOKENS, what))
+
+
+def gpu_codec(cal: Calibration, kv: torch.Tensor, block_tokens: int, what: str) -> None:
+    """[codec.nvcomp-ans-planes] as executor/cstore.py runs it (nvCOMP on the gpu lane's stream)."""
+    from . import codec_probe as cp
+    from .nvcomp_codec import AnsBlocks
     try:
         import nvidia.nvcomp  # noqa: F401
     except ImportError as e:
-        cal.extra["codec.nvcomp-ans-planes"] = f"not measured: nvCOMP does not import ({e})"
-        return
-    cfg = dict(model_type="llama", vocab_size=1024, hidden_size=4096, intermediate_size=14336,
-               num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-               max_position_embeddings=2 * tokens, tie_word_embeddings=False)
-    model = random_model(cfg, "cuda", torch.bfloat16, 0)
-    ids = torch.randint(0, 1024, (1, tokens), generator=torch.Generator().manual_seed(0)).cuda()
-    with torch.no_grad():
-        cache = model.model(ids, use_cache=True).past_key_values
-    units = torch.cat([t.reshape(-1, block_tokens, t.shape[-1]) for layer in cache.layers
-                       for t in (layer.keys, layer.values)])          # [blocks, block_tokens, D] bf16
-    del model, cache
-    high, low = split_planes(units)
-    high = high.reshape(units.shape[0], -1).contiguous()
-    raw = units.numel() * units.element_size()
+        raise RuntimeError(f"nvCOMP does not import ({e})") from None
+    name = "codec.nvcomp-ans-planes"
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        ans = AnsBlocks(torch.device("cuda", torch.cuda.current_device()), stream, high.shape[1])
-        enc, sizes = ans.encode(high)
-        stored = sum(min(n, high.shape[1]) for n in sizes) + low.numel()
-        back = torch.empty_like(high)
-        offsets = [i * enc.shape[1] for i in range(len(sizes))]
-        outs = [i * high.shape[1] for i in range(len(sizes))]
-        enc_s = cuda_median_s(lambda: ans.encode(high), reps)
-        dec_s = cuda_median_s(lambda: ans.decode(enc.view(-1), offsets, sizes, back.view(-1), outs), reps)
-        stream.synchronize()
-        exact = bool(torch.equal(back, high))
-        ans.close()
-    if not exact:
-        raise RuntimeError("calibrate: nvCOMP ANS round trip of the K/V high planes was not bit-exact")
-    how = (f"nvCOMP ANS on the high byte plane of {units.shape[0]} blocks of {block_tokens} tokens "
-           f"(K/V of a {tokens}-token prefill, 2 random-weight Llama-3-8B layers: random-weight K/V)")
-    cal.set("codec.nvcomp-ans-planes.compress_bytes_per_s", raw / enc_s, f"{how}, one batch, per raw K/V byte")
-    cal.set("codec.nvcomp-ans-planes.decompress_bytes_per_s", raw / dec_s, f"{how}, one batch, per raw K/V byte")
-    cal.set("codec.nvcomp-ans-planes.ratio", raw / stored, f"{how}: raw / (coded high planes + raw low planes)")
+        blocks = cp.kv_blocks(kv, block_tokens)
+        ans = AnsBlocks(torch.device("cuda", torch.cuda.current_device()), stream, blocks[0].numel())
+        try:
+            points, ratio, (kept, decode, planes) = cp.gpu_codec_points(blocks, ans, cp.queued_timer(stream))
+            cp.set_gpu_codec(cal, "nvcomp-ans-planes", points, ratio, block_tokens, what)
+            probe = cp.decode_waits_for_h2d(decode, planes, stream)
+        finally:
+            ans.close()
+    cal.extra[name + ".waits_probe"] = probe
+    if probe["waits"] is None:
+        print("kvpipe: calibrate: whether an nvCOMP decode waits for in-flight H2D copies is undecided "
+              "(see the JSON record); the profile leaves it out", file=sys.stderr)
+        return
+    ms = ", ".join(f"{r['decode_end_ms']:.1f}" for r in probe["rows"])
+    copy = ", ".join(f"{r['decode_copy_end_ms']:.1f}" for r in probe["rows"])
+    cal.set(name + ".decompress_waits_h2d", probe["waits"],
+            f"a decode of {kept} blocks issued on the codec's stream just after a "
+            f"{probe['copy_bytes'] >> 20} MiB pinned H2D copy on another stream ended at {ms} ms, the copy at {copy} ms "
+            f"(torch kernels in the same place ended before the copy: they overlap)")
 
 
 def _optional(cal: Calibration, what: str, step) -> None:
@@ -600,7 +601,7 @@ def calibrate(base: HardwareProfile, name: str, kv_dir: str | None = None, quick
     steps.append(("disk", lambda: disk(cal, kv_dir, quick)))
     steps.append(("host issue", lambda: host_issue(cal)))
     steps.append(("host issue per stage", lambda: host_stage_costs(cal)))
-    steps.append(("codecs", lambda: _optional(cal, "codec.nvcomp-ans-planes", codecs)))
+    steps.append(("codecs", lambda: codecs(cal, quick)))
     for i, (label, step) in enumerate(steps, 1):
         t0 = time.perf_counter()
         step()
@@ -611,8 +612,9 @@ def calibrate(base: HardwareProfile, name: str, kv_dir: str | None = None, quick
         key = f"gpu.compute.{dtype}.effective_flops_per_s"
         cal.set(f"gpu.compute.{dtype}.peak_flops_per_s", max(base.flops_peak(dtype), cal.values[key]),
                 f"datasheet peak, from profile {base.name}", measured=False)
-    cal.set("host.cpu_codec_bytes_per_s", base.cpu_codec_bytes_per_s,
-            f"no CPU codec measured in this build; from profile {base.name}", measured=False)
+    if "host.cpu_codec_bytes_per_s" not in cal.values:   # the CPU codec step failed (said so)
+        cal.set("host.cpu_codec_bytes_per_s", base.cpu_codec_bytes_per_s,
+                f"the CPU codec step failed (see the JSON record); from profile {base.name}", measured=False)
     cal.set("gpu.launch_queue_ops", base.launch_queue_ops, f"assumption carried from profile {base.name}",
             measured=False)
     return cal
