@@ -3,8 +3,9 @@ measurements — GEMM rate at the graph's shapes, small-kernel floor and element
 decoder layer's non-GEMM ops, attention rate per kernel (prefill chunks against
 several prefixes, decode against long KV), kernel launch cost, pinned H2D/D2H as alpha + bytes/beta
 from 64 KiB to 1 GiB and both at once, HBM copy rate, O_DIRECT disk read/write. Timings are CUDA
-events around the region, medians of repeats, after a warm-up. Datasheet peaks (which no
-measurement gives) come from a base profile and are labelled so."""
+events around the region, medians of repeats, after a warm-up; the codecs of the h2d and disk
+links on random-weight K/V (executor/codec_probe.py). Datasheet peaks (which no measurement
+gives) come from a base profile and are labelled so."""
 from __future__ import annotations
 
 import datetime
@@ -515,11 +516,18 @@ def codecs(cal: Calibration, quick: bool, tokens: int = 32768) -> None:
 
     from . import codec_probe as cp
     from .kvstore import MAX_BLOCK, DiskOptions
-    kv = cp.llama_kv(tokens, "cuda")                                    # [units, tokens, 2, D] bf16
+    made: list[torch.Tensor] = []
+
+    def kv() -> torch.Tensor:                    # [units, tokens, 2, D] bf16, made once (a failure: each step says so)
+        if not made:
+            made.append(cp.llama_kv(tokens, "cuda"))
+        return made[0]
     what = f"the K/V of a {tokens}-token prefill through 2 random-weight Llama-3-8B-shaped layers"
-    _optional(cal, "codec.zstd-planes", lambda c: cp.cpu_codec(c, kv, DiskOptions().threads, MAX_BLOCK, what,
+    _optional(cal, "codec.zstd-planes", lambda c: cp.cpu_codec(c, kv(), DiskOptions().threads, MAX_BLOCK, what,
                                                                (64 if quick else 256) << 20))
-    _optional(cal, "codec.nvcomp-ans-planes", lambda c: gpu_codec(c, kv, H2D_BLOCK_TOKENS, what))
+    _optional(cal, "codec.nvcomp-ans-planes", lambda c: gpu_codec(c, kv(), H2D_BLOCK_TOKENS, what))
+    made.clear()
+    torch.cuda.empty_cache()
 
 
 def gpu_codec(cal: Calibration, kv: torch.Tensor, block_tokens: int, what: str) -> None:
