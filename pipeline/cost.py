@@ -133,6 +133,16 @@ def stage_seconds(s: Stage, hw: HardwareProfile, dtype: str, replayed: bool = Fa
     return s.bytes / (rates.compress_bytes_per_s if compress else rates.decompress_bytes_per_s)
 
 
+def host_waits_for(s: Stage) -> bool:
+    """Whether the executor's host waits for `s` to end before it issues anything more: a GPU
+    codec's encode reads the compressed sizes back (executor/nvcomp_codec.AnsBlocks.encode, one
+    stream sync per batch of filled blocks). A prefill chunk's compress fills blocks; a decode
+    step's only when its token completes a block of H2D_BLOCK_TOKENS (executor/cstore.py)."""
+    if s.kind is not Kind.GPU_COMPRESS:
+        return False
+    return s.phase is Phase.PREFILL or s.tokens[1] % H2D_BLOCK_TOKENS == 0
+
+
 def gpu_codec_calls(s: Stage) -> float:
     """Codec calls (batches) a GPU codec stage makes (executor/cstore.py): a decompress decodes
     its fetch's blocks in one call; a compress encodes the blocks a step fills in one call, i.e.

@@ -19,7 +19,7 @@ from collections import deque
 
 import simpy
 
-from kvpipe.pipeline.cost import host_issue_seconds, stage_seconds
+from kvpipe.pipeline.cost import host_issue_seconds, host_waits_for, stage_seconds
 from kvpipe.pipeline.hardware import HardwareProfile
 from kvpipe.pipeline.stage import Graph, Kind, Lane, Phase, Pool
 from kvpipe.pipeline.trace import Span, Trace
@@ -92,6 +92,8 @@ def run_events(graph: Graph, hw: HardwareProfile, replay: bool = False) -> tuple
         ahead: deque[tuple[int, int]] = deque()   # issued stages not yet known done, with their ops
         queued = 0
         for s in eager:
+            if issued[s.id].triggered:   # issued early, before a host sync (below)
+                continue
             while ahead and queued + s.ops > hw.launch_queue_ops:   # the launch queue is full
                 i, n = ahead.popleft()
                 if not done[i].processed:
@@ -101,6 +103,15 @@ def run_events(graph: Graph, hw: HardwareProfile, replay: bool = False) -> tuple
             issued[s.id].succeed()
             ahead.append((s.id, s.ops))
             queued += s.ops
+            if host_waits_for(s) and not done[s.id].processed:   # a GPU codec's encode reads sizes back
+                # the executor's h2d lane had issued the fetches a decode before `s` waits for
+                # (sim/codec_sync.py) before the host blocked here: issue them first
+                last = max((f for d, f in synced.items() if d < s.id), default=-1)
+                for x in stages[s.id + 1:last + 1]:
+                    if x.lane is Lane.H2D and not issued[x.id].triggered:
+                        yield timeout(host_issue_seconds(x, hw))
+                        issued[x.id].succeed()
+                yield done[s.id]
         if not steps:
             return
         for s in eager:                  # synchronise with the prefill, then capture

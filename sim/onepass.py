@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from kvpipe.pipeline.cost import host_issue_seconds, stage_seconds
+from kvpipe.pipeline.cost import host_issue_seconds, host_waits_for, stage_seconds
 from kvpipe.pipeline.hardware import HardwareProfile
 from kvpipe.pipeline.stage import Graph, Kind, Phase, Pool
 from kvpipe.pipeline.trace import Span, Trace
@@ -77,6 +77,8 @@ def schedule(graph: Graph, hw: HardwareProfile, replay: bool = False):
         start[i] = t
         e = end[i] = t + stage_seconds(s, hw, dtype, in_graph[i])
         lane_free[lane] = e
+        if not in_graph[i] and host_waits_for(s) and e > host:   # the host reads the encode's sizes back
+            host = e
         if replay and s.phase is Phase.DECODE and e > step_end.get(s.step, -1.0):
             step_end[s.step] = e
     used, peak = _pools(graph)

@@ -246,3 +246,23 @@ def test_gpu_codec_step_on_the_gpu():
     assert v[f"codec.{CODEC}.decompress_bytes_per_s"] > 0 and v[f"codec.{CODEC}.decompress_call_s"] >= 0
     assert v[f"codec.{CODEC}.ratio"] > 1.2 and v["host.cpu_codec_bytes_per_s"] > 0
     assert isinstance(v.get(f"codec.{CODEC}.decompress_waits_h2d"), bool), cal.extra.get(f"codec.{CODEC}.waits_probe")
+
+
+def test_the_host_waits_for_a_filling_encode_in_both_engines():
+    """Fault caught: the executor's read-back of the encoded sizes (one host sync per batch of
+    filled blocks) simulated as if the host ran ahead: the stage issued after a prefill chunk's
+    gpu_compress must not be issued before that compress ends. The one-pass schedule and the
+    event simulation must agree on it."""
+    from kvpipe.sim.engine import run_events
+    from kvpipe.sim.onepass import schedule
+    hw = load_profile("h200-testbox")
+    g = build(LLAMA, Workload(49152, 1, 1), coded_plan())
+    events, _ = run_events(g, hw)
+    one, _, _ = schedule(g, hw)
+    assert [(s.start_s, s.end_s) for s in events.spans] == [(s.start_s, s.end_s) for s in one.spans]
+    span = {sp.stage: sp for sp in one.spans}
+    syncs = [s for s in g.stages if s.kind is Kind.GPU_COMPRESS and s.phase is Phase.PREFILL]
+    assert syncs
+    for s in syncs:
+        nxt = g.stages[s.id + 1]     # issued after it: it cannot start before the compress ended
+        assert span[nxt.id].start_s >= span[s.id].end_s
