@@ -540,6 +540,7 @@ def gpu_codec(cal: Calibration, kv: torch.Tensor, block_tokens: int, what: str) 
         raise RuntimeError(f"nvCOMP does not import ({e})") from None
     name = "codec.nvcomp-ans-planes"
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())      # the prefill that made `kv`
     with torch.cuda.stream(stream):
         blocks = cp.kv_blocks(kv, block_tokens)
         ans = AnsBlocks(torch.device("cuda", torch.cuda.current_device()), stream, blocks[0].numel())
