@@ -547,7 +547,8 @@ def gpu_codec(cal: Calibration, kv: torch.Tensor, block_tokens: int, what: str) 
         try:
             points, ratio, (kept, decode, planes) = cp.gpu_codec_points(blocks, ans, cp.queued_timer(stream))
             cp.set_gpu_codec(cal, "nvcomp-ans-planes", points, ratio, block_tokens, what)
-            probe = cp.decode_waits_for_h2d(decode, planes, stream)
+            idle = next(p["decode_host_s"] for p in points if p["blocks"] == kept)
+            probe = cp.decode_waits_for_h2d(decode, planes, stream, idle)
         finally:
             ans.close()
     cal.extra[name + ".waits_probe"] = probe
@@ -557,10 +558,12 @@ def gpu_codec(cal: Calibration, kv: torch.Tensor, block_tokens: int, what: str) 
         return
     ms = ", ".join(f"{r['decode_end_ms']:.1f}" for r in probe["rows"])
     copy = ", ".join(f"{r['decode_copy_end_ms']:.1f}" for r in probe["rows"])
+    host = ", ".join(f"{r['decode_host_ms']:.1f}" for r in probe["rows"])
     cal.set(name + ".decompress_waits_h2d", probe["waits"],
             f"a decode of {kept} blocks issued on the codec's stream just after a "
             f"{probe['copy_bytes'] >> 20} MiB pinned H2D copy on another stream ended at {ms} ms, the copy at {copy} ms "
-            f"(torch kernels in the same place ended before the copy: they overlap)")
+            f"(host ms in the call: {host}; {probe['idle_host_ms']:.2f} with no copy in flight; torch kernels in "
+            "the same place ended before the copy: they overlap)")
 
 
 def _optional(cal: Calibration, what: str, step) -> None:

@@ -169,14 +169,17 @@ def set_gpu_codec(cal: Calibration, name: str, points: list[dict], ratio: float,
     cal.extra[f"codec.{name}.fits"] = {k: {"call_s": c, "bytes_per_s": r} for k, (c, r) in fits.items()}
 
 
-def decode_waits_for_h2d(decode, control, stream: torch.cuda.Stream, copy_bytes: int = 512 << 20,
-                         reps: int = 3) -> dict:
+def decode_waits_for_h2d(decode, control, stream: torch.cuda.Stream, idle_host_s: float,
+                         copy_bytes: int = 512 << 20, reps: int = 3) -> dict:
     """Whether `decode` (queued on `stream`) starts only after a host -> device copy issued just
     before it on ANOTHER stream has ended, as the executor issues a group's decode while the next
-    groups' fetches are in flight. The copy (tens of ms) far outlasts the decode alone; `control`
-    (plain torch kernels) in the same place shows what overlap looks like. Returns the verdict
-    with the times, ms from the copy's start: the decode waits when it ends after the copy does
-    in every repeat while the control ends before the copy in every repeat (else: undecided)."""
+    groups' fetches are in flight (the device holding its kernels, or the call blocking the host
+    until the copy ends: either way the decode runs after the copy). The copy (~10 ms) far
+    outlasts the decode alone; `control` (plain torch kernels) in the same place shows what
+    overlap looks like. Returns the verdict with the times, ms from the copy's start: the decode
+    waits when it ends after the copy does in every repeat, overlaps when before in every repeat,
+    while the control ends before the copy in every repeat; else, or when the host needs half the
+    copy's time to issue a decode at all (`idle_host_s`, no copy in flight), undecided (None)."""
     host = torch.empty(copy_bytes, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty(copy_bytes, dtype=torch.uint8, device=stream.device)
     copier = torch.cuda.Stream(stream.device)
@@ -201,10 +204,10 @@ def decode_waits_for_h2d(decode, control, stream: torch.cuda.Stream, copy_bytes:
         rows.append(row)
     after = lambda label: [r[f"{label}_end_ms"] > r[f"{label}_copy_end_ms"] for r in rows]
     waits, control_overlaps, overlaps = all(after("decode")), not any(after("control")), not any(after("decode"))
-    # the host must issue the decode well within the copy, or a late issue reads as a wait
-    quick_issue = all(r["decode_host_ms"] < 0.5 * r["decode_copy_end_ms"] for r in rows)
+    # a decode the host takes long to issue (no copy in flight) would end late without waiting
+    quick_issue = all(idle_host_s * 1e3 < 0.5 * r["decode_copy_end_ms"] for r in rows)
     verdict = waits if control_overlaps and quick_issue and (waits or overlaps) else None
-    return {"waits": verdict, "copy_bytes": copy_bytes, "rows": rows}
+    return {"waits": verdict, "copy_bytes": copy_bytes, "idle_host_ms": idle_host_s * 1e3, "rows": rows}
 
 
 def cpu_codec(cal: Calibration, kv: torch.Tensor, threads: int, block_bytes: int, kv_what: str,
