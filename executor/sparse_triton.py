@@ -1,0 +1,79 @@
+"""LOSSY (`--sparse F`): the token ranking of executor/sparse_sketch.py as three Triton kernels, for
+the CUDA path. The same arithmetic as the torch path (`sparse_sketch.scores` then `group_share`):
+each sealed token's key is rebuilt per channel from its code, k_hat = lo + (cell + 1/2) step with
+step = (hi - lo) / 2^bits of the token's chunk, scored s = (q / sqrt(D)) . k_hat in float32 for
+every query head of the unit's group, and ranked by the log of its share of the group's attention,
+logsumexp over heads of (s - logsumexp over tokens of s). Only the summation order differs (the
+float32 results agree within rounding, not bit for bit), so near-ties may rank the other way.
+
+  score    grid (unit, token tile): reads the tile's packed codes once, rebuilds k_hat, writes the
+           G scores per token and, per head, the tile's max and sum of exp (for the softmax).
+  lse      grid (unit): combines the tiles' (max, sum) into each head's logsumexp over the tokens.
+  share    grid (unit, token tile): the group share of each token; the tokens every step fetches
+           anyway (sink, recent window: `forced` in sparse_sketch) get -inf, so the selection
+           ranks only the others.
+
+The kernels (executor/sparse_triton_kernels.py) are imported on first use, so CPU CI needs no
+Triton; on CPU tensors they run only in Triton's interpreter (TRITON_INTERPRET=1 set before Triton
+is imported: the CPU tests run them in a subprocess). `unavailable`
+says why this path cannot run; the caller then keeps the torch path (as executor/fused.py does).
+Tensors: q [U, G, D]; lo, hi [U, C, D] (C = S / chunk); codes [U, S, D * bits / 8] uint8; the
+rank [U, S] float32 (U: the flattened leading dims)."""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+BLOCK_T = 64        # tokens per program of score/share: a [64, D] float32 key tile in registers
+BLOCK_LSE = 256     # tiles per iteration of lse's loop
+
+
+def unavailable(device: torch.device, head_dim: int, bits: int) -> str | None:
+    """Why the Triton ranking cannot run for these tensors, or None where it can."""
+    if device.type != "cuda":
+        return "the Triton ranking runs on CUDA only (CPU keeps the torch path)"
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        return f"head_dim {head_dim} is not a power of two >= 16 (a Triton tile's width)"
+    if bits not in (2, 4, 8):
+        return f"sketch bits {bits} not in (2, 4, 8)"
+    from torch.utils._triton import has_triton
+    if not has_triton():
+        return "no working Triton on this GPU"
+    return None
+
+
+def rank(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tensor, bits: int,
+         head: int, fstart: int, with_scores: bool = False):
+    """The ranking [..., S] float32 of the S sealed tokens (codes [..., S, D*bits/8], summaries lo,
+    hi [..., S/chunk, D], queries q [..., G, D]): the log group share, -inf for tokens t < head
+    or t >= fstart (fetched anyway). CUDA tensors: compiled kernels; CPU tensors: interpreted.
+    `with_scores`: also the float32 scores [..., G, S] (for the tests)."""
+    lead, (G, D), S = q.shape[:-2], q.shape[-2:], codes.shape[-2]
+    C = lo.shape[-2]
+    if codes.shape[:-2] != lead or lo.shape[:-2] != lead or hi.shape != lo.shape or lo.shape[-1] != D:
+        raise ValueError(f"rank: shapes disagree: q {tuple(q.shape)}, lo {tuple(lo.shape)}, codes {tuple(codes.shape)}")
+    if codes.shape[-1] * 8 != D * bits or S == 0 or S % C:
+        raise ValueError(f"codes: {tuple(codes.shape)} are not {bits}-bit codes of {C} whole chunks of head_dim {D}")
+    U, dev = math.prod(lead), q.device
+    qf = (q.float() / math.sqrt(D)).reshape(U, G, D).contiguous()      # as sparse_sketch.scores scales it
+    lo3, hi3, c3 = lo.reshape(U, C, D), hi.reshape(U, C, D), codes.reshape(U, S, -1)
+    if lo3.stride(-1) != 1 or hi3.stride(-1) != 1 or c3.stride(-1) != 1:
+        lo3, hi3, c3 = lo3.contiguous(), hi3.contiguous(), c3.contiguous()
+    n_tiles = -(-S // BLOCK_T)
+    s = torch.empty(U, G, S, dtype=torch.float32, device=dev)
+    m = torch.empty(U, G, n_tiles, dtype=torch.float32, device=dev)
+    lsum = torch.empty_like(m)
+    lse = torch.empty(U, G, dtype=torch.float32, device=dev)
+    out = torch.empty(U, S, dtype=torch.float32, device=dev)
+    if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("rank: CPU tensors run only in Triton's interpreter (TRITON_INTERPRET=1 before importing triton)")
+    from .sparse_triton_kernels import lse as lse_k, score as score_k, share as share_k
+    score_k[(U, n_tiles)](qf, lo3, hi3, c3, s, m, lsum, S, n_tiles, lo3.stride(0), lo3.stride(1),
+                          hi3.stride(0), hi3.stride(1), c3.stride(0), c3.stride(1),
+                          G=G, D=D, BITS=bits, CHUNK=S // C, BLOCK=BLOCK_T)
+    lse_k[(U,)](m, lsum, lse, n_tiles, G=G, BLOCK=BLOCK_LSE)
+    share_k[(U, n_tiles)](s, lse, out, S, head, fstart, G=G, BLOCK=BLOCK_T)
+    out = out.reshape(*lead, S)
+    return (out, s.reshape(*lead, G, S)) if with_scores else out

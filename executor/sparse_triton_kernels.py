@@ -1,0 +1,69 @@
+"""The Triton kernels of executor/sparse_triton.py (which documents them). Imported only where
+Triton is installed (by sparse_triton, on first use); under TRITON_INTERPRET=1 (set before Triton
+is imported) they run in Triton's interpreter on CPU tensors, which is how the CPU tests run them. Shapes: q [U, G, D] float32; lo, hi [U, C, D]; codes [U, S, D*BITS/8]
+uint8; scores [U, G, S]; per-tile max/sum [U, G, n_tiles]; lse [U, G]; rank [U, S]."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def score(q_ptr, lo_ptr, hi_ptr, codes_ptr, s_ptr, m_ptr, l_ptr, S, n_tiles,
+           slo_u, slo_c, shi_u, shi_c, sc_u, sc_t,
+           G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, CHUNK: tl.constexpr,
+           BLOCK: tl.constexpr):
+    u = tl.program_id(0)
+    tile = tl.program_id(1)
+    t = tile * BLOCK + tl.arange(0, BLOCK)                             # [T] token
+    live = t < S
+    d = tl.arange(0, D)                                                # [D] channel
+    per = 8 // BITS
+    c = t // CHUNK                                                     # [T] chunk of each token
+    byte = tl.load(codes_ptr + u * sc_u + t[:, None] * sc_t + (d // per)[None, :], mask=live[:, None], other=0)
+    cell = ((byte.to(tl.int32) >> ((d % per) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+    lo = tl.load(lo_ptr + u * slo_u + c[:, None] * slo_c + d[None, :], mask=live[:, None], other=0).to(tl.float32)
+    hi = tl.load(hi_ptr + u * shi_u + c[:, None] * shi_c + d[None, :], mask=live[:, None], other=0).to(tl.float32)
+    k = lo + (cell + 0.5) * ((hi - lo) / (1 << BITS))                  # [T, D] the rebuilt keys
+    for g in tl.static_range(G):
+        qg = tl.load(q_ptr + (u * G + g) * D + d)                      # [D] float32, already / sqrt(D)
+        s = tl.sum(k * qg[None, :], axis=1)                            # [T]
+        tl.store(s_ptr + (u * G + g) * S + t, s, mask=live)
+        sm = tl.where(live, s, -float("inf"))
+        mx = tl.max(sm, axis=0)
+        tl.store(m_ptr + (u * G + g) * n_tiles + tile, mx)
+        tl.store(l_ptr + (u * G + g) * n_tiles + tile, tl.sum(tl.exp(sm - mx), axis=0))
+
+
+@triton.jit
+def lse(m_ptr, l_ptr, lse_ptr, n_tiles, G: tl.constexpr, BLOCK: tl.constexpr):
+    u = tl.program_id(0)
+    j = tl.arange(0, BLOCK)
+    for g in tl.static_range(G):
+        base = (u * G + g) * n_tiles
+        mx = tl.max(tl.full([BLOCK], -float("inf"), tl.float32), axis=0)
+        for i in range(0, n_tiles, BLOCK):
+            mx = tl.maximum(mx, tl.max(tl.load(m_ptr + base + i + j, mask=i + j < n_tiles, other=-float("inf")), axis=0))
+        tot = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
+        for i in range(0, n_tiles, BLOCK):
+            ok = i + j < n_tiles
+            mm = tl.load(m_ptr + base + i + j, mask=ok, other=0.0)
+            ll = tl.load(l_ptr + base + i + j, mask=ok, other=0.0)
+            tot += tl.sum(tl.where(ok, ll * tl.exp(mm - mx), 0.0), axis=0)
+        tl.store(lse_ptr + u * G + g, mx + tl.log(tot))
+
+
+@triton.jit
+def share(s_ptr, lse_ptr, r_ptr, S, head, fstart, G: tl.constexpr, BLOCK: tl.constexpr):
+    u = tl.program_id(0)
+    t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = t < S
+    mx = tl.full([BLOCK], -float("inf"), tl.float32)
+    for g in tl.static_range(G):
+        x = tl.load(s_ptr + (u * G + g) * S + t, mask=live, other=0.0) - tl.load(lse_ptr + u * G + g)
+        mx = tl.maximum(mx, x)
+    tot = tl.zeros([BLOCK], tl.float32)
+    for g in tl.static_range(G):
+        x = tl.load(s_ptr + (u * G + g) * S + t, mask=live, other=0.0) - tl.load(lse_ptr + u * G + g)
+        tot += tl.exp(x - mx)
+    r = mx + tl.log(tot)
+    r = tl.where((t < head) | (t >= fstart), -float("inf"), r)
+    tl.store(r_ptr + u * S + t, r, mask=live)
