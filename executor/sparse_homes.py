@@ -27,15 +27,22 @@ The gather, and its cost (the choice is made once, at `open`, by a probe, and re
           pinned staging slot, and sent in one H2D copy per (layer, group): PCIe at full rate but
           the host-side sync and CPU gather remain on the critical path.
   cpu     (CPU runs: CI) index_select from the host home into the slot.
+The ranking (the `score` stage) runs as three Triton kernels on CUDA (executor/sparse_triton.py:
+one read of the packed codes per token tile) and as torch ops elsewhere or where Triton cannot run
+(`score_path`, `score_note`); the selection (sparse_sketch.select) is the same code on both.
 Refused for now: disk units (their rows are read whole), an h2d codec (compressed homes), and
 --lossy int8/int4 with --sparse (a quantised record holds a whole group of tokens)."""
 from __future__ import annotations
+
+import os
 
 import torch
 
 from kvpipe.pipeline.lossy import LossySpec
 
-from . import sparse_sketch
+from . import sparse_sketch, sparse_triton
+
+SCORE_ENV = "KVPIPE_SPARSE_SCORE"   # auto (default) | triton | torch: which path ranks the tokens
 
 
 class _Interface:
@@ -60,6 +67,20 @@ def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor | None
         return flat.view(host.dtype).view(host.shape)
     except (RuntimeError, TypeError, ValueError):
         return None
+
+
+def score_path(device: torch.device, head_dim: int, bits: int) -> tuple[str, str | None]:
+    """("triton" | "torch", why not triton or None): the Triton ranking on CUDA where it can run,
+    unless KVPIPE_SPARSE_SCORE=torch asks for the torch path (=triton: a ValueError where it cannot)."""
+    want = os.environ.get(SCORE_ENV, "auto")
+    if want not in ("auto", "triton", "torch"):
+        raise ValueError(f"{SCORE_ENV}: must be auto, triton or torch, got {want!r}")
+    if want == "torch":
+        return "torch", f"{SCORE_ENV}=torch"
+    why = sparse_triton.unavailable(device, head_dim, bits)
+    if why is not None and want == "triton":
+        raise ValueError(f"{SCORE_ENV}: triton cannot run here: {why}")
+    return ("torch", why) if why else ("triton", None)
 
 
 class SparseHomes:
@@ -87,6 +108,7 @@ class SparseHomes:
         self.codes = [torch.empty(B, o, C * self.chunk, D * self.bits // 8, dtype=torch.uint8, **gpu) if o else None
                       for o in off]
         self.tail = [torch.empty(B, o, self.chunk, D, dtype=store.dtype, **gpu) if o else None for o in off]
+        self.score_path, self.score_note = score_path(store.device, D, self.bits)
         self.gather_mode = "cpu"
         self.views: list[torch.Tensor | None] = [None] * lo.layers
         self.stage: list[torch.Tensor] = []
@@ -132,14 +154,29 @@ class SparseHomes:
         qg = q.reshape(B, n_off, -1, D)                                          # [B, n_off, r, D]
         C = prefix // self.chunk
         sealed = C * self.chunk
-        if C:
-            s = sparse_sketch.scores(qg, self.lo[layer][:, :, :C], self.hi[layer][:, :, :C],
-                                     self.codes[layer][:, :, :sealed], self.bits)   # [B, n_off, r, sealed]
-            share = sparse_sketch.group_share(s)                                  # [B, n_off, sealed]
-        else:
-            share = torch.empty(B, n_off, 0, device=q.device)
         sp = self.spec
-        return sparse_sketch.select(share, prefix, sp.fetched_tokens(prefix), sp.sink, sp.recent)
+        budget = sp.fetched_tokens(prefix)
+        if sparse_sketch.ranks(prefix, sealed, budget, sp.sink, sp.recent):
+            share = self._rank(qg, self.lo[layer][:, :, :C], self.hi[layer][:, :, :C],
+                               self.codes[layer][:, :, :sealed])                # [B, n_off, sealed]
+        else:                                                                    # forced tokens / F = 1
+            share = torch.empty(B, n_off, sealed, device=q.device)
+        return sparse_sketch.select(share, prefix, budget, sp.sink, sp.recent)
+
+    def _rank(self, qg, lo, hi, codes) -> torch.Tensor:
+        """The log group share of every sealed token: the Triton kernels (executor/sparse_triton.py)
+        where `score_path` is "triton", else the torch path. A Triton failure (compiler missing,
+        codegen) switches this store to the torch path for good, with a note; OOM propagates."""
+        if self.score_path == "triton":
+            try:
+                return sparse_triton.rank(qg, lo, hi, codes, self.bits)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:   # Triton: compiler missing, codegen or compile errors
+                first = (str(e).strip().splitlines() or [""])[0]
+                self.score_path = "torch"
+                self.score_note = f"sparse: the Triton ranking failed ({type(e).__name__}: {first[:200]}); torch path"
+        return sparse_sketch.group_share(sparse_sketch.scores(qg, lo, hi, codes, self.bits))
 
     # ---- h2d lane ----------------------------------------------------------------------------
     def gather(self, layer: int, heads: tuple[int, ...], base: int, slot: int, idx: torch.Tensor) -> int:

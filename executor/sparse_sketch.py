@@ -103,20 +103,43 @@ def count(prefix: int, sealed: int, budget: int, sink: int, recent: int) -> int:
     return min(prefix, max(budget, sum(b - a for a, b in _ranges(prefix, sealed, sink, recent))))
 
 
+def ranks(prefix: int, sealed: int, budget: int, sink: int, recent: int) -> bool:
+    """Whether `select` reads the ranking: False when the forced tokens fill the count, or when
+    every token is selected (F = 1), so the caller can skip scoring."""
+    n = count(prefix, sealed, budget, sink, recent)
+    return n < prefix and n > sum(b - a for a, b in _ranges(prefix, sealed, sink, recent))
+
+
 def select(share: torch.Tensor, prefix: int, budget: int, sink: int, recent: int) -> torch.Tensor:
     """Tokens to fetch for the ranking share [..., sealed] of the sealed tokens: the forced ones,
     then the best-ranked others, `count(...)` in all: [..., N] int64, ascending. Ties go to the
-    lower index (a stable sort), so CPU and GPU pick the same tokens for the same ranking. Every
-    size is known on the host: on CUDA nothing here waits for the GPU."""
+    lower index, so CPU and GPU pick the same tokens for the same ranking (the set a stable
+    descending sort would take). Every size is known on the host: on CUDA nothing here waits for
+    the GPU.
+
+    No sort: the unforced tokens are one range [h0, h1) of the sealed ones; the `room`-th largest
+    rank v among them comes from torch.topk (its values only); every token ranked above v is
+    taken, and of those equal to v the lowest-indexed ones until `room` are; the chosen and forced
+    tokens are written in token order by a prefix sum (a scatter to their place among the chosen).
+    With F = 1 (every token selected) nothing is ranked: 0..prefix-1. The unforced ranks must be
+    finite (the sketch's shares of finite keys are)."""
     sealed = share.shape[-1]
-    must = forced(prefix, sealed, sink, recent, share.device)                 # [F]
+    ranges = _ranges(prefix, sealed, sink, recent)
     n = count(prefix, sealed, budget, sink, recent)
-    lead = share.shape[:-1]
-    room = n - must.numel()
+    lead, dev = share.shape[:-1], share.device
+    room = n - sum(b - a for a, b in ranges)
     if room <= 0:
-        return must[:n].expand(*lead, n).contiguous()
-    rank = share.clone()
-    for a, b in _ranges(prefix, sealed, sink, recent):
-        rank[..., a:min(b, sealed)] = -math.inf
-    best = torch.sort(rank, dim=-1, descending=True, stable=True).indices[..., :room]
-    return torch.sort(torch.cat([must.expand(*lead, must.numel()), best], -1), -1).values
+        return forced(prefix, sealed, sink, recent, dev)[:n].expand(*lead, n).contiguous()
+    if n == prefix:                                         # every token, in order (F = 1: exact)
+        return torch.arange(prefix, device=dev).expand(*lead, prefix).contiguous()
+    h0, h1 = ranges[0][1], ranges[1][0]                     # the unforced tokens: room < h1 - h0
+    mid = share[..., h0:h1]
+    v = torch.topk(mid, room, dim=-1, sorted=False).values.amin(-1, keepdim=True)    # [..., 1]
+    above, tied = mid > v, mid == v
+    need = room - above.sum(-1, keepdim=True)                                          # >= 1
+    keep = torch.ones(*lead, prefix, dtype=torch.bool, device=dev)                     # forced: True
+    keep[..., h0:h1] = above | (tied & (tied.cumsum(-1) <= need))
+    at = torch.where(keep, keep.cumsum(-1) - 1, n)                                     # [..., prefix]
+    out = torch.zeros(*lead, n + 1, dtype=torch.int64, device=dev)                     # column n: the rest
+    out.scatter_(-1, at, torch.arange(prefix, device=dev).expand(*lead, prefix))
+    return out[..., :n]

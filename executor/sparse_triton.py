@@ -9,9 +9,8 @@ float32 results agree within rounding, not bit for bit), so near-ties may rank t
   score    grid (unit, token tile): reads the tile's packed codes once, rebuilds k_hat, writes the
            G scores per token and, per head, the tile's max and sum of exp (for the softmax).
   lse      grid (unit): combines the tiles' (max, sum) into each head's logsumexp over the tokens.
-  share    grid (unit, token tile): the group share of each token; the tokens every step fetches
-           anyway (sink, recent window: `forced` in sparse_sketch) get -inf, so the selection
-           ranks only the others.
+  share    grid (unit, token tile): the log group share of each token (sparse_sketch.select then
+           ranks the unforced ones).
 
 The kernels (executor/sparse_triton_kernels.py) are imported on first use, so CPU CI needs no
 Triton; on CPU tensors they run only in Triton's interpreter (TRITON_INTERPRET=1 set before Triton
@@ -45,10 +44,10 @@ def unavailable(device: torch.device, head_dim: int, bits: int) -> str | None:
 
 
 def rank(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tensor, bits: int,
-         head: int, fstart: int, with_scores: bool = False):
+         with_scores: bool = False):
     """The ranking [..., S] float32 of the S sealed tokens (codes [..., S, D*bits/8], summaries lo,
-    hi [..., S/chunk, D], queries q [..., G, D]): the log group share, -inf for tokens t < head
-    or t >= fstart (fetched anyway). CUDA tensors: compiled kernels; CPU tensors: interpreted.
+    hi [..., S/chunk, D], queries q [..., G, D]): the log group share (`sparse_sketch.group_share` of
+    `sparse_sketch.scores`, summed in another order). CUDA tensors: compiled kernels; CPU tensors: interpreted.
     `with_scores`: also the float32 scores [..., G, S] (for the tests)."""
     lead, (G, D), S = q.shape[:-2], q.shape[-2:], codes.shape[-2]
     C = lo.shape[-2]
@@ -74,6 +73,6 @@ def rank(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tenso
                           hi3.stride(0), hi3.stride(1), c3.stride(0), c3.stride(1),
                           G=G, D=D, BITS=bits, CHUNK=S // C, BLOCK=BLOCK_T)
     lse_k[(U,)](m, lsum, lse, n_tiles, G=G, BLOCK=BLOCK_LSE)
-    share_k[(U, n_tiles)](s, lse, out, S, head, fstart, G=G, BLOCK=BLOCK_T)
+    share_k[(U, n_tiles)](s, lse, out, S, G=G, BLOCK=BLOCK_T)
     out = out.reshape(*lead, S)
     return (out, s.reshape(*lead, G, S)) if with_scores else out

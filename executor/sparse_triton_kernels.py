@@ -52,7 +52,7 @@ def lse(m_ptr, l_ptr, lse_ptr, n_tiles, G: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def share(s_ptr, lse_ptr, r_ptr, S, head, fstart, G: tl.constexpr, BLOCK: tl.constexpr):
+def share(s_ptr, lse_ptr, r_ptr, S, G: tl.constexpr, BLOCK: tl.constexpr):
     u = tl.program_id(0)
     t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = t < S
@@ -64,6 +64,4 @@ def share(s_ptr, lse_ptr, r_ptr, S, head, fstart, G: tl.constexpr, BLOCK: tl.con
     for g in tl.static_range(G):
         x = tl.load(s_ptr + (u * G + g) * S + t, mask=live, other=0.0) - tl.load(lse_ptr + u * G + g)
         tot += tl.exp(x - mx)
-    r = mx + tl.log(tot)
-    r = tl.where((t < head) | (t >= fstart), -float("inf"), r)
-    tl.store(r_ptr + u * S + t, r, mask=live)
+    tl.store(r_ptr + u * S + t, mx + tl.log(tot), mask=live)
