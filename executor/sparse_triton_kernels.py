@@ -11,7 +11,7 @@ def score(q_ptr, lo_ptr, hi_ptr, codes_ptr, s_ptr, m_ptr, l_ptr, S, n_tiles,
            slo_u, slo_c, shi_u, shi_c, sc_u, sc_t,
            G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, CHUNK: tl.constexpr,
            BLOCK: tl.constexpr):
-    u = tl.program_id(0)
+    u = tl.program_id(0).to(tl.int64)   # 64-bit offsets: units x tokens x bytes can pass 2^31
     tile = tl.program_id(1)
     t = tile * BLOCK + tl.arange(0, BLOCK)                             # [T] token
     live = t < S
@@ -35,7 +35,7 @@ def score(q_ptr, lo_ptr, hi_ptr, codes_ptr, s_ptr, m_ptr, l_ptr, S, n_tiles,
 
 @triton.jit
 def lse(m_ptr, l_ptr, lse_ptr, n_tiles, G: tl.constexpr, BLOCK: tl.constexpr):
-    u = tl.program_id(0)
+    u = tl.program_id(0).to(tl.int64)   # 64-bit offsets: units x tokens x bytes can pass 2^31
     j = tl.arange(0, BLOCK)
     for g in tl.static_range(G):
         base = (u * G + g) * n_tiles
@@ -53,7 +53,7 @@ def lse(m_ptr, l_ptr, lse_ptr, n_tiles, G: tl.constexpr, BLOCK: tl.constexpr):
 
 @triton.jit
 def share(s_ptr, lse_ptr, r_ptr, S, G: tl.constexpr, BLOCK: tl.constexpr):
-    u = tl.program_id(0)
+    u = tl.program_id(0).to(tl.int64)   # 64-bit offsets: units x tokens x bytes can pass 2^31
     t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = t < S
     mx = tl.full([BLOCK], -float("inf"), tl.float32)

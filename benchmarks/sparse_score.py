@@ -1,0 +1,185 @@
+"""The `score` stage of sparse decode (LOSSY, `--sparse F`) in isolation, per layer: the old path
+(torch scores, group_share, selection by a stable full sort: executor/sparse_sketch.py as of
+cb04d41, kept below as `old_select`) against the new one (the Triton ranking of
+executor/sparse_triton.py, then the sort-free sparse_sketch.select), on one layer's offloaded
+units (default 8 units, GQA 4 query heads, D 128, 2-bit sketch, 20% of tokens), CUDA events,
+median of --reps calls after a warm-up. Also times the torch ranking with the new selection, so
+the gain splits into ranking and selection, and prints the simulator's score stage for the same
+shapes (LossySpec.score_cost on the --hw profile) beside the measurement.
+
+  python -m benchmarks.sparse_score                      # H200: 32K, 128K, 512K
+  python -m benchmarks.sparse_score --contexts 4K --device cpu --reps 2   # CPU smoke (torch path only)
+
+Agreement: per unit, the fraction of the new selection's tokens that the old one also selected
+(1.0: the same set; the ranking's float32 sums differ in order, so near-ties may flip). JSON
+(command, date, device, rows) to benchmarks/results/sparse-score-<date>.json or --out; the table
+is printed last. Keys are random (heavy-tailed channels): timings do not depend on their values."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kvpipe.executor import sparse_sketch, sparse_triton
+from kvpipe.pipeline.units import parse_tokens
+
+RESULTS = Path(__file__).resolve().parent / "results"
+LAYERS = 32          # Llama-3-8B: the implied decode-step cost is 32 score stages
+
+
+def old_select(share: torch.Tensor, prefix: int, budget: int, sink: int, recent: int) -> torch.Tensor:
+    """The selection before this change (stable descending sort of every sealed token, then a sort
+    of forced + chosen indices): the baseline timed here and the reference of the agreement."""
+    sealed = share.shape[-1]
+    must = sparse_sketch.forced(prefix, sealed, sink, recent, share.device)
+    n = sparse_sketch.count(prefix, sealed, budget, sink, recent)
+    lead = share.shape[:-1]
+    room = n - must.numel()
+    if room <= 0:
+        return must[:n].expand(*lead, n).contiguous()
+    rank = share.clone()
+    for a, b in sparse_sketch._ranges(prefix, sealed, sink, recent):
+        rank[..., a:min(b, sealed)] = -math.inf
+    best = torch.sort(rank, dim=-1, descending=True, stable=True).indices[..., :room]
+    return torch.sort(torch.cat([must.expand(*lead, must.numel()), best], -1), -1).values
+
+
+def timed(fn, reps: int, dev: torch.device) -> float:
+    """Median seconds of fn() over `reps` calls (CUDA events on CUDA, host clock on CPU), after 2 warm-ups."""
+    for _ in range(2):
+        fn()
+    out = []
+    for _ in range(reps):
+        if dev.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def predicted_s(prefix: int, units: int, q_heads: int, head_dim: int, fraction: float, bits: int, hw_name: str) -> float:
+    """The simulator's seconds for one layer's score stage (pipeline/cost.compute_seconds of the
+    builder's cost inputs: LossySpec.score_cost x units, ops 3), on profile `hw_name`."""
+    from kvpipe.hw_profiles import load_profile
+    from kvpipe.pipeline.cost import compute_seconds
+    from kvpipe.pipeline.lossy import LossySpec
+    spec = LossySpec(sparse=fraction, sketch=bits)
+    c = spec.score_cost(prefix, q_heads, head_dim, 2)
+    return compute_seconds(units * c["flops"], units * c["mem_bytes"], 3, load_profile(hw_name), "bf16")
+
+
+def bench(prefix: int, args, dev: torch.device) -> dict:
+    U, G, D, bits, chunk = args.units, args.q_heads, args.head_dim, args.bits, 64
+    sealed = prefix // chunk * chunk
+    g = torch.Generator(device=dev).manual_seed(0)
+    k = (torch.randn(U, sealed, D, generator=g, device=dev)
+         * (1 + 10 * torch.rand(D, generator=g, device=dev))).bfloat16()         # outlier channels
+    blocks = k.view(U, sealed // chunk, chunk, D)
+    lo, hi = blocks.amin(2), blocks.amax(2)
+    codes = sparse_sketch.encode(k, lo, hi, bits)
+    del k, blocks
+    q = torch.randn(U, G, D, generator=g, device=dev).bfloat16()
+    budget = math.ceil(args.fraction * prefix)
+    sink, recent = 64, 256
+    row = {"context": prefix, "units": U, "q_heads": G, "head_dim": D, "bits": bits, "fraction": args.fraction,
+           "codes_bytes": codes.numel()}
+
+    def old_rank():
+        return sparse_sketch.group_share(sparse_sketch.scores(q, lo, hi, codes, bits))
+    s_old = sparse_sketch.scores(q, lo, hi, codes, bits)
+    share_old = sparse_sketch.group_share(s_old)
+    row["old_scores_s"] = timed(lambda: sparse_sketch.scores(q, lo, hi, codes, bits), args.reps, dev)
+    row["old_share_s"] = timed(lambda: sparse_sketch.group_share(s_old), args.reps, dev)
+    row["old_select_s"] = timed(lambda: old_select(share_old, prefix, budget, sink, recent), args.reps, dev)
+    row["old_total_s"] = timed(lambda: old_select(old_rank(), prefix, budget, sink, recent), args.reps, dev)
+    row["new_select_s"] = timed(lambda: sparse_sketch.select(share_old, prefix, budget, sink, recent), args.reps, dev)
+    row["torch_rank_new_select_s"] = timed(lambda: sparse_sketch.select(old_rank(), prefix, budget, sink, recent),
+                                           args.reps, dev)
+    ref = old_select(share_old, prefix, budget, sink, recent)
+    row["same_select_same_rank"] = bool(torch.equal(sparse_sketch.select(share_old, prefix, budget, sink, recent), ref))
+    why = sparse_triton.unavailable(dev, D, bits)
+    row["triton"] = why or "ok"
+    if why is None:
+        share_new = sparse_triton.rank(q, lo, hi, codes, bits)
+        row["rank_max_abs_diff"] = float((share_new - share_old).abs().max())
+        row["new_rank_s"] = timed(lambda: sparse_triton.rank(q, lo, hi, codes, bits), args.reps, dev)
+        row["new_total_s"] = timed(lambda: sparse_sketch.select(sparse_triton.rank(q, lo, hi, codes, bits), prefix,
+                                                                budget, sink, recent), args.reps, dev)
+        new = sparse_sketch.select(share_new, prefix, budget, sink, recent)
+        same = [len(set(a.tolist()) & set(b.tolist())) / a.numel() for a, b in zip(new, ref)]
+        row["agreement_min"], row["agreement_mean"] = min(same), statistics.mean(same)
+        row["indices_equal"] = bool(torch.equal(new, ref))
+    best = row.get("new_total_s", row["torch_rank_new_select_s"])
+    row["speedup"] = row["old_total_s"] / best
+    row["new_step_ms"] = LAYERS * best * 1e3
+    row["old_step_ms"] = LAYERS * row["old_total_s"] * 1e3
+    row["predicted_score_s"] = predicted_s(prefix, U, G, D, args.fraction, bits, args.hw)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", nargs="+", default=["32K", "128K", "512K"])
+    ap.add_argument("--units", type=int, default=8, help="offloaded (layer, KV head) units of one layer")
+    ap.add_argument("--q-heads", type=int, default=4, help="query heads per KV head (GQA)")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--bits", type=int, default=2, choices=(2, 4, 8))
+    ap.add_argument("--fraction", type=float, default=0.2)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--hw", default="h200-testbox", help="profile of the simulator's prediction")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    rows = []
+    with torch.inference_mode():
+        for c in args.contexts:
+            P = parse_tokens(c)
+            try:
+                rows.append(bench(P, args, dev))
+            except torch.OutOfMemoryError as e:
+                rows.append({"context": P, "error": f"out of memory: {str(e).splitlines()[0][:200]}"})
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            print(f"sparse_score: {c}: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
+    out = {"command": " ".join([sys.executable, "-m", "benchmarks.sparse_score", *(argv or sys.argv[1:])]),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "rows": rows}
+    path = Path(args.out) if args.out else RESULTS / f"sparse-score-{datetime.date.today()}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    print(f"wrote {path}")
+    ms = lambda r, k: f"{1e3 * r[k]:.3f}" if k in r else "-"   # noqa: E731
+    print(f"{'context':>8} {'old ms/layer':>12} {'new ms/layer':>12} {'rank':>7} {'select':>7} {'old sel':>7} "
+          f"{'pred ms':>8} {'x faster':>8} {'old ms/step':>11} {'new ms/step':>11} {'agree':>6}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['context']:>8} FAILED: {r['error']}")
+            continue
+        new = "new_total_s" if "new_total_s" in r else "torch_rank_new_select_s"
+        print(f"{r['context']:>8} {ms(r, 'old_total_s'):>12} {ms(r, new):>12} {ms(r, 'new_rank_s'):>7} "
+              f"{ms(r, 'new_select_s'):>7} {ms(r, 'old_select_s'):>7} {ms(r, 'predicted_score_s'):>8} "
+              f"{r['speedup']:8.2f} {r['old_step_ms']:11.1f} {r['new_step_ms']:11.1f} "
+              f"{r.get('agreement_min', float('nan')):6.4f}")
+    if any(r.get("triton", "ok") != "ok" for r in rows):
+        print(f"triton not run: {next(r['triton'] for r in rows if r.get('triton', 'ok') != 'ok')} "
+              "(new ms/layer: the torch ranking with the new selection)")
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
