@@ -99,16 +99,16 @@ class _Builder:
         return self._members[key]
 
     def score(self, phase: Phase, idx: int, layer: int, start: int, qkv: int) -> int:
-        """LOSSY, sparse decode: one GPU stage scores the chunk summaries of the layer's offloaded
-        heads for this step's queries, before any of their fetches (which it decides); returns it,
-        or `qkv` when there is nothing to score."""
+        """LOSSY, sparse decode: one GPU stage scores the layer's offloaded heads' token sketches
+        (or chunk summaries) for this step's queries and selects their tokens (cost inputs:
+        LossySpec.score_cost), before any of their fetches (which it decides); returns it, or
+        `qkv` when there is nothing to score."""
         lossy, off = self.plan.lossy, self.offloaded[layer][0]
         if lossy is None or lossy.sparse is None or phase is not Phase.DECODE or not off or start == 0:
             return qkv
         m, B = self.m, self.w.batch
-        cost = lossy.score_cost(start, m.gqa_ratio, m.head_dim, m.dtype_bytes)
-        return self.add(Kind.COMPUTE, "score", phase, idx, layer, None, (0, start), (qkv,), heads=off, ops=3,
-                        **{k: B * len(off) * v for k, v in cost.items()})
+        cost = lossy.score_cost(start, m.gqa_ratio, m.head_dim, m.dtype_bytes, B * len(off))
+        return self.add(Kind.COMPUTE, "score", phase, idx, layer, None, (0, start), (qkv,), heads=off, **cost)
 
     def store(self, phase: Phase, idx: int, layer: int, start: int, n: int, qkv: int) -> None:
         """Write the step's new K/V of the layer's offloaded heads home (d2h, then disk)."""

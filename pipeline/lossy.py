@@ -25,6 +25,16 @@ FINE_CODE_BYTES = 1   # a fine summary's min/max: a uint8 code within its coarse
 # 98.4% of the needles; 5, i.e. every chunk at 20%, hit all), see the JSON of 2026-11-30.
 HOT_FACTOR = 5
 SKETCH_BITS = (2, 4, 8)   # bits per key channel of the GPU token sketch (executor/sparse_sketch.py)
+# The score stage with the sketch: the three Triton calls of executor/sparse_triton.rank, then the
+# torch ops of sparse_sketch.select, counted from its code: topk (4 radix passes of 8 bits over
+# float32, an assumption about torch's kernel, not measured) and 17 elementwise / scan / scatter
+# ops. Bytes a sealed token, per unit, read + written: topk 4 x 4; the comparisons with the
+# threshold 2 x (4 + 1); the two prefix sums 2 x (1 + 8); the threshold test, ands and ors
+# 9 + 3 + 3 + 2 + 1; the position arithmetic and where 16 + 17; the token ids 8 and their scatter
+# 24 (int64 positions, ids and output). Counted from the code, not fitted to a run.
+SCORE_CALLS = 3
+SELECT_KERNELS = 4 + 17
+SELECT_BYTES_PER_TOKEN = 16 + 10 + 18 + 18 + 33 + 32
 
 
 @dataclass(frozen=True)
@@ -147,22 +157,38 @@ class LossySpec:
             self.fine_summary_bytes(min(prefix, HOT_FACTOR * tokens), head_dim, dtype_bytes)
         return self.unit_bytes(tokens, head_dim, dtype_bytes) + fine
 
-    def score_cost(self, prefix: int, q_heads: int, head_dim: int, dtype_bytes: int) -> dict:
-        """Cost inputs of scoring one unit's chunks on the GPU for `q_heads` query heads: every
-        coarse summary, plus the fine summaries of the hot chunks (3 FLOPs per channel and bound:
-        two products and a max, then the sum)."""
+    def score_cost(self, prefix: int, q_heads: int, head_dim: int, dtype_bytes: int, units: int = 1) -> dict:
+        """Cost inputs of one decode step's `score` stage over `units` (sequence, offloaded unit)
+        pairs with `prefix`-token caches and `q_heads` query heads per unit: the stage's own
+        `flops`, `mem_bytes`, `ops` (issued calls), and, with the token sketch, `kv_bytes` (the
+        packed codes, streamed like a decode attention's K/V: pipeline/cost.py charges them at
+        the profile's decode-attention rate plus its per-call term) and the selection's
+        `small_ops`/`small_bytes` (pipeline/cost.small_seconds).
+        Sketch (executor/sparse_triton.py, then sparse_sketch.select): the score kernel reads every
+        sealed token's codes once and its chunk's min/max, rebuilds k_hat (2 FLOPs a channel) and
+        dots it with each query head (2 a channel and head), writing float32 scores that the share
+        kernel reads back and turns into a float32 rank; the selection then makes
+        SELECT_KERNELS passes over the rank, SELECT_BYTES_PER_TOKEN bytes a token (its topk and
+        prefix sums; see the constants). Nothing when the step ranks nothing (F = 1, or the
+        forced tokens fill the count). Chunk summaries (sketch None): every coarse summary plus
+        the fine summaries of the hot chunks (3 FLOPs per channel and bound)."""
         summaries = math.ceil(prefix / self.chunk)
         if self.sparse is not None and self.sketch is not None:
-            # every token from its sketch (executor/sparse_sketch.py): the cells unpacked to float32
-            # (written, read: 8 bytes a value), the float32 scores and their log-softmax, share
-            # and sort (~16 bytes per token and head)
-            return {"flops": 3 * 2 * head_dim * q_heads * summaries + 2 * head_dim * q_heads * prefix,
-                    "mem_bytes": self.gpu_summary_bytes(prefix, head_dim, dtype_bytes)
-                    + prefix * (8 * head_dim + 16 * q_heads)}
+            n, sealed = self.fetched_tokens(prefix), prefix // self.chunk * self.chunk
+            floor = min(self.sink, prefix) + prefix - max(min(self.sink, prefix),
+                                                           min(max(0, prefix - self.recent), sealed))
+            if n >= prefix or n <= floor:
+                return {"flops": 0, "mem_bytes": 0, "ops": 0}
+            codes = math.ceil(sealed * head_dim * self.sketch / 8)
+            return {"flops": units * (2 + 2 * q_heads) * head_dim * sealed,
+                    "mem_bytes": units * (codes + sealed // self.chunk * 2 * head_dim * dtype_bytes
+                                          + sealed * (2 * 4 * q_heads + 4)),
+                    "kv_bytes": units * codes, "ops": SCORE_CALLS,
+                    "small_ops": SELECT_KERNELS, "small_bytes": units * sealed * SELECT_BYTES_PER_TOKEN}
         if self.fine is not None:
             summaries += math.ceil(min(prefix, HOT_FACTOR * self.fetched_tokens(prefix)) / self.fine)
-        return {"flops": 3 * 2 * head_dim * q_heads * summaries,
-                "mem_bytes": summaries * 2 * head_dim * dtype_bytes}
+        return {"flops": units * 3 * 2 * head_dim * q_heads * summaries,
+                "mem_bytes": units * summaries * 2 * head_dim * dtype_bytes, "ops": 3}
 
     def describe(self) -> str:
         parts = []

@@ -12,7 +12,7 @@ import pytest
 from kvpipe.cli import main
 from kvpipe.hw_profiles import load_profile
 from kvpipe.pipeline.builder import build
-from kvpipe.pipeline.lossy import LossySpec
+from kvpipe.pipeline.lossy import SELECT_BYTES_PER_TOKEN, SELECT_KERNELS, LossySpec
 from kvpipe.pipeline.memory import breakdown
 from kvpipe.pipeline.model import PRESETS
 from kvpipe.pipeline.plan import Method, PhasePlan, Plan
@@ -53,12 +53,17 @@ def test_byte_formulas_by_hand():
     n = 131072
     assert s.fetch_bytes(n, 128, 2) == math.ceil(0.2 * n) * 512
     assert s.gpu_summary_bytes(n, 128, 2) == n * 32 + (n // 64) * 512 + 64 * 128 * 2
-    # scoring 4 query heads: the chunk bounds (3 FLOPs a channel) and every token's sketch dot
-    # product (2 a channel); it reads the GPU summaries and writes/reads float32 cells (8 bytes a
-    # value) and ~16 bytes of scores per token and head
-    cost = s.score_cost(n, 4, 128, 2)
-    assert cost["flops"] == 3 * 2 * 128 * 4 * (n // 64) + 2 * 128 * 4 * n
-    assert cost["mem_bytes"] == s.gpu_summary_bytes(n, 128, 2) + n * (8 * 128 + 16 * 4)
+    # scoring 4 query heads of 3 units (executor/sparse_triton.py): every token's key rebuilt (2
+    # FLOPs a channel) and dotted with each head (2 a channel); it reads the 32 code bytes of a
+    # token once (kv_bytes: charged as decode attention's K/V) and the chunks' min/max, writes and
+    # reads back 4 float32 scores and writes one float32 rank; the selection's passes are small ops
+    cost = s.score_cost(n, 4, 128, 2, units=3)
+    assert cost["flops"] == 3 * (2 + 2 * 4) * 128 * n
+    assert cost["kv_bytes"] == 3 * n * 32
+    assert cost["mem_bytes"] == 3 * (n * 32 + (n // 64) * 512 + n * (2 * 4 * 4 + 4))
+    assert cost["small_bytes"] == 3 * n * SELECT_BYTES_PER_TOKEN and cost["small_ops"] == SELECT_KERNELS
+    # F = 1 ranks nothing (every token is fetched in order): no cost
+    assert LossySpec(sparse=1.0).score_cost(n, 4, 128, 2)["mem_bytes"] == 0
     # sketch=None: + fine summaries of the hot 5 x 20% (HOT_FACTOR: all), 8-token chunks, min and
     # max of 128 channels at one byte each
     s = LossySpec(sparse=0.2, sketch=None)
