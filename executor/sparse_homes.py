@@ -27,13 +27,15 @@ The gather, and its cost (the choice is made once, at `open`, by a probe, and re
           pinned staging slot, and sent in one H2D copy per (layer, group): PCIe at full rate but
           the host-side sync and CPU gather remain on the critical path.
   cpu     (CPU runs: CI) index_select from the host home into the slot.
-The ranking (the `score` stage) runs as three Triton kernels on CUDA (executor/sparse_triton.py:
-one read of the packed codes per token tile) and as torch ops elsewhere or where Triton cannot run
-(`score_path`, `score_note`); the selection (sparse_sketch.select) is the same code on both.
+The `score` stage runs on CUDA as Triton kernels (executor/sparse_triton.py: the ranking reads the
+packed codes once per token tile; the selection's compaction is two kernels after a torch.topk),
+and as torch ops elsewhere or where Triton cannot run or fails (`score_path`, `score_note`); both
+select the same tokens for the same ranking (sparse_sketch.select's rule).
 Refused for now: disk units (their rows are read whole), an h2d codec (compressed homes), and
 --lossy int8/int4 with --sparse (a quantised record holds a whole group of tokens)."""
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -156,27 +158,23 @@ class SparseHomes:
         sealed = C * self.chunk
         sp = self.spec
         budget = sp.fetched_tokens(prefix)
-        if sparse_sketch.ranks(prefix, sealed, budget, sp.sink, sp.recent):
-            share = self._rank(qg, self.lo[layer][:, :, :C], self.hi[layer][:, :, :C],
-                               self.codes[layer][:, :, :sealed])                # [B, n_off, sealed]
-        else:                                                                    # forced tokens / F = 1
-            share = torch.empty(B, n_off, sealed, device=q.device)
-        return sparse_sketch.select(share, prefix, budget, sp.sink, sp.recent)
-
-    def _rank(self, qg, lo, hi, codes) -> torch.Tensor:
-        """The log group share of every sealed token: the Triton kernels (executor/sparse_triton.py)
-        where `score_path` is "triton", else the torch path. A Triton failure (compiler missing,
-        codegen) switches this store to the torch path for good, with a note; OOM propagates."""
+        if not sparse_sketch.ranks(prefix, sealed, budget, sp.sink, sp.recent):   # forced tokens / F = 1
+            return sparse_sketch.select(torch.empty(B, n_off, sealed, device=q.device), prefix, budget,
+                                        sp.sink, sp.recent)
+        lo, hi, codes = self.lo[layer][:, :, :C], self.hi[layer][:, :, :C], self.codes[layer][:, :, :sealed]
         if self.score_path == "triton":
             try:
-                return sparse_triton.rank(qg, lo, hi, codes, self.bits)
+                share = sparse_triton.rank(qg, lo, hi, codes, self.bits)                  # [B, n_off, sealed]
+                return sparse_triton.select(share, prefix, budget, sp.sink, sp.recent)
             except torch.OutOfMemoryError:
                 raise
             except Exception as e:   # Triton: compiler missing, codegen or compile errors
                 first = (str(e).strip().splitlines() or [""])[0]
                 self.score_path = "torch"
                 self.score_note = f"sparse: the Triton ranking failed ({type(e).__name__}: {first[:200]}); torch path"
-        return sparse_sketch.group_share(sparse_sketch.scores(qg, lo, hi, codes, self.bits))
+                logging.getLogger("kvpipe").warning(self.score_note)   # once per store: the path stays torch
+        share = sparse_sketch.group_share(sparse_sketch.scores(qg, lo, hi, codes, self.bits))
+        return sparse_sketch.select(share, prefix, budget, sp.sink, sp.recent)
 
     # ---- h2d lane ----------------------------------------------------------------------------
     def gather(self, layer: int, heads: tuple[int, ...], base: int, slot: int, idx: torch.Tensor) -> int:

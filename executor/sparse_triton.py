@@ -27,6 +27,7 @@ import torch
 
 BLOCK_T = 64        # tokens per program of score/share: a [64, D] float32 key tile in registers
 BLOCK_LSE = 256     # tiles per iteration of lse's loop
+BLOCK_SEL = 1024    # tokens per program of sel_count/sel_write
 
 
 def unavailable(device: torch.device, head_dim: int, bits: int) -> str | None:
@@ -76,3 +77,35 @@ def rank(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tenso
     share_k[(U, n_tiles)](s, lse, out, S, G=G, BLOCK=BLOCK_T)
     out = out.reshape(*lead, S)
     return (out, s.reshape(*lead, G, S)) if with_scores else out
+
+
+def select(rank: torch.Tensor, prefix: int, budget: int, sink: int, recent: int) -> torch.Tensor:
+    """`sparse_sketch.select` (the same tokens: forced ones, then the best-ranked, ties to the
+    lower index, [..., N] int64 ascending) with its compaction in two Triton kernels instead of
+    ~17 torch ops: torch.topk gives the threshold v; sel_count counts, per 1024-token tile, the
+    tokens ranked above v, tied with v, and forced; sel_write turns the counts into each tile's
+    place in the output (prefix sums over the tiles, in every program: no host sync) and writes
+    the kept tokens there in token order. rank [..., sealed] float32 contiguous, CUDA (or CPU
+    under TRITON_INTERPRET=1)."""
+    from . import sparse_sketch
+    sealed = rank.shape[-1]
+    if not sparse_sketch.ranks(prefix, sealed, budget, sink, recent):
+        return sparse_sketch.select(rank, prefix, budget, sink, recent)    # forced only, or F = 1
+    n = sparse_sketch.count(prefix, sealed, budget, sink, recent)
+    ranges = sparse_sketch._ranges(prefix, sealed, sink, recent)
+    room = n - sum(b - a for a, b in ranges)
+    h0, h1 = ranges[0][1], ranges[1][0]
+    lead, dev = rank.shape[:-1], rank.device
+    if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("select: CPU tensors run only in Triton's interpreter (TRITON_INTERPRET=1 before importing triton)")
+    U = math.prod(lead)
+    r2 = rank.reshape(U, sealed).float().contiguous()
+    v = torch.topk(r2[:, h0:h1], room, dim=-1, sorted=False).values.amin(-1).contiguous()   # [U]
+    T = -(-prefix // BLOCK_SEL)
+    cnt = torch.empty(U, 3, T, dtype=torch.int32, device=dev)
+    out = torch.empty(U, n, dtype=torch.int64, device=dev)
+    from .sparse_triton_kernels import sel_count, sel_write
+    sel_count[(U, T)](r2, v, cnt, r2.stride(0), prefix, h0, h1, T, BLOCK=BLOCK_SEL)
+    sel_write[(U, T)](r2, v, cnt, out, r2.stride(0), prefix, h0, h1, T, room, n,
+                      BLOCK=BLOCK_SEL, T_P2=max(16, 1 << (T - 1).bit_length()))
+    return out.reshape(*lead, n)

@@ -65,3 +65,49 @@ def share(s_ptr, lse_ptr, r_ptr, S, G: tl.constexpr, BLOCK: tl.constexpr):
         x = tl.load(s_ptr + (u * G + g) * S + t, mask=live, other=0.0) - tl.load(lse_ptr + u * G + g)
         tot += tl.exp(x - mx)
     tl.store(r_ptr + u * S + t, mx + tl.log(tot), mask=live)
+
+
+@triton.jit
+def sel_count(r_ptr, v_ptr, cnt_ptr, sr_u, prefix, h0, h1, T, BLOCK: tl.constexpr):
+    u = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    t = tile * BLOCK + tl.arange(0, BLOCK)
+    ranked = (t >= h0) & (t < h1)
+    r = tl.load(r_ptr + u * sr_u + t, mask=ranked, other=0.0)
+    v = tl.load(v_ptr + u)
+    above = ranked & (r > v)
+    tied = ranked & (r == v)
+    forced = (t < prefix) & ~ranked
+    base = (u * 3) * T + tile
+    tl.store(cnt_ptr + base, tl.sum(above.to(tl.int32), axis=0))
+    tl.store(cnt_ptr + base + T, tl.sum(tied.to(tl.int32), axis=0))
+    tl.store(cnt_ptr + base + 2 * T, tl.sum(forced.to(tl.int32), axis=0))
+
+
+@triton.jit
+def sel_write(r_ptr, v_ptr, cnt_ptr, out_ptr, sr_u, prefix, h0, h1, T, room, n,
+              BLOCK: tl.constexpr, T_P2: tl.constexpr):
+    u = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    j = tl.arange(0, T_P2)
+    live = j < T
+    base = (u * 3) * T
+    above_n = tl.load(cnt_ptr + base + j, mask=live, other=0)
+    tied_n = tl.load(cnt_ptr + base + T + j, mask=live, other=0)
+    forced_n = tl.load(cnt_ptr + base + 2 * T + j, mask=live, other=0)
+    need = room - tl.sum(above_n, axis=0)                      # tied tokens to take, lowest index first
+    tied_before = tl.cumsum(tied_n, axis=0) - tied_n           # per tile: tied tokens in earlier tiles
+    take_n = tl.minimum(tl.maximum(need - tied_before, 0), tied_n)
+    kept = above_n + take_n + forced_n
+    off_all = tl.cumsum(kept, axis=0) - kept                   # per tile: tokens kept before it
+    off = tl.sum(tl.where(j == tile, off_all, 0), axis=0)
+    tb = tl.sum(tl.where(j == tile, tied_before, 0), axis=0)
+    t = tile * BLOCK + tl.arange(0, BLOCK)
+    ranked = (t >= h0) & (t < h1)
+    r = tl.load(r_ptr + u * sr_u + t, mask=ranked, other=0.0)
+    v = tl.load(v_ptr + u)
+    tied = ranked & (r == v)
+    take = tied & (tb + tl.cumsum(tied.to(tl.int32), axis=0) <= need)
+    keep = ((t < prefix) & ~ranked) | (ranked & (r > v)) | take
+    pos = off + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    tl.store(out_ptr + u * n + pos, t.to(tl.int64), mask=keep & (pos < n))
