@@ -1,11 +1,12 @@
 """The `score` stage of sparse decode (LOSSY, `--sparse F`) in isolation, per layer: the old path
 (torch scores, group_share, selection by a stable full sort: executor/sparse_sketch.py as of
 cb04d41, kept below as `old_select`) against the new one (the Triton ranking of
-executor/sparse_triton.py, then the sort-free sparse_sketch.select), on one layer's offloaded
-units (default 8 units, GQA 4 query heads, D 128, 2-bit sketch, 20% of tokens), CUDA events,
-median of --reps calls after a warm-up. Also times the torch ranking with the new selection, so
-the gain splits into ranking and selection, and prints the simulator's score stage for the same
-shapes (LossySpec.score_cost on the --hw profile) beside the measurement.
+executor/sparse_triton.py, then its sort-free select), on one layer's offloaded units (default
+8 units, GQA 4 query heads, D 128, 2-bit sketch, 20% of tokens), CUDA events, median of --reps
+calls after a warm-up. Also times the pieces, so the gain splits into ranking and selection
+(columns: rank = the Triton ranking, select = the Triton selection, t.sel = sparse_sketch.select's
+torch ops, old sel = the stable sort), and prints the simulator's score stage for the same shapes
+(LossySpec.score_cost, pipeline/cost.stage_seconds on the --hw profile) beside the measurement.
 
   python -m benchmarks.sparse_score                      # H200: 32K, 128K, 512K
   python -m benchmarks.sparse_score --contexts 4K --device cpu --reps 2   # CPU smoke (torch path only)
@@ -72,14 +73,15 @@ def timed(fn, reps: int, dev: torch.device) -> float:
 
 
 def predicted_s(prefix: int, units: int, q_heads: int, head_dim: int, fraction: float, bits: int, hw_name: str) -> float:
-    """The simulator's seconds for one layer's score stage (pipeline/cost.compute_seconds of the
-    builder's cost inputs: LossySpec.score_cost x units, ops 3), on profile `hw_name`."""
+    """The simulator's seconds for one layer's score stage on profile `hw_name`: the builder's
+    cost inputs (LossySpec.score_cost over `units`) in a Stage, timed by pipeline/cost.stage_seconds."""
     from kvpipe.hw_profiles import load_profile
-    from kvpipe.pipeline.cost import compute_seconds
+    from kvpipe.pipeline.cost import stage_seconds
     from kvpipe.pipeline.lossy import LossySpec
-    spec = LossySpec(sparse=fraction, sketch=bits)
-    c = spec.score_cost(prefix, q_heads, head_dim, 2)
-    return compute_seconds(units * c["flops"], units * c["mem_bytes"], 3, load_profile(hw_name), "bf16")
+    from kvpipe.pipeline.stage import Kind, Phase, Stage
+    cost = LossySpec(sparse=fraction, sketch=bits).score_cost(prefix, q_heads, head_dim, 2, units)
+    s = Stage(0, Kind.COMPUTE, "score", Phase.DECODE, 0, 0, None, (0, prefix), heads=tuple(range(units)), **cost)
+    return stage_seconds(s, load_profile(hw_name), "bf16")
 
 
 def bench(prefix: int, args, dev: torch.device) -> dict:
@@ -106,7 +108,7 @@ def bench(prefix: int, args, dev: torch.device) -> dict:
     row["old_share_s"] = timed(lambda: sparse_sketch.group_share(s_old), args.reps, dev)
     row["old_select_s"] = timed(lambda: old_select(share_old, prefix, budget, sink, recent), args.reps, dev)
     row["old_total_s"] = timed(lambda: old_select(old_rank(), prefix, budget, sink, recent), args.reps, dev)
-    row["new_select_s"] = timed(lambda: sparse_sketch.select(share_old, prefix, budget, sink, recent), args.reps, dev)
+    row["torch_select_s"] = timed(lambda: sparse_sketch.select(share_old, prefix, budget, sink, recent), args.reps, dev)
     row["torch_rank_new_select_s"] = timed(lambda: sparse_sketch.select(old_rank(), prefix, budget, sink, recent),
                                            args.reps, dev)
     ref = old_select(share_old, prefix, budget, sink, recent)
@@ -117,9 +119,12 @@ def bench(prefix: int, args, dev: torch.device) -> dict:
         share_new = sparse_triton.rank(q, lo, hi, codes, bits)
         row["rank_max_abs_diff"] = float((share_new - share_old).abs().max())
         row["new_rank_s"] = timed(lambda: sparse_triton.rank(q, lo, hi, codes, bits), args.reps, dev)
-        row["new_total_s"] = timed(lambda: sparse_sketch.select(sparse_triton.rank(q, lo, hi, codes, bits), prefix,
+        row["triton_select_s"] = timed(lambda: sparse_triton.select(share_new, prefix, budget, sink, recent),
+                                       args.reps, dev)
+        row["new_total_s"] = timed(lambda: sparse_triton.select(sparse_triton.rank(q, lo, hi, codes, bits), prefix,
                                                                 budget, sink, recent), args.reps, dev)
-        new = sparse_sketch.select(share_new, prefix, budget, sink, recent)
+        new = sparse_triton.select(share_new, prefix, budget, sink, recent)
+        row["triton_select_equal"] = bool(torch.equal(new, sparse_sketch.select(share_new, prefix, budget, sink, recent)))
         same = [len(set(a.tolist()) & set(b.tolist())) / a.numel() for a, b in zip(new, ref)]
         row["agreement_min"], row["agreement_mean"] = min(same), statistics.mean(same)
         row["indices_equal"] = bool(torch.equal(new, ref))
@@ -164,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps(out, indent=1))
     print(f"wrote {path}")
     ms = lambda r, k: f"{1e3 * r[k]:.3f}" if k in r else "-"   # noqa: E731
-    print(f"{'context':>8} {'old ms/layer':>12} {'new ms/layer':>12} {'rank':>7} {'select':>7} {'old sel':>7} "
+    print(f"{'context':>8} {'old ms/layer':>12} {'new ms/layer':>12} {'rank':>7} {'select':>7} {'t.sel':>7} {'old sel':>7} "
           f"{'pred ms':>8} {'x faster':>8} {'old ms/step':>11} {'new ms/step':>11} {'agree':>6}")
     for r in rows:
         if "error" in r:
@@ -172,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         new = "new_total_s" if "new_total_s" in r else "torch_rank_new_select_s"
         print(f"{r['context']:>8} {ms(r, 'old_total_s'):>12} {ms(r, new):>12} {ms(r, 'new_rank_s'):>7} "
-              f"{ms(r, 'new_select_s'):>7} {ms(r, 'old_select_s'):>7} {ms(r, 'predicted_score_s'):>8} "
+              f"{ms(r, 'triton_select_s'):>7} {ms(r, 'torch_select_s'):>7} {ms(r, 'old_select_s'):>7} {ms(r, 'predicted_score_s'):>8} "
               f"{r['speedup']:8.2f} {r['old_step_ms']:11.1f} {r['new_step_ms']:11.1f} "
               f"{r.get('agreement_min', float('nan')):6.4f}")
     if any(r.get("triton", "ok") != "ok" for r in rows):

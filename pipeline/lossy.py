@@ -25,16 +25,15 @@ FINE_CODE_BYTES = 1   # a fine summary's min/max: a uint8 code within its coarse
 # 98.4% of the needles; 5, i.e. every chunk at 20%, hit all), see the JSON of 2026-11-30.
 HOT_FACTOR = 5
 SKETCH_BITS = (2, 4, 8)   # bits per key channel of the GPU token sketch (executor/sparse_sketch.py)
-# The score stage with the sketch: the three Triton calls of executor/sparse_triton.rank, then the
-# torch ops of sparse_sketch.select, counted from its code: topk (4 radix passes of 8 bits over
-# float32, an assumption about torch's kernel, not measured) and 17 elementwise / scan / scatter
-# ops. Bytes a sealed token, per unit, read + written: topk 4 x 4; the comparisons with the
-# threshold 2 x (4 + 1); the two prefix sums 2 x (1 + 8); the threshold test, ands and ors
-# 9 + 3 + 3 + 2 + 1; the position arithmetic and where 16 + 17; the token ids 8 and their scatter
-# 24 (int64 positions, ids and output). Counted from the code, not fitted to a run.
+# The score stage with the sketch on CUDA: the three Triton calls of executor/sparse_triton.rank,
+# then sparse_triton.select: torch.topk for the threshold (taken as 4 radix passes of 8 bits over
+# the float32 ranks: an assumption about torch's kernel, not measured), its min, and two Triton
+# kernels (count per tile, write in token order). Bytes a sealed token, per unit: topk 4 x 4, the
+# two kernels' reads of the rank 2 x 4, and at most one int64 index written. Counted from the
+# code, not fitted to a run.
 SCORE_CALLS = 3
-SELECT_KERNELS = 4 + 17
-SELECT_BYTES_PER_TOKEN = 16 + 10 + 18 + 18 + 33 + 32
+SELECT_KERNELS = 4 + 1 + 2
+SELECT_BYTES_PER_TOKEN = 16 + 8 + 8
 
 
 @dataclass(frozen=True)

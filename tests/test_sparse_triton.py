@@ -90,6 +90,42 @@ def test_triton_kernels_score_and_rank_as_the_float64_reference_in_the_interpret
         assert bool(((got["rank"].double() - share).abs() <= bound).all()), case
 
 
+_SELECT_SCRIPT = r"""
+import sys, random, torch
+from kvpipe.executor import sparse_triton
+random.seed(0)
+g = torch.Generator().manual_seed(0)
+out = []
+for i in range(int(sys.argv[2])):
+    P = random.choice([1, 63, 64, 300, 1024, 1100, 2048, 2100, 5000])   # tiles of 1024: whole, part, one
+    sealed = P // 64 * 64
+    ties = i % 2 == 1
+    rank = torch.randint(0, 3, (3, sealed), generator=g).float() if ties else torch.randn(3, sealed, generator=g)
+    budget, sink, recent = random.randint(1, P), random.randint(0, 100), random.randint(0, 300)
+    out.append(dict(rank=rank, P=P, budget=budget, sink=sink, recent=recent,
+                    got=sparse_triton.select(rank, P, budget, sink, recent)))
+torch.save(out, sys.argv[1])
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton): the kernels cannot be interpreted")
+def test_triton_selection_takes_exactly_the_top_tokens_in_the_interpreter(tmp_path):
+    # Faults caught in the two compaction kernels: a tile's place in the output off by its own
+    # count (exclusive vs inclusive prefix sum), tied tokens taken from a later tile before an
+    # earlier one (the lower index first across tiles), the forced tokens of the unsealed tail or
+    # the sink not written, a part tile's dead lanes counted, tokens written out of token order.
+    path = tmp_path / "sel.pt"
+    r = subprocess.run([sys.executable, "-c", _SELECT_SCRIPT, str(path), "24"],
+                       env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for c in torch.load(path):
+        P, budget = c["P"], c["budget"]
+        for row in range(3):
+            ref = _top_reference(c["rank"][row], P, lambda forced: max(0, min(P, max(budget, forced)) - forced),
+                                 c["sink"], c["recent"])
+            assert c["got"][row].tolist() == ref, (P, budget, c["sink"], c["recent"])
+
+
 def _top_reference(rank, prefix, room_of, sink, recent):
     """The tokens a step fetches, chosen here: the forced ones (sink, recent window, unsealed
     tail), then the unforced sealed tokens by decreasing rank, ties to the lower index."""
@@ -138,7 +174,8 @@ def test_the_cpu_store_ranks_by_torch_and_refuses_a_forced_triton(monkeypatch):
 def test_triton_ranking_matches_the_torch_path_on_cuda():
     # Faults caught: the compiled kernels (not the interpreter) differing from the torch path of
     # the same ranking beyond float32 rounding (e.g. a codegen or layout difference on the GPU),
-    # and a selection that then differs other than at near-ties of the threshold. 8 units x 32K
+    # the compiled selection kernels picking other tokens than sparse_sketch.select for the same
+    # ranking, and a selection that then differs other than at near-ties of the threshold. 8 units x 32K
     # tokens, 2-bit codes, GQA 4, D 128, as one layer of Llama-3-8B shapes.
     from kvpipe.executor import sparse_triton
     dev = torch.device("cuda")
@@ -157,10 +194,34 @@ def test_triton_ranking_matches_the_torch_path_on_cuda():
     assert torch.allclose(s_fast, s_ref, rtol=1e-5, atol=1e-4)
     assert torch.allclose(fast, ref, rtol=1e-5, atol=1e-4)
     P = S + 17
-    a = sparse_sketch.select(fast, P, S // 5, 64, 256)
+    a = sparse_triton.select(fast, P, S // 5, 64, 256)
+    assert torch.equal(a, sparse_sketch.select(fast, P, S // 5, 64, 256))   # same rank: the same tokens
     b = sparse_sketch.select(ref, P, S // 5, 64, 256)
     room = b.shape[-1] - sparse_sketch.forced(P, S, 64, 256).numel()
     for u in range(U):
         differ = set(a[u].tolist()) ^ set(b[u].tolist())
         v = torch.topk(ref[u, 64:P - 256], room).values.min()            # the unforced tokens' room-th best
         assert all(abs(float(ref[u, t]) - float(v)) <= 1e-4 for t in differ)
+
+
+def test_the_simulator_charges_the_sketch_codes_at_the_decode_attention_rate():
+    # Faults caught: the score stage costed by the old torch path (float32 cells written and read:
+    # ~8x the bytes), its codes charged at the roofline instead of the profile's decode-attention
+    # table (rate and per-call term), the selection's small kernels dropped, or the per-unit
+    # figures not scaled by the units. Reference: the profile's numbers, combined here by hand.
+    from kvpipe.hw_profiles import load_profile
+    from kvpipe.pipeline.cost import stage_seconds
+    from kvpipe.pipeline.lossy import SELECT_BYTES_PER_TOKEN, SELECT_KERNELS, LossySpec
+    from kvpipe.pipeline.stage import Kind, Phase, Stage
+    hw = load_profile("h200-testbox")
+    P, units, G, D = 131072, 8, 4, 128
+    cost = LossySpec(sparse=0.2).score_cost(P, G, D, 2, units)
+    s = Stage(0, Kind.COMPUTE, "score", Phase.DECODE, 0, 0, None, (0, P), heads=tuple(range(units)), **cost)
+    g8 = next(e for e in hw.decode_attention if e.group == 8)
+    codes = units * P * D * 2 // 8
+    other = units * (P // 64 * 2 * D * 2 + P * (8 * G + 4))
+    stream = g8.call_s + codes / g8.bytes_per_s + other / hw.hbm_eff_bytes_per_s
+    arith = units * P * D * (2 + 2 * G) / hw.flops_eff("fp32")
+    small = max(SELECT_KERNELS * max(hw.small_kernel_s, hw.launch_overhead_s),
+                units * P * SELECT_BYTES_PER_TOKEN / (hw.hbm_eff_bytes_per_s * hw.elementwise_efficiency))
+    assert stage_seconds(s, hw, "bf16") == pytest.approx(max(stream, arith) + small, rel=1e-12)
