@@ -4,7 +4,8 @@ cb04d41, kept below as `old_select`) against the new one (the Triton ranking of
 executor/sparse_triton.py, then its sort-free select), on one layer's offloaded units (default
 8 units, GQA 4 query heads, D 128, 2-bit sketch, 20% of tokens), CUDA events, median of --reps
 calls after a warm-up. Also times the pieces, so the gain splits into ranking and selection
-(columns: rank = the Triton ranking, select = the Triton selection, t.sel = sparse_sketch.select's
+(columns: rank = the Triton ranking, select = the Triton selection (radix select; JSON also
+has triton_select_topk_s, its threshold by torch.topk instead), t.sel = sparse_sketch.select's
 torch ops, old sel = the stable sort), and prints the simulator's score stage for the same shapes
 (LossySpec.score_cost, pipeline/cost.stage_seconds on the --hw profile) beside the measurement.
 
@@ -121,6 +122,8 @@ def bench(prefix: int, args, dev: torch.device) -> dict:
         row["new_rank_s"] = timed(lambda: sparse_triton.rank(q, lo, hi, codes, bits), args.reps, dev)
         row["triton_select_s"] = timed(lambda: sparse_triton.select(share_new, prefix, budget, sink, recent),
                                        args.reps, dev)
+        row["triton_select_topk_s"] = timed(lambda: sparse_triton.select(share_new, prefix, budget, sink, recent,
+                                                                         radix=False), args.reps, dev)
         row["new_total_s"] = timed(lambda: sparse_triton.select(sparse_triton.rank(q, lo, hi, codes, bits), prefix,
                                                                 budget, sink, recent), args.reps, dev)
         new = sparse_triton.select(share_new, prefix, budget, sink, recent)

@@ -111,6 +111,7 @@ class SparseHomes:
                       for o in off]
         self.tail = [torch.empty(B, o, self.chunk, D, dtype=store.dtype, **gpu) if o else None for o in off]
         self.score_path, self.score_note = score_path(store.device, D, self.bits)
+        self.radix = True   # the selection's threshold by the Triton radix select (else torch.topk)
         self.gather_mode = "cpu"
         self.views: list[torch.Tensor | None] = [None] * lo.layers
         self.stage: list[torch.Tensor] = []
@@ -162,17 +163,19 @@ class SparseHomes:
             return sparse_sketch.select(torch.empty(B, n_off, sealed, device=q.device), prefix, budget,
                                         sp.sink, sp.recent)
         lo, hi, codes = self.lo[layer][:, :, :C], self.hi[layer][:, :, :C], self.codes[layer][:, :, :sealed]
-        if self.score_path == "triton":
+        while self.score_path == "triton":
             try:
                 share = sparse_triton.rank(qg, lo, hi, codes, self.bits)                  # [B, n_off, sealed]
-                return sparse_triton.select(share, prefix, budget, sp.sink, sp.recent)
+                return sparse_triton.select(share, prefix, budget, sp.sink, sp.recent, self.radix)
             except torch.OutOfMemoryError:
                 raise
             except Exception as e:   # Triton: compiler missing, codegen or compile errors
-                first = (str(e).strip().splitlines() or [""])[0]
-                self.score_path = "torch"
-                self.score_note = f"sparse: the Triton ranking failed ({type(e).__name__}: {first[:200]}); torch path"
-                logging.getLogger("kvpipe").warning(self.score_note)   # once per store: the path stays torch
+                first = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+                if self.radix:       # first the radix select alone gives way to torch.topk
+                    self.radix, self.score_note = False, f"sparse: the Triton radix select failed ({first}); torch.topk"
+                else:
+                    self.score_path, self.score_note = "torch", f"sparse: the Triton ranking failed ({first}); torch path"
+                logging.getLogger("kvpipe").warning(self.score_note)   # once each: the store keeps the slower path
         share = sparse_sketch.group_share(sparse_sketch.scores(qg, lo, hi, codes, self.bits))
         return sparse_sketch.select(share, prefix, budget, sp.sink, sp.recent)
 

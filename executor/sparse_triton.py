@@ -72,21 +72,42 @@ def rank(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tenso
     from .sparse_triton_kernels import lse as lse_k, score as score_k, share as share_k
     score_k[(U, n_tiles)](qf, lo3, hi3, c3, s, m, lsum, S, n_tiles, lo3.stride(0), lo3.stride(1),
                           hi3.stride(0), hi3.stride(1), c3.stride(0), c3.stride(1),
-                          G=G, D=D, BITS=bits, CHUNK=S // C, BLOCK=BLOCK_T)
+                          G=G, D=D, BITS=bits, CHUNK=S // C, BLOCK=BLOCK_T, num_warps=8)
     lse_k[(U,)](m, lsum, lse, n_tiles, G=G, BLOCK=BLOCK_LSE)
     share_k[(U, n_tiles)](s, lse, out, S, G=G, BLOCK=BLOCK_T)
     out = out.reshape(*lead, S)
     return (out, s.reshape(*lead, G, S)) if with_scores else out
 
 
-def select(rank: torch.Tensor, prefix: int, budget: int, sink: int, recent: int) -> torch.Tensor:
+def threshold(rank: torch.Tensor, h0: int, h1: int, room: int) -> torch.Tensor:
+    """The `room`-th largest value of each row of rank[:, h0:h1] (rank [U, S] float32 contiguous,
+    0 < room <= h1 - h0): [U] float32, exactly an element of the row. A radix select, 8 bits a
+    pass from the top of the float's order-preserving 32-bit key: per pass, radix_hist counts the
+    next digit of the tokens whose higher digits match the ones decided (a histogram per 1024-token
+    tile, added atomically per row), radix_pick takes the digit where the `room`-th largest falls.
+    Four passes of 2 kernels plus a zeroed histogram, against torch.topk's multi-pass select (0.11 ms
+    at 128K x 8 on the H200)."""
+    from .sparse_triton_kernels import radix_hist, radix_pick
+    U, dev = rank.shape[0], rank.device
+    st = torch.zeros(U, 2, dtype=torch.int64, device=dev)           # per row: key digits so far, rank sought
+    st[:, 1] = room
+    hist = torch.zeros(U, 256, dtype=torch.int32, device=dev)
+    v = torch.empty(U, dtype=torch.float32, device=dev)
+    tiles = -(-(h1 - h0) // BLOCK_SEL)
+    for shift in (24, 16, 8, 0):
+        radix_hist[(U, tiles)](rank, st, hist, rank.stride(0), h0, h1, SHIFT=shift, BLOCK=BLOCK_SEL)
+        radix_pick[(U,)](st, hist, v, LAST=shift == 0)
+    return v
+
+
+def select(rank: torch.Tensor, prefix: int, budget: int, sink: int, recent: int, radix: bool = True) -> torch.Tensor:
     """`sparse_sketch.select` (the same tokens: forced ones, then the best-ranked, ties to the
-    lower index, [..., N] int64 ascending) with its compaction in two Triton kernels instead of
-    ~17 torch ops: torch.topk gives the threshold v; sel_count counts, per 1024-token tile, the
+    lower index, [..., N] int64 ascending) without torch's sort or topk and with its compaction in
+    two Triton kernels instead of ~17 torch ops: `threshold` gives the threshold v; sel_count counts, per 1024-token tile, the
     tokens ranked above v, tied with v, and forced; sel_write turns the counts into each tile's
     place in the output (prefix sums over the tiles, in every program: no host sync) and writes
     the kept tokens there in token order. rank [..., sealed] float32 contiguous, CUDA (or CPU
-    under TRITON_INTERPRET=1)."""
+    under TRITON_INTERPRET=1). `radix` False: the threshold from torch.topk instead."""
     from . import sparse_sketch
     sealed = rank.shape[-1]
     if not sparse_sketch.ranks(prefix, sealed, budget, sink, recent):
@@ -100,7 +121,10 @@ def select(rank: torch.Tensor, prefix: int, budget: int, sink: int, recent: int)
         raise ValueError("select: CPU tensors run only in Triton's interpreter (TRITON_INTERPRET=1 before importing triton)")
     U = math.prod(lead)
     r2 = rank.reshape(U, sealed).float().contiguous()
-    v = torch.topk(r2[:, h0:h1], room, dim=-1, sorted=False).values.amin(-1).contiguous()   # [U]
+    if radix:
+        v = threshold(r2, h0, h1, room)                                                # [U]
+    else:   # torch.topk's values: the same v
+        v = torch.topk(r2[:, h0:h1], room, dim=-1, sorted=False).values.amin(-1).contiguous()
     T = -(-prefix // BLOCK_SEL)
     cnt = torch.empty(U, 3, T, dtype=torch.int32, device=dev)
     out = torch.empty(U, n, dtype=torch.int64, device=dev)

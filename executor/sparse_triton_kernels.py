@@ -111,3 +111,36 @@ def sel_write(r_ptr, v_ptr, cnt_ptr, out_ptr, sr_u, prefix, h0, h1, T, room, n,
     keep = ((t < prefix) & ~ranked) | (ranked & (r > v)) | take
     pos = off + tl.cumsum(keep.to(tl.int32), axis=0) - 1
     tl.store(out_ptr + u * n + pos, t.to(tl.int64), mask=keep & (pos < n))
+
+
+@triton.jit
+def radix_hist(r_ptr, st_ptr, hist_ptr, sr_u, h0, h1, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+    u = tl.program_id(0).to(tl.int64)
+    t = h0 + tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = t < h1
+    r = tl.load(r_ptr + u * sr_u + t, mask=live, other=0.0)
+    b = r.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF          # the float's bits, unsigned
+    key = tl.where(b >= 0x80000000, 0xFFFFFFFF - b, b + 0x80000000)    # ordered as the floats
+    match = live & ((key >> (SHIFT + 8)) == tl.load(st_ptr + u * 2))   # the digits above decided
+    digit = tl.where(match, (key >> SHIFT) & 255, 0).to(tl.int32)
+    j = tl.arange(0, 256)
+    h = tl.histogram(digit, 256) - tl.where(j == 0, BLOCK - tl.sum(match.to(tl.int32), axis=0), 0)
+    tl.atomic_add(hist_ptr + u * 256 + j, h)
+
+
+@triton.jit
+def radix_pick(st_ptr, hist_ptr, v_ptr, LAST: tl.constexpr):
+    u = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, 256)
+    h = tl.load(hist_ptr + u * 256 + 255 - j)                           # digits 255 .. 0
+    cum = tl.cumsum(h, axis=0)                                          # tokens with a digit >= 255 - j
+    kk = tl.load(st_ptr + u * 2 + 1)                                    # the rank sought among them
+    js = tl.min(tl.where(cum >= kk, j, 256), axis=0)
+    above = tl.sum(tl.where(j < js, h, 0), axis=0)
+    key = (tl.load(st_ptr + u * 2) << 8) | (255 - js)
+    tl.store(st_ptr + u * 2, key)
+    tl.store(st_ptr + u * 2 + 1, kk - above)
+    tl.store(hist_ptr + u * 256 + j, tl.zeros([256], tl.int32))        # ready for the next pass
+    if LAST:
+        b = tl.where(key >= 0x80000000, key - 0x80000000, 0xFFFFFFFF - key)
+        tl.store(v_ptr + u, b.to(tl.int32).to(tl.float32, bitcast=True))

@@ -26,14 +26,13 @@ FINE_CODE_BYTES = 1   # a fine summary's min/max: a uint8 code within its coarse
 HOT_FACTOR = 5
 SKETCH_BITS = (2, 4, 8)   # bits per key channel of the GPU token sketch (executor/sparse_sketch.py)
 # The score stage with the sketch on CUDA: the three Triton calls of executor/sparse_triton.rank,
-# then sparse_triton.select: torch.topk for the threshold (taken as 4 radix passes of 8 bits over
-# the float32 ranks: an assumption about torch's kernel, not measured), its min, and two Triton
-# kernels (count per tile, write in token order). Bytes a sealed token, per unit: topk 4 x 4, the
-# two kernels' reads of the rank 2 x 4, and at most one int64 index written. Counted from the
-# code, not fitted to a run.
+# then sparse_triton.select: the threshold by a radix select (2 zeroed buffers and a fill, then 4
+# passes of 2 kernels) and two compaction kernels (count per tile, write in token order). Bytes a
+# sealed token, per unit: the radix passes read its float32 rank 4 times, the two compaction
+# kernels twice more, and at most one int64 index is written. Counted from the code, not fitted.
 SCORE_CALLS = 3
-SELECT_KERNELS = 4 + 1 + 2
-SELECT_BYTES_PER_TOKEN = 16 + 8 + 8
+SELECT_KERNELS = 3 + 4 * 2 + 2
+SELECT_BYTES_PER_TOKEN = 4 * 4 + 2 * 4 + 8
 
 
 @dataclass(frozen=True)

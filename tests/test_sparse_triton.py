@@ -100,17 +100,23 @@ for i in range(int(sys.argv[2])):
     P = random.choice([1, 63, 64, 300, 1024, 1100, 2048, 2100, 5000])   # tiles of 1024: whole, part, one
     sealed = P // 64 * 64
     ties = i % 2 == 1
-    rank = torch.randint(0, 3, (3, sealed), generator=g).float() if ties else torch.randn(3, sealed, generator=g)
+    rank = (torch.randint(-2, 3, (3, sealed), generator=g).float() if ties        # negative floats too
+            else torch.randn(3, sealed, generator=g) * random.choice([1e-3, 1.0, 1e5]))
     budget, sink, recent = random.randint(1, P), random.randint(0, 100), random.randint(0, 300)
     out.append(dict(rank=rank, P=P, budget=budget, sink=sink, recent=recent,
-                    got=sparse_triton.select(rank, P, budget, sink, recent)))
+                    got=sparse_triton.select(rank, P, budget, sink, recent),
+                    topk=sparse_triton.select(rank, P, budget, sink, recent, radix=False)))
+r = torch.randn(3, 5000, generator=g)
+out.append({rm: sparse_triton.threshold(r, 0, 5000, rm) for rm in (1, 7, 100, 4999, 5000)} | {"r": r})
 torch.save(out, sys.argv[1])
 """
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton): the kernels cannot be interpreted")
 def test_triton_selection_takes_exactly_the_top_tokens_in_the_interpreter(tmp_path):
-    # Faults caught in the two compaction kernels: a tile's place in the output off by its own
+    # Faults caught in the radix select (threshold): a digit taken from the wrong end, the rank
+    # sought not reduced by the tokens above the digit, negative floats mis-ordered (their bits
+    # must be flipped), tokens outside the decided digits counted. In the two compaction kernels: a tile's place in the output off by its own
     # count (exclusive vs inclusive prefix sum), tied tokens taken from a later tile before an
     # earlier one (the lower index first across tiles), the forced tokens of the unsealed tail or
     # the sink not written, a part tile's dead lanes counted, tokens written out of token order.
@@ -118,12 +124,15 @@ def test_triton_selection_takes_exactly_the_top_tokens_in_the_interpreter(tmp_pa
     r = subprocess.run([sys.executable, "-c", _SELECT_SCRIPT, str(path), "24"],
                        env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    for c in torch.load(path):
+    *cases, thr = torch.load(path)
+    for c in cases:
         P, budget = c["P"], c["budget"]
         for row in range(3):
             ref = _top_reference(c["rank"][row], P, lambda forced: max(0, min(P, max(budget, forced)) - forced),
                                  c["sink"], c["recent"])
-            assert c["got"][row].tolist() == ref, (P, budget, c["sink"], c["recent"])
+            assert c["got"][row].tolist() == ref and c["topk"][row].tolist() == ref, (P, budget, c["sink"], c["recent"])
+    for room in (1, 7, 100, 4999, 5000):   # the radix select's value: the room-th largest, sorted here
+        assert thr[room].tolist() == [sorted(row, reverse=True)[room - 1] for row in thr["r"].tolist()]
 
 
 def _top_reference(rank, prefix, room_of, sink, recent):
