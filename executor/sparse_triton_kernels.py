@@ -1,12 +1,15 @@
 """The Triton kernels of executor/sparse_triton.py (which documents them). Imported only where
 Triton is installed (by sparse_triton, on first use); under TRITON_INTERPRET=1 (set before Triton
 is imported) they run in Triton's interpreter on CPU tensors, which is how the CPU tests run them. Shapes: q [U, G, D] float32; lo, hi [U, C, D]; codes [U, S, D*BITS/8]
-uint8; scores [U, G, S]; per-tile max/sum [U, G, n_tiles]; lse [U, G]; rank [U, S]."""
+uint8; scores [U, G, S]; per-tile max/sum [U, G, n_tiles]; lse [U, G]; rank [U, S].
+The integer arguments that change from step to step (token counts, tile counts, the rank's row
+stride) are not specialised (`do_not_specialize`): Triton would otherwise compile a variant per
+divisibility class of each, i.e. recompile during decode."""
 import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S", "n_tiles"])
 def score(q_ptr, lo_ptr, hi_ptr, codes_ptr, s_ptr, m_ptr, l_ptr, S, n_tiles,
            slo_u, slo_c, shi_u, shi_c, sc_u, sc_t,
            G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, CHUNK: tl.constexpr,
@@ -33,7 +36,7 @@ def score(q_ptr, lo_ptr, hi_ptr, codes_ptr, s_ptr, m_ptr, l_ptr, S, n_tiles,
         tl.store(l_ptr + (u * G + g) * n_tiles + tile, tl.sum(tl.exp(sm - mx), axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tiles"])
 def lse(m_ptr, l_ptr, lse_ptr, n_tiles, G: tl.constexpr, BLOCK: tl.constexpr):
     u = tl.program_id(0).to(tl.int64)   # 64-bit offsets: units x tokens x bytes can pass 2^31
     j = tl.arange(0, BLOCK)
@@ -51,7 +54,7 @@ def lse(m_ptr, l_ptr, lse_ptr, n_tiles, G: tl.constexpr, BLOCK: tl.constexpr):
         tl.store(lse_ptr + u * G + g, mx + tl.log(tot))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])
 def share(s_ptr, lse_ptr, r_ptr, S, G: tl.constexpr, BLOCK: tl.constexpr):
     u = tl.program_id(0).to(tl.int64)   # 64-bit offsets: units x tokens x bytes can pass 2^31
     t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -67,7 +70,7 @@ def share(s_ptr, lse_ptr, r_ptr, S, G: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(r_ptr + u * S + t, mx + tl.log(tot), mask=live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sr_u", "prefix", "h0", "h1", "T"])
 def sel_count(r_ptr, v_ptr, cnt_ptr, sr_u, prefix, h0, h1, T, BLOCK: tl.constexpr):
     u = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
@@ -84,7 +87,7 @@ def sel_count(r_ptr, v_ptr, cnt_ptr, sr_u, prefix, h0, h1, T, BLOCK: tl.constexp
     tl.store(cnt_ptr + base + 2 * T, tl.sum(forced.to(tl.int32), axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sr_u", "prefix", "h0", "h1", "T", "room", "n"])
 def sel_write(r_ptr, v_ptr, cnt_ptr, out_ptr, sr_u, prefix, h0, h1, T, room, n,
               BLOCK: tl.constexpr, T_P2: tl.constexpr):
     u = tl.program_id(0).to(tl.int64)
@@ -113,7 +116,7 @@ def sel_write(r_ptr, v_ptr, cnt_ptr, out_ptr, sr_u, prefix, h0, h1, T, room, n,
     tl.store(out_ptr + u * n + pos, t.to(tl.int64), mask=keep & (pos < n))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sr_u", "h0", "h1"])
 def radix_hist(r_ptr, st_ptr, hist_ptr, sr_u, h0, h1, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
     u = tl.program_id(0).to(tl.int64)
     t = h0 + tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
