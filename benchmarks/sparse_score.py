@@ -34,6 +34,7 @@ from kvpipe.pipeline.units import parse_tokens
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LAYERS = 32          # Llama-3-8B: the implied decode-step cost is 32 score stages
+TILINGS = ((32, 4), (64, 4), (64, 8), (128, 8))   # (tokens per program, warps) of the score kernel, timed too
 
 
 def old_select(share: torch.Tensor, prefix: int, budget: int, sink: int, recent: int) -> torch.Tensor:
@@ -120,6 +121,8 @@ def bench(prefix: int, args, dev: torch.device) -> dict:
         share_new = sparse_triton.rank(q, lo, hi, codes, bits)
         row["rank_max_abs_diff"] = float((share_new - share_old).abs().max())
         row["new_rank_s"] = timed(lambda: sparse_triton.rank(q, lo, hi, codes, bits), args.reps, dev)
+        row["rank_tilings_s"] = {f"{blk}x{w}": timed(lambda: sparse_triton.rank(q, lo, hi, codes, bits, block=blk, warps=w),
+                                                     args.reps, dev) for blk, w in TILINGS}
         row["triton_select_s"] = timed(lambda: sparse_triton.select(share_new, prefix, budget, sink, recent),
                                        args.reps, dev)
         row["triton_select_topk_s"] = timed(lambda: sparse_triton.select(share_new, prefix, budget, sink, recent,

@@ -26,6 +26,8 @@ import os
 import torch
 
 BLOCK_T = 64        # tokens per program of score/share: a [64, D] float32 key tile in registers
+SCORE_WARPS = 8     # warps per score program: ptxas (sm_90, Triton 3.9) gives 142 registers, no spills,
+                    # at D 128 (194 with 4 warps); benchmarks/sparse_score.py times other tilings
 BLOCK_LSE = 256     # tiles per iteration of lse's loop
 BLOCK_SEL = 1024    # tokens per program of sel_count/sel_write
 
@@ -45,11 +47,12 @@ def unavailable(device: torch.device, head_dim: int, bits: int) -> str | None:
 
 
 def rank(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tensor, bits: int,
-         with_scores: bool = False):
+         with_scores: bool = False, block: int = BLOCK_T, warps: int = SCORE_WARPS):
     """The ranking [..., S] float32 of the S sealed tokens (codes [..., S, D*bits/8], summaries lo,
     hi [..., S/chunk, D], queries q [..., G, D]): the log group share (`sparse_sketch.group_share` of
     `sparse_sketch.scores`, summed in another order). CUDA tensors: compiled kernels; CPU tensors: interpreted.
-    `with_scores`: also the float32 scores [..., G, S] (for the tests)."""
+    `with_scores`: also the float32 scores [..., G, S] (for the tests); `block`, `warps`: the score
+    kernel's tokens per program (a power of two) and warps (for benchmarks/sparse_score.py)."""
     lead, (G, D), S = q.shape[:-2], q.shape[-2:], codes.shape[-2]
     C = lo.shape[-2]
     if codes.shape[:-2] != lead or lo.shape[:-2] != lead or hi.shape != lo.shape or lo.shape[-1] != D:
@@ -61,7 +64,7 @@ def rank(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tenso
     lo3, hi3, c3 = lo.reshape(U, C, D), hi.reshape(U, C, D), codes.reshape(U, S, -1)
     if lo3.stride(-1) != 1 or hi3.stride(-1) != 1 or c3.stride(-1) != 1:
         lo3, hi3, c3 = lo3.contiguous(), hi3.contiguous(), c3.contiguous()
-    n_tiles = -(-S // BLOCK_T)
+    n_tiles = -(-S // block)
     s = torch.empty(U, G, S, dtype=torch.float32, device=dev)
     m = torch.empty(U, G, n_tiles, dtype=torch.float32, device=dev)
     lsum = torch.empty_like(m)
@@ -72,9 +75,9 @@ def rank(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tenso
     from .sparse_triton_kernels import lse as lse_k, score as score_k, share as share_k
     score_k[(U, n_tiles)](qf, lo3, hi3, c3, s, m, lsum, S, n_tiles, lo3.stride(0), lo3.stride(1),
                           hi3.stride(0), hi3.stride(1), c3.stride(0), c3.stride(1),
-                          G=G, D=D, BITS=bits, CHUNK=S // C, BLOCK=BLOCK_T, num_warps=8)
+                          G=G, D=D, BITS=bits, CHUNK=S // C, BLOCK=block, num_warps=warps)
     lse_k[(U,)](m, lsum, lse, n_tiles, G=G, BLOCK=BLOCK_LSE)
-    share_k[(U, n_tiles)](s, lse, out, S, G=G, BLOCK=BLOCK_T)
+    share_k[(U, n_tiles)](s, lse, out, S, G=G, BLOCK=block)
     out = out.reshape(*lead, S)
     return (out, s.reshape(*lead, G, S)) if with_scores else out
 
