@@ -29,7 +29,8 @@ BLOCK_T = 64        # tokens per program of score/share: a [64, D] float32 key t
 SCORE_WARPS = 8     # warps per score program: ptxas (sm_90, Triton 3.9) gives 142 registers, no spills,
                     # at D 128 (194 with 4 warps); benchmarks/sparse_score.py times other tilings
 BLOCK_LSE = 256     # tiles per iteration of lse's loop
-BLOCK_SEL = 1024    # tokens per program of sel_count/sel_write
+BLOCK_SEL = 1024    # tokens per program of sel_count/sel_write/radix_hist
+SEL_TILES = 256     # tile counts sel_write reads per iteration (fixed: no recompile as the cache grows)
 
 
 def unavailable(device: torch.device, head_dim: int, bits: int) -> str | None:
@@ -103,14 +104,17 @@ def threshold(rank: torch.Tensor, h0: int, h1: int, room: int) -> torch.Tensor:
     return v
 
 
-def select(rank: torch.Tensor, prefix: int, budget: int, sink: int, recent: int, radix: bool = True) -> torch.Tensor:
+def select(rank: torch.Tensor, prefix: int, budget: int, sink: int, recent: int, radix: bool = True,
+           sel_tiles: int = SEL_TILES) -> torch.Tensor:
     """`sparse_sketch.select` (the same tokens: forced ones, then the best-ranked, ties to the
     lower index, [..., N] int64 ascending) without torch's sort or topk and with its compaction in
     two Triton kernels instead of ~17 torch ops: `threshold` gives the threshold v; sel_count counts, per 1024-token tile, the
     tokens ranked above v, tied with v, and forced; sel_write turns the counts into each tile's
-    place in the output (prefix sums over the tiles, in every program: no host sync) and writes
-    the kept tokens there in token order. rank [..., sealed] float32 contiguous, CUDA (or CPU
-    under TRITON_INTERPRET=1). `radix` False: the threshold from torch.topk instead."""
+    place in the output (the kept tokens of the earlier tiles: their above and forced ones, and
+    min(need, their tied ones) as ties go to the lower index; summed in every program, no host
+    sync) and writes the kept tokens there in token order. rank [..., sealed] float32 contiguous, CUDA (or CPU
+    under TRITON_INTERPRET=1). `radix` False: the threshold from torch.topk instead;
+    `sel_tiles` (a power of two): tile counts per iteration of sel_write's loop (tests shrink it)."""
     from . import sparse_sketch
     sealed = rank.shape[-1]
     if not sparse_sketch.ranks(prefix, sealed, budget, sink, recent):
@@ -134,5 +138,5 @@ def select(rank: torch.Tensor, prefix: int, budget: int, sink: int, recent: int,
     from .sparse_triton_kernels import sel_count, sel_write
     sel_count[(U, T)](r2, v, cnt, r2.stride(0), prefix, h0, h1, T, BLOCK=BLOCK_SEL)
     sel_write[(U, T)](r2, v, cnt, out, r2.stride(0), prefix, h0, h1, T, room, n,
-                      BLOCK=BLOCK_SEL, T_P2=max(16, 1 << (T - 1).bit_length()))
+                      BLOCK=BLOCK_SEL, TB=sel_tiles)
     return out.reshape(*lead, n)

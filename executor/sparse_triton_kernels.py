@@ -89,22 +89,23 @@ def sel_count(r_ptr, v_ptr, cnt_ptr, sr_u, prefix, h0, h1, T, BLOCK: tl.constexp
 
 @triton.jit(do_not_specialize=["sr_u", "prefix", "h0", "h1", "T", "room", "n"])
 def sel_write(r_ptr, v_ptr, cnt_ptr, out_ptr, sr_u, prefix, h0, h1, T, room, n,
-              BLOCK: tl.constexpr, T_P2: tl.constexpr):
+              BLOCK: tl.constexpr, TB: tl.constexpr):
     u = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
-    j = tl.arange(0, T_P2)
-    live = j < T
     base = (u * 3) * T
-    above_n = tl.load(cnt_ptr + base + j, mask=live, other=0)
-    tied_n = tl.load(cnt_ptr + base + T + j, mask=live, other=0)
-    forced_n = tl.load(cnt_ptr + base + 2 * T + j, mask=live, other=0)
-    need = room - tl.sum(above_n, axis=0)                      # tied tokens to take, lowest index first
-    tied_before = tl.cumsum(tied_n, axis=0) - tied_n           # per tile: tied tokens in earlier tiles
-    take_n = tl.minimum(tl.maximum(need - tied_before, 0), tied_n)
-    kept = above_n + take_n + forced_n
-    off_all = tl.cumsum(kept, axis=0) - kept                   # per tile: tokens kept before it
-    off = tl.sum(tl.where(j == tile, off_all, 0), axis=0)
-    tb = tl.sum(tl.where(j == tile, tied_before, 0), axis=0)
+    j0 = tl.arange(0, TB)
+    total_above = tl.sum(tl.zeros([TB], tl.int32), axis=0)
+    before = tl.sum(tl.zeros([TB], tl.int32), axis=0)         # above + forced tokens in earlier tiles
+    tb = tl.sum(tl.zeros([TB], tl.int32), axis=0)             # tied tokens in earlier tiles
+    for i in range(0, T, TB):                                 # the unit's tile counts, TB at a time
+        j = i + j0
+        above_n = tl.load(cnt_ptr + base + j, mask=j < T, other=0)
+        total_above += tl.sum(above_n, axis=0)
+        earlier = j < tile
+        before += tl.sum(tl.where(earlier, above_n + tl.load(cnt_ptr + base + 2 * T + j, mask=earlier, other=0), 0), axis=0)
+        tb += tl.sum(tl.load(cnt_ptr + base + T + j, mask=earlier, other=0), axis=0)
+    need = room - total_above                                 # tied tokens to take, lowest index first
+    off = before + tl.minimum(need, tb)                       # tokens kept before this tile
     t = tile * BLOCK + tl.arange(0, BLOCK)
     ranked = (t >= h0) & (t < h1)
     r = tl.load(r_ptr + u * sr_u + t, mask=ranked, other=0.0)

@@ -104,7 +104,7 @@ for i in range(int(sys.argv[2])):
             else torch.randn(3, sealed, generator=g) * random.choice([1e-3, 1.0, 1e5]))
     budget, sink, recent = random.randint(1, P), random.randint(0, 100), random.randint(0, 300)
     out.append(dict(rank=rank, P=P, budget=budget, sink=sink, recent=recent,
-                    got=sparse_triton.select(rank, P, budget, sink, recent),
+                    got=sparse_triton.select(rank, P, budget, sink, recent, sel_tiles=2),   # several loop turns
                     topk=sparse_triton.select(rank, P, budget, sink, recent, radix=False)))
 r = torch.randn(3, 5000, generator=g)
 out.append({rm: sparse_triton.threshold(r, 0, 5000, rm) for rm in (1, 7, 100, 4999, 5000)} | {"r": r})
@@ -116,10 +116,11 @@ torch.save(out, sys.argv[1])
 def test_triton_selection_takes_exactly_the_top_tokens_in_the_interpreter(tmp_path):
     # Faults caught in the radix select (threshold): a digit taken from the wrong end, the rank
     # sought not reduced by the tokens above the digit, negative floats mis-ordered (their bits
-    # must be flipped), tokens outside the decided digits counted. In the two compaction kernels: a tile's place in the output off by its own
-    # count (exclusive vs inclusive prefix sum), tied tokens taken from a later tile before an
-    # earlier one (the lower index first across tiles), the forced tokens of the unsealed tail or
-    # the sink not written, a part tile's dead lanes counted, tokens written out of token order.
+    # must be flipped), tokens outside the decided digits counted. In the two compaction kernels:
+    # a tile's place in the output off by its own count, tied tokens taken from a later tile
+    # before an earlier one (the lower index first across tiles), tile counts of another loop turn
+    # of sel_write lost (2 tiles a turn here), the forced tokens of the unsealed tail or the sink
+    # not written, a part tile's dead lanes counted, tokens written out of token order.
     path = tmp_path / "sel.pt"
     r = subprocess.run([sys.executable, "-c", _SELECT_SCRIPT, str(path), "12"],
                        env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)
