@@ -121,10 +121,12 @@ def gpu_codec_points(blocks: torch.Tensor, coder, timer, batches=BATCHES,
         slot = torch.empty_like(src)
         low_src = low.view(n, -1)                 # the low planes as fetched: the back half of the rows
 
-        def decode() -> None:
+        # this batch's buffers bound now: the kept pair is called after the loop has moved on
+        # (late-bound names made the wait probe decode 512 offsets against 128 sizes on the H200)
+        def decode(enc=enc, offsets=offsets, sizes=sizes, back=back, outs=outs) -> None:
             coder.decode(enc.view(-1), offsets, sizes, back.view(-1), outs)
 
-        def planes_back() -> None:
+        def planes_back(n=n, low_src=low_src, aside=aside, back=back, src=src, slot=slot) -> None:
             aside.view(n, -1).copy_(low_src)
             interleave(back.view(src.shape), aside, slot)
         pt = {"blocks": n, "raw_bytes": src.numel() * src.element_size(),

@@ -219,6 +219,15 @@ def test_gpu_codec_step_bookkeeping_on_cpu(tiny_kv):
     points, ratio, (kept, decode, planes) = cp.gpu_codec_points(blocks, coder, lambda fn: cp.perf_timer(fn, 1),
                                                                 batches=(2, 16, 64), keep=16)
     assert [p["blocks"] for p in points] == [2, 16, 64] and kept == 16
+    # Fault caught: the kept decode / interleave pair bound to the loop's LAST batch's buffers
+    # (late-bound closure names; on the H200 the wait probe then decoded 512 offsets against
+    # 128 sizes and the profile lost its codec table): called after the loop, the 16-block pair
+    # must still give back exactly its own blocks.
+    calls = []
+    coder.decode = lambda src, offsets, sizes, out, outs: calls.append((len(offsets), len(sizes), len(outs)))
+    decode()
+    planes()
+    assert calls == [(16, 16, 16)], calls
     assert points[1]["raw_bytes"] == 16 * 512 * 2 * 16 * 2
     high = torch.stack([b.view(torch.uint8).view(-1, 2)[:, 1] for b in blocks])     # by hand: byte 1 of each bf16
     import zlib
