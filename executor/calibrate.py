@@ -548,7 +548,10 @@ def gpu_codec(cal: Calibration, kv: torch.Tensor, block_tokens: int, what: str) 
             points, ratio, (kept, decode, planes) = cp.gpu_codec_points(blocks, ans, cp.queued_timer(stream))
             cp.set_gpu_codec(cal, "nvcomp-ans-planes", points, ratio, block_tokens, what)
             idle = next(p["decode_host_s"] for p in points if p["blocks"] == kept)
-            probe = cp.decode_waits_for_h2d(decode, planes, stream, idle)
+            try:   # the rates stand without it: a failed probe leaves only the wait flag out
+                probe = cp.decode_waits_for_h2d(decode, planes, stream, idle)
+            except Exception as e:   # noqa: BLE001 - recorded and said, as _optional does for a table
+                probe = {"waits": None, "error": f"{type(e).__name__}: {e}"}
         finally:
             ans.close()
     cal.extra[name + ".waits_probe"] = probe
