@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks.timing import median_seconds
 from kvpipe.executor.quant import Quantized, dequantize, quantize
 from kvpipe.executor.sparse import RANGE_ALPHA, chunk_scores, even_bounds, pack_fine, summarise
 from kvpipe.pipeline.lossy import HOT_FACTOR
@@ -278,20 +279,7 @@ def dequant_rate(device: torch.device, bits: int, group: int, tokens: int, fused
     t0 = time.perf_counter()
     once()                                               # warm-up (the compile, for the fused decode)
     warm_s = time.perf_counter() - t0
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            once()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            once()
-            times.append(time.perf_counter() - t0)
-    sec = statistics.median(times)
+    sec = median_seconds(once, reps, device)
     out_b, in_b = slot.numel() * slot.element_size(), qslot.numel()
     return {"bits": bits, "group": group, "tokens": tokens, "heads": heads, "fused": fused, "s": sec,
             "first_call_s": warm_s, "out_bytes": out_b, "in_bytes": in_b,

@@ -24,11 +24,11 @@ import json
 import math
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.timing import median_seconds
 from kvpipe.executor import sparse_sketch, sparse_triton
 from kvpipe.pipeline.units import parse_tokens
 
@@ -58,20 +58,7 @@ def timed(fn, reps: int, dev: torch.device) -> float:
     """Median seconds of fn() over `reps` calls (CUDA events on CUDA, host clock on CPU), after 2 warm-ups."""
     for _ in range(2):
         fn()
-    out = []
-    for _ in range(reps):
-        if dev.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            out.append(a.elapsed_time(b) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+    return median_seconds(fn, reps, dev)
 
 
 def predicted_s(prefix: int, units: int, q_heads: int, head_dim: int, fraction: float, bits: int, hw_name: str) -> float:

@@ -19,6 +19,7 @@ from kvpipe.pipeline.stage import Kind, Phase
 from kvpipe.pipeline.workload import Workload
 from kvpipe.sim.codec_sync import decompress_waits
 from kvpipe.sim.engine import run
+from zlib_blocks import ZlibBlocks
 
 CODEC = "nvcomp-ans-planes"
 LLAMA = PRESETS["llama-3-8b"]
@@ -185,29 +186,6 @@ def test_cpu_codec_measured_on_the_kv_of_a_tiny_random_model(tiny_kv):
         assert "zstd level 1" in n[key] and "random-weight K/V" in n[key] and "2 threads" in n[key]
         assert n[key].startswith("measured")
     assert set(cal.extra["codec.zstd-planes"]["threads"]) == {"1", "2"}
-
-
-class ZlibBlocks:
-    """A real lossless block codec (zlib level 1) with AnsBlocks' encode/decode, standing in for
-    nvCOMP (CUDA only) so the GPU step's bookkeeping runs on CPU."""
-
-    def __init__(self, block):
-        self.block, self.capacity = block, 2 * block + 64
-
-    def encode(self, src):
-        import zlib
-        out, sizes = torch.zeros(src.shape[0], self.capacity, dtype=torch.uint8), []
-        for i, row in enumerate(src):
-            z = zlib.compress(row.numpy().tobytes(), 1)
-            out[i, :len(z)] = torch.frombuffer(bytearray(z), dtype=torch.uint8)
-            sizes.append(len(z))
-        return out, sizes
-
-    def decode(self, src, offsets, sizes, out, out_offsets):
-        import zlib
-        for at, n, to in zip(offsets, sizes, out_offsets):
-            out[to:to + self.block] = torch.frombuffer(bytearray(zlib.decompress(src[at:at + n].numpy().tobytes())),
-                                                       dtype=torch.uint8)
 
 
 def test_gpu_codec_step_bookkeeping_on_cpu(tiny_kv):

@@ -24,6 +24,7 @@ from kvpipe.pipeline.stage import Kind, Lane
 from kvpipe.pipeline.workload import Workload
 from kvpipe.sim.planner import Pins, search
 from kvpipe.sim.simulate import simulate
+from zlib_blocks import ZlibBlocks
 
 CODEC = "nvcomp-ans-planes"
 LLAMA = PRESETS["llama-3-8b"]
@@ -64,30 +65,6 @@ def test_interleave_writes_in_place_into_a_strided_slot_view():
     assert not slot[:, :, 6:].view(torch.int16).any()
     with pytest.raises(ValueError, match="dtype"):
         split_planes(torch.zeros(3))                                     # fp32 has no 2-byte planes
-
-
-class ZlibBlocks:
-    """A real lossless CPU block codec (zlib level 1) with AnsBlocks' interface, standing in for
-    nvCOMP (which needs CUDA) so the compressed store's layout is tested on CPU."""
-
-    def __init__(self, block):
-        self.block, self.capacity = block, 2 * block + 64
-
-    def encode(self, src):
-        import zlib
-        out, sizes = torch.zeros(src.shape[0], self.capacity, dtype=torch.uint8), []
-        for i, row in enumerate(src):
-            z = zlib.compress(row.numpy().tobytes(), 1)
-            out[i, :len(z)] = torch.frombuffer(bytearray(z), dtype=torch.uint8)
-            sizes.append(len(z))
-        return out, sizes
-
-    def decode(self, src, offsets, sizes, out, out_offsets):
-        import zlib
-        for at, n, to in zip(offsets, sizes, out_offsets):
-            raw = zlib.decompress(src[at:at + n].numpy().tobytes())
-            assert len(raw) == self.block
-            out[to:to + self.block] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
 @pytest.mark.parametrize("chunk,resident", [(16, (1, 0)), (10, (0, 2))])
