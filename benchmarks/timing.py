@@ -9,18 +9,14 @@ import torch
 
 
 def median_seconds(fn, reps: int, device: torch.device) -> float:
-    """Median seconds of `fn()` over `reps` calls; the caller does any warm-up first."""
+    """Median seconds of `fn()` over `reps` calls; the caller does any warm-up first. On CUDA
+    the loop is calibrate's (executor/calibrate.cuda_median_s), so benchmarks and profiles time alike."""
+    if device.type == "cuda":
+        from kvpipe.executor.calibrate import cuda_median_s
+        return cuda_median_s(fn, reps, warmups=0)
     out = []
     for _ in range(reps):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            out.append(a.elapsed_time(b) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
     return statistics.median(out)

@@ -29,9 +29,10 @@ from .attention import attend_part
 MiB = 1 << 20
 
 
-def cuda_median_s(fn, reps: int) -> float:
-    """Median seconds of `fn` on the current stream (CUDA events), after one warm-up call."""
-    fn()
+def cuda_median_s(fn, reps: int, warmups: int = 1) -> float:
+    """Median seconds of `fn` on the current stream (CUDA events), after `warmups` calls."""
+    for _ in range(warmups):
+        fn()
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
