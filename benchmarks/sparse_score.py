@@ -129,6 +129,19 @@ def bench(prefix: int, args, dev: torch.device) -> dict:
     return row
 
 
+def profile_fit(rows: list[dict]) -> dict | None:
+    """The profile's [gpu] sparse_score_call_s / sparse_score_bytes_per_s: the new path's whole
+    score stage (ranking + selection) against its packed code bytes, `call_s + bytes / rate` in
+    relative least squares over the contexts measured (None: fewer than two, or no new path)."""
+    from kvpipe.pipeline.calibration import fit_alpha_beta_relative
+    pts = [(r["codes_bytes"], r["new_total_s"]) for r in rows if "new_total_s" in r]
+    if len({b for b, _ in pts}) < 2:
+        return None
+    call, rate = fit_alpha_beta_relative([b for b, _ in pts], [t for _, t in pts])
+    return {"sparse_score_call_s": call, "sparse_score_bytes_per_s": rate,
+            "max_rel_err": max(abs(call + b / rate - t) / t for b, t in pts)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", nargs="+", default=["32K", "128K", "512K"])
@@ -156,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"sparse_score: {c}: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
     out = {"command": " ".join([sys.executable, "-m", "benchmarks.sparse_score", *(argv or sys.argv[1:])]),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "rows": rows}
+           "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "rows": rows,
+           "profile_fit": profile_fit(rows)}
     path = Path(args.out) if args.out else RESULTS / f"sparse-score-{datetime.date.today()}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
@@ -173,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{ms(r, 'triton_select_s'):>7} {ms(r, 'torch_select_s'):>7} {ms(r, 'old_select_s'):>7} {ms(r, 'predicted_score_s'):>8} "
               f"{r['speedup']:8.2f} {r['old_step_ms']:11.1f} {r['new_step_ms']:11.1f} "
               f"{r.get('agreement_min', float('nan')):6.4f}")
+    if out["profile_fit"]:
+        f = out["profile_fit"]
+        print(f"profile [gpu]: sparse_score_call_s = {f['sparse_score_call_s']:.4g}, sparse_score_bytes_per_s = "
+              f"{f['sparse_score_bytes_per_s']:.4g} (max relative error over the contexts {f['max_rel_err']:.1%})")
     if any(r.get("triton", "ok") != "ok" for r in rows):
         print(f"triton not run: {next(r['triton'] for r in rows if r.get('triton', 'ok') != 'ok')} "
               "(new ms/layer: the torch ranking with the new selection)")

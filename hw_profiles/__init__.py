@@ -47,6 +47,8 @@ _OPTIONAL = {   # TOML key -> HardwareProfile field: absent means the field's de
     "host.copy_s_per_stage": "host_copy_s_per_stage",
     "host.copy_s_per_op": "host_copy_s_per_op",
     "host.compile_s": "compile_s",
+    "gpu.sparse_score_call_s": "sparse_score_call_s",
+    "gpu.sparse_score_bytes_per_s": "sparse_score_bytes_per_s",
 }
 _COMPUTE = {"peak_flops_per_s": "flops_peak_per_s", "effective_flops_per_s": "flops_eff_per_s"}
 _CODEC = ("compress_bytes_per_s", "decompress_bytes_per_s", "ratio")   # [codec.<name>] fields

@@ -106,6 +106,8 @@ def replayed_decode_attention_seconds(group: int, kv_bytes: float, mem_bytes: fl
 def stage_seconds(s: Stage, hw: HardwareProfile, dtype: str, replayed: bool = False) -> float:
     """Device seconds of `s` on its lane; `replayed`: issued inside a CUDA graph (decode replay)."""
     if s.kind is Kind.COMPUTE:
+        if s.tag == "score" and s.kv_bytes and hw.sparse_score_call_s is not None:
+            return hw.sparse_score_call_s + s.kv_bytes / hw.sparse_score_bytes_per_s   # measured whole, selection included
         if s.tag == "score" and s.kv_bytes:   # LOSSY sparse ranking: codes streamed as decode attention streams K/V
             t = replayed_decode_attention_seconds(len(s.heads), s.kv_bytes, s.mem_bytes, hw)
             if t is not None:   # its float32 FLOPs (unpack, rebuild, dot) can bind instead

@@ -161,6 +161,12 @@ class HardwareProfile:
     # Host seconds to compile the fused decode pieces (executor/fused.py) once per process; a
     # one-time cost the prediction reports beside total_s. None: the profile does not say.
     compile_s: float | None = None
+    # LOSSY sparse decode's score stage (executor/sparse_triton.py ranking + selection over the
+    # sealed tokens' packed sketch codes), measured whole as `call_s + code bytes / bytes_per_s`
+    # (benchmarks/sparse_score.py). None: the stage is costed from its bytes at the
+    # decode-attention rate (9x too fast on the H200: 0.056 ms predicted, 0.558 measured at 128K).
+    sparse_score_call_s: float | None = None
+    sparse_score_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         for f in ("name", "description"):
@@ -182,9 +188,13 @@ class HardwareProfile:
         if isinstance(ew, bool) or not isinstance(ew, (int, float)) or not 0 < ew <= 1:
             raise HardwareFieldError("elementwise_efficiency", f"must be a number in (0, 1], got {ew!r}")
         object.__setattr__(self, "elementwise_efficiency", float(ew))
-        for f in ("host_copy_s_per_stage", "host_copy_s_per_op", "compile_s"):
+        for f in ("host_copy_s_per_stage", "host_copy_s_per_op", "compile_s", "sparse_score_call_s",
+                  "sparse_score_bytes_per_s"):
             if getattr(self, f) is not None:
-                object.__setattr__(self, f, _number(f, getattr(self, f), True))
+                object.__setattr__(self, f, _number(f, getattr(self, f), f != "sparse_score_bytes_per_s"))
+        if (self.sparse_score_call_s is None) != (self.sparse_score_bytes_per_s is None):
+            raise HardwareFieldError("sparse_score_bytes_per_s", "sparse_score_call_s and sparse_score_bytes_per_s "
+                                     "come together (both measured by benchmarks/sparse_score.py) or not at all")
         table = tuple(sorted(self.decode_attention, key=lambda e: e.group))
         if any(not isinstance(e, DecodeAttention) for e in table):
             raise HardwareFieldError("decode_attention", "entries must be DecodeAttention")

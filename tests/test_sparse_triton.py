@@ -223,7 +223,8 @@ def test_the_simulator_charges_the_sketch_codes_at_the_decode_attention_rate():
     from kvpipe.pipeline.cost import stage_seconds
     from kvpipe.pipeline.lossy import SELECT_BYTES_PER_TOKEN, SELECT_KERNELS, LossySpec
     from kvpipe.pipeline.stage import Kind, Phase, Stage
-    hw = load_profile("h200-testbox")
+    from dataclasses import replace
+    hw = replace(load_profile("h200-testbox"), sparse_score_call_s=None, sparse_score_bytes_per_s=None)
     P, units, G, D = 131072, 8, 4, 128
     cost = LossySpec(sparse=0.2).score_cost(P, G, D, 2, units)
     s = Stage(0, Kind.COMPUTE, "score", Phase.DECODE, 0, 0, None, (0, P), heads=tuple(range(units)), **cost)
@@ -235,3 +236,25 @@ def test_the_simulator_charges_the_sketch_codes_at_the_decode_attention_rate():
     small = max(SELECT_KERNELS * max(hw.small_kernel_s, hw.launch_overhead_s),
                 units * P * SELECT_BYTES_PER_TOKEN / (hw.hbm_eff_bytes_per_s * hw.elementwise_efficiency))
     assert stage_seconds(s, hw, "bf16") == pytest.approx(max(stream, arith) + small, rel=1e-12)
+
+
+def test_a_measured_score_table_costs_the_stage_whole():
+    # Faults caught: the profile's measured score stage ([gpu] sparse_score_call_s and
+    # sparse_score_bytes_per_s, benchmarks/sparse_score.py) ignored for the decode-attention
+    # roofline (9x too fast on the H200), the selection's small kernels charged again on top of a
+    # measurement that holds them, or the rate applied to other bytes than the packed codes; and a
+    # profile giving one of the pair without the other accepted. Reference: by hand.
+    from dataclasses import replace
+
+    from kvpipe.hw_profiles import load_profile
+    from kvpipe.pipeline.cost import stage_seconds
+    from kvpipe.pipeline.hardware import HardwareFieldError
+    from kvpipe.pipeline.lossy import LossySpec
+    from kvpipe.pipeline.stage import Kind, Phase, Stage
+    hw = replace(load_profile("h200-testbox"), sparse_score_call_s=3e-4, sparse_score_bytes_per_s=1e11)
+    P, units, G, D = 131072, 8, 4, 128
+    s = Stage(0, Kind.COMPUTE, "score", Phase.DECODE, 0, 0, None, (0, P), heads=tuple(range(units)),
+              **LossySpec(sparse=0.2).score_cost(P, G, D, 2, units))
+    assert stage_seconds(s, hw, "bf16") == pytest.approx(3e-4 + units * P * D * 2 / 8 / 1e11, rel=1e-12)
+    with pytest.raises(HardwareFieldError, match="sparse_score"):
+        replace(hw, sparse_score_bytes_per_s=None)
