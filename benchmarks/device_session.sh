@@ -31,7 +31,8 @@ for spec in "$@"; do
   step=${spec%%:*}; lim=${spec#*:}; [ "$lim" = "$spec" ] && lim=300
   echo "=== $step (limit $lim s) $(date -u +%H:%M:%S)"
   case $step in
-    gputests) timeout "$lim" python3 -m pytest -q -m gpu -p no:cacheprovider --rootdir "$R" "$R/tests" 2>&1 | tail -30 | tee "$OUT/gpu-tests.log" ;;
+    gputests) timeout "$lim" python3 -m pytest -v -m gpu -p no:cacheprovider --rootdir "$R" "$R/tests" > "$OUT/gpu-tests.log" 2>&1
+              grep -E "PASSED|FAILED|ERROR|SKIPPED" "$OUT/gpu-tests.log" | grep -c PASSED | sed 's/^/passed so far: /'; tail -30 "$OUT/gpu-tests.log" ;;   # whole log kept: a cut-off run still says which tests passed
     calibrate) timeout "$lim" python3 -m kvpipe calibrate --quick --name h200-testbox --base h200 --kv-dir /tmp --out "$OUT/h200-testbox.toml" 2>&1 | tail -12 ;;
     hfcache32) timeout "$lim" python3 -m benchmarks.hf_cache --contexts 32768 --cases stream --out "$OUT/hf-cache.json" 2>&1 | tail -12 ;;
     hfcache) timeout "$lim" python3 -m benchmarks.hf_cache --contexts 32768,131072 --cases stream --out "$OUT/hf-cache.json" 2>&1 | tail -12 ;;
