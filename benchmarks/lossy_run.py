@@ -56,6 +56,15 @@ def run_variant(name: str, args) -> dict:
             "tokens": j["tokens"], "digest": j["output_digest"], "wall_s": time.time() - t0}
 
 
+def speedups(rows: list[dict]) -> None:
+    """Each row's measured and predicted speed-up over the exact row (the first), in place."""
+    exact, pred_exact = rows[0].get("decode_s_per_token"), rows[0].get("predicted_decode_s_per_token")
+    for r in rows:
+        r["decode_speedup"] = exact / r["decode_s_per_token"] if exact and r.get("decode_s_per_token") else None
+        p = r.get("predicted_decode_s_per_token")
+        r["predicted_speedup"] = pred_exact / p if pred_exact and p else None
+
+
 def run_child(name: str, argv: list[str] | None) -> dict:
     """`name` run in a fresh process (what one `kvpipe run` sees: no earlier variant's pinned
     blocks, streams or compiled code), its row read back; a child that dies is a failed row."""
@@ -96,20 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if "exact" not in args.variants:
         ap.error("variants: the exact run is the reference of the speed-up; keep it")
-    rows = []
-    for name in ["exact"] + [v for v in args.variants if v != "exact"] + (["sparse"] if args.sparse else []):
-        rows.append(run_variant(name, args) if args.in_process else run_child(name, argv))
-        print(f"lossy_run: {name}: {json.dumps({k: rows[-1].get(k) for k in ('decode_s_per_token', 'prefill_s', 'error', 'wall_s')})}",
-              file=sys.stderr, flush=True)
-    exact = rows[0].get("decode_s_per_token")
-    for r in rows:
-        r["decode_speedup"] = exact / r["decode_s_per_token"] if exact and r.get("decode_s_per_token") else None
-    pred_exact = rows[0].get("predicted_decode_s_per_token")
-    for r in rows:
-        p = r.get("predicted_decode_s_per_token")
-        r["predicted_speedup"] = pred_exact / p if pred_exact and p else None
     import torch
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    rows: list[dict] = []
     out = {"command": " ".join([sys.executable, "-m", "benchmarks.lossy_run", *(argv or sys.argv[1:])]),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
@@ -118,7 +116,12 @@ def main(argv: list[str] | None = None) -> int:
            "rows": rows}
     path = Path(args.out) if args.out else RESULTS / f"lossy-run-{datetime.date.today()}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1))
+    for name in ["exact"] + [v for v in args.variants if v != "exact"] + (["sparse"] if args.sparse else []):
+        rows.append(run_variant(name, args) if args.in_process else run_child(name, argv))
+        print(f"lossy_run: {name}: {json.dumps({k: rows[-1].get(k) for k in ('decode_s_per_token', 'prefill_s', 'error', 'wall_s')})}",
+              file=sys.stderr, flush=True)
+        speedups(rows)
+        path.write_text(json.dumps(out, indent=1))   # after every variant: a run cut short keeps its rows
     print(f"wrote {path}")
     print(f"{'variant':8} {'decode ms/tok':>14} {'predicted':>10} {'meas/pred':>10} {'speed-up':>9} "
           f"{'pred. s-up':>10} {'prefill s':>10} {'attn rel err':>13}")
