@@ -3,12 +3,15 @@
 
   python -m benchmarks.lossy_error                 # 8 cases x 8 steps x 4 query heads at 32K
   python -m benchmarks.lossy_error --context 8K --cases 2
+  python -m benchmarks.lossy_error --probe-only    # the random-weights probe alone (minutes)
 
 For every method: the exact attention mass on the tokens it attended (recall), the relative L2
 error of the attention output, and the needle hit rate (the step's needle keeps at least half its
 exact mass), each against float64 softmax attention over the same bf16 K/V. Rows marked
 `reference` are not kvpipe options: they bound what any selection at that budget can reach;
 `variant` rows are settings kvpipe does not use by default, kept to show why.
+The random-weights probe (`probe_cases`) measures each quantisation and sparse decode at
+--probe-sparse fractions (the executor's token-sketch selection) against float64 attention.
 The table is printed last; JSON (with the command and date) goes to
 benchmarks/results/lossy-error-<date>.json (or --out)."""
 from __future__ import annotations
@@ -147,20 +150,41 @@ def probe_cases(n: int, tokens: int, seed: int):
 
 
 QUANT_SWEEP = (("int8", 64), ("int4", 16), ("int4", 32), ("int4", 64), ("int4", 128))
+PROBE_SPARSE = "0.1,0.2,0.3"
 
 
-def probe_rows(n: int, tokens: int, seed: int) -> dict:
-    """Relative error of the probe's attention output per quantisation (executor layout)."""
+def probe_sparse_name(fraction: float) -> str:
+    return f"sparse {fraction:.0%}, 2-bit token sketch"
+
+
+def probe_rows(n: int, tokens: int, seed: int, fractions: tuple[float, ...] = ()) -> dict:
+    """Relative error of the probe's attention output per quantisation (executor layout) and per
+    sparse fraction (the token sketch's selection, `sketch_keep`; with the exact attention mass
+    on the selected tokens, recall, against float64 attention over every key)."""
     errs = {q: [] for q in QUANT_SWEEP}
+    serr = {f: ([], [], []) for f in fractions}     # rel err, recall, tokens fetched (fraction)
     for k, v, q in probe_cases(n, tokens, seed):
-        ref = attend(q, k, v)[1]
+        ref_w, ref = attend(q, k, v)
         for quant, group in QUANT_SWEEP:
             out = attend(q, *block_kv(k, v, LossySpec(quant, group=group)))[1]
             errs[(quant, group)].append(((out - ref).norm(dim=-1) / ref.norm(dim=-1)).flatten())
-    return {f"{quant} (group {group})": {"rel_err_mean": torch.cat(e).mean().item(),
+        for f in fractions:
+            keep = sketch_keep(q, k, LossySpec(sparse=f, sketch=2))                   # [1, S]
+            out = attend(q, k, v, keep)[1]
+            serr[f][0].append(((out - ref).norm(dim=-1) / ref.norm(dim=-1)).flatten())
+            serr[f][1].append((ref_w * keep[:, None, :]).sum(-1).flatten())             # [G]
+            serr[f][2].append(keep.double().mean().item())
+    rows = {f"{quant} (group {group})": {"rel_err_mean": torch.cat(e).mean().item(),
                                           "rel_err_max": torch.cat(e).max().item(),
                                           "bits_per_value": 16 * LossySpec(quant, group=group).ratio(2)}
             for (quant, group), e in errs.items()}
+    for f, (rel, rec, got) in serr.items():
+        rows[probe_sparse_name(f)] = {"fraction": f, "rel_err_mean": torch.cat(rel).mean().item(),
+                                      "rel_err_max": torch.cat(rel).max().item(),
+                                      "recall_mean": torch.cat(rec).mean().item(),
+                                      "recall_min": torch.cat(rec).min().item(),
+                                      "tokens_fetched": statistics.fmean(got)}
+    return rows
 
 
 def sparse(fraction: float, chunk: int = 64, adaptive: bool = False, quant: str | None = None,
@@ -209,17 +233,25 @@ def sketched(fraction: float, bits: int = 2):
     spec = LossySpec(sparse=fraction, sketch=bits)
 
     def method(case, ref_w):
-        S = case.k.shape[0]
-        sealed = S // spec.chunk * spec.chunk
-        lo, hi = summarise(case.k[:sealed], even_bounds(sealed, spec.chunk))
-        codes = sparse_sketch.encode(case.k[:sealed], lo, hi, bits)
-        share = torch.stack([sparse_sketch.group_share(sparse_sketch.scores(q, lo, hi, codes, bits))
-                             for q in case.q])                                                # [T, sealed]
-        idx = sparse_sketch.select(share, S, spec.fetched_tokens(S), spec.sink, spec.recent)  # [T, N]
-        keep = torch.zeros(case.q.shape[0], S, dtype=torch.bool).scatter_(1, idx, True)
+        keep = sketch_keep(case.q, case.k, spec)
         w, out = attend(case.q, case.k, case.v, keep)
-        return w, out, S
+        return w, out, case.k.shape[0]
     return method
+
+
+def sketch_keep(q: torch.Tensor, k: torch.Tensor, spec: LossySpec) -> torch.Tensor:
+    """The tokens kvpipe run's sparse decode fetches (executor/sparse_homes.py on the torch path)
+    for queries q [T, G, D] over keys k [S, D]: the sealed 64-token chunks summarised, their keys
+    sketched, every sealed token ranked by the group's estimated share and sparse_sketch.select's
+    pick (sink, recent window, unsealed tail, best tokens): keep [T, S] bool."""
+    S = k.shape[0]
+    sealed = S // spec.chunk * spec.chunk
+    lo, hi = summarise(k[:sealed], even_bounds(sealed, spec.chunk))
+    codes = sparse_sketch.encode(k[:sealed], lo, hi, spec.sketch)
+    share = torch.stack([sparse_sketch.group_share(sparse_sketch.scores(qt, lo, hi, codes, spec.sketch))
+                         for qt in q])                                                      # [T, sealed]
+    idx = sparse_sketch.select(share, S, spec.fetched_tokens(S), spec.sink, spec.recent)    # [T, N]
+    return torch.zeros(q.shape[0], S, dtype=torch.bool).scatter_(1, idx, True)
 
 
 def moved_fraction(name: str, fraction: float, S: int, D: int = 128) -> float:
@@ -275,26 +307,17 @@ def summarise_errors(errs: list, fetched: list[float]) -> dict:
             "needles": hit.numel(), "tokens_fetched": sum(fetched) / len(fetched)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--context", default="32K")
-    ap.add_argument("--cases", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--fraction", default="0.2", help="token budget of sparse rows; a comma list runs each")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", help="JSON path (default benchmarks/results/lossy-error-<date>.json)")
-    ap.add_argument("--probe-cases", type=int, default=4, help="random-weights probe cases (0: none)")
-    ap.add_argument("--probe-tokens", default="16K", help="random-weights probe: tokens per case")
-    args = ap.parse_args(argv)
-    spec = NeedleSpec(context=parse_tokens(args.context), cases=args.cases, steps=args.steps, seed=args.seed)
-    torch.manual_seed(0)
+def fractions_arg(text: str) -> tuple[float, ...] | None:
+    """Comma-separated fractions in (0, 1], or None (the caller says so on stderr)."""
     try:
-        fractions = [float(f) for f in args.fraction.split(",")]
-        if not all(0 < f <= 1 for f in fractions):
-            raise ValueError
+        out = tuple(float(f) for f in text.split(",") if f.strip())
     except ValueError:
-        print(f"--fraction: expected fractions in (0, 1], comma-separated, got {args.fraction!r}", file=sys.stderr)
-        return 2
+        return None
+    return out if all(0 < f <= 1 for f in out) else None
+
+
+def needle_rows(spec: NeedleSpec, fractions: list[float]) -> tuple[dict, dict]:
+    """Every method's row on the needle set, and the set's description (exact attention's shape)."""
     table, frac_of = {}, {}
     for i, f in enumerate(fractions):
         new = methods(f, first=(i == 0))
@@ -303,7 +326,6 @@ def main(argv: list[str] | None = None) -> int:
     errs = {name: [] for name in table}
     fetched = {name: [] for name in table}
     chunks = {name: [] for name in table}
-    t0 = time.time()
     shape = {"top20_mass": [], "needle_mass": [], "sink_mass": []}
     for case in cases(spec):
         ref_w, ref_out = exact(case)
@@ -326,30 +348,19 @@ def main(argv: list[str] | None = None) -> int:
         quant = next((q for q in ("int8", "int4") if name.startswith(q)), None)
         if quant:
             row["bits_per_value"] = 16 * LossySpec(quant, group=int(name.split("group ")[1].split(")")[0])).ratio(2)
-    probe = probe_rows(args.probe_cases, parse_tokens(args.probe_tokens), args.seed) if args.probe_cases else {}
-    result = {
-        "command": "python -m benchmarks.lossy_error " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()} {platform.processor() or ''} torch {torch.__version__} (CPU)".strip(),
-        "wall_s": round(time.time() - t0, 1),
-        "set": {"context": spec.context, "head_dim": spec.head_dim, "gqa": spec.gqa, "cases": spec.cases,
-                "steps": spec.steps, "seed": spec.seed, "dtype": spec.dtype,
-                "needle_logit": list(spec.needle_logit), "topic_logit": spec.topic_logit,
-                "sink_logit": spec.sink_logit,
-                "exact_needle_mass": {"min": stats["needle_mass"].min().item(),
-                                      "median": stats["needle_mass"].median().item()},
-                "exact_sink_mass_median": stats["sink_mass"].median().item(),
-                "exact_top20pct_mass": {"mean": stats["top20_mass"].mean().item(),
-                                        "min": stats["top20_mass"].min().item()}},
-        "rows": rows,
-        "probe": {"what": "random-weights probe at Llama-3-8B shapes (HF init std 0.02, layer 0, last query "
-                          "over every key), as `kvpipe run --random-weights --lossy` measures itself; not task accuracy",
-                  "cases": args.probe_cases, "tokens": parse_tokens(args.probe_tokens), "rows": probe},
-    }
-    out = Path(args.out or f"benchmarks/results/lossy-error-{datetime.date.today().isoformat()}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    s = result["set"]
+    info = {"context": spec.context, "head_dim": spec.head_dim, "gqa": spec.gqa, "cases": spec.cases,
+            "steps": spec.steps, "seed": spec.seed, "dtype": spec.dtype,
+            "needle_logit": list(spec.needle_logit), "topic_logit": spec.topic_logit,
+            "sink_logit": spec.sink_logit,
+            "exact_needle_mass": {"min": stats["needle_mass"].min().item(),
+                                  "median": stats["needle_mass"].median().item()},
+            "exact_sink_mass_median": stats["sink_mass"].median().item(),
+            "exact_top20pct_mass": {"mean": stats["top20_mass"].mean().item(),
+                                    "min": stats["top20_mass"].min().item()}}
+    return rows, info
+
+
+def print_needles(spec: NeedleSpec, rows: dict, s: dict) -> None:
     print(f"synthetic needle set: {spec.cases} cases x {spec.steps} steps x {spec.gqa} query heads, "
           f"{spec.context} tokens, D={spec.head_dim}, {spec.dtype} cache, reference float64 attention")
     print(f"exact attention: top 20% of tokens hold {s['exact_top20pct_mass']['mean']:.3f} of the mass "
@@ -362,15 +373,79 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:36}{r['kind']:>10}{r['tokens_fetched']:>9.3f}{r['moved_fraction']:>7.3f}{r['recall_mean']:>8.3f}"
               f"{r['recall_p5']:>8.3f}"
               f"{r['rel_err_mean']:>10.2e}{r['rel_err_max']:>10.2e}{r['needle_hit_rate']:>9.1%}")
+
+
+def print_probe(probe: dict, rows: dict, context: int | None, cases_: int, tokens: int) -> None:
+    needles = "" if context is None else f"the {context}-token needle set and "
+    print(f"quantisation error vs group size (mean / max rel err of the attention output) on {needles}"
+          f"the random-weights probe ({cases_} x {tokens} tokens):")
+    print(f"{'quantisation':24}{'bits/value':>11}{'needle mean':>13}{'needle max':>12}{'probe mean':>12}"
+          f"{'probe max':>12}")
+    for name, p in probe.items():
+        if "bits_per_value" not in p:
+            continue
+        r = rows.get(name, {})
+        nm = f"{r['rel_err_mean']:.2e}" if r else "-"
+        nx = f"{r['rel_err_max']:.2e}" if r else "-"
+        print(f"{name:24}{p['bits_per_value']:>11.2f}{nm:>13}{nx:>12}{p['rel_err_mean']:>12.2e}{p['rel_err_max']:>12.2e}")
+    sparse_rows = {n: p for n, p in probe.items() if "fraction" in p}
+    if sparse_rows:
+        print(f"sparse decode on the random-weights probe (the executor's token-sketch selection; "
+              f"recall: exact attention mass on the fetched tokens):")
+        print(f"{'sparse':32}{'fetched':>9}{'recall':>8}{'rec min':>9}{'rel err':>10}{'max':>10}")
+        for name, p in sparse_rows.items():
+            print(f"{name:32}{p['tokens_fetched']:>9.3f}{p['recall_mean']:>8.3f}{p['recall_min']:>9.3f}"
+                  f"{p['rel_err_mean']:>10.2e}{p['rel_err_max']:>10.2e}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--context", default="32K")
+    ap.add_argument("--cases", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--fraction", default="0.2", help="token budget of sparse rows; a comma list runs each")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", help="JSON path (default benchmarks/results/lossy-error-<date>.json)")
+    ap.add_argument("--probe-cases", type=int, default=4, help="random-weights probe cases (0: none)")
+    ap.add_argument("--probe-tokens", default="16K", help="random-weights probe: tokens per case")
+    ap.add_argument("--probe-sparse", default=PROBE_SPARSE,
+                    help="random-weights probe: sparse fractions measured (comma list; empty: none)")
+    ap.add_argument("--probe-only", action="store_true", help="only the random-weights probe (no needle set)")
+    args = ap.parse_args(argv)
+    spec = NeedleSpec(context=parse_tokens(args.context), cases=args.cases, steps=args.steps, seed=args.seed)
+    torch.manual_seed(0)
+    fractions = fractions_arg(args.fraction)
+    probe_fractions = fractions_arg(args.probe_sparse) if args.probe_sparse.strip() else ()
+    for flag, val, got in (("--fraction", args.fraction, fractions), ("--probe-sparse", args.probe_sparse,
+                                                                      probe_fractions)):
+        if got is None or (flag == "--fraction" and not got):
+            print(f"{flag}: expected fractions in (0, 1], comma-separated, got {val!r}", file=sys.stderr)
+            return 2
+    if args.probe_only and not args.probe_cases:
+        print("--probe-cases: --probe-only needs at least one probe case", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    rows, info = ({}, None) if args.probe_only else needle_rows(spec, list(fractions))
+    tokens = parse_tokens(args.probe_tokens)
+    probe = probe_rows(args.probe_cases, tokens, args.seed, probe_fractions) if args.probe_cases else {}
+    result = {
+        "command": "python -m benchmarks.lossy_error " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()} {platform.processor() or ''} torch {torch.__version__} (CPU)".strip(),
+        "wall_s": round(time.time() - t0, 1),
+        "set": info,
+        "rows": rows,
+        "probe": {"what": "random-weights probe at Llama-3-8B shapes (HF init std 0.02, layer 0, last query "
+                          "over every key), as `kvpipe run --random-weights --lossy` measures itself; not task accuracy",
+                  "cases": args.probe_cases, "tokens": tokens, "rows": probe},
+    }
+    out = Path(args.out or f"benchmarks/results/lossy-error-{datetime.date.today().isoformat()}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    if info:
+        print_needles(spec, rows, info)
     if probe:
-        print(f"quantisation error vs group size ({spec.context}-token needle set, mean / max rel err of the "
-              f"attention output) and the random-weights probe ({args.probe_cases} x {parse_tokens(args.probe_tokens)} tokens):")
-        print(f"{'quantisation':24}{'bits/value':>11}{'needle mean':>13}{'needle max':>12}{'probe mean':>12}")
-        for name, p in probe.items():
-            r = rows.get(name, {})
-            nm = f"{r['rel_err_mean']:.2e}" if r else "-"
-            nx = f"{r['rel_err_max']:.2e}" if r else "-"
-            print(f"{name:24}{p['bits_per_value']:>11.2f}{nm:>13}{nx:>12}{p['rel_err_mean']:>12.2e}")
+        print_probe(probe, rows, None if args.probe_only else spec.context, args.probe_cases, tokens)
     print(f"json: {out}")
     return 0
 
