@@ -171,7 +171,8 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
     letting the simulator decide. LOSSY opt-ins, never chosen for the user: `lossy` "int8"/"int4"
     quantises the offloaded KV, `sparse` F fetches a fraction F of the tokens per decode step
     (pipeline/lossy.py). `max_error`: an attention-output error budget within which the planner
-    may pick int8/int4 by their measured error (sim/lossy_choice.py); without it, never lossy.
+    may pick int8/int4 or a sparse fraction by their measured error (sim/lossy_choice.py);
+    without it, never lossy.
     `fuse` auto|on|off (None: KVPIPE_FUSE, else auto; pipeline/fusion.py): replayed decode steps
     with fused elementwise work, its one-time compile reported beside the total.
     `max_context` answers the largest context that fits, with its plan;
@@ -253,8 +254,9 @@ def _check_max_error(max_error, lossy, sparse) -> None:
 
 
 def _lossy_replay(plan: Plan) -> bool | None:
-    """Quantised KV runs eagerly (its stages cannot be replayed): predicted so; else the default."""
-    return False if plan.lossy is not None and plan.lossy.quant else None
+    """Lossy KV (quantised or sparse) runs eagerly (`run` issues its stages one by one): predicted
+    so; else the default."""
+    return False if plan.lossy is not None else None
 
 
 def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | None = None,
@@ -347,7 +349,7 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
         from kvpipe.sim.lossy_choice import choose_lossy
         replay_ok = issue == "graph" and work.decode_tokens > 0 and not chosen.disk
         picked, choice = choose_lossy(chosen, max_error, objective, lambda p: _predict(
-            spec, work, p, profile, budgets, replay=replay_ok and not (p.lossy and p.lossy.quant),
+            spec, work, p, profile, budgets, replay=replay_ok and p.lossy is None,   # lossy runs eagerly
             fuse="auto" if fuse == "on" else fuse),
             refuse="not with --replay on (lossy stages run eagerly)" if replay == "on" else None)
         chosen = picked.plan

@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LOSSY opt-in: each decode step fetches a fraction F of the offloaded tokens")
     p.add_argument("--max-error", type=float, metavar="REL",
                    help="LOSSY only within this budget: attention-output relative error; the planner may pick "
-                        "int8/int4 where their measured error is within it (without it: never lossy)")
+                        "int8/int4 or a sparse fraction (not both) where its measured error is within it "
+                        "(without it: never lossy)")
     p.add_argument("--out", metavar="PLAN.json", help="write the chosen plan for `kvpipe run --plan`")
     p.add_argument("--max-context", action="store_true", help="the largest context that fits, with its plan")
     r = sub.add_parser("run", help="execute on this machine's GPU (or CPU) and print measured next to predicted",
@@ -139,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "by a key sketch on the GPU (not with --lossy or disk units yet)")
     r.add_argument("--max-error", type=float, metavar="REL",
                    help="LOSSY only within this budget: attention-output relative error; the planner may pick "
-                        "int8/int4 where their measured error is within it (without it: never lossy)")
+                        "int8/int4 or a sparse fraction (not both) where its measured error is within it "
+                        "(without it: never lossy)")
     r.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="time the first run in the process (CUDA: by default one prefill chunk and one "
                         "decode step run first, untimed, as HF baselines warm up)")

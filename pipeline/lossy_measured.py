@@ -1,43 +1,72 @@
-"""The measured error of each quantisation option, carried as data with its source: the mean
-relative error of the attention output against exact float64 attention, on the synthetic needle
-set and on the random-weights probe (benchmarks/lossy_error.py, which writes both; the figures
-below are copied from its JSON, and tests/test_lossy_choice.py checks them against that file).
-`--max-error` admits an option only where the WORSE of its two figures is within the budget.
-Neither figure is a task accuracy: we have no trained weights."""
+"""The measured error of each lossy option the planner may pick, carried as data with its source:
+the mean relative error of the attention output against exact float64 attention, on the synthetic
+needle set and on the random-weights probe (benchmarks/lossy_error.py, which writes both; the
+figures below are copied from its JSON files, and tests/test_lossy_choice.py checks them against
+those files). `--max-error` admits an option only where the WORSE of its two figures is within
+the budget. Neither figure is a task accuracy: we have no trained weights."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-SOURCE = "benchmarks/results/lossy-error-2026-11-30-quant.json"
+SOURCE = "benchmarks/results/lossy-error-2026-11-30-quant.json"   # quantisation: needle set and probe
+SPARSE_NEEDLE_SOURCE = "benchmarks/results/lossy-error-2026-11-30.json"          # sparse: the needle set
+SPARSE_PROBE_SOURCE = "benchmarks/results/lossy-error-2026-11-30-sparse.json"    # sparse: the probe
 COMMAND = "python -m benchmarks.lossy_error"
+SPARSE_SKETCH = 2   # the sparse rows were measured with the 2-bit token sketch, chunks 64, sink 64,
+                    # recent 256: LossySpec's defaults, which a sparse pick uses
 
 
 @dataclass(frozen=True)
 class MeasuredError:
-    """Mean relative error of the attention output: `needle` on the needle set (32K tokens, 8
-    cases x 8 steps x 4 query heads), `probe` on the random-weights probe (4 cases x 16K tokens)."""
+    """Mean relative error of the attention output of the option named `row` (its row name in
+    both JSON files): `needle` on the needle set (32K tokens, 8 cases x 8 steps x 4 query heads,
+    in `needle_source`), `probe` on the random-weights probe (4 cases x 16K tokens, in
+    `probe_source`)."""
 
-    quant: str
-    group: int
+    row: str
     needle: float
     probe: float
+    needle_source: str = SOURCE
+    probe_source: str = SOURCE
 
     def __post_init__(self) -> None:
         for f in ("needle", "probe"):
             v = getattr(self, f)
             if not isinstance(v, float) or not v >= 0:
                 raise ValueError(f"{f}: must be a measured error >= 0, got {v!r}")
+        for f in ("row", "needle_source", "probe_source"):
+            if not isinstance(getattr(self, f), str) or not getattr(self, f):
+                raise ValueError(f"{f}: must be a non-empty string, got {getattr(self, f)!r}")
 
     @property
     def worst(self) -> float:
         return max(self.needle, self.probe)
 
+    @property
+    def sources(self) -> str:
+        if self.needle_source == self.probe_source:
+            return self.needle_source
+        return f"{self.needle_source}, {self.probe_source}"
+
     def describe(self) -> str:
         return (f"measured attention-output rel. error {self.worst:.2g} (needle set {self.needle:.2g}, "
-                f"random-weights probe {self.probe:.2g}; {SOURCE})")
+                f"random-weights probe {self.probe:.2g}; {self.sources})")
 
 
-MEASURED = {(m.quant, m.group): m for m in (
-    MeasuredError("int8", 64, needle=0.00657, probe=0.0093),
-    MeasuredError("int4", 32, needle=0.08463, probe=0.12479),
-)}
+MEASURED = {(quant, group): MeasuredError(f"{quant} (group {group})", needle=needle, probe=probe)
+            for quant, group, needle, probe in (
+                ("int8", 64, 0.00657, 0.0093),
+                ("int4", 32, 0.08463, 0.12479),
+            )}
+"""(quant, group) -> its measured error."""
+
+SPARSE_MEASURED = {f: MeasuredError(f"sparse {f:.0%}, {SPARSE_SKETCH}-bit token sketch", needle=needle, probe=probe,
+                                    needle_source=SPARSE_NEEDLE_SOURCE, probe_source=SPARSE_PROBE_SOURCE)
+                   for f, needle, probe in (
+                       (0.1, 0.04284, 1.5095),
+                       (0.2, 0.01998, 0.80137),
+                       (0.3, 0.01093, 0.50875),
+                   )}
+"""Sparse decode fraction F -> its measured error. The probe's random weights spread attention
+almost evenly, so a fraction of the tokens holds little more than that fraction of the mass: its
+figure is far above the needle set's, and it is the one that binds."""

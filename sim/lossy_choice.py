@@ -1,9 +1,12 @@
-"""Lossy KV chosen only from an explicit error budget (`--max-error REL`): the exact plan and the
-same plan with each quantisation whose MEASURED error (pipeline/lossy_measured.py, from
-benchmarks/lossy_error.py) is within the budget are predicted, and the best on the objective that
-fits wins; ties go to exact. Without a budget nothing here runs and no plan is ever lossy
-unless the user opts in with --lossy. A pick carries its basis (budget, figure, source), so it
-is labelled LOSSY wherever --lossy would be."""
+"""Lossy KV chosen only from an explicit error budget (`--max-error REL`): the exact plan, the same
+plan with each quantisation, and the same plan with each sparse-decode fraction whose MEASURED error
+(pipeline/lossy_measured.py, from benchmarks/lossy_error.py) is within the budget are predicted,
+and the best on the objective that fits wins; ties go to exact, then to the smaller error. Sparse
+and quantisation are never combined (the executor refuses it), and sparse is not a candidate where
+the run could not execute it: disk units or a codec on a link (executor/sparse_homes.py).
+Without a budget nothing here runs and no plan is ever lossy unless the user opts in with --lossy
+or --sparse. A pick carries its basis (budget, figures, sources), so it is labelled LOSSY wherever
+--lossy would be."""
 from __future__ import annotations
 
 import math
@@ -11,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvpipe.pipeline.lossy import DEFAULT_GROUP, QUANT_BITS, LossySpec
-from kvpipe.pipeline.lossy_measured import MEASURED
+from kvpipe.pipeline.lossy_measured import MEASURED, SPARSE_MEASURED, SPARSE_SKETCH, MeasuredError
 from kvpipe.pipeline.plan import Plan
 
 from .planner import objective_value
@@ -40,26 +43,42 @@ class LossyChoice:
         return f"--max-error {self.max_error:g}: {pick} chosen ({rows})"
 
 
-def admitted(max_error: float) -> list[tuple[str, LossySpec | None, str]]:
-    """(option, spec or None for exact, verdict) for exact and every quantisation."""
-    out = [("exact", None, "exact")]
-    for quant in QUANT_BITS:
-        m = MEASURED.get((quant, DEFAULT_GROUP[quant]))
-        if m is None:
-            out.append((quant, None, "no measured error: not a candidate"))
-        elif m.worst > max_error:
-            out.append((quant, None, f"above the budget ({m.describe()})"))
-        else:
-            basis = f"chosen under --max-error {max_error:g}: {m.describe()}"
-            out.append((quant, LossySpec(quant, error=(("attn_rel_err", m.worst),), basis=basis), "within the budget"))
-    return out
+@dataclass(frozen=True)
+class Option:
+    """One lossy candidate: its name in the choice, what it measured, and the spec it runs as."""
+
+    name: str
+    measured: MeasuredError
+    quant: str | None = None
+    sparse: float | None = None
+
+    def spec(self, max_error: float) -> LossySpec:
+        basis = f"chosen under --max-error {max_error:g}: {self.measured.describe()}"
+        err = (("attn_rel_err", self.measured.worst), ("needle_rel_err", self.measured.needle),
+               ("probe_rel_err", self.measured.probe))
+        if self.quant:
+            return LossySpec(self.quant, error=err, basis=basis)
+        return LossySpec(sparse=self.sparse, sketch=SPARSE_SKETCH, error=err, basis=basis)
 
 
-def excluded(plan: Plan) -> str | None:
-    """Why no quantisation can run over `plan` (a codec on a link: quantised records cross the
-    links as they are), or None."""
+def sparse_name(fraction: float) -> str:
+    return f"sparse {fraction:.0%}"
+
+
+def options() -> list[Option]:
+    """Every lossy option with a measured error: each quantisation, then each sparse fraction."""
+    out = [Option(q, MEASURED[(q, DEFAULT_GROUP[q])], quant=q) for q in QUANT_BITS if (q, DEFAULT_GROUP[q]) in MEASURED]
+    return out + [Option(sparse_name(f), m, sparse=f) for f, m in sorted(SPARSE_MEASURED.items())]
+
+
+def excluded(plan: Plan, option: Option | None = None) -> str | None:
+    """Why `option` (any lossy option if None) cannot run over `plan`, or None: quantised records
+    and sparse gathers cross the links as they are (no codec on a link), and sparse decode reads
+    every offloaded unit from host RAM (no disk units; executor/sparse_homes.py)."""
     if any(name != "none" for pp in (plan.prefill, plan.decode) for _, name in pp.codecs):
         return "not with a codec on a link"
+    if option is not None and option.sparse is not None and plan.disk:
+        return "not with disk units (sparse decode reads every offloaded unit from host RAM)"
     return None
 
 
@@ -67,25 +86,29 @@ def choose_lossy(plan: Plan, max_error: float, objective: str, predict: Callable
                  refuse: str | None = None) -> tuple[object, LossyChoice]:
     """The best of `plan` (exact) and its admitted lossy variants. `predict(plan)` returns an
     object with `problems` (budget misses) and the simulator's `report` (api._predict).
-    `refuse`: why the caller cannot run a lossy plan at all (e.g. --replay on), or None."""
+    `refuse`: why the caller cannot run a lossy plan at all (e.g. --replay on), or None.
+    Candidates are tried exact first, then by measured error (smallest first), and one replaces
+    the best so far only when strictly faster: ties go to exact, then to the smaller error."""
     max_error = check_budget(max_error)
-    refuse = refuse or excluded(plan)
-    best, best_v, rows = None, math.inf, []
-    for name, spec, verdict in admitted(max_error):
-        if name != "exact" and spec is not None and refuse:
-            spec, verdict = None, refuse
-        if name != "exact" and spec is None:
-            m = MEASURED.get((name, DEFAULT_GROUP[name]))
-            rows.append((name, m.worst if m else None, verdict))
-            continue
-        pred = predict(plan if spec is None else plan.with_(lossy=spec))
+    rows: dict[str, tuple[str, float | None, str]] = {}
+    tried: list[tuple[str, Plan, float | None]] = [("exact", plan, None)]
+    for opt in options():
+        why = refuse or excluded(plan, opt)
+        if opt.measured.worst > max_error:
+            rows[opt.name] = (opt.name, opt.measured.worst, f"above the budget ({opt.measured.describe()})")
+        elif why:
+            rows[opt.name] = (opt.name, opt.measured.worst, why)
+        else:
+            tried.append((opt.name, plan.with_(lossy=opt.spec(max_error)), opt.measured.worst))
+    best, best_v, pick = None, math.inf, None
+    for name, p, err in sorted(tried, key=lambda t: -1.0 if t[2] is None else t[2]):
+        pred = predict(p)
         v = objective_value(pred, objective)
-        m = MEASURED.get((name, DEFAULT_GROUP.get(name)))
         fits = not pred.problems
-        rows.append((name, m.worst if m else None, f"predicted {objective} {v:.3g} s" + ("" if fits else ", does not fit")))
-        if fits and v < best_v * (1 - 1e-9):     # strictly better than exact (first) to pick lossy
-            best, best_v = pred, v
+        rows[name] = (name, err, f"predicted {objective} {v:.3g} s" + ("" if fits else ", does not fit"))
+        if fits and v < best_v * (1 - 1e-9):     # strictly better than all before it
+            best, best_v, pick = pred, v, (None if name == "exact" else name)
     if best is None:   # nothing fits: keep the exact prediction (its problems are reported as usual)
-        best = predict(plan)
-    chosen = best.plan.lossy.quant if best.plan.lossy else None
-    return best, LossyChoice(max_error, tuple(rows), chosen)
+        best, pick = predict(plan), None
+    order = ["exact"] + [o.name for o in options()]
+    return best, LossyChoice(max_error, tuple(rows[n] for n in order if n in rows), pick)
