@@ -112,13 +112,12 @@ class Lanes:
         return self
 
     def close(self) -> None:
+        self.streams = {}
         if self.ops is not None:
             self.ops.synchronize()
             release = getattr(self.ops, "release", None)   # test fakes record without it
-            self.streams = {}
             if release is not None:
                 release()
-        self.streams = {}
 
     def __enter__(self) -> "Lanes":
         return self.open()
