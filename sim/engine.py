@@ -50,16 +50,19 @@ def run(graph: Graph, hw: HardwareProfile, replay: bool = False) -> tuple[Trace,
     """Simulate `graph` on `hw` (decode steps replayed as CUDA graphs if `replay`); returns the
     trace and the pools (with peaks). Where its result is the same (`onepass.exact_for`), the
     one-pass schedule computes it several times faster than the event simulation."""
-    if exact_for(graph, hw) and not decompress_waits(graph, hw):   # its waits point forward: events only
+    synced = decompress_waits(graph, hw)
+    if exact_for(graph, hw) and not synced:   # its waits point forward: events only
         trace, used, peak = schedule(graph, hw, replay)
         pools = Pools(graph)
         pools.used, pools.peak = used, peak
         return trace, pools
-    return run_events(graph, hw, replay)
+    return run_events(graph, hw, replay, synced)
 
 
-def run_events(graph: Graph, hw: HardwareProfile, replay: bool = False) -> tuple[Trace, Pools]:
-    """`run` as a SimPy event simulation: one process per lane and one for the host."""
+def run_events(graph: Graph, hw: HardwareProfile, replay: bool = False,
+               synced: dict[int, int] | None = None) -> tuple[Trace, Pools]:
+    """`run` as a SimPy event simulation: one process per lane and one for the host. `synced`:
+    `codec_sync.decompress_waits(graph, hw)` where the caller has it already."""
     env = simpy.Environment()
     dtype = graph.model.dtype
     stages = graph.stages
@@ -69,7 +72,8 @@ def run_events(graph: Graph, hw: HardwareProfile, replay: bool = False) -> tuple
     pools = Pools(graph)
     # Without duplex, the two copy directions queue on one link.
     link = None if hw.pcie_duplex else simpy.Resource(env, capacity=1)
-    synced = decompress_waits(graph, hw)   # a GPU codec's decode waits for the fetches issued before it
+    if synced is None:   # a GPU codec's decode waits for the fetches issued before it
+        synced = decompress_waits(graph, hw)
 
     in_graph = [replay and s.phase is Phase.DECODE and s.kind is not Kind.D2H for s in stages]
     seconds = [stage_seconds(s, hw, dtype, in_graph[s.id]) for s in stages]
