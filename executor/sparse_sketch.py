@@ -100,14 +100,22 @@ def forced(prefix: int, sealed: int, sink: int, recent: int, device=None) -> tor
 def count(prefix: int, sealed: int, budget: int, sink: int, recent: int) -> int:
     """Tokens a step fetches: `budget`, or the forced ones when they alone are more; never above
     the prefix. The same for every unit of a step (their prefixes are equal)."""
-    return min(prefix, max(budget, sum(b - a for a, b in _ranges(prefix, sealed, sink, recent))))
+    return split(prefix, sealed, budget, sink, recent)[0]
+
+
+def split(prefix: int, sealed: int, budget: int, sink: int, recent: int) -> tuple[int, int, int, int]:
+    """(n, room, h0, h1): the tokens a step fetches (`count`), how many of them are chosen by rank
+    (`room`, <= 0 when the forced ones fill the count), and the unforced tokens' range [h0, h1)."""
+    ranges = _ranges(prefix, sealed, sink, recent)
+    n = min(prefix, max(budget, sum(b - a for a, b in ranges)))
+    return n, n - sum(b - a for a, b in ranges), ranges[0][1], ranges[1][0]
 
 
 def ranks(prefix: int, sealed: int, budget: int, sink: int, recent: int) -> bool:
     """Whether `select` reads the ranking: False when the forced tokens fill the count, or when
     every token is selected (F = 1), so the caller can skip scoring."""
-    n = count(prefix, sealed, budget, sink, recent)
-    return n < prefix and n > sum(b - a for a, b in _ranges(prefix, sealed, sink, recent))
+    n, room, _, _ = split(prefix, sealed, budget, sink, recent)
+    return n < prefix and room > 0
 
 
 def select(share: torch.Tensor, prefix: int, budget: int, sink: int, recent: int) -> torch.Tensor:
@@ -124,15 +132,12 @@ def select(share: torch.Tensor, prefix: int, budget: int, sink: int, recent: int
     With F = 1 (every token selected) nothing is ranked: 0..prefix-1. The unforced ranks must be
     finite (the sketch's shares of finite keys are)."""
     sealed = share.shape[-1]
-    ranges = _ranges(prefix, sealed, sink, recent)
-    n = count(prefix, sealed, budget, sink, recent)
+    n, room, h0, h1 = split(prefix, sealed, budget, sink, recent)     # the unforced tokens: [h0, h1)
     lead, dev = share.shape[:-1], share.device
-    room = n - sum(b - a for a, b in ranges)
     if room <= 0:
         return forced(prefix, sealed, sink, recent, dev)[:n].expand(*lead, n).contiguous()
     if n == prefix:                                         # every token, in order (F = 1: exact)
         return torch.arange(prefix, device=dev).expand(*lead, prefix).contiguous()
-    h0, h1 = ranges[0][1], ranges[1][0]                     # the unforced tokens: room < h1 - h0
     mid = share[..., h0:h1]
     v = torch.topk(mid, room, dim=-1, sorted=False).values.amin(-1, keepdim=True)    # [..., 1]
     above, tied = mid > v, mid == v

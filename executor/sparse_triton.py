@@ -119,10 +119,7 @@ def select(rank: torch.Tensor, prefix: int, budget: int, sink: int, recent: int,
     sealed = rank.shape[-1]
     if not sparse_sketch.ranks(prefix, sealed, budget, sink, recent):
         return sparse_sketch.select(rank, prefix, budget, sink, recent)    # forced only, or F = 1
-    n = sparse_sketch.count(prefix, sealed, budget, sink, recent)
-    ranges = sparse_sketch._ranges(prefix, sealed, sink, recent)
-    room = n - sum(b - a for a, b in ranges)
-    h0, h1 = ranges[0][1], ranges[1][0]
+    n, room, h0, h1 = sparse_sketch.split(prefix, sealed, budget, sink, recent)
     lead, dev = rank.shape[:-1], rank.device
     if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("select: CPU tensors run only in Triton's interpreter (TRITON_INTERPRET=1 before importing triton)")
