@@ -67,9 +67,10 @@ def fit(points: list[dict], key: str) -> tuple[float, float]:
     return fit_alpha_beta_relative([p["raw_bytes"] for p in points], [p[key] for p in points])
 
 
-def perf_timer(fn, reps: int = 3) -> float:
-    """Median host seconds of `fn` after one warm-up call (CPU runs and tests)."""
-    fn()
+def perf_timer(fn, reps: int = 3, warmups: int = 1) -> float:
+    """Median host seconds of `fn` after `warmups` calls (CPU runs and tests)."""
+    for _ in range(warmups):
+        fn()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
