@@ -21,8 +21,8 @@ from kvpipe.pipeline.report import Report
 from kvpipe.pipeline.units import fmt_bytes, fmt_tokens
 from kvpipe.pipeline.workload import Workload
 
-from .inputs import (Knob, PlanArg, apply_tiers, budget, check_weights, free_disk, method_of, output_path,
-                     planner_pins, resolve_plan)
+from .inputs import (Knob, PlanArg, apply_tiers, budget, check_weights, codec_args, free_disk, method_of,
+                     output_path, planner_pins, resolve_plan)
 from .results import PlanResult, Predicted, RunResult
 
 log = logging.getLogger("kvpipe")
@@ -81,8 +81,8 @@ def _choose(spec, work, profile, budgets, method, group, chunk, resident, plan, 
     if _searches(method, plan):
         from kvpipe.sim.planner import search
         found = search(spec, work, profile, budgets, planner_pins(spec, group, chunk, resident), objective,
-                       full=full, h2d_codecs=h2d_codecs and not any(str(c).startswith("h2d=") for c in
-                                                                    ([codec] if isinstance(codec, str) else codec)),
+                       full=full, h2d_codecs=h2d_codecs and not any(str(c).startswith("h2d=")
+                                                                    for c in codec_args(codec)),
                        fuse=fuse)
         if _is_auto(disk) and not codec:
             return _predict(spec, work, found.best.plan, profile, budgets, pred=found.best.prediction,
@@ -323,7 +323,7 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
         plan = read_plan(plan, spec)
     from kvpipe.executor.nvcomp_codec import check_available
     from kvpipe.pipeline.codecs import parse_codec
-    for link, name in (parse_codec(c) for c in ([codec] if isinstance(codec, str) else codec or ())):
+    for link, name in (parse_codec(c) for c in codec_args(codec)):
         if link == "h2d" and name not in ("none", "auto"):
             check_available(name, dev)   # refused before the prediction (its profile may not rate it)
     # The planner of `run` tries an h2d codec as `plan` does, where this run can execute one (CUDA

@@ -125,6 +125,11 @@ def planner_pins(model: ModelSpec, group: Knob = None, chunk: Knob = None, resid
     return Pins(group=g, chunk=c, resident=None if r == "max" else r)
 
 
+def codec_args(codec) -> list:
+    """The --codec argument as a list of LINK=NAME strings: one string, a list of them, or none."""
+    return [codec] if isinstance(codec, str) else list(codec or ())
+
+
 def apply_tiers(model: ModelSpec, plan: Plan, disk: Knob = None, codec=()) -> tuple[Plan, list[str]]:
     """--disk N (offloaded units on disk; auto: the rule's spill) and --codec LINK=NAME applied to
     `plan`; returns it and the links given as LINK=auto (for the simulator to decide)."""
@@ -136,7 +141,7 @@ def apply_tiers(model: ModelSpec, plan: Plan, disk: Knob = None, codec=()) -> tu
         if n > model.units - plan.resident:
             raise ValueError(f"disk: {n} exceeds the {model.units - plan.resident} offloaded units")
         plan = plan.with_(disk=n)
-    pairs = [parse_codec(c) for c in ([codec] if isinstance(codec, str) else codec or ())]
+    pairs = [parse_codec(c) for c in codec_args(codec)]
     fixed = {link: name for link, name in pairs if name != "auto"}
     if fixed:
         pick = lambda p: replace(p, codecs=tuple(sorted({**dict(p.codecs), **fixed}.items())))
