@@ -59,7 +59,10 @@ def attention_plans(s: Stage) -> int:
     group 0; every later call of the chunk has the same shapes). One for its prefix: every chunk's
     prefix length is new. One for its own causal attention when the chunk's length is new: the
     warm-up ran the first chunk cut to WARMUP_TOKENS, and every chunk but the last has the first's
-    length (`start // step`). Decode, and chunks under CUDNN_MIN_ROWS, run on FA2: no plans."""
+    length (`start // step`). (The warm-up's second chunk, CUDNN_MIN_ROWS tokens over the first,
+    pays the process's one-time first prefix attention; its plan serves no chunk of the run unless
+    the chunk is CUDNN_MIN_ROWS tokens, which this count ignores.) Decode, and chunks under
+    CUDNN_MIN_ROWS, run on FA2: no plans."""
     if not (s.tag == "attn" and s.phase is Phase.PREFILL and s.layer == 0 and s.group == 0):
         return 0
     start, end = s.tokens
