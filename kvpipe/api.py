@@ -94,6 +94,43 @@ def _choose(spec, work, profile, budgets, method, group, chunk, resident, plan, 
     return _predict(spec, work, chosen, profile, budgets, full=full, fuse=fuse), None
 
 
+def _lossy_plan(spec, work, budgets, first, lossy, sparse, rechoose):
+    """The exact plan of `first` (a Predicted) with the LOSSY opt-in on, and the planner's result
+    where it searched again (else None). The search ranks exact plans; the lossy GPU bytes (the
+    sparse sketch and chunk summaries, quantised byte slots) come on top, so a plan that fit exact
+    may not fit lossy (512K sparse 0.2 on 24 GB: 5.0 GiB of summaries). Where the planner chose the
+    plan (`rechoose`: budgets -> (Predicted, found), None where the user gave the plan) and the lossy
+    plan does not fit, it searches again with the GPU budget less those bytes, up to 3 times, and
+    keeps the first plan that fits with them; if none does, the original, which then reports
+    "fits: NO" (plan) or is refused (run)."""
+    from kvpipe.pipeline.lossy import LossySpec
+    from kvpipe.pipeline.memory import breakdown
+    from kvpipe.pipeline.report import budget_problems
+    from dataclasses import replace
+
+    from kvpipe.pipeline.units import fmt_bytes
+    from kvpipe.sim.planner import NoPlanFits
+    spec_l = LossySpec(lossy, sparse=sparse)
+    plan = first.plan.with_(lossy=spec_l)
+    if rechoose is None:
+        return plan, None
+    exact, extra, found = first.plan, 0, None
+    for _ in range(3):
+        lossy_gpu = breakdown(spec, work, exact.with_(lossy=spec_l)).gpu
+        if lossy_gpu <= budgets["gpu"]:
+            return exact.with_(lossy=spec_l), found
+        extra = max(extra, lossy_gpu - breakdown(spec, work, exact).gpu)   # what the lossy option adds
+        try:
+            again, found = rechoose(dict(budgets, gpu=budgets["gpu"] - extra))
+        except NoPlanFits:
+            break
+        exact = again.plan
+        if found is not None:
+            found = replace(found, reason=f"{found.reason}; searched with the GPU budget less the lossy "
+                                          f"option's {fmt_bytes(extra)} (summaries, sketch or byte slots)")
+    return plan, None
+
+
 def _max_context(spec, work, budgets, method, group=None, chunk=None, resident=None, plan=None) -> int:
     """Largest prompt that fits: over the planner's space for head-wise, the rule's plan otherwise."""
     from kvpipe.pipeline.plan import Method
@@ -203,8 +240,11 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
     warnings += _room_warning(spec, work, main, budgets, chunk)
     chosen = main.plan
     if lossy is not None or sparse is not None:   # explicit opt-in only, over the exact plan
-        from kvpipe.pipeline.lossy import LossySpec
-        chosen = chosen.with_(lossy=LossySpec(lossy, sparse=sparse))
+        rechoose = (lambda b: _choose(spec, work, profile, b, method, group, chunk, resident, plan, objective,
+                                      full_sim, disk, codec, h2d_codecs=False, fuse=fuse)) \
+            if _searches(method, plan) else None
+        chosen, again = _lossy_plan(spec, work, budgets, main, lossy, sparse, rechoose)
+        found = again or found
         main = _predict(spec, work, chosen, profile, budgets, full=full_sim, replay=_lossy_replay(chosen),
                         fuse=fuse)
     choice = None
@@ -337,8 +377,11 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
                            disk=disk, codec=codec, h2d_codecs=runnable, fuse=fuse)
     chosen = first.plan
     if lossy is not None or sparse is not None:   # LOSSY, explicit opt-in only, over the exact plan
-        from kvpipe.pipeline.lossy import LossySpec
-        chosen = chosen.with_(lossy=LossySpec(lossy, sparse=sparse))
+        rechoose = (lambda b: _choose(spec, work, profile, b, method, group, chunk, resident, plan, objective,
+                                      disk=disk, codec=codec, h2d_codecs=False, fuse=fuse)) \
+            if _searches(method, plan) else None
+        chosen, again = _lossy_plan(spec, work, budgets, first, lossy, sparse, rechoose)
+        found = again or found
     sp = chosen.lossy
     if sp is not None and sp.sparse is not None and (sp.quant or chosen.disk or sp.sketch is None
                                                      or chosen.decode.codec("h2d") != "none"):

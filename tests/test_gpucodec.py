@@ -128,9 +128,12 @@ def test_codec_stages_sit_on_the_gpu_lane_around_the_copies():
 
 def test_copies_cost_stored_bytes_and_codec_stages_the_gpu_rates():
     """Catches h2d/d2h costed at raw bytes with a codec, codec stages costed at the CPU pool's rate,
-    and a plan naming a codec the profile does not rate being costed at all."""
+    and a plan naming a codec the profile does not rate being costed at all. (The per-call cost and
+    the plane kernels' rates are zeroed here: tests/test_codec_cal.py prices them.)"""
     hw = load_profile("h200-testbox")
-    rates = hw.codec(CODEC)
+    rates = replace(hw.codec(CODEC), compress_call_s=0.0, decompress_call_s=0.0, split_bytes_per_s=None,
+                    interleave_bytes_per_s=None)
+    hw = replace(hw, codecs=tuple(rates if c.name == CODEC else c for c in hw.codecs))
     g = build(LLAMA, Workload(8192, 2), plan_of(CODEC, group=4, chunk=4096))
     f = next(s for s in g.stages if s.tag == "kv_fetch" and s.tokens[1] > 0)
     assert stage_seconds(f, hw, "bf16") == pytest.approx(f.ops * hw.h2d_alpha_s + f.bytes / rates.ratio / hw.h2d_bytes_per_s)
