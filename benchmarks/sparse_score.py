@@ -34,7 +34,8 @@ from kvpipe.pipeline.units import parse_tokens
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LAYERS = 32          # Llama-3-8B: the implied decode-step cost is 32 score stages
-TILINGS = ((32, 4), (64, 4), (64, 8), (128, 8))   # (tokens per program, warps) of the score kernel, timed too
+TILINGS = (("token", 32, 4), ("token", 64, 4), ("token", 64, 8), ("token", 128, 8),   # (score kernel, tokens per
+           ("chunk", 64, 2), ("chunk", 64, 4), ("chunk", 64, 8), ("chunk", 32, 2), ("chunk", 32, 4))   # program, warps)
 
 
 def old_select(share: torch.Tensor, prefix: int, budget: int, sink: int, recent: int) -> torch.Tensor:
@@ -108,8 +109,11 @@ def bench(prefix: int, args, dev: torch.device) -> dict:
         share_new = sparse_triton.rank(q, lo, hi, codes, bits)
         row["rank_max_abs_diff"] = float((share_new - share_old).abs().max())
         row["new_rank_s"] = timed(lambda: sparse_triton.rank(q, lo, hi, codes, bits), args.reps, dev)
-        row["rank_tilings_s"] = {f"{blk}x{w}": timed(lambda: sparse_triton.rank(q, lo, hi, codes, bits, block=blk, warps=w),
-                                                     args.reps, dev) for blk, w in TILINGS}
+        row["rank_tilings_s"] = {f"{kern} {blk}x{w}": timed(lambda: sparse_triton.rank(q, lo, hi, codes, bits, block=blk,
+                                                                                      warps=w, kernel=kern),
+                                                            args.reps, dev) for kern, blk, w in TILINGS}
+        row["rank_kernels_max_abs_diff"] = float((sparse_triton.rank(q, lo, hi, codes, bits, kernel="token")
+                                                  - sparse_triton.rank(q, lo, hi, codes, bits, kernel="chunk")).abs().max())
         row["triton_select_s"] = timed(lambda: sparse_triton.select(share_new, prefix, budget, sink, recent),
                                        args.reps, dev)
         row["triton_select_topk_s"] = timed(lambda: sparse_triton.select(share_new, prefix, budget, sink, recent,
@@ -187,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{ms(r, 'triton_select_s'):>7} {ms(r, 'torch_select_s'):>7} {ms(r, 'old_select_s'):>7} {ms(r, 'predicted_score_s'):>8} "
               f"{r['speedup']:8.2f} {r['old_step_ms']:11.1f} {r['new_step_ms']:11.1f} "
               f"{r.get('agreement_min', float('nan')):6.4f}")
+    for r in rows:
+        if r.get("rank_tilings_s"):
+            print(f"{r['context']:>8} rank ms by score kernel and tiling: "
+                  + ", ".join(f"{k} {1e3 * v:.3f}" for k, v in r["rank_tilings_s"].items()))
     if out["profile_fit"]:
         f = out["profile_fit"]
         print(f"profile [gpu]: sparse_score_call_s = {f['sparse_score_call_s']:.4g}, sparse_score_bytes_per_s = "

@@ -31,6 +31,7 @@ SCORE_WARPS = 8     # warps per score program: ptxas (sm_90, Triton 3.9) gives 1
 BLOCK_LSE = 256     # tiles per iteration of lse's loop
 BLOCK_SEL = 1024    # tokens per program of sel_count/sel_write/radix_hist
 SEL_TILES = 256     # tile counts sel_write reads per iteration (fixed: no recompile as the cache grows)
+SCORE_KERNEL = "chunk"   # rank's score kernel: "chunk" (the chunk's range factored out) or "token"
 
 
 def unavailable(device: torch.device, head_dim: int, bits: int) -> str | None:
@@ -48,12 +49,16 @@ def unavailable(device: torch.device, head_dim: int, bits: int) -> str | None:
 
 
 def rank(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tensor, bits: int,
-         with_scores: bool = False, block: int = BLOCK_T, warps: int = SCORE_WARPS):
+         with_scores: bool = False, block: int = BLOCK_T, warps: int = SCORE_WARPS, kernel: str = SCORE_KERNEL):
     """The ranking [..., S] float32 of the S sealed tokens (codes [..., S, D*bits/8], summaries lo,
     hi [..., S/chunk, D], queries q [..., G, D]): the log group share (`sparse_sketch.group_share` of
     `sparse_sketch.scores`, summed in another order). CUDA tensors: compiled kernels; CPU tensors: interpreted.
     `with_scores`: also the float32 scores [..., G, S] (for the tests); `block`, `warps`: the score
-    kernel's tokens per program (a power of two) and warps (for benchmarks/sparse_score.py)."""
+    kernel's tokens per program (a power of two) and warps (for benchmarks/sparse_score.py);
+    `kernel`: "token" rebuilds each token's key k_hat from a [block, D] tile of its chunk's lo and hi
+    (`score`); "chunk" (`score_chunk`) loads the chunk's lo, hi once and scores
+    q . (lo + step/2) + sum cell (q step), with block cut to the chunk where it is larger (a tile
+    in one chunk; the chunk a power of two, else "token" runs). The two round differently."""
     lead, (G, D), S = q.shape[:-2], q.shape[-2:], codes.shape[-2]
     C = lo.shape[-2]
     if codes.shape[:-2] != lead or lo.shape[:-2] != lead or hi.shape != lo.shape or lo.shape[-1] != D:
@@ -65,15 +70,20 @@ def rank(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tenso
     lo3, hi3, c3 = lo.reshape(U, C, D), hi.reshape(U, C, D), codes.reshape(U, S, -1)
     if lo3.stride(-1) != 1 or hi3.stride(-1) != 1 or c3.stride(-1) != 1:
         lo3, hi3, c3 = lo3.contiguous(), hi3.contiguous(), c3.contiguous()
-    n_tiles = -(-S // block)
     s = torch.empty(U, G, S, dtype=torch.float32, device=dev)
-    m = torch.empty(U, G, n_tiles, dtype=torch.float32, device=dev)
-    lsum = torch.empty_like(m)
     lse = torch.empty(U, G, dtype=torch.float32, device=dev)
     out = torch.empty(U, S, dtype=torch.float32, device=dev)
     if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("rank: CPU tensors run only in Triton's interpreter (TRITON_INTERPRET=1 before importing triton)")
-    from .sparse_triton_kernels import lse as lse_k, score as score_k, share as share_k
+    from .sparse_triton_kernels import lse as lse_k, score as score_k, score_chunk, share as share_k
+    if kernel not in ("token", "chunk"):
+        raise ValueError(f"kernel: must be token or chunk, got {kernel!r}")
+    chunk = S // C
+    if kernel == "chunk" and chunk & (chunk - 1) == 0:
+        score_k, block = score_chunk, min(block, chunk)
+    n_tiles = -(-S // block)
+    m = torch.empty(U, G, n_tiles, dtype=torch.float32, device=dev)
+    lsum = torch.empty_like(m)
     score_k[(U, n_tiles)](qf, lo3, hi3, c3, s, m, lsum, S, n_tiles, lo3.stride(0), lo3.stride(1),
                           hi3.stride(0), hi3.stride(1), c3.stride(0), c3.stride(1),
                           G=G, D=D, BITS=bits, CHUNK=S // C, BLOCK=block, num_warps=warps)

@@ -36,6 +36,37 @@ def score(q_ptr, lo_ptr, hi_ptr, codes_ptr, s_ptr, m_ptr, l_ptr, S, n_tiles,
         tl.store(l_ptr + (u * G + g) * n_tiles + tile, tl.sum(tl.exp(sm - mx), axis=0))
 
 
+@triton.jit(do_not_specialize=["S", "n_tiles"])
+def score_chunk(q_ptr, lo_ptr, hi_ptr, codes_ptr, s_ptr, m_ptr, l_ptr, S, n_tiles,
+                slo_u, slo_c, shi_u, shi_c, sc_u, sc_t,
+                G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, CHUNK: tl.constexpr,
+                BLOCK: tl.constexpr):
+    # `score` with the chunk's range factored out (BLOCK divides CHUNK: a tile lies in ONE chunk):
+    # q . k_hat = q . (lo + step / 2) + sum_d cell_d (q_d step_d), so the tile loads its chunk's
+    # lo, hi once as [D] vectors (not a [BLOCK, D] tile of each) and never rebuilds k_hat.
+    u = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    t = tile * BLOCK + tl.arange(0, BLOCK)                             # [T] token
+    live = t < S
+    d = tl.arange(0, D)                                                # [D] channel
+    per = 8 // BITS
+    c = (tile * BLOCK) // CHUNK                                        # the tile's chunk
+    lo = tl.load(lo_ptr + u * slo_u + c * slo_c + d).to(tl.float32)    # [D]
+    hi = tl.load(hi_ptr + u * shi_u + c * shi_c + d).to(tl.float32)
+    step = (hi - lo) / (1 << BITS)
+    base = lo + 0.5 * step                                             # the centre of cell 0
+    byte = tl.load(codes_ptr + u * sc_u + t[:, None] * sc_t + (d // per)[None, :], mask=live[:, None], other=0)
+    cell = ((byte.to(tl.int32) >> ((d % per) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+    for g in tl.static_range(G):
+        qg = tl.load(q_ptr + (u * G + g) * D + d)                      # [D] float32, already / sqrt(D)
+        s = tl.sum(cell * (qg * step)[None, :], axis=1) + tl.sum(qg * base, axis=0)   # [T]
+        tl.store(s_ptr + (u * G + g) * S + t, s, mask=live)
+        sm = tl.where(live, s, -float("inf"))
+        mx = tl.max(sm, axis=0)
+        tl.store(m_ptr + (u * G + g) * n_tiles + tile, mx)
+        tl.store(l_ptr + (u * G + g) * n_tiles + tile, tl.sum(tl.exp(sm - mx), axis=0))
+
+
 @triton.jit(do_not_specialize=["n_tiles"])
 def lse(m_ptr, l_ptr, lse_ptr, n_tiles, G: tl.constexpr, BLOCK: tl.constexpr):
     u = tl.program_id(0).to(tl.int64)   # 64-bit offsets: units x tokens x bytes can pass 2^31

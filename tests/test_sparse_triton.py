@@ -42,8 +42,10 @@ for U, G, D, C, chunk, bits, qscale, seed in eval(sys.argv[2]):
     lo[:, :C], hi[:, :C] = blocks.amin(2), blocks.amax(2)
     codes = sparse_sketch.encode(k, lo[:, :C], hi[:, :C], bits)
     q = (torch.randn(U, G, D, generator=g) * qscale).bfloat16()
-    rank, s = sparse_triton.rank(q, lo[:, :C], hi[:, :C], codes, bits, with_scores=True)
-    out.append(dict(q=q, lo=lo[:, :C].clone(), hi=hi[:, :C].clone(), codes=codes, bits=bits, rank=rank, scores=s))
+    for kernel in ("token", "chunk"):
+        rank, s = sparse_triton.rank(q, lo[:, :C], hi[:, :C], codes, bits, with_scores=True, kernel=kernel)
+        out.append(dict(q=q, lo=lo[:, :C].clone(), hi=hi[:, :C].clone(), codes=codes, bits=bits, rank=rank,
+                        scores=s, kernel=kernel))
 torch.save(out, sys.argv[1])
 """
 
@@ -61,8 +63,11 @@ def _reference(q, lo, hi, codes, bits):
     qd = q.double() / math.sqrt(D)
     s = qd @ khat.transpose(-1, -2)                                          # [U, G, S]
     share = torch.logsumexp(s - torch.logsumexp(s, -1, keepdim=True), -2)
-    mag = qd.abs() @ khat.abs().transpose(-1, -2)                            # sum of |terms|
-    return s, share, mag
+    mag = qd.abs() @ khat.abs().transpose(-1, -2)                            # sum of |terms|: "token"
+    # "chunk" sums q . (lo + step/2) and q step . cell: its terms, not k_hat's, bound its rounding
+    step = (hid - lod) / L
+    mag_chunk = qd.abs() @ ((lod + step / 2).abs() + cells.double() * step.abs()).transpose(-1, -2)
+    return s, share, mag, mag_chunk
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton): the kernels cannot be interpreted")
@@ -78,8 +83,11 @@ def test_triton_kernels_score_and_rank_as_the_float64_reference_in_the_interpret
     r = subprocess.run([sys.executable, "-c", _SCRIPT, str(path), repr(CASES)], env=env, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    for case, got in zip(CASES, torch.load(path)):
-        s, share, mag = _reference(got["q"], got["lo"], got["hi"], got["codes"], got["bits"])
+    got_all = torch.load(path)
+    assert [g["kernel"] for g in got_all] == ["token", "chunk"] * len(CASES)
+    for case, got in zip([c for c in CASES for _ in range(2)], got_all):
+        s, share, mag, mag_chunk = _reference(got["q"], got["lo"], got["hi"], got["codes"], got["bits"])
+        mag = mag if got["kernel"] == "token" else mag_chunk
         D = got["q"].shape[-1]
         tol = 4 * D * 2.0 ** -24 * mag + 1e-30
         err = (got["scores"].double() - s).abs()
