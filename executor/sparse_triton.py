@@ -26,12 +26,17 @@ import os
 import torch
 
 BLOCK_T = 64        # tokens per program of score/share: a [64, D] float32 key tile in registers
-SCORE_WARPS = 8     # warps per score program: ptxas (sm_90, Triton 3.9) gives 142 registers, no spills,
-                    # at D 128 (194 with 4 warps); benchmarks/sparse_score.py times other tilings
+SCORE_WARPS = 8     # warps per `score` ("token") program: ptxas (sm_90, Triton 3.9) gives 142 registers, no
+                    # spills, at D 128 (194 with 4 warps); benchmarks/sparse_score.py times other tilings
+CHUNK_WARPS = 2     # warps per `score_chunk` program: the fastest tiling of 64x2/64x4/64x8/32x2/32x4 at 32K,
+                    # 128K and 512K on the H200 (benchmarks/results/h200-2026-11-30-sparse-score-s5.json:
+                    # 0.130 / 0.340 / 0.950 ms against the token kernel's best 0.174 / 0.521 / 1.554)
 BLOCK_LSE = 256     # tiles per iteration of lse's loop
 BLOCK_SEL = 1024    # tokens per program of sel_count/sel_write/radix_hist
 SEL_TILES = 256     # tile counts sel_write reads per iteration (fixed: no recompile as the cache grows)
 SCORE_KERNEL = "chunk"   # rank's score kernel: "chunk" (the chunk's range factored out) or "token"
+KERNELS = ("token", "chunk", "chunk-bytes")   # chunk-bytes: "chunk" loading each code byte once (timed by
+                                              # benchmarks/sparse_score.py; not yet measured on a GPU)
 
 
 def unavailable(device: torch.device, head_dim: int, bits: int) -> str | None:
@@ -49,16 +54,18 @@ def unavailable(device: torch.device, head_dim: int, bits: int) -> str | None:
 
 
 def rank(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tensor, bits: int,
-         with_scores: bool = False, block: int = BLOCK_T, warps: int = SCORE_WARPS, kernel: str = SCORE_KERNEL):
+         with_scores: bool = False, block: int = BLOCK_T, warps: int | None = None, kernel: str = SCORE_KERNEL):
     """The ranking [..., S] float32 of the S sealed tokens (codes [..., S, D*bits/8], summaries lo,
     hi [..., S/chunk, D], queries q [..., G, D]): the log group share (`sparse_sketch.group_share` of
     `sparse_sketch.scores`, summed in another order). CUDA tensors: compiled kernels; CPU tensors: interpreted.
     `with_scores`: also the float32 scores [..., G, S] (for the tests); `block`, `warps`: the score
-    kernel's tokens per program (a power of two) and warps (for benchmarks/sparse_score.py);
+    kernel's tokens per program (a power of two) and warps (None: the kernel's default; for
+    benchmarks/sparse_score.py);
     `kernel`: "token" rebuilds each token's key k_hat from a [block, D] tile of its chunk's lo and hi
     (`score`); "chunk" (`score_chunk`) loads the chunk's lo, hi once and scores
     q . (lo + step/2) + sum cell (q step), with block cut to the chunk where it is larger (a tile
-    in one chunk; the chunk a power of two, else "token" runs). The two round differently."""
+    in one chunk; the chunk a power of two, else "token" runs); "chunk-bytes" is "chunk" loading
+    each code byte once and splitting it by shifts. "token" and "chunk" round differently."""
     lead, (G, D), S = q.shape[:-2], q.shape[-2:], codes.shape[-2]
     C = lo.shape[-2]
     if codes.shape[:-2] != lead or lo.shape[:-2] != lead or hi.shape != lo.shape or lo.shape[-1] != D:
@@ -76,17 +83,19 @@ def rank(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tenso
     if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("rank: CPU tensors run only in Triton's interpreter (TRITON_INTERPRET=1 before importing triton)")
     from .sparse_triton_kernels import lse as lse_k, score as score_k, score_chunk, share as share_k
-    if kernel not in ("token", "chunk"):
-        raise ValueError(f"kernel: must be token or chunk, got {kernel!r}")
-    chunk = S // C
-    if kernel == "chunk" and chunk & (chunk - 1) == 0:
-        score_k, block = score_chunk, min(block, chunk)
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel: must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    chunk, extra = S // C, {}
+    if kernel != "token" and chunk & (chunk - 1) == 0:
+        score_k, block, warps = score_chunk, min(block, chunk), warps or CHUNK_WARPS
+        extra = {"BYTES": kernel == "chunk-bytes"}
+    warps = warps or SCORE_WARPS
     n_tiles = -(-S // block)
     m = torch.empty(U, G, n_tiles, dtype=torch.float32, device=dev)
     lsum = torch.empty_like(m)
     score_k[(U, n_tiles)](qf, lo3, hi3, c3, s, m, lsum, S, n_tiles, lo3.stride(0), lo3.stride(1),
                           hi3.stride(0), hi3.stride(1), c3.stride(0), c3.stride(1),
-                          G=G, D=D, BITS=bits, CHUNK=S // C, BLOCK=block, num_warps=warps)
+                          G=G, D=D, BITS=bits, CHUNK=S // C, BLOCK=block, num_warps=warps, **extra)
     lse_k[(U,)](m, lsum, lse, n_tiles, G=G, BLOCK=BLOCK_LSE)
     share_k[(U, n_tiles)](s, lse, out, S, G=G, BLOCK=block)
     out = out.reshape(*lead, S)

@@ -42,7 +42,7 @@ for U, G, D, C, chunk, bits, qscale, seed in eval(sys.argv[2]):
     lo[:, :C], hi[:, :C] = blocks.amin(2), blocks.amax(2)
     codes = sparse_sketch.encode(k, lo[:, :C], hi[:, :C], bits)
     q = (torch.randn(U, G, D, generator=g) * qscale).bfloat16()
-    for kernel in ("token", "chunk"):
+    for kernel in sparse_triton.KERNELS:
         rank, s = sparse_triton.rank(q, lo[:, :C], hi[:, :C], codes, bits, with_scores=True, kernel=kernel)
         out.append(dict(q=q, lo=lo[:, :C].clone(), hi=hi[:, :C].clone(), codes=codes, bits=bits, rank=rank,
                         scores=s, kernel=kernel))
@@ -84,8 +84,9 @@ def test_triton_kernels_score_and_rank_as_the_float64_reference_in_the_interpret
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     got_all = torch.load(path)
-    assert [g["kernel"] for g in got_all] == ["token", "chunk"] * len(CASES)
-    for case, got in zip([c for c in CASES for _ in range(2)], got_all):
+    kernels = ("token", "chunk", "chunk-bytes")
+    assert [g["kernel"] for g in got_all] == list(kernels) * len(CASES)
+    for case, got in zip([c for c in CASES for _ in kernels], got_all):
         s, share, mag, mag_chunk = _reference(got["q"], got["lo"], got["hi"], got["codes"], got["bits"])
         mag = mag if got["kernel"] == "token" else mag_chunk
         D = got["q"].shape[-1]
