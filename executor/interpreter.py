@@ -95,8 +95,9 @@ class Interpreter:
         h0, G, r = heads[0], len(heads), self.adapter.r
         new = self._kv[(s.phase, s.step, s.layer)][0][:, h0:h0 + G]   # [B, G, T, 2, D]
         sel = self._sel.get((s.step, s.layer)) if s.phase is Phase.DECODE else None
-        if s.slot is not None and sel is not None and sel.shape[-1] < P:   # LOSSY: sparse decode
-            self._attn_sparse(s, cur, new, sel.shape[-1])
+        N = self.sp.attended(sel, P) if sel is not None else P
+        if s.slot is not None and N < P:   # LOSSY: sparse decode
+            self._attn_sparse(s, cur, new, N)
             return
         if s.slot is not None:                  # offloaded heads were fetched into the slot
             self.store.fill_resident(s.layer, heads, s.slot, P)
@@ -228,6 +229,10 @@ class Interpreter:
 
     def _dequant(self, s: Stage) -> None:
         base = s.group * self.group[s.phase]
+        sel = self._sel.get((s.step, s.layer)) if s.phase is Phase.DECODE and self.sp is not None else None
+        if sel is not None:   # LOSSY, sparse too: only the selected blocks' records were fetched
+            self.q.decode_selected(s.layer, s.heads, base, s.slot, sel.shape[-1], s.tokens[1])
+            return
         self.q.decode(s.layer, s.heads, base, s.slot, s.tokens[1])
 
     # ---- lossless GPU codec of the h2d link (gpu lane) --------------------------------------------

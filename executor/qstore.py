@@ -8,7 +8,9 @@ bytes), so a prefix of whole blocks is ONE contiguous copy per (sequence, head).
 block not yet full stay exact in a small GPU tail buffer (KIVI's residual), so a token is quantised
 exactly once, when its block fills. A fetch moves the records of the prefix's full blocks into a
 GPU byte slot; `dequant` decodes them into the exact transfer slot and appends the exact tail, and
-the attention reads the slot as on the exact path. Resident units never pass through here.
+the attention reads the slot as on the exact path. Resident units never pass through here. With
+sparse decode too, a step fetches only the selected blocks' records and `decode_selected` decodes
+those alone (executor/sparse_homes.py).
 
 Stages (builder: `quant` before `kv_store`, `dequant` after `kv_fetch`): `encode` (compute lane)
 -> `store` (d2h) -> `disk_write` (disk lane), and `disk_read` -> `fetch` (h2d) -> `decode`.
@@ -150,8 +152,14 @@ class QuantHomes:
         # compiled here, in the store's open, on the slots' real shapes (a group of every slot row),
         # so that no compile lands inside a timed stage (stale bytes decode into unread rows)
         self.fused = store.cuda and c.fusable
+        # LOSSY sparse too (executor/sparse_homes.py): a decode step's records are the selected
+        # blocks', at most `sel_blocks` of them, decoded by a second compiled call over that many
+        sparse = lo.sparse
+        self.sel_blocks = min(self.blocks, sparse.max_fetched_blocks(lo.capacity)) if sparse is not None else 0
         if self.fused:
             fused_decode()(c, self.qslots[0], store.slots[0], 0, lo.slot_heads)
+            if self.sel_blocks:
+                fused_decode()(c, self.qslots[0][:, :, :self.sel_blocks * c.record], store.slots[0], 0, lo.slot_heads)
 
     @property
     def host_bytes(self) -> int:
@@ -253,3 +261,30 @@ class QuantHomes:
                     self.codec.decode(rec[:, :, c:c + step], out[:, :, c:c + step])
         if length > nb * g:
             dst[:, :, nb * g:length].copy_(self.tail[layer][:, heads[0] - n:heads[-1] - n + 1, :length - nb * g])
+
+    def decode_selected(self, layer: int, heads: tuple[int, ...], base: int, slot: int, blocks: int,
+                        length: int) -> None:
+        """Compute lane, LOSSY sparse decode over quantised blocks: the first `blocks` records of
+        the byte slot (the selected blocks', gathered in token order by executor/sparse_homes.py)
+        dequantised into slot tokens [0, blocks * group), then the exact tail of the `length`-token
+        prefix (its tokens past the full blocks) right after them. Only the selected records are
+        decoded: eagerly, or on CUDA by the compiled call over the first `sel_blocks` records (a
+        fixed shape; rows past `blocks` hold stale bytes, decoded into slot rows the attention
+        never reads, and the tail overwrites the first of them after). The arithmetic is
+        `decode`'s, so a record decodes to the same bits wherever it lies."""
+        lo, g = self.s.layout, self.g
+        n, tail = lo.resident[layer], length - length // g * g
+        j0, j1 = heads[0] - base, heads[-1] - base + 1
+        B, J = lo.batch, j1 - j0
+        dst = self.s.slots[slot][:, j0:j1]                              # [B, J, S_cap, 2, D]
+        if blocks:
+            if self.fused and blocks <= self.sel_blocks:
+                fused_decode()(self.codec, self.qslots[slot][:, :, :self.sel_blocks * self.rec], self.s.slots[slot], j0, j1)
+            else:
+                rec = self.qslots[slot][:, j0:j1, :blocks * self.rec].view(B, J, blocks, self.rec)
+                out = dst[:, :, :blocks * g].view(B, J, blocks, g, 2, lo.head_dim)
+                step = max(1, DECODE_VALUES // (B * J * g * 2 * lo.head_dim))   # blocks per pass
+                for c in range(0, blocks, step):
+                    self.codec.decode(rec[:, :, c:c + step], out[:, :, c:c + step])
+        if tail:
+            dst[:, :, blocks * g:blocks * g + tail].copy_(self.tail[layer][:, heads[0] - n:heads[-1] - n + 1, :tail])

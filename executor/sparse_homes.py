@@ -31,8 +31,15 @@ The `score` stage runs on CUDA as Triton kernels (executor/sparse_triton.py: the
 packed codes once per token tile; the selection's compaction is two kernels after a torch.topk),
 and as torch ops elsewhere or where Triton cannot run or fails (`score_path`, `score_note`); both
 select the same tokens for the same ranking (sparse_sketch.select's rule).
-Refused for now: disk units (their rows are read whole), an h2d codec (compressed homes), and
---lossy int8/int4 with --sparse (a quantised record holds a whole group of tokens)."""
+With --lossy int8/int4 too (LOSSY twice) a step selects whole quantised blocks, since a record
+holds a block of `group` tokens (executor/qstore.py; `group` must divide the sketch's chunk): each
+block ranks by its tokens' ranks (sparse_sketch.block_share, LossySpec's BLOCK_RANK), the selection
+runs sparse_sketch.select's rule over blocks (LossySpec.block_args: the budget less the exact
+tail, the blocks holding sink or recent tokens and the blocks not yet sketched forced), `gather`
+moves the selected blocks' records (rows of `record` bytes) from the pinned record home into the
+byte slot by the same gather modes, and the `dequant` stage decodes only those records
+(QuantHomes.decode_selected) into slot rows in token order, the exact tail after them.
+Refused for now: disk units (their rows are read whole) and an h2d codec (compressed homes)."""
 from __future__ import annotations
 
 import logging
@@ -40,7 +47,7 @@ import os
 
 import torch
 
-from kvpipe.pipeline.lossy import LossySpec
+from kvpipe.pipeline.lossy import BLOCK_RANK, LossySpec
 
 from . import sparse_sketch, sparse_triton
 
@@ -92,8 +99,9 @@ class SparseHomes:
         lo = store.layout
         if spec.sparse is None or spec.sketch is None:
             raise ValueError("sparse: the executor runs the token-sketch selection only (sketch bits, not None)")
-        if lo.quant_bits:
-            raise ValueError("sparse: kvpipe run cannot combine --sparse with --lossy int8/int4 yet")
+        if lo.quant_bits and spec.chunk % lo.quant_group:
+            raise ValueError(f"sparse: with --lossy the quantisation group ({lo.quant_group} tokens) must divide "
+                             f"the sketch's chunk ({spec.chunk} tokens)")
         if lo.h2d_codec != "none":
             raise ValueError("sparse: kvpipe run cannot combine --sparse with an h2d codec yet (compressed homes)")
         if any(lo.disk):
@@ -113,15 +121,24 @@ class SparseHomes:
         self.score_path, self.score_note = score_path(store.device, D, self.bits)
         self.radix = True   # the selection's threshold by the Triton radix select (else torch.topk)
         self.gather_mode = "cpu"
+        # the rows a gather moves: tokens [2, D] of the exact homes, or (quantised) records of a block
+        q = store.q if lo.quant_bits else None
+        self.block = q.g if q is not None else 1
+        self.homes = ([None if h is None else h.view(B, h.shape[1], q.blocks, q.rec) for h in q.host]
+                      if q is not None else list(store.host))
+        self.dests = ([t.view(B, lo.slot_heads, q.blocks, q.rec) for t in q.qslots] if q is not None
+                      else list(store.slots))
+        self.row_bytes = q.rec if q is not None else store.token_bytes
         self.views: list[torch.Tensor | None] = [None] * lo.layers
         self.stage: list[torch.Tensor] = []
         if store.cuda:
-            self.views = [device_view(h, store.device) if h is not None else None for h in store.host]
-            self.gather_mode = "uva" if all(v is not None for v, h in zip(self.views, store.host) if h is not None) \
+            self.views = [device_view(h, store.device) if h is not None else None for h in self.homes]
+            self.gather_mode = "uva" if all(v is not None for v, h in zip(self.views, self.homes) if h is not None) \
                 else "staged"
             if self.gather_mode == "staged":
-                n_max = spec.fetched_tokens(cap)
-                self.stage = [store.arena.empty((B, lo.slot_heads, n_max, 2, D), store.dtype) for _ in range(lo.slots)]
+                n_max = spec.max_fetched_blocks(cap) if q is not None else spec.fetched_tokens(cap)
+                self.stage = [store.arena.empty((B, lo.slot_heads, n_max, *self.dests[0].shape[3:]),
+                                                self.dests[0].dtype) for _ in range(lo.slots)]
 
     @property
     def gpu_bytes(self) -> int:
@@ -149,24 +166,35 @@ class SparseHomes:
         left = seq.shape[2] - nb * c
         self.tail[layer][:, :, :left] = seq[:, :, nb * c:]
 
+    def attended(self, sel: torch.Tensor, prefix: int) -> int:
+        """Tokens the offloaded heads attend for the selection `sel` over a `prefix`-token cache
+        (besides the step's own): the selected tokens, or the selected blocks' and the exact tail."""
+        if self.block == 1:
+            return sel.shape[-1]
+        return sel.shape[-1] * self.block + prefix % self.block
+
     def select(self, layer: int, q: torch.Tensor, prefix: int) -> torch.Tensor:
         """Tokens each offloaded unit of `layer` fetches this step, for the queries q [B, n_off * r,
-        1, D] of its heads over a `prefix`-token cache: idx [B, n_off, N] int64, ascending."""
+        1, D] of its heads over a `prefix`-token cache: idx [B, n_off, N] int64, ascending (with
+        quantisation: blocks of `block` tokens, the selection over LossySpec.block_args)."""
         B, n_off = self.lo[layer].shape[:2]
         D = q.shape[-1]
         qg = q.reshape(B, n_off, -1, D)                                          # [B, n_off, r, D]
         C = prefix // self.chunk
         sealed = C * self.chunk
-        sp = self.spec
-        budget = sp.fetched_tokens(prefix)
-        if not sparse_sketch.ranks(prefix, sealed, budget, sp.sink, sp.recent):   # forced tokens / F = 1
-            return sparse_sketch.select(torch.empty(B, n_off, sealed, device=q.device), prefix, budget,
-                                        sp.sink, sp.recent)
+        sp, g = self.spec, self.block
+        if g > 1:   # whole blocks: (blocks, sealed blocks, budget, sink, recent), all in blocks
+            total, ranked, budget, sink, recent = sp.block_args(prefix)
+        else:
+            total, ranked, budget, sink, recent = prefix, sealed, sp.fetched_tokens(prefix), sp.sink, sp.recent
+        if not sparse_sketch.ranks(total, ranked, budget, sink, recent):   # forced tokens / F = 1
+            return sparse_sketch.select(torch.empty(B, n_off, ranked, device=q.device), total, budget, sink, recent)
         lo, hi, codes = self.lo[layer][:, :, :C], self.hi[layer][:, :, :C], self.codes[layer][:, :, :sealed]
+        blocks = (lambda share: share) if g == 1 else (lambda share: sparse_sketch.block_share(share, g, BLOCK_RANK))
         while self.score_path == "triton":
             try:
-                share = sparse_triton.rank(qg, lo, hi, codes, self.bits)                  # [B, n_off, sealed]
-                return sparse_triton.select(share, prefix, budget, sp.sink, sp.recent, self.radix)
+                share = blocks(sparse_triton.rank(qg, lo, hi, codes, self.bits))        # [B, n_off, ranked]
+                return sparse_triton.select(share, total, budget, sink, recent, self.radix)
             except torch.OutOfMemoryError:
                 raise
             except Exception as e:   # Triton: compiler missing, codegen or compile errors
@@ -176,27 +204,28 @@ class SparseHomes:
                 else:
                     self.score_path, self.score_note = "torch", f"sparse: the Triton ranking failed ({first}); torch path"
                 logging.getLogger("kvpipe").warning(self.score_note)   # once each: the store keeps the slower path
-        share = sparse_sketch.group_share(sparse_sketch.scores(qg, lo, hi, codes, self.bits))
-        return sparse_sketch.select(share, prefix, budget, sp.sink, sp.recent)
+        share = blocks(sparse_sketch.group_share(sparse_sketch.scores(qg, lo, hi, codes, self.bits)))
+        return sparse_sketch.select(share, total, budget, sink, recent)
 
     # ---- h2d lane ----------------------------------------------------------------------------
     def gather(self, layer: int, heads: tuple[int, ...], base: int, slot: int, idx: torch.Tensor) -> int:
-        """The selected tokens idx [B, n_off, N] of offloaded `heads` from their host home into
-        the transfer slot, head h at row h - base, tokens 0..N-1. Returns bytes moved."""
-        lo, st = self.s.layout, self.s
+        """The selected rows idx [B, n_off, N] of offloaded `heads` from their host home into the
+        transfer slot, head h at row h - base, rows 0..N-1: tokens [2, D] into the exact slot, or
+        (quantised) blocks' records into the byte slot. Returns bytes moved."""
+        lo = self.s.layout
         n, N = lo.resident[layer], idx.shape[-1]
-        dst = st.slots[slot]                                                     # [B, G, S_cap, 2, D]
+        dst = self.dests[slot]                                 # [B, G, S_cap, 2, D] or [B, G, blocks, record]
         if self.gather_mode == "staged":
             cpu = idx.cpu()                                                      # syncs on the score
             stage = self.stage[slot]
             for b in range(lo.batch):
                 for h in heads:
-                    torch.index_select(st.host[layer][b, h - n], 0, cpu[b, h - n], out=stage[b, h - base, :N])
+                    torch.index_select(self.homes[layer][b, h - n], 0, cpu[b, h - n], out=stage[b, h - base, :N])
             j0, j1 = heads[0] - base, heads[-1] - base + 1
             dst[:, j0:j1, :N].copy_(stage[:, j0:j1, :N], non_blocking=True)
         else:
-            src = self.views[layer] if self.gather_mode == "uva" else st.host[layer]   # [B, n_host, S_cap, 2, D]
+            src = self.views[layer] if self.gather_mode == "uva" else self.homes[layer]   # [B, n_host, rows, ...]
             for b in range(lo.batch):
                 for h in heads:
                     torch.index_select(src[b, h - n], 0, idx[b, h - n], out=dst[b, h - base, :N])
-        return lo.batch * len(heads) * N * st.token_bytes
+        return lo.batch * len(heads) * N * self.row_bytes

@@ -148,3 +148,17 @@ def select(share: torch.Tensor, prefix: int, budget: int, sink: int, recent: int
     out = torch.zeros(*lead, n + 1, dtype=torch.int64, device=dev)                     # column n: the rest
     out.scatter_(-1, at, torch.arange(prefix, device=dev).expand(*lead, prefix))
     return out[..., :n]
+
+
+def block_share(share: torch.Tensor, group: int, how: str = "sum") -> torch.Tensor:
+    """Rank of each whole `group`-token block from its tokens' ranks share [..., S] (S a multiple
+    of `group`), for sparse decode over quantised blocks: "sum" the log of the block's summed
+    share (logsumexp), "max" its best token's: [..., S / group] float32, contiguous."""
+    if share.shape[-1] % group:
+        raise ValueError(f"share: {share.shape[-1]} tokens are not whole {group}-token blocks")
+    blocks = share.float().reshape(*share.shape[:-1], -1, group)
+    if how == "sum":
+        return torch.logsumexp(blocks, -1).contiguous()
+    if how == "max":
+        return blocks.amax(-1).contiguous()
+    raise ValueError(f"block rank: must be sum or max, got {how!r}")

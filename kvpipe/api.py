@@ -317,7 +317,8 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
     is set, it is set to expandable_segments:True before CUDA starts. LOSSY opt-in: `lossy`
     "int8"/"int4" stores the offloaded KV quantised (executor/qstore.py); `sparse` F fetches a
     fraction F of each decode step's offloaded tokens, chosen by a key sketch kept on the GPU
-    (executor/sparse_homes.py; not combined with `lossy` or disk units yet). `max_error` as
+    (executor/sparse_homes.py; with `lossy` too it selects whole quantised blocks; not over disk
+    units yet). `max_error` as
     for `plan`. `fuse` auto|on|off (None: KVPIPE_FUSE, else auto): replayed decode steps with fused
     elementwise work where it can run; a compile that fails under auto runs unfused with one
     warning; `on` is refused where decode is not replayed."""
@@ -383,10 +384,10 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
         chosen, again = _lossy_plan(spec, work, budgets, first, lossy, sparse, rechoose)
         found = again or found
     sp = chosen.lossy
-    if sp is not None and sp.sparse is not None and (sp.quant or chosen.disk or sp.sketch is None
+    if sp is not None and sp.sparse is not None and (chosen.disk or sp.sketch is None
                                                      or chosen.decode.codec("h2d") != "none"):
-        raise ValueError("sparse: kvpipe run executes --sparse alone, over host-RAM units (the token sketch): "
-                         "not with --lossy int8/int4, disk units, an h2d codec or a plan with sketch null")
+        raise ValueError("sparse: kvpipe run executes --sparse over host-RAM units (the token sketch): "
+                         "not with disk units, an h2d codec or a plan with sketch null")
     choice = None
     if max_error is not None:   # LOSSY only from the explicit budget, by measured error
         from kvpipe.sim.lossy_choice import choose_lossy

@@ -3,8 +3,9 @@ decode (each step fetches a fraction of the offloaded tokens, chosen by chunk ke
 This module holds the spec and the byte-size formulas the builder and the simulator use; the
 tensor code is in executor/quant.py, executor/sparse.py and executor/sparse_sketch.py; `kvpipe run`
 executes quantisation (executor/qstore.py: whole `group`-token blocks are stored quantised, the
-block still filling stays exact on the GPU) and sparse decode by the token sketch
-(executor/sparse_homes.py), not both at once. Torch-free."""
+block still filling stays exact on the GPU), sparse decode by the token sketch
+(executor/sparse_homes.py), and both at once: then a step selects whole quantised blocks (a record
+holds a block of `group` tokens), ranked by their tokens' sketch shares (`block_args`). Torch-free."""
 from __future__ import annotations
 
 import math
@@ -33,6 +34,12 @@ SKETCH_BITS = (2, 4, 8)   # bits per key channel of the GPU token sketch (execut
 SCORE_CALLS = 3
 SELECT_KERNELS = 3 + 4 * 2 + 2
 SELECT_BYTES_PER_TOKEN = 4 * 4 + 2 * 4 + 8
+# Sparse with quantisation: a block's rank from its tokens' log shares, "sum" (logsumexp: the block's
+# estimated share of the group's attention) or "max" (its best token). Measured on the needle set
+# (benchmarks/lossy_error.py, sparse+int4 rows); see BLOCK_RANK_SOURCE in pipeline/lossy_measured.py.
+BLOCK_RANKS = ("sum", "max")
+BLOCK_RANK = "sum"
+BLOCK_RANK_OPS = 2          # the block ranking's extra kernels (a reshape is free): reduce, then cast
 
 
 @dataclass(frozen=True)
@@ -108,13 +115,51 @@ class LossySpec:
         """Stored bytes per exact byte (1 without quantisation); int4, group 32, bf16: 0.3125."""
         return self.stored_bytes(self.group, dtype_bytes) / (self.group * dtype_bytes)
 
+    @property
+    def blocks(self) -> bool:
+        """Whether a sparse step selects whole quantised blocks (sparse with quant and the sketch)."""
+        return self.sparse is not None and self.quant is not None and self.sketch is not None
+
+    def block_args(self, prefix: int) -> tuple[int, int, int, int, int]:
+        """Sparse with quantisation: the selection over `group`-token blocks of a `prefix`-token
+        cache as (blocks, sealed, budget, sink, recent), all in blocks, for sparse_sketch.select's
+        rule: the full blocks (stored as records; the tokens past them are the exact tail, on the
+        GPU, always attended), those whose tokens are all sketched (the rest are forced), the
+        budget (the token budget ceil(sparse * prefix) less the tail, in blocks, rounded up), and
+        the blocks holding a sink token or a recent-window token."""
+        g = self.group
+        nb = prefix // g
+        sealed = prefix // self.chunk * self.chunk // g
+        budget = max(0, -(-(math.ceil(self.sparse * prefix) - (prefix - nb * g)) // g))
+        recent = nb - min(nb, max(0, prefix - self.recent) // g)
+        return nb, sealed, budget, -(-self.sink // g), recent
+
+    def fetched_blocks(self, prefix: int) -> int:
+        """Sparse with quantisation: the blocks (records) one step fetches, sparse_sketch.count's
+        rule over `block_args`: the budget, or the forced blocks where they alone are more."""
+        nb, sealed, budget, sink, recent = self.block_args(prefix)
+        head, tail = min(sink, nb), min(max(0, nb - recent), sealed)
+        return min(nb, max(budget, head + nb - max(head, tail)))
+
+    def max_fetched_blocks(self, capacity: int) -> int:
+        """An upper bound of `fetched_blocks` over every prefix up to `capacity` (the executor's
+        fixed-size dequantise of the selected records): the budget at the capacity plus one, or
+        every block that can be forced (sink, recent window, an unsketched chunk) plus one."""
+        g = self.group
+        cap = capacity // g
+        return min(cap, max(-(-math.ceil(self.sparse * capacity) // g) + 1,
+                            -(-self.sink // g) + -(-self.recent // g) + self.chunk // g + 1))
+
     def fetched_tokens(self, prefix: int) -> int:
         """Tokens of a `prefix`-token cache one sparse decode step fetches (all without `sparse`):
         the budget ceil(sparse * prefix), never below sink + recent (with the sketch: the sink,
         the recent window and the unsealed tail chunk, as executor/sparse_sketch.py forces them),
-        never above the prefix."""
+        never above the prefix. With quantisation (`blocks`): the tokens the step attends, its
+        fetched blocks' and the exact tail's."""
         if self.sparse is None:
             return prefix
+        if self.blocks:
+            return self.fetched_blocks(prefix) * self.group + prefix % self.group
         floor = self.sink + self.recent
         if self.sketch is not None:   # the unsealed tail chunk has no sketch: fetched too
             head, tail = min(self.sink, prefix), min(max(0, prefix - self.recent), prefix // self.chunk * self.chunk)
@@ -150,6 +195,8 @@ class LossySpec:
     def fetch_bytes(self, prefix: int, head_dim: int, dtype_bytes: int) -> int:
         """Bytes one decode step moves for one unit with a `prefix`-token cache: the selected tokens
         (quantised or not) plus the fine summaries of the hot chunks (HOT_FACTOR x the budget)."""
+        if self.blocks:   # the selected blocks' records; the exact tail stays on the GPU
+            return self.unit_bytes(self.fetched_blocks(prefix) * self.group, head_dim, dtype_bytes)
         tokens = self.fetched_tokens(prefix)
         fine = 0 if self.sparse is None or self.fine is None else \
             self.fine_summary_bytes(min(prefix, HOT_FACTOR * tokens), head_dim, dtype_bytes)
@@ -172,17 +219,25 @@ class LossySpec:
         the fine summaries of the hot chunks (3 FLOPs per channel and bound)."""
         summaries = math.ceil(prefix / self.chunk)
         if self.sparse is not None and self.sketch is not None:
-            n, sealed = self.fetched_tokens(prefix), prefix // self.chunk * self.chunk
-            floor = min(self.sink, prefix) + prefix - max(min(self.sink, prefix),
-                                                           min(max(0, prefix - self.recent), sealed))
-            if n >= prefix or n <= floor:
+            sealed = prefix // self.chunk * self.chunk
+            if self.blocks:   # the selection runs over blocks: after the ranking, a block rank
+                nb, sb, _, sink, recent = self.block_args(prefix)
+                n, head = self.fetched_blocks(prefix), min(sink, nb)
+                total, floor = nb, head + nb - max(head, min(max(0, nb - recent), sb))
+                extra_ops, extra_bytes, ranked = BLOCK_RANK_OPS, units * (sealed * 4 + 2 * sb * 4), sb
+            else:
+                n, total, ranked, extra_ops, extra_bytes = self.fetched_tokens(prefix), prefix, sealed, 0, 0
+                floor = min(self.sink, prefix) + prefix - max(min(self.sink, prefix),
+                                                               min(max(0, prefix - self.recent), sealed))
+            if n >= total or n <= floor:
                 return {"flops": 0, "mem_bytes": 0, "ops": 0}
             codes = math.ceil(sealed * head_dim * self.sketch / 8)
             return {"flops": units * (2 + 2 * q_heads) * head_dim * sealed,
                     "mem_bytes": units * (codes + sealed // self.chunk * 2 * head_dim * dtype_bytes
                                           + sealed * (2 * 4 * q_heads + 4)),
                     "kv_bytes": units * codes, "ops": SCORE_CALLS,
-                    "small_ops": SELECT_KERNELS, "small_bytes": units * sealed * SELECT_BYTES_PER_TOKEN}
+                    "small_ops": SELECT_KERNELS + extra_ops,
+                    "small_bytes": units * ranked * SELECT_BYTES_PER_TOKEN + extra_bytes}
         if self.fine is not None:
             summaries += math.ceil(min(prefix, HOT_FACTOR * self.fetched_tokens(prefix)) / self.fine)
         return {"flops": units * 3 * 2 * head_dim * q_heads * summaries,
@@ -194,6 +249,7 @@ class LossySpec:
             parts.append(f"{self.quant} KV (group {self.group})")
         if self.sparse is not None:
             parts.append(f"sparse decode {self.sparse:.0%} of tokens (chunks {self.chunk}"
+                         + (f", whole {self.group}-token blocks by {BLOCK_RANK} of token shares" if self.blocks else "")
                          + (f", {self.sketch}-bit token sketch" if self.sketch else "")
                          + (f" refined to {self.fine}" if self.fine else "")
                          + f", sink {self.sink}, recent {self.recent})")
