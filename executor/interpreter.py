@@ -131,12 +131,17 @@ class Interpreter:
         cur = self._step(s)
         n, r = self.store.layout.resident[s.layer], self.adapter.r
         sel = self.sp.select(s.layer, cur.q[:, n * r:], s.tokens[1])
-        if self.lossy_error is None and self.q is None:   # measured once, on the first scored layer
-            from .sparse_probe import measure
+        if self.q is None and self.lossy_error is None or self.q is not None and "sparse_recall_mean" not in (
+                self.lossy_error or {}):   # measured once, on the first scored layer (with quant: of
+            from .sparse_probe import measure                      # the K/V read back, beside quant's figures)
             P, B = s.tokens[1], cur.q.shape[0]
-            self.lossy_error = measure(cur.q[:, n * r:, 0].reshape(B, -1, r, cur.q.shape[-1]),
-                                       self.store.host[s.layer][:, :, :P], sel,
-                                       self.adapter.body.layers[s.layer].self_attn.scaling)
+            home = self.store.host[s.layer] if self.q is None else self.q.prefix(s.layer, P)
+            got = measure(
+                cur.q[:, n * r:, 0].reshape(B, -1, r, cur.q.shape[-1]), home[:, :, :P], self.sp.tokens(sel, P),
+                self.adapter.body.layers[s.layer].self_attn.scaling)
+            if self.q is not None:
+                got["sparse_probe_tokens"] = got.pop("probe_tokens")
+            self.lossy_error = {**(self.lossy_error or {}), **got}
         self.lanes.protect(sel, Lane.H2D)   # made on the compute stream, read by the gathers
         self._sel[(s.step, s.layer)] = sel
 

@@ -262,6 +262,20 @@ class QuantHomes:
         if length > nb * g:
             dst[:, :, nb * g:length].copy_(self.tail[layer][:, heads[0] - n:heads[-1] - n + 1, :length - nb * g])
 
+    def prefix(self, layer: int, length: int) -> torch.Tensor:
+        """The K/V a `length`-token prefix of the layer's host units reads back, every record
+        decoded (eagerly) and the exact tail after them: [B, n_host, length, 2, D] (the run's
+        error probe; not on a timed path)."""
+        lo, g = self.s.layout, self.g
+        n, nb, host = lo.resident[layer], length // g, self.host[layer]
+        B, J = host.shape[:2]
+        out = torch.empty(B, J, length, 2, lo.head_dim, dtype=self.s.dtype, device=self.s.device)
+        if nb:
+            rec = host[:, :, :nb * self.rec].to(self.s.device).view(B, J, nb, self.rec)
+            self.codec.decode(rec, out[:, :, :nb * g].view(B, J, nb, g, 2, lo.head_dim))
+        out[:, :, nb * g:] = self.tail[layer][:, :J, :length - nb * g]
+        return out
+
     def decode_selected(self, layer: int, heads: tuple[int, ...], base: int, slot: int, blocks: int,
                         length: int) -> None:
         """Compute lane, LOSSY sparse decode over quantised blocks: the first `blocks` records of

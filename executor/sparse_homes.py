@@ -173,6 +173,16 @@ class SparseHomes:
             return sel.shape[-1]
         return sel.shape[-1] * self.block + prefix % self.block
 
+    def tokens(self, sel: torch.Tensor, prefix: int) -> torch.Tensor:
+        """The token indices [B, n_off, attended] the selection `sel` stands for, ascending: itself,
+        or every token of the selected blocks and the exact tail."""
+        g = self.block
+        if g == 1:
+            return sel
+        toks = (sel[..., None] * g + torch.arange(g, device=sel.device)).flatten(-2)
+        tail = torch.arange(prefix // g * g, prefix, device=sel.device).expand(*sel.shape[:-1], -1)
+        return torch.cat([toks, tail], -1)
+
     def select(self, layer: int, q: torch.Tensor, prefix: int) -> torch.Tensor:
         """Tokens each offloaded unit of `layer` fetches this step, for the queries q [B, n_off * r,
         1, D] of its heads over a `prefix`-token cache: idx [B, n_off, N] int64, ascending (with

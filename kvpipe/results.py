@@ -103,7 +103,14 @@ def lossy_json(plan: Plan, measured: dict | None = None, run: bool = False) -> d
     if plan.lossy is None:
         return None
     out = plan.lossy.to_json()
-    if measured and "sparse_recall_mean" in measured:
+    if measured and "sparse_recall_mean" in measured and "k_rel_err" in measured:   # sparse over int8/int4
+        out["measured_error"] = dict(measured)
+        out["error_note"] = ("measured in this run: k/v/attn_rel_err on the first prefill chunk's first offloaded "
+                             "layer (quantised blocks against exact, the chunk's last query, float64); sparse_* at "
+                             "the first decode step on the first offloaded layer (attention mass on the selected "
+                             "blocks and the output's relative error against the whole prefix, both over the "
+                             "dequantised K/V, float64); not a task accuracy")
+    elif measured and "sparse_recall_mean" in measured:
         out["measured_error"] = dict(measured)
         out["error_note"] = ("measured in this run at the first decode step on the first offloaded layer: "
                              "each offloaded unit's query heads, exact attention mass on the selected tokens "

@@ -148,12 +148,16 @@ class _Builder:
         """Cost inputs of one `dequant` stage. bf16/fp16 models on CUDA run it as ONE compiled call
         (executor/qstore.py fused_decode: a K and a V kernel) over the whole byte slot, i.e. every
         full block of the KV capacity: an elementwise stream of its records read and its exact
-        K/V written, costed at the profile's elementwise rate (small kernels). Float32 models run
+        K/V written, costed at the profile's elementwise rate (small kernels); with sparse decode
+        over the blocks (LossySpec.blocks), over the most selected records a step has
+        (QuantHomes.decode_selected). Float32 models run
         the eager dequantise: a launch per op and head, at the HBM rate."""
         m, B = self.m, self.w.batch
-        if m.dtype_bytes != 2 or sparse:
+        if m.dtype_bytes != 2 or sparse and not lossy.blocks:
             return {"mem_bytes": unit_fetch * n_off + deq, "ops": 2 * n_off}
         tokens = self.w.kv_capacity // lossy.group * lossy.group
+        if sparse:   # sparse too: the compiled call over the most selected records a step can have
+            tokens = min(tokens, lossy.max_fetched_blocks(self.w.kv_capacity) * lossy.group)
         read = B * n_off * lossy.unit_bytes(tokens, m.head_dim, m.dtype_bytes)
         return {"ops": 1, "small_ops": 2, "small_bytes": read + B * n_off * tokens * m.kv_unit_bytes_per_token}
 
