@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from . import layer_ops
 from .codecs import h2d_codec
+from .lossy import QUANT_ENCODE_OPS, QUANT_TAIL_OPS
 from .memory import (attn_ws_bytes, breakdown, hidden_bytes, layer_act_bytes, logits_bytes,
                      mlp_act_bytes)
 from .model import ModelSpec
@@ -119,8 +120,9 @@ class _Builder:
         lossy = self.plan.lossy
         if lossy is not None and lossy.quant:   # LOSSY: quantised on the GPU, smaller bytes go home
             qbytes = self.w.batch * lossy.unit_bytes(n, self.m.head_dim, self.m.dtype_bytes)
+            fills = (start + n) // lossy.group > start // lossy.group     # a block fills: it is quantised
             qkv = self.add(Kind.COMPUTE, "quant", phase, idx, layer, None, (start, start + n), (qkv,), heads=off,
-                           mem_bytes=(nbytes + qbytes) * len(off), ops=2 * len(off))
+                           mem_bytes=(nbytes + qbytes) * len(off), ops=QUANT_TAIL_OPS + QUANT_ENCODE_OPS * fills)
             nbytes = qbytes
         # Disk heads' new K/V pass through the layer's host write staging: the store waits until
         # the previous write of the layer has left it.

@@ -34,6 +34,11 @@ SKETCH_BITS = (2, 4, 8)   # bits per key channel of the GPU token sketch (execut
 SCORE_CALLS = 3
 SELECT_KERNELS = 3 + 4 * 2 + 2
 SELECT_BYTES_PER_TOKEN = 4 * 4 + 2 * 4 + 8
+# Kernels the executor's `quant` stage issues per layer (executor/qstore.py QuantHomes.encode): the
+# new K/V joins the exact tail (a cat and a copy), and where a block fills, BlockCodec.encode
+# quantises it (68 small kernels, counted by executor/op_inventory.Recorder on CPU, torch 2.13).
+QUANT_TAIL_OPS = 2
+QUANT_ENCODE_OPS = 68
 # Sparse with quantisation: a block's rank from its tokens' log shares, "sum" (logsumexp: the block's
 # estimated share of the group's attention) or "max" (its best token). Measured on the needle set
 # (benchmarks/lossy_error.py, sparse+int4 rows); see BLOCK_RANK_SOURCE in pipeline/lossy_measured.py.
