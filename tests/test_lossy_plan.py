@@ -176,11 +176,11 @@ def test_cli_bad_lossy_input_is_one_line_exit_2(extra, field):
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and field in r.stderr
 
 
-def test_run_refuses_a_sparse_int4_plan_file(tmp_path, capsys):
-    # Fault caught: `kvpipe run` executing a sparse + int4 plan as something else (sparse alone and
-    # int8/int4 alone run: tests/test_sparse_run.py, tests/test_lossy_run.py; both at once not yet).
+def test_run_refuses_a_sparse_int4_plan_file_with_disk_units(tmp_path, capsys):
+    # Fault caught: `kvpipe run` executing a sparse + int4 plan over disk units as something else
+    # (sparse + int4 over host-RAM units runs: tests/test_sparse_int4.py; disk rows are read whole).
     path = tmp_path / "plan.json"
-    path.write_text(json.dumps(_plan(LossySpec("int4", sparse=0.2), chunk=32).to_json()))
+    path.write_text(json.dumps(_plan(LossySpec("int4", sparse=0.2), chunk=32).with_(disk=2).to_json()))
     cfg = dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                num_attention_heads=8, num_key_value_heads=8, head_dim=8)
     (tmp_path / "config.json").write_text(json.dumps(cfg))

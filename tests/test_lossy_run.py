@@ -90,10 +90,12 @@ def test_disk_and_int4(tiny_config, tmp_path, capsys):
     assert disk["output_digest"] == host["output_digest"]
 
 
-def test_sparse_with_int4_run_is_refused_in_one_line(tiny_config, capsys):
-    """Fault: --sparse with --lossy int4 silently running one of the two (or crashing) in `run`,
-    where the combination is not wired (each alone runs: tests/test_sparse_run.py)."""
-    rc, out, err = cli(capsys, "--model", tiny_config, *COMMON, "--sparse", "0.2", "--lossy", "int4")
+def test_sparse_with_int4_over_disk_units_is_refused_in_one_line(tiny_config, capsys, tmp_path):
+    """Fault: --sparse --lossy int4 over disk units silently running one of the two (or crashing)
+    in `run`, where sparse decode cannot read disk rows (over host-RAM units the combination runs:
+    tests/test_sparse_int4.py)."""
+    rc, out, err = cli(capsys, "--model", tiny_config, *COMMON, "--sparse", "0.2", "--lossy", "int4",
+                       "--disk", "all", "--kv-dir", str(tmp_path))
     assert rc == 2 and err.count("\n") == 1 and err.startswith("kvpipe: error: sparse:"), err
 
 

@@ -198,14 +198,14 @@ def test_selection_takes_forced_then_the_best_ranked_tokens(P, frac, sink, recen
             assert min(float(share[row, t]) for t in extra) >= max(float(share[row, t]) for t in left)
 
 
-def test_sparse_with_disk_units_or_int4_is_refused_naming_the_field(tiny_model):
-    # Fault caught: a combination the executor does not run (disk rows are read whole; int4 records
-    # hold whole groups) silently running as something else.
+def test_sparse_with_disk_units_is_refused_naming_the_field(tiny_model):
+    # Fault caught: a combination the executor does not run (disk rows are read whole, with or
+    # without int4) silently running as something else.
     model = tiny_model("llama", kv_heads=2, q_heads=8, head_dim=16, layers=2)
     spec = HFAdapter(model).spec()
     w = Workload(300, 1)
     ids = torch.zeros(1, 300, dtype=torch.long)
-    for plan in (_plan(LossySpec("int4", sparse=0.2)), _plan(SPARSE).with_(disk=2)):
+    for plan in (_plan(LossySpec("int4", sparse=0.2)).with_(disk=2), _plan(SPARSE).with_(disk=2)):
         with pytest.raises(ValueError, match="sparse"):
             execute(build(spec, w, plan), model, ids)
 
