@@ -9,10 +9,16 @@ process, the same machine state): the same plan knobs, run once per variant, who
 Variants: `exact` (no --lossy), `int8`, `int4` (--lossy; executor/qstore.py); `--sparse F` adds a
 `sparse` row (kvpipe run --sparse F: executor/sparse_homes.py), e.g.
   python -m benchmarks.lossy_run --context 128K --sparse 0.2 --variants exact
+and `sparse-int4` (a variant to name; it needs --sparse F) runs --sparse F with --lossy int4 (whole
+int4 blocks selected, their records gathered and dequantised), e.g. issue 11's 8x row:
+  python -m benchmarks.lossy_run --context 128K --decode-tokens 6 --gpu-mem 24GB --group 8 \
+      --resident none --hw h200-testbox --device cuda --sparse 0.2 --variants exact int4 sparse-int4
 Each row: measured decode seconds per token next to the simulator's prediction for the same plan
 (the quantised rows predicted as they run: eagerly issued, the dequantise one compiled call), its
 speed-up over the exact row of this invocation (measured and predicted), prefill seconds, and the
-error the lossy run measured on its own activations (random weights: not a task accuracy).
+error the lossy run measured on its own activations (random weights: not a task accuracy): `attn
+rel err` quantisation's prefill probe, `sparse err` the sparse probe of the first decode step (with
+int4: against the whole dequantised prefix).
 JSON (command, date, device, rows) to benchmarks/results/lossy-run-<date>.json or --out; the
 table is printed last."""
 from __future__ import annotations
@@ -28,7 +34,8 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-VARIANTS = {"exact": None, "int8": "int8", "int4": "int4"}
+VARIANTS = {"exact": None, "int8": "int8", "int4": "int4", "sparse-int4": "int4"}
+SPARSE_VARIANTS = ("sparse", "sparse-int4")      # run with --sparse F
 
 
 def run_variant(name: str, args) -> dict:
@@ -41,7 +48,7 @@ def run_variant(name: str, args) -> dict:
                          decode_tokens=args.decode_tokens, gpu_mem=args.gpu_mem, group=args.group,
                          resident=args.resident, chunk=args.chunk, device=args.device, hw=args.hw,
                          progress=False, lossy=VARIANTS.get(name), seed=args.seed,
-                         sparse=args.sparse if name == "sparse" else None)
+                         sparse=args.sparse if name in SPARSE_VARIANTS else None)
     except (ValueError, RuntimeError) as e:     # one failed variant (e.g. out of memory) is a row
         return {"variant": name, "error": str(e).splitlines()[0], "wall_s": time.time() - t0}
     finally:
@@ -91,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hw", default=None)
     ap.add_argument("--device", default=None)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--variants", nargs="+", default=["exact", "int8", "int4"], choices=list(VARIANTS))
     ap.add_argument("--sparse", type=float, metavar="F", help="also run `sparse`: kvpipe run --sparse F (LOSSY)")
     ap.add_argument("--out")
     ap.add_argument("--in-process", action="store_true",
@@ -105,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if "exact" not in args.variants:
         ap.error("variants: the exact run is the reference of the speed-up; keep it")
+    if "sparse-int4" in args.variants and not args.sparse:
+        ap.error("variants: sparse-int4 needs --sparse F (the fraction of tokens fetched)")
     import torch
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     rows: list[dict] = []
@@ -123,18 +132,18 @@ def main(argv: list[str] | None = None) -> int:
         speedups(rows)
         path.write_text(json.dumps(out, indent=1))   # after every variant: a run cut short keeps its rows
     print(f"wrote {path}")
-    print(f"{'variant':8} {'decode ms/tok':>14} {'predicted':>10} {'meas/pred':>10} {'speed-up':>9} "
-          f"{'pred. s-up':>10} {'prefill s':>10} {'attn rel err':>13}")
+    print(f"{'variant':11} {'decode ms/tok':>14} {'predicted':>10} {'meas/pred':>10} {'speed-up':>9} "
+          f"{'pred. s-up':>10} {'prefill s':>10} {'attn rel err':>13} {'sparse err':>11}")
     for r in rows:
         if "error" in r:
-            print(f"{r['variant']:8} FAILED: {r['error']}")
+            print(f"{r['variant']:11} FAILED: {r['error']}")
             continue
         errs = (r["lossy"] or {}).get("measured_error") or {}
-        err = errs.get("attn_rel_err", errs.get("sparse_attn_rel_err"))
+        err, serr = errs.get("attn_rel_err"), errs.get("sparse_attn_rel_err")   # quant's probe; sparse's
         p = r["predicted_decode_s_per_token"]
-        print(f"{r['variant']:8} {1e3 * r['decode_s_per_token']:14.1f} {1e3 * p:10.1f} "
+        print(f"{r['variant']:11} {1e3 * r['decode_s_per_token']:14.1f} {1e3 * p:10.1f} "
               f"{r['decode_s_per_token'] / p:10.2f} {r['decode_speedup']:8.2f}x {r['predicted_speedup']:9.2f}x "
-              f"{r['prefill_s']:10.2f} {'-' if err is None else f'{err:.2e}':>13}")
+              f"{r['prefill_s']:10.2f} {'-' if err is None else f'{err:.2e}':>13} {'-' if serr is None else f'{serr:.2e}':>11}")
     return 0 if all("error" not in r for r in rows) else 1
 
 
