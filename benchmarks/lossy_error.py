@@ -11,7 +11,9 @@ exact mass), each against float64 softmax attention over the same bf16 K/V. Rows
 `reference` are not kvpipe options: they bound what any selection at that budget can reach;
 `variant` rows are settings kvpipe does not use by default, kept to show why.
 The random-weights probe (`probe_cases`) measures each quantisation and sparse decode at
---probe-sparse fractions (the executor's token-sketch selection) against float64 attention.
+--probe-sparse fractions (the executor's token-sketch selection, alone and over int4 blocks)
+against float64 attention. Sparse over int4 (`sparse F + int4, 32-token blocks`): whole quantised
+blocks selected by the executor's rule, read back dequantised, the exact tail attended.
 The table is printed last; JSON (with the command and date) goes to
 benchmarks/results/lossy-error-<date>.json (or --out)."""
 from __future__ import annotations
@@ -33,7 +35,7 @@ from kvpipe.executor.quant import dequantize, quantize
 from kvpipe.executor import sparse_sketch
 from kvpipe.executor.sparse import (RANGE_ALPHA, chunk_scores, even_bounds, pack_fine, select, select_refined,
                                     summarise, unpack_fine)
-from kvpipe.pipeline.lossy import HOT_FACTOR, LossySpec
+from kvpipe.pipeline.lossy import BLOCK_RANK, HOT_FACTOR, LossySpec
 from kvpipe.pipeline.units import parse_tokens
 
 
@@ -151,6 +153,11 @@ def probe_cases(n: int, tokens: int, seed: int):
 
 QUANT_SWEEP = (("int8", 64), ("int4", 16), ("int4", 32), ("int4", 64), ("int4", 128))
 PROBE_SPARSE = "0.1,0.2,0.3"
+OTHER_RANK = next(h for h in ("sum", "max") if h != BLOCK_RANK)   # the block rank kvpipe does not use
+
+
+def probe_block_name(fraction: float, group: int = 32) -> str:
+    return f"sparse {fraction:.0%} + int4, {group}-token blocks ({BLOCK_RANK}), 2-bit sketch"
 
 
 def probe_sparse_name(fraction: float) -> str:
@@ -162,24 +169,30 @@ def probe_rows(n: int, tokens: int, seed: int, fractions: tuple[float, ...] = ()
     sparse fraction (the token sketch's selection, `sketch_keep`; with the exact attention mass
     on the selected tokens, recall, against float64 attention over every key)."""
     errs = {q: [] for q in QUANT_SWEEP}
-    serr = {f: ([], [], []) for f in fractions}     # rel err, recall, tokens fetched (fraction)
+    serr = {(f, b): ([], [], []) for f in fractions for b in (False, True)}   # rel err, recall, fetched
+                                                    # (fraction); b: sparse over int4 blocks
     for k, v, q in probe_cases(n, tokens, seed):
         ref_w, ref = attend(q, k, v)
         for quant, group in QUANT_SWEEP:
             out = attend(q, *block_kv(k, v, LossySpec(quant, group=group)))[1]
             errs[(quant, group)].append(((out - ref).norm(dim=-1) / ref.norm(dim=-1)).flatten())
-        for f in fractions:
-            keep = sketch_keep(q, k, LossySpec(sparse=f, sketch=2))                   # [1, S]
-            out = attend(q, k, v, keep)[1]
-            serr[f][0].append(((out - ref).norm(dim=-1) / ref.norm(dim=-1)).flatten())
-            serr[f][1].append((ref_w * keep[:, None, :]).sum(-1).flatten())             # [G]
-            serr[f][2].append(keep.double().mean().item())
+        for (f, b), acc in serr.items():
+            if b:   # sparse over int4 blocks: the selected blocks dequantised, the exact tail
+                spec = LossySpec("int4", sparse=f, sketch=2)
+                keep = block_keep(q, k, spec)
+                out = attend(q, *block_kv(k, v, spec), keep)[1]
+            else:
+                keep = sketch_keep(q, k, LossySpec(sparse=f, sketch=2))                   # [1, S]
+                out = attend(q, k, v, keep)[1]
+            acc[0].append(((out - ref).norm(dim=-1) / ref.norm(dim=-1)).flatten())
+            acc[1].append((ref_w * keep[:, None, :]).sum(-1).flatten())             # [G]
+            acc[2].append(keep.double().mean().item())
     rows = {f"{quant} (group {group})": {"rel_err_mean": torch.cat(e).mean().item(),
                                           "rel_err_max": torch.cat(e).max().item(),
                                           "bits_per_value": 16 * LossySpec(quant, group=group).ratio(2)}
             for (quant, group), e in errs.items()}
-    for f, (rel, rec, got) in serr.items():
-        rows[probe_sparse_name(f)] = {"fraction": f, "rel_err_mean": torch.cat(rel).mean().item(),
+    for (f, b), (rel, rec, got) in serr.items():
+        rows[probe_block_name(f) if b else probe_sparse_name(f)] = {"fraction": f, "rel_err_mean": torch.cat(rel).mean().item(),
                                       "rel_err_max": torch.cat(rel).max().item(),
                                       "recall_mean": torch.cat(rec).mean().item(),
                                       "recall_min": torch.cat(rec).min().item(),
@@ -254,6 +267,42 @@ def sketch_keep(q: torch.Tensor, k: torch.Tensor, spec: LossySpec) -> torch.Tens
     return torch.zeros(q.shape[0], S, dtype=torch.bool).scatter_(1, idx, True)
 
 
+def sketched_blocks(fraction: float, quant: str = "int4", group: int = 32, how: str = BLOCK_RANK):
+    """kvpipe --sparse F --lossy QUANT (executor/sparse_homes.py over executor/qstore.py): whole
+    `group`-token blocks selected by their tokens' sketch ranks (`how`: sum or max), the selected
+    blocks read back dequantised and the exact tail attended (`block_keep`, `block_kv`)."""
+    spec = LossySpec(quant, group=group, sparse=fraction, sketch=2)
+
+    def method(case, ref_w):
+        keep = block_keep(case.q, case.k, spec, how)
+        w, out = attend(case.q, *block_kv(case.k, case.v, spec), keep)
+        return w, out, case.k.shape[0]
+    return method
+
+
+def block_keep(q: torch.Tensor, k: torch.Tensor, spec: LossySpec, how: str = BLOCK_RANK) -> torch.Tensor:
+    """The tokens kvpipe run's sparse decode over quantised blocks attends (executor/sparse_homes.py
+    on the torch path) for queries q [T, G, D] over keys k [S, D]: the sketch's token ranks as in
+    `sketch_keep`, a rank per `spec.group`-token block (sparse_sketch.block_share), sparse_sketch.select
+    over blocks with LossySpec.block_args, every token of the chosen blocks and the exact tail:
+    keep [T, S] bool."""
+    S, g = k.shape[0], spec.group
+    nb, sealed_b, budget, sink, recent = spec.block_args(S)
+    sealed = S // spec.chunk * spec.chunk
+    keep = torch.zeros(q.shape[0], S, dtype=torch.bool)
+    keep[:, nb * g:] = True                                                  # the exact tail
+    if sealed:
+        lo, hi = summarise(k[:sealed], even_bounds(sealed, spec.chunk))
+        codes = sparse_sketch.encode(k[:sealed], lo, hi, spec.sketch)
+        share = torch.stack([sparse_sketch.group_share(sparse_sketch.scores(qt, lo, hi, codes, spec.sketch))
+                             for qt in q])                                  # [T, sealed]
+    else:
+        share = torch.zeros(q.shape[0], 0)
+    idx = sparse_sketch.select(sparse_sketch.block_share(share, g, how), nb, budget, sink, recent)   # [T, n]
+    toks = (idx[..., None] * g + torch.arange(g)).flatten(-2)
+    return keep.scatter_(1, toks, True)
+
+
 def moved_fraction(name: str, fraction: float, S: int, D: int = 128) -> float:
     """Bytes a step moves over the link for selection, per byte of the unit's exact K/V (bf16):
     the refined rows' fine summaries of the hot chunks; 0 for the sketch (GPU-resident) and for
@@ -281,6 +330,12 @@ def methods(fraction: float, first: bool = True) -> dict[str, tuple[str, object]
                  "int4 (group 32)": ("kvpipe", blocks("int4", 32))}
         rows |= {f"int4 (group {g})": ("variant", blocks("int4", g)) for g in (16, 64, 128)}
         rows |= {"int4 (group 32), V per channel": ("variant", blocks("int4", 32, v_per_channel=True))}
+    rows |= {f"sparse {pct} + int4, 32-token blocks ({BLOCK_RANK})": ("kvpipe", sketched_blocks(fraction)),
+             f"sparse {pct} + int4, 32-token blocks ({OTHER_RANK})": ("variant",
+                                                                      sketched_blocks(fraction, how=OTHER_RANK)),
+             f"sparse {pct} + int4, 16-token blocks ({BLOCK_RANK})": ("variant",
+                                                                      sketched_blocks(fraction, group=16)),
+             f"oracle {pct}, 32-token chunks": ("reference", chunk_oracle(fraction, 32))}
     rows |= {f"sparse {pct}, 2-bit token sketch": ("kvpipe", sketched(fraction)),
              f"sparse {pct}, chunks 64": ("kvpipe", sparse(fraction, alpha=1.0, share=False)),
              f"sparse {pct}, refined 64->8": ("kvpipe", sparse(fraction, adaptive=True)),
@@ -316,11 +371,12 @@ def fractions_arg(text: str) -> tuple[float, ...] | None:
     return out if all(0 < f <= 1 for f in out) else None
 
 
-def needle_rows(spec: NeedleSpec, fractions: list[float]) -> tuple[dict, dict]:
-    """Every method's row on the needle set, and the set's description (exact attention's shape)."""
+def needle_rows(spec: NeedleSpec, fractions: list[float], only: tuple[str, ...] = ()) -> tuple[dict, dict]:
+    """Every method's row on the needle set (`only`: those whose name holds one of its strings),
+    and the set's description (exact attention's shape)."""
     table, frac_of = {}, {}
     for i, f in enumerate(fractions):
-        new = methods(f, first=(i == 0))
+        new = {n: m for n, m in methods(f, first=(i == 0)).items() if not only or any(o in n for o in only)}
         table |= new
         frac_of |= {name: f for name in new}
     errs = {name: [] for name in table}
@@ -367,10 +423,10 @@ def print_needles(spec: NeedleSpec, rows: dict, s: dict) -> None:
           f"(min {s['exact_top20pct_mass']['min']:.3f}); needle mass median {s['exact_needle_mass']['median']:.3f} "
           f"(min {s['exact_needle_mass']['min']:.2g}); sink median {s['exact_sink_mass_median']:.3f}")
     print("moved: K/V bytes of the fetched tokens + selection bytes crossing the link per step, per exact byte")
-    print(f"{'method':36}{'kind':>10}{'fetched':>9}{'moved':>7}{'recall':>8}{'rec p5':>8}{'rel err':>10}{'max':>10}"
+    print(f"{'method':44}{'kind':>10}{'fetched':>9}{'moved':>7}{'recall':>8}{'rec p5':>8}{'rel err':>10}{'max':>10}"
           f"{'needles':>9}")
     for name, r in rows.items():
-        print(f"{name:36}{r['kind']:>10}{r['tokens_fetched']:>9.3f}{r['moved_fraction']:>7.3f}{r['recall_mean']:>8.3f}"
+        print(f"{name:44}{r['kind']:>10}{r['tokens_fetched']:>9.3f}{r['moved_fraction']:>7.3f}{r['recall_mean']:>8.3f}"
               f"{r['recall_p5']:>8.3f}"
               f"{r['rel_err_mean']:>10.2e}{r['rel_err_max']:>10.2e}{r['needle_hit_rate']:>9.1%}")
 
@@ -392,9 +448,9 @@ def print_probe(probe: dict, rows: dict, context: int | None, cases_: int, token
     if sparse_rows:
         print(f"sparse decode on the random-weights probe (the executor's token-sketch selection; "
               f"recall: exact attention mass on the fetched tokens):")
-        print(f"{'sparse':32}{'fetched':>9}{'recall':>8}{'rec min':>9}{'rel err':>10}{'max':>10}")
+        print(f"{'sparse':56}{'fetched':>9}{'recall':>8}{'rec min':>9}{'rel err':>10}{'max':>10}")
         for name, p in sparse_rows.items():
-            print(f"{name:32}{p['tokens_fetched']:>9.3f}{p['recall_mean']:>8.3f}{p['recall_min']:>9.3f}"
+            print(f"{name:56}{p['tokens_fetched']:>9.3f}{p['recall_mean']:>8.3f}{p['recall_min']:>9.3f}"
                   f"{p['rel_err_mean']:>10.2e}{p['rel_err_max']:>10.2e}")
 
 
@@ -411,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--probe-sparse", default=PROBE_SPARSE,
                     help="random-weights probe: sparse fractions measured (comma list; empty: none)")
     ap.add_argument("--probe-only", action="store_true", help="only the random-weights probe (no needle set)")
+    ap.add_argument("--only", default="", help="needle set: only the rows whose name holds one of these "
+                                               "comma-separated strings (default: every row)")
     args = ap.parse_args(argv)
     spec = NeedleSpec(context=parse_tokens(args.context), cases=args.cases, steps=args.steps, seed=args.seed)
     torch.manual_seed(0)
@@ -425,7 +483,8 @@ def main(argv: list[str] | None = None) -> int:
         print("--probe-cases: --probe-only needs at least one probe case", file=sys.stderr)
         return 2
     t0 = time.time()
-    rows, info = ({}, None) if args.probe_only else needle_rows(spec, list(fractions))
+    only = tuple(x.strip() for x in args.only.split(",") if x.strip())
+    rows, info = ({}, None) if args.probe_only else needle_rows(spec, list(fractions), only)
     tokens = parse_tokens(args.probe_tokens)
     probe = probe_rows(args.probe_cases, tokens, args.seed, probe_fractions) if args.probe_cases else {}
     result = {
