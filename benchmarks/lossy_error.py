@@ -5,6 +5,9 @@
   python -m benchmarks.lossy_error --context 8K --cases 2
   python -m benchmarks.lossy_error --probe-only    # the random-weights probe alone (minutes)
 
+A tiny random Llama run through the executor (`tiny`, --tiny-context) gives logits KL and greedy
+agreement of int4, sparse and sparse + int4 against its exact run (random weights: not accuracy).
+
 For every method: the exact attention mass on the tokens it attended (recall), the relative L2
 error of the attention output, and the needle hit rate (the step's needle keeps at least half its
 exact mass), each against float64 softmax attention over the same bf16 K/V. Rows marked
@@ -352,6 +355,53 @@ def methods(fraction: float, first: bool = True) -> dict[str, tuple[str, object]
     return rows
 
 
+TINY = dict(model_type="llama", vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=8, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
+            initializer_range=0.1, rms_norm_eps=1e-6, tie_word_embeddings=False, torch_dtype="float32")
+
+
+TINY_INITS = (0.1, 0.02)   # weight std: the tests' tiny models (peaky attention), HF's default (flat)
+
+
+def tiny_rows(context: int, decode: int, seed: int, fraction: float = 0.2) -> dict:
+    """Per weight init of TINY_INITS, `tiny_init_rows`."""
+    return {f"init {init}": tiny_init_rows(context, decode, seed, init, fraction) for init in TINY_INITS}
+
+
+def tiny_init_rows(context: int, decode: int, seed: int, init: float, fraction: float = 0.2) -> dict:
+    """`kvpipe run`'s executor on a tiny random Llama (TINY with weight std `init`, float32, every KV
+    unit offloaded) per lossy option against the exact run of the same graph: logits KL(exact ||
+    lossy) per step (prefill's last and every decode step: mean, max) and greedy-token agreement
+    (free-running: once a token differs, the inputs differ). Random weights: not an accuracy."""
+    from kvpipe.executor.loader import random_model
+    from kvpipe.executor.runner import execute
+    from kvpipe.pipeline.builder import build
+    from kvpipe.pipeline.model import from_hf_config
+    from kvpipe.pipeline.plan import Method, PhasePlan, Plan
+    from kvpipe.pipeline.workload import Workload
+    cfg = dict(TINY, initializer_range=init)
+    hf = random_model(cfg, seed=seed)
+    spec = from_hf_config(cfg, "tiny")
+    work = Workload(context, decode, 1)
+    ids = torch.randint(0, TINY["vocab_size"], (1, context), generator=torch.Generator().manual_seed(seed))
+    plan = Plan(Method.HEADWISE, PhasePlan(1, 256), PhasePlan(1, 1), 0)
+    run = lambda lossy: execute(build(spec, work, plan.with_(lossy=lossy)), hf, ids, keep_logits=True)
+    ex = run(None)
+    p = torch.log_softmax(ex.step_logits.double(), -1)           # prefill's last, then each decode step
+    out = {}
+    for name, lossy in ((f"int4 (group 32)", LossySpec("int4")),
+                        (f"sparse {fraction:.0%}, 2-bit token sketch", LossySpec(sparse=fraction)),
+                        (f"sparse {fraction:.0%} + int4, 32-token blocks ({BLOCK_RANK})",
+                         LossySpec("int4", sparse=fraction))):
+        lo = run(lossy)
+        q = torch.log_softmax(lo.step_logits.double(), -1)
+        kl = (p.exp() * (p - q)).sum(-1)
+        out[name] = {"kl_mean": kl.mean().item(), "kl_max": kl.max().item(),
+                     "greedy_agreement": (ex.tokens == lo.tokens).double().mean().item(),
+                     "first_token_agrees": bool(ex.tokens[0, 0] == lo.tokens[0, 0])}
+    return out
+
+
 def summarise_errors(errs: list, fetched: list[float]) -> dict:
     recall = torch.cat([e.recall.flatten() for e in errs])
     rel = torch.cat([e.rel_err.flatten() for e in errs])
@@ -467,6 +517,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--probe-sparse", default=PROBE_SPARSE,
                     help="random-weights probe: sparse fractions measured (comma list; empty: none)")
     ap.add_argument("--probe-only", action="store_true", help="only the random-weights probe (no needle set)")
+    ap.add_argument("--tiny-context", default="2K", help="tiny random model: prompt tokens (0: no tiny rows)")
+    ap.add_argument("--tiny-decode", type=int, default=32, help="tiny random model: decode steps")
     ap.add_argument("--only", default="", help="needle set: only the rows whose name holds one of these "
                                                "comma-separated strings (default: every row)")
     args = ap.parse_args(argv)
@@ -487,6 +539,8 @@ def main(argv: list[str] | None = None) -> int:
     rows, info = ({}, None) if args.probe_only else needle_rows(spec, list(fractions), only)
     tokens = parse_tokens(args.probe_tokens)
     probe = probe_rows(args.probe_cases, tokens, args.seed, probe_fractions) if args.probe_cases else {}
+    tiny_ctx = parse_tokens(args.tiny_context) if args.tiny_context != "0" else 0
+    tiny = tiny_rows(tiny_ctx, args.tiny_decode, args.seed) if tiny_ctx else {}
     result = {
         "command": "python -m benchmarks.lossy_error " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -497,6 +551,10 @@ def main(argv: list[str] | None = None) -> int:
         "probe": {"what": "random-weights probe at Llama-3-8B shapes (HF init std 0.02, layer 0, last query "
                           "over every key), as `kvpipe run --random-weights --lossy` measures itself; not task accuracy",
                   "cases": args.probe_cases, "tokens": tokens, "rows": probe},
+        "tiny": {"what": "executor runs of a tiny random Llama (benchmarks/lossy_error.py TINY, float32, every unit "
+                         "offloaded) against the exact run: logits KL and greedy agreement over the decode steps; "
+                         "random weights, not task accuracy",
+                 "context": tiny_ctx, "decode_tokens": args.tiny_decode, "rows": tiny},
     }
     out = Path(args.out or f"benchmarks/results/lossy-error-{datetime.date.today().isoformat()}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -505,6 +563,13 @@ def main(argv: list[str] | None = None) -> int:
         print_needles(spec, rows, info)
     if probe:
         print_probe(probe, rows, None if args.probe_only else spec.context, args.probe_cases, tokens)
+    if tiny:
+        print(f"tiny random model, executor runs against the exact run ({tiny_ctx} tokens, {args.tiny_decode} "
+              f"decode steps; not accuracy):")
+        print(f"{'weights':12}{'option':46}{'KL mean':>10}{'KL max':>10}{'greedy agree':>14}")
+        for init, rows_ in tiny.items():
+            for name, t in rows_.items():
+                print(f"{init:12}{name:46}{t['kl_mean']:>10.2e}{t['kl_max']:>10.2e}{t['greedy_agreement']:>14.1%}")
     print(f"json: {out}")
     return 0
 
