@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--lossy", choices=["int8", "int4"],
                    help="LOSSY opt-in: store, move and read back the offloaded KV quantised")
     r.add_argument("--sparse", type=float, metavar="F", help="LOSSY opt-in: each decode step fetches a fraction F of the offloaded tokens, chosen "
-                   "by a key sketch on the GPU (not with --lossy or disk units yet)")
+                   "by a key sketch on the GPU (with --lossy: whole quantised blocks; not with disk units yet)")
     r.add_argument("--max-error", type=float, metavar="REL",
                    help="LOSSY only within this budget: attention-output relative error; the planner may pick "
                         "int8/int4 or a sparse fraction (not both) where its measured error is within it "
