@@ -11,6 +11,7 @@ from dataclasses import dataclass
 SOURCE = "benchmarks/results/lossy-error-2026-11-30-quant.json"   # quantisation: needle set and probe
 SPARSE_NEEDLE_SOURCE = "benchmarks/results/lossy-error-2026-11-30.json"          # sparse: the needle set
 SPARSE_PROBE_SOURCE = "benchmarks/results/lossy-error-2026-11-30-sparse.json"    # sparse: the probe
+SPARSE_QUANT_SOURCE = "benchmarks/results/lossy-error-2026-11-30-sparse-int4.json"   # sparse + int4: both
 COMMAND = "python -m benchmarks.lossy_error"
 SPARSE_SKETCH = 2   # the sparse rows were measured with the 2-bit token sketch, chunks 64, sink 64,
                     # recent 256: LossySpec's defaults, which a sparse pick uses
@@ -28,6 +29,7 @@ class MeasuredError:
     probe: float
     needle_source: str = SOURCE
     probe_source: str = SOURCE
+    probe_row: str | None = None    # the row's name in the probe's table, where it differs from `row`
 
     def __post_init__(self) -> None:
         for f in ("needle", "probe"):
@@ -70,3 +72,18 @@ SPARSE_MEASURED = {f: MeasuredError(f"sparse {f:.0%}, {SPARSE_SKETCH}-bit token 
 """Sparse decode fraction F -> its measured error. The probe's random weights spread attention
 almost evenly, so a fraction of the tokens holds little more than that fraction of the mass: its
 figure is far above the needle set's, and it is the one that binds."""
+
+SPARSE_QUANT_MEASURED = {(f, quant): MeasuredError(f"sparse {f:.0%} + {quant}, {group}-token blocks ({rank})",
+                                                   needle=needle, probe=probe, needle_source=SPARSE_QUANT_SOURCE,
+                                                   probe_source=SPARSE_QUANT_SOURCE,
+                                                   probe_row=f"sparse {f:.0%} + {quant}, {group}-token blocks ({rank}), "
+                                                             f"{SPARSE_SKETCH}-bit sketch")
+                         for f, quant, group, rank, needle, probe in (
+                             (0.2, "int4", 32, "sum", 0.11166, 1.9373),
+                         )}
+"""(sparse fraction F, quantisation) -> the measured error of both at once (whole quantised blocks
+selected by the sum of their tokens' sketch shares; LossySpec's defaults: int4 group 32, chunks 64,
+sink 64, recent 256). Its probe figure is above 1 (recall 0.28 at 20% of the tokens): a block's
+summed share averages its 32 tokens, so on the probe's evenly spread attention the blocks chosen
+hold little more than their share, and int4's error adds to what is left out. A budget is below 1
+(--max-error), so the planner lists it and never picks it."""

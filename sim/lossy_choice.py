@@ -2,8 +2,9 @@
 plan with each quantisation, and the same plan with each sparse-decode fraction whose MEASURED error
 (pipeline/lossy_measured.py, from benchmarks/lossy_error.py) is within the budget are predicted,
 and the best on the objective that fits wins; ties go to exact, then to the smaller error. Sparse
-and quantisation are never combined (the executor refuses it), and sparse is not a candidate where
-the run could not execute it: disk units or a codec on a link (executor/sparse_homes.py).
+with quantisation at once (whole quantised blocks selected) is a candidate too, by its own measured
+error; sparse is not a candidate where the run could not execute it: disk units or a codec on a
+link (executor/sparse_homes.py).
 Without a budget nothing here runs and no plan is ever lossy unless the user opts in with --lossy
 or --sparse. A pick carries its basis (budget, figures, sources), so it is labelled LOSSY wherever
 --lossy would be."""
@@ -14,7 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvpipe.pipeline.lossy import DEFAULT_GROUP, QUANT_BITS, LossySpec
-from kvpipe.pipeline.lossy_measured import MEASURED, SPARSE_MEASURED, SPARSE_SKETCH, MeasuredError
+from kvpipe.pipeline.lossy_measured import (MEASURED, SPARSE_MEASURED, SPARSE_QUANT_MEASURED, SPARSE_SKETCH,
+                                            MeasuredError)
 from kvpipe.pipeline.plan import Plan
 
 from .planner import objective_value
@@ -56,9 +58,9 @@ class Option:
         basis = f"chosen under --max-error {max_error:g}: {self.measured.describe()}"
         err = (("attn_rel_err", self.measured.worst), ("needle_rel_err", self.measured.needle),
                ("probe_rel_err", self.measured.probe))
-        if self.quant:
+        if self.sparse is None:
             return LossySpec(self.quant, error=err, basis=basis)
-        return LossySpec(sparse=self.sparse, sketch=SPARSE_SKETCH, error=err, basis=basis)
+        return LossySpec(self.quant, sparse=self.sparse, sketch=SPARSE_SKETCH, error=err, basis=basis)
 
 
 def sparse_name(fraction: float) -> str:
@@ -66,9 +68,11 @@ def sparse_name(fraction: float) -> str:
 
 
 def options() -> list[Option]:
-    """Every lossy option with a measured error: each quantisation, then each sparse fraction."""
+    """Every lossy option with a measured error: each quantisation, each sparse fraction, then each
+    sparse fraction with a quantisation."""
     out = [Option(q, MEASURED[(q, DEFAULT_GROUP[q])], quant=q) for q in QUANT_BITS if (q, DEFAULT_GROUP[q]) in MEASURED]
-    return out + [Option(sparse_name(f), m, sparse=f) for f, m in sorted(SPARSE_MEASURED.items())]
+    out += [Option(sparse_name(f), m, sparse=f) for f, m in sorted(SPARSE_MEASURED.items())]
+    return out + [Option(f"{sparse_name(f)} + {q}", m, quant=q, sparse=f) for (f, q), m in sorted(SPARSE_QUANT_MEASURED.items())]
 
 
 def excluded(plan: Plan, option: Option | None = None) -> str | None:

@@ -304,3 +304,49 @@ def test_builder_fetches_the_selected_records_and_dequantises_them():
     record = (2 * 128 * 2 + 2 * 32 * 4 * 2 + 2 * 32 * 128 // 2)   # metadata + codes of a 32-token block, bf16
     assert fetch[0].bytes == 8 * spec.fetched_blocks(P) * record
     assert 0.19 < spec.fetched_blocks(P) * 32 / P < 0.21
+
+
+def test_the_combined_error_table_equals_the_benchmark_json_and_the_block_rank_is_the_measured_best():
+    # Faults caught: sparse + int4 figures typed in by hand or left behind when the benchmark re-ran
+    # (pipeline/lossy_measured.py), a figure of another block size or rank, and LossySpec's
+    # BLOCK_RANK not the rank with the smaller mean error on the needle set.
+    from pathlib import Path
+
+    from kvpipe.pipeline.lossy import BLOCK_RANK, BLOCK_RANKS
+    from kvpipe.pipeline.lossy_measured import SPARSE_QUANT_MEASURED, SPARSE_QUANT_SOURCE
+    doc = json.loads((Path(__file__).resolve().parents[1] / SPARSE_QUANT_SOURCE).read_text())
+    assert set(SPARSE_QUANT_MEASURED) == {(0.2, "int4")}
+    for (f, quant), m in SPARSE_QUANT_MEASURED.items():
+        assert m.row == f"sparse {f:.0%} + {quant}, 32-token blocks ({BLOCK_RANK})" and LossySpec(quant).group == 32
+        row = doc["rows"][m.row]
+        assert row["kind"] == "kvpipe" and row["tokens_fetched"] == pytest.approx(f, abs=0.01)
+        assert m.needle == pytest.approx(row["rel_err_mean"], rel=1e-3)
+        prow = doc["probe"]["rows"][m.probe_row]
+        assert prow["fraction"] == f and m.probe == pytest.approx(prow["rel_err_mean"], rel=1e-3)
+    errs = {how: doc["rows"][f"sparse 20% + int4, 32-token blocks ({how})"]["rel_err_mean"] for how in BLOCK_RANKS}
+    assert min(errs, key=errs.get) == BLOCK_RANK
+
+
+def test_the_planner_lists_the_combination_by_its_measured_error_and_runs_a_pick_as_both():
+    # Faults caught: the combination picked under a budget its measured error (the probe's, above
+    # 1) exceeds, though it is predicted fastest; its row missing from the choice's list; and a
+    # pick of it that would run as only one of the two (its spec must carry quant and sparse).
+    from kvpipe.pipeline.lossy_measured import SPARSE_QUANT_MEASURED
+    from kvpipe.sim.lossy_choice import choose_lossy, options
+
+    m = SPARSE_QUANT_MEASURED[(0.2, "int4")]
+    opt = next(o for o in options() if o.name == "sparse 20% + int4")
+    sp = opt.spec(0.99)
+    assert sp.quant == "int4" and sp.sparse == 0.2 and sp.blocks and dict(sp.error)["attn_rel_err"] == m.worst
+
+    class Pred:
+        def __init__(self, plan):
+            self.plan, self.problems = plan, ()
+            lossy = plan.lossy
+            t = 1.0 if lossy is None else 0.1 if lossy.blocks else 0.5
+            self.report = type("R", (), {"timing": type("T", (), {"total_s": t, "ttft_s": t,
+                                                                   "decode_s_per_token": t})()})()
+    base = Plan(Method.HEADWISE, PhasePlan(8, 2048), PhasePlan(8, 1), 0)
+    best, choice = choose_lossy(base, 0.99, "total", Pred)
+    assert m.worst > 0.99 and not (best.plan.lossy is not None and best.plan.lossy.blocks)
+    assert f"sparse 20% + int4 (error {m.worst:.2g}): above the budget" in choice.describe()
