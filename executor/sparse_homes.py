@@ -121,13 +121,14 @@ class SparseHomes:
         self.score_path, self.score_note = score_path(store.device, D, self.bits)
         self.radix = True   # the selection's threshold by the Triton radix select (else torch.topk)
         self.gather_mode = "cpu"
-        # the rows a gather moves: tokens [2, D] of the exact homes, or (quantised) records of a block
+        # the rows a gather moves: tokens [2, D] of the exact homes, or (quantised) records of a block,
+        # read as 8-byte words (a record is a multiple of 16 bytes): a gather thread loads 8 bytes
         q = store.q if lo.quant_bits else None
         self.block = q.g if q is not None else 1
-        self.homes = ([None if h is None else h.view(B, h.shape[1], q.blocks, q.rec) for h in q.host]
+        words = lambda t, heads: t.view(torch.int64).view(B, heads, q.blocks, q.rec // 8)
+        self.homes = ([None if h is None else words(h, h.shape[1]) for h in q.host]
                       if q is not None else list(store.host))
-        self.dests = ([t.view(B, lo.slot_heads, q.blocks, q.rec) for t in q.qslots] if q is not None
-                      else list(store.slots))
+        self.dests = ([words(t, lo.slot_heads) for t in q.qslots] if q is not None else list(store.slots))
         self.row_bytes = q.rec if q is not None else store.token_bytes
         self.views: list[torch.Tensor | None] = [None] * lo.layers
         self.stage: list[torch.Tensor] = []

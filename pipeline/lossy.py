@@ -44,7 +44,8 @@ QUANT_ENCODE_OPS = 68
 # (benchmarks/lossy_error.py, sparse+int4 rows); see BLOCK_RANK_SOURCE in pipeline/lossy_measured.py.
 BLOCK_RANKS = ("sum", "max")
 BLOCK_RANK = "sum"
-BLOCK_RANK_OPS = 2          # the block ranking's extra kernels (a reshape is free): reduce, then cast
+BLOCK_RANK_OPS = 1          # the block ranking's calls: one logsumexp (or amax) over a free reshape
+                            # (executor/sparse_sketch.block_share; op_inventory counts 1)
 
 
 @dataclass(frozen=True)
@@ -240,7 +241,7 @@ class LossySpec:
             return {"flops": units * (2 + 2 * q_heads) * head_dim * sealed,
                     "mem_bytes": units * (codes + sealed // self.chunk * 2 * head_dim * dtype_bytes
                                           + sealed * (2 * 4 * q_heads + 4)),
-                    "kv_bytes": units * codes, "ops": SCORE_CALLS,
+                    "kv_bytes": units * codes, "ops": SCORE_CALLS + extra_ops,
                     "small_ops": SELECT_KERNELS + extra_ops,
                     "small_bytes": units * ranked * SELECT_BYTES_PER_TOKEN + extra_bytes}
         if self.fine is not None:
