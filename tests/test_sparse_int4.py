@@ -85,8 +85,7 @@ def _run_capturing(model, graph, ids, device="cpu"):
             if s.tag == "dequant":
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
-                qslot = store.q.qslots[s.slot][:, :len(s.heads)].clone()
-                deqs.append((s, sel.clone(), store.slots[s.slot][:, :len(s.heads)].clone(), qslot))
+                deqs.append((s, sel.clone(), store.slots[s.slot].clone(), store.q.qslots[s.slot].clone()))
             if s.tag == "attn":
                 cur = interp._cur
                 new = interp._kv[(s.phase, s.step, s.layer)][0]
@@ -108,43 +107,51 @@ def _reference(q, k, v, scale):
     return torch.softmax((q.double() @ k.double().T) * scale, -1) @ v.double()
 
 
-def _check(model, device, tol):
+def _check(model, device, tol, resident=0):
     spec = HFAdapter(model).spec()
     w = Workload(300, 3)
-    graph = build(spec, w, _plan(SPARSE_INT4))
+    graph = build(spec, w, _plan(SPARSE_INT4, resident))
     ids = torch.randint(0, spec.vocab, (1, 300), generator=torch.Generator().manual_seed(0))
     deqs, attns, homes, exact, codec, adapter, mode = _run_capturing(model, graph, ids, device)
+    lo = KVLayout.of(graph)
     D, dt = adapter.spec().head_dim, adapter.dtype
     seen = 0
     for s, sel, slot, qslot in deqs:
-        P = s.tokens[1]
+        P, n = s.tokens[1], lo.resident[s.layer]
         nb, sealed, budget, sink, recent = SPARSE_INT4.block_args(P)
-        for j, h in enumerate(s.heads):
-            idx = sel[0, h]
+        for h in s.heads:                                          # the offloaded heads: slot row j
+            j = h - s.group * graph.plan.decode.group
+            idx = sel[0, h - n]
             # the selection: ascending, forced blocks in, the count the plan charges
             assert bool((idx[1:] > idx[:-1]).all()) and idx.numel() == SPARSE_INT4.fetched_blocks(P) < nb
             got = set(idx.tolist())
             assert set(range(min(sink, nb))) <= got and set(range(max(0, nb - recent), nb)) <= got
             assert set(range(sealed, nb)) <= got                   # blocks not sketched yet: always
-            rows = homes[s.layer][0, h].view(-1, codec.record)    # every record of the unit
+            rows = homes[s.layer][0, h - n].view(-1, codec.record)   # every record of the unit
             # the gathered records are the selected blocks' records, in order
             assert torch.equal(qslot[0, j, :idx.numel() * codec.record].view(-1, codec.record), rows[idx])
             # the dequantised rows equal an independent decode of those records, bit for bit
             ref = _dequant_ref(rows[idx], 4, G, D, codec.meta, dt).reshape(-1, 2, D)
             assert torch.equal(slot[0, j, :idx.numel() * G], ref)
             # then the exact tail (tokens past the full blocks), right after them
-            n = idx.numel() * G
-            assert torch.equal(slot[0, j, n:n + P % G], exact[s.layer][h, nb * G:P])
+            a = idx.numel() * G
+            assert torch.equal(slot[0, j, a:a + P % G], exact[s.layer][h, nb * G:P])
             seen += 1
     assert seen
-    r, differs = adapter.r, False
+    r, differs, mixed = adapter.r, False, 0
     for s, q, out, sel, new in attns:
-        P = s.tokens[0]
+        P, n = s.tokens[0], lo.resident[s.layer]
         scale = model.model.layers[s.layer].self_attn.scaling
+        mixed += any(h < n for h in s.heads) and any(h >= n for h in s.heads)
         for h in s.heads:
-            rows = homes[s.layer][0, h].view(-1, codec.record)
+            if h < n:                     # resident: its whole exact prefix
+                kv = torch.cat([exact[s.layer][h, :P], new[0, h]], 0)
+                ref = _reference(q[0, h * r:(h + 1) * r, 0], kv[:, 0], kv[:, 1], scale)
+                torch.testing.assert_close(out[0, 0, h * r:(h + 1) * r].double(), ref, atol=tol, rtol=tol)
+                continue
+            rows = homes[s.layer][0, h - n].view(-1, codec.record)
             full = _dequant_ref(rows[:P // G], 4, G, D, codec.meta, dt).reshape(-1, 2, D)
-            idx = sel[0, h]
+            idx = sel[0, h - n]
             toks = full.view(-1, G, 2, D)[idx].reshape(-1, 2, D)
             t = exact[s.layer][h, P // G * G:P]                      # the exact tail
             kv = torch.cat([toks, t, new[0, h]], 0)
@@ -153,7 +160,7 @@ def _check(model, device, tol):
             whole = torch.cat([full, t, new[0, h]], 0)
             f = _reference(q[0, h * r:(h + 1) * r, 0], whole[:, 0], whole[:, 1], scale)
             differs |= not torch.allclose(out[0, 0, h * r:(h + 1) * r].double(), f, atol=10 * tol)
-    assert differs
+    assert differs and bool(mixed) == bool(resident)
     return mode
 
 
@@ -166,6 +173,14 @@ def test_sparse_int4_step_attends_the_selected_blocks_dequantised_bit_for_bit(ti
     # "sparse" step equal to the full one (the test asserts some output differs).
     model = tiny_model("llama", kv_heads=2, q_heads=8, head_dim=16, layers=2)
     assert _check(model, "cpu", 2e-5) == "cpu"
+
+
+def test_sparse_int4_mixed_group_keeps_resident_heads_whole_and_exact(tiny_model):
+    # Faults caught: the resident head of a mixed group made sparse or quantised (it must attend
+    # its whole exact prefix), and the offloaded head's records or slot row taken at the group's
+    # position instead of the head's (row h - base, unit h - resident).
+    model = tiny_model("llama", kv_heads=2, q_heads=8, head_dim=16, layers=2)
+    assert _check(model, "cpu", 2e-5, resident=1) == "cpu"
 
 
 @pytest.mark.gpu
