@@ -133,6 +133,10 @@ def _check(model, device, tol, resident=0):
             # the dequantised rows equal an independent decode of those records, bit for bit
             ref = _dequant_ref(rows[idx], 4, G, D, codec.meta, dt).reshape(-1, 2, D)
             assert torch.equal(slot[0, j, :idx.numel() * G], ref)
+            # ... and qstore's whole-prefix dequantise (BlockCodec.decode of every full block) on them
+            whole = torch.empty(nb, G, 2, D, dtype=dt)
+            codec.decode(rows[:nb], whole)
+            assert torch.equal(slot[0, j, :idx.numel() * G], whole[idx].reshape(-1, 2, D))
             # then the exact tail (tokens past the full blocks), right after them
             a = idx.numel() * G
             assert torch.equal(slot[0, j, a:a + P % G], exact[s.layer][h, nb * G:P])
