@@ -264,16 +264,23 @@ class QuantHomes:
 
     def prefix(self, layer: int, length: int) -> torch.Tensor:
         """The K/V a `length`-token prefix of the layer's host units reads back, every record
-        decoded (eagerly) and the exact tail after them: [B, n_host, length, 2, D] (the run's
-        error probe; not on a timed path)."""
+        decoded (eagerly, on the store's device, in passes of DECODE_VALUES: bounded temporaries)
+        and the exact tail after them, in host memory: [B, n_host, length, 2, D] (the run's error
+        probe, once, in the first decode step, which the per-token timing leaves out)."""
         lo, g = self.s.layout, self.g
-        n, nb, host = lo.resident[layer], length // g, self.host[layer]
+        nb, host = length // g, self.host[layer]
         B, J = host.shape[:2]
-        out = torch.empty(B, J, length, 2, lo.head_dim, dtype=self.s.dtype, device=self.s.device)
-        if nb:
-            rec = host[:, :, :nb * self.rec].to(self.s.device).view(B, J, nb, self.rec)
-            self.codec.decode(rec, out[:, :, :nb * g].view(B, J, nb, g, 2, lo.head_dim))
-        out[:, :, nb * g:] = self.tail[layer][:, :J, :length - nb * g]
+        out = torch.empty(B, J, length, 2, lo.head_dim, dtype=self.s.dtype)
+        step = max(1, DECODE_VALUES // (g * 2 * lo.head_dim))                  # blocks per pass
+        for b in range(B):
+            for j in range(J):
+                for c in range(0, nb, step):
+                    k = min(step, nb - c)
+                    rec = host[b, j, c * self.rec:(c + k) * self.rec].to(self.s.device).view(k, self.rec)
+                    got = torch.empty(k, g, 2, lo.head_dim, dtype=self.s.dtype, device=self.s.device)
+                    self.codec.decode(rec, got)
+                    out[b, j, c * g:(c + k) * g] = got.reshape(k * g, 2, lo.head_dim).cpu()
+        out[:, :, nb * g:] = self.tail[layer][:, :J, :length - nb * g].cpu()
         return out
 
     def decode_selected(self, layer: int, heads: tuple[int, ...], base: int, slot: int, blocks: int,
