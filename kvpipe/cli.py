@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LOSSY opt-in: each decode step fetches a fraction F of the offloaded tokens")
     p.add_argument("--max-error", type=float, metavar="REL",
                    help="LOSSY only within this budget: attention-output relative error; the planner may pick "
-                        "int8/int4 or a sparse fraction (not both) where its measured error is within it "
+                        "int8/int4, a sparse fraction or both where its measured error is within it "
                         "(without it: never lossy)")
     p.add_argument("--out", metavar="PLAN.json", help="write the chosen plan for `kvpipe run --plan`")
     p.add_argument("--max-context", action="store_true", help="the largest context that fits, with its plan")
@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "by a key sketch on the GPU (with --lossy: whole quantised blocks; not with disk units yet)")
     r.add_argument("--max-error", type=float, metavar="REL",
                    help="LOSSY only within this budget: attention-output relative error; the planner may pick "
-                        "int8/int4 or a sparse fraction (not both) where its measured error is within it "
+                        "int8/int4, a sparse fraction or both where its measured error is within it "
                         "(without it: never lossy)")
     r.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="time the first run in the process (CUDA: by default one prefill chunk and one "
