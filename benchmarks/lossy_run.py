@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         p = r["predicted_decode_s_per_token"]
         print(f"{r['variant']:11} {1e3 * r['decode_s_per_token']:14.1f} {1e3 * p:10.1f} "
               f"{r['decode_s_per_token'] / p:10.2f} {r['decode_speedup']:8.2f}x {r['predicted_speedup']:9.2f}x "
-              f"{r['prefill_s']:10.2f} {'-' if err is None else f'{err:.2e}':>13} {'-' if serr is None else f'{serr:.2e}':>11}")
+              f"{r['prefill_s']:10.2f} {'-' if err is None else f'{err:.2e}':>13} "
+              f"{'-' if serr is None else f'{serr:.2e}':>11}")
     return 0 if all("error" not in r for r in rows) else 1
 
 

@@ -300,7 +300,8 @@ class QuantHomes:
         dst = self.s.slots[slot][:, j0:j1]                              # [B, J, S_cap, 2, D]
         if blocks:
             if self.fused and blocks <= self.sel_blocks:
-                fused_decode()(self.codec, self.qslots[slot][:, :, :self.sel_blocks * self.rec], self.s.slots[slot], j0, j1)
+                sel = self.qslots[slot][:, :, :self.sel_blocks * self.rec]    # a fixed shape: compiled once
+                fused_decode()(self.codec, sel, self.s.slots[slot], j0, j1)
             else:
                 rec = self.qslots[slot][:, j0:j1, :blocks * self.rec].view(B, J, blocks, self.rec)
                 out = dst[:, :, :blocks * g].view(B, J, blocks, g, 2, lo.head_dim)

@@ -72,7 +72,8 @@ def options() -> list[Option]:
     sparse fraction with a quantisation."""
     out = [Option(q, MEASURED[(q, DEFAULT_GROUP[q])], quant=q) for q in QUANT_BITS if (q, DEFAULT_GROUP[q]) in MEASURED]
     out += [Option(sparse_name(f), m, sparse=f) for f, m in sorted(SPARSE_MEASURED.items())]
-    return out + [Option(f"{sparse_name(f)} + {q}", m, quant=q, sparse=f) for (f, q), m in sorted(SPARSE_QUANT_MEASURED.items())]
+    return out + [Option(f"{sparse_name(f)} + {q}", m, quant=q, sparse=f)
+                  for (f, q), m in sorted(SPARSE_QUANT_MEASURED.items())]
 
 
 def excluded(plan: Plan, option: Option | None = None) -> str | None:
