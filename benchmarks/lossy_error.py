@@ -195,12 +195,10 @@ def probe_rows(n: int, tokens: int, seed: int, fractions: tuple[float, ...] = ()
                                           "bits_per_value": 16 * LossySpec(quant, group=group).ratio(2)}
             for (quant, group), e in errs.items()}
     for (f, b), (rel, rec, got) in serr.items():
-        rows[probe_block_name(f) if b else probe_sparse_name(f)] = {"fraction": f,
-                                                                    "rel_err_mean": torch.cat(rel).mean().item(),
-                                      "rel_err_max": torch.cat(rel).max().item(),
-                                      "recall_mean": torch.cat(rec).mean().item(),
-                                      "recall_min": torch.cat(rec).min().item(),
-                                      "tokens_fetched": statistics.fmean(got)}
+        name = probe_block_name(f) if b else probe_sparse_name(f)
+        rows[name] = {"fraction": f, "rel_err_mean": torch.cat(rel).mean().item(),
+                      "rel_err_max": torch.cat(rel).max().item(), "recall_mean": torch.cat(rec).mean().item(),
+                      "recall_min": torch.cat(rec).min().item(), "tokens_fetched": statistics.fmean(got)}
     return rows
 
 
