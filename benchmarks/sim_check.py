@@ -57,21 +57,31 @@ def plan_of(name: str):
     return Plan(Method.HEADWISE, PhasePlan(group, chunk, 2), PhasePlan(group, 1, 2), resident, 0)
 
 
-def profile(hw_name: str, res: dict, session_small: bool = True):
+def profile(hw_name: str, res: dict, session_small: bool = True, session_host: bool = True):
     """The profile predictions use: `hw_name`, with the small-kernel floor and elementwise rate
     measured in the same session as the rows (`--measure` runs `kvpipe calibrate`'s micro-benchmark
-    first) when the file holds them and `session_small`."""
+    first) when the file holds them and `session_small`; and with the host issue figures of the
+    same session's host-stage probe (`calibration.host_stage_costs`: the prefill compute pair, the
+    copy pair, the prefill gap, fitted from the recorded probe by pipeline/calibration.host_issue_fields)
+    when the file holds it and `session_host`. The probe runs a 2-layer model that is no row."""
     from dataclasses import replace
 
     from kvpipe.hw_profiles import load_profile
+    from kvpipe.pipeline.calibration import host_issue_fields
     hw = load_profile(hw_name)
-    cal = res.get("calibration")
-    if not (cal and session_small):
-        return hw, f"{hw_name}"
-    eff = min(1.0, cal["elementwise_bytes_per_s"] / hw.hbm_eff_bytes_per_s)
-    hw = replace(hw, small_kernel_s=cal["small_kernel_s"], elementwise_efficiency=eff)
-    return hw, (f"{hw_name} with the session's small_kernel_s {hw.small_kernel_s:.3g} s and "
-                f"elementwise_efficiency {eff:.3f} (calibrate micro-benchmark, same run)")
+    cal = res.get("calibration") or {}
+    label = f"{hw_name}"
+    if session_small and "small_kernel_s" in cal:
+        eff = min(1.0, cal["elementwise_bytes_per_s"] / hw.hbm_eff_bytes_per_s)
+        hw = replace(hw, small_kernel_s=cal["small_kernel_s"], elementwise_efficiency=eff)
+        label += (f" with the session's small_kernel_s {hw.small_kernel_s:.3g} s and "
+                  f"elementwise_efficiency {eff:.3f} (calibrate micro-benchmark, same run)")
+    if session_host and "host_stage_costs" in cal:
+        fields = host_issue_fields(cal["host_stage_costs"])
+        hw = replace(hw, **fields)
+        label += ("; host issue from the same run's probe: " +
+                  ", ".join(f"{k.removeprefix('host_')} {v * 1e6:.1f} us" for k, v in fields.items()))
+    return hw, label
 
 
 def predict(row: dict, hw) -> dict:
@@ -151,6 +161,24 @@ def plot(res: dict, path: Path) -> str:
     return f"plot: {path}"
 
 
+def host_probe() -> dict:
+    """The host-stage probe (executor/issue_probe.stage_costs) on its 2-layer Llama-3-8B-shaped
+    model, in this process before the rows: what this host spends issuing each stage now.
+    The four plans `kvpipe calibrate` runs (every stage kind; copies of 1, 2, 4 and 8 calls),
+    two runs each of a 2K context in 512-token chunks and 8 eager decode steps: seconds on the
+    H200; the model is freed after."""
+    import torch
+
+    from kvpipe.executor.issue_probe import probe_model, stage_costs
+    t0 = time.perf_counter()
+    model = probe_model("cuda")
+    rec = stage_costs(model, "cuda")
+    del model
+    torch.cuda.empty_cache()
+    rec["probe_s"] = time.perf_counter() - t0
+    return rec
+
+
 def measure(out: Path, names: list[str], decode: int) -> dict:
     from benchmarks.measure import Bench, note
     from kvpipe.api import default_alloc_conf
@@ -173,6 +201,7 @@ def measure(out: Path, names: list[str], decode: int) -> dict:
                           "hbm_copy_bytes_per_s": cal.values["gpu.hbm_eff_bytes_per_s"],
                           "how": {k: cal.notes[k] for k in ("gpu.small_kernel_s", "gpu.elementwise_efficiency")},
                           "inventory": cal.extra["small_kernels"]}
+    res["calibration"]["host_stage_costs"] = host_probe()
     torch.cuda.empty_cache()
     with Bench(MODEL, "cuda", GPU_BUDGET, max(ROWS[n][0] for n in names)) as bench:
         res["load_s"] = time.perf_counter() - t_start
@@ -190,8 +219,8 @@ def measure(out: Path, names: list[str], decode: int) -> dict:
     return res
 
 
-def report(res: dict, hw_name: str, out: Path, session_small: bool = True) -> list[str]:
-    hw, res["profile"] = profile(hw_name, res, session_small)
+def report(res: dict, hw_name: str, out: Path, session_small: bool = True, session_host: bool = True) -> list[str]:
+    hw, res["profile"] = profile(hw_name, res, session_small, session_host)
     for r in res["rows"].values():
         if "measured" in r:
             r["predicted"] = predict(r, hw)
@@ -211,6 +240,8 @@ def main() -> None:
     ap.add_argument("--hw", default="h200-testbox", help="profile the predictions use")
     ap.add_argument("--profile-small", action="store_true", help="use the profile's small-kernel fields, "
                     "not those the --measure run calibrated in the same session")
+    ap.add_argument("--profile-host", action="store_true", help="use the profile's host issue fields, "
+                    "not those the --measure run's host-stage probe measured in the same session")
     args = ap.parse_args()
     names = list(ROWS) if args.rows == "all" else args.rows.split(",")
     unknown = [n for n in names if n not in ROWS]
@@ -224,14 +255,15 @@ def main() -> None:
         out = Path(args.measure)
         res = measure(out, names, args.decode)
         try:
-            lines = report(res, args.hw, out, not args.profile_small)
+            lines = report(res, args.hw, out, not args.profile_small, not args.profile_host)
         except ImportError as e:   # simpy missing on the GPU machine: --report the JSON elsewhere
             lines = [f"measured; predictions need {e.name}: run --report {out} where it is installed"]
         print("\n".join(lines))
         return
     if args.report:
         path = Path(args.report)
-        print("\n".join(report(json.loads(path.read_text()), args.hw, path, not args.profile_small)))
+        print("\n".join(report(json.loads(path.read_text()), args.hw, path, not args.profile_small,
+                                not args.profile_host)))
         return
     ap.print_usage(sys.stderr)
     print("sim_check: give --measure, --report or --baselines", file=sys.stderr)
