@@ -141,6 +141,8 @@ def stage_costs(model, device: str, context: int = 2048, chunk: int = 512, decod
                 run[f"{phase}_wall_s"] = last - first
                 run[f"{phase}_host_s"] = sum(sp.host_s for sp in ids_)
                 run[f"{phase}_stages"] = len(ids_)
+                run[f"{phase}_ops"] = sum(graph.stages[sp.stage].ops for sp in ids_)
+                run[f"{phase}_steps"] = len({graph.stages[sp.stage].step for sp in ids_})
             for sp in ids_:
                 st = graph.stages[sp.stage]
                 per.setdefault((phase, st.tag, st.kind.value, st.ops, st.small_ops), []).append(sp.host_s)

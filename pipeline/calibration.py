@@ -68,29 +68,31 @@ def copy_issue_fit(per_kind: Sequence[dict]) -> tuple[float, float]:
 def compute_issue_fit(per_kind: Sequence[dict], phase: str) -> tuple[float, float]:
     """(host seconds per compute stage, per kernel launch) of one phase ('prefill' or 'decode') from
     a `host_stage_costs` record: least squares of median host seconds = a + b * launches over the
-    phase's compute stage groups, one point per group, where a group's launches are its `ops`
-    (GEMMs, attention calls) plus its `small_ops` (norms, RoPE, casts, merges: each one launch
-    too; on the H200 records a prefill attention of 2 ops + 1-3 small kernels issues in half the
-    time of one of 5 + 12-14, which ops alone fit 50-88% long). A negative intercept is clamped
-    at 0 with the slope refitted through the origin. ValueError naming the problem: a group
-    without `small_ops`, fewer than two distinct launch counts, a slope that is not positive."""
+    phase's compute stage groups, each group weighted by its stage count `n` (the fit serves sums
+    over stages: a group of 4 head stages must not pull it as hard as 126 attention stages), where
+    a group's launches are its `ops` (GEMMs, attention calls) plus its `small_ops` (norms, RoPE,
+    casts, merges: each one launch too; on the H200 records a prefill attention of 2 ops + 1-3
+    small kernels issues in half the time of one of 5 + 12-14, which ops alone fit 50-88% long).
+    A negative intercept is clamped at 0 with the slope refitted through the origin. ValueError
+    naming the problem: a group without `small_ops`, fewer than two distinct launch counts, a
+    slope that is not positive."""
     pts = []
     for k in per_kind:
         if k["kind"] == "compute" and k["phase"] == phase:
             if "small_ops" not in k:
                 raise ValueError(f"host_stage_costs.per_kind: 'small_ops' is missing in the {phase} {k['tag']} group")
-            pts.append((k["ops"] + k["small_ops"], k["median_s"]))
-    if len({x for x, _ in pts}) < 2:
+            pts.append((k["ops"] + k["small_ops"], k["median_s"], k["n"]))
+    if len({x for x, _, _ in pts}) < 2:
         raise ValueError(f"host_stage_costs: phase {phase!r} needs compute stages of two or more launch counts, "
-                         f"got {sorted({x for x, _ in pts})}")
-    n = len(pts)
-    mx, my = sum(x for x, _ in pts) / n, sum(t for _, t in pts) / n
-    slope = sum((x - mx) * (t - my) for x, t in pts) / sum((x - mx) ** 2 for x, _ in pts)
+                         f"got {sorted({x for x, _, _ in pts})}")
+    w = sum(n for _, _, n in pts)
+    mx, my = sum(n * x for x, _, n in pts) / w, sum(n * t for _, t, n in pts) / w
+    slope = sum(n * (x - mx) * (t - my) for x, t, n in pts) / sum(n * (x - mx) ** 2 for x, _, n in pts)
     if slope <= 0:
         raise ValueError(f"host_stage_costs: phase {phase!r}: host seconds do not grow with launches (slope {slope!r})")
     per_stage = my - slope * mx
     if per_stage < 0:
-        slope, per_stage = sum(x * t for x, t in pts) / sum(x * x for x, _ in pts), 0.0
+        slope, per_stage = sum(n * x * t for x, t, n in pts) / sum(n * x * x for x, _, n in pts), 0.0
     return per_stage, slope
 
 

@@ -1,0 +1,163 @@
+"""Offline evidence for the per-phase host issue model (issue 8 §3, issue 10 §4; branch hostcal5):
+the H200 sim_check rows of one session predicted with the host issue figures of `kvpipe calibrate`
+records from OTHER device calls (which record belongs to the rows' host is unknown: this shows the
+direction, not a validation), and the records' whole-run walls against their per-stage sums.
+
+  python -m benchmarks.host_evidence [--rows SIM_CHECK.json] [--records A.json,B.json] [--out OUT.json]
+
+Records written before the probe kept `small_ops` per group (branch hostcal5) lack it: it is
+rebuilt here from the probe's own graphs (executor/issue_probe PROBE_CONFIG / PROBE_PLANS, the
+pipeline builder, no GPU), each old (phase, tag, kind, ops) group given the mean small-kernel
+count of its stages. Their gap between issues comes from the whole runs (calibration.run_gap_fit:
+slope over stage counts; set-up and the final sync go to the intercept), as they have no
+per-phase walls. Prints a table last and writes JSON."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ROWS = RESULTS / "h200-2026-11-30-sim_check-s4.json"
+RECORDS = (RESULTS / "h200-2026-11-30-calibrated-s4.json", RESULTS / "h200-2026-11-30-calibrated-s4b.json")
+
+
+def probe_small_ops(record: dict) -> dict[tuple, float]:
+    """Mean small kernels per (phase, tag, kind, ops) group of the probe's graphs (as calibrate ran
+    them before hostcal5: 2-layer Llama-3-8B-shaped model, the record's context, chunk 512, 8
+    decode steps, the four probe plans)."""
+    from kvpipe.executor.issue_probe import PROBE_CONFIG, PROBE_PLANS
+    from kvpipe.pipeline.builder import build
+    from kvpipe.pipeline.model import from_hf_config
+    from kvpipe.pipeline.plan import Method, PhasePlan, Plan
+    from kvpipe.pipeline.workload import Workload
+    context = record.get("context", 2048)
+    spec = from_hf_config(dict(PROBE_CONFIG, max_position_embeddings=2 * context))
+    found: dict[tuple, list[int]] = {}
+    for group, frac in PROBE_PLANS:
+        plan = Plan(Method.HEADWISE, PhasePlan(group, record.get("chunk", 512), 2), PhasePlan(group, 1, 2),
+                    round(spec.units * frac), 0)
+        for s in build(spec, Workload(context, record.get("decode_tokens", 8), 1), plan).stages:
+            found.setdefault((s.phase.value, s.tag, s.kind.value, s.ops), []).append(s.small_ops)
+    return {k: statistics.fmean(v) for k, v in found.items()}
+
+
+def with_small_ops(record: dict) -> dict:
+    """`record` with `small_ops` in every group (rebuilt from the probe's graphs where missing)."""
+    if all("small_ops" in k for k in record["per_kind"]):
+        return record
+    small = probe_small_ops(record)
+    kinds = [dict(k, small_ops=small[(k["phase"], k["tag"], k["kind"], k["ops"])]) for k in record["per_kind"]]
+    return dict(record, per_kind=kinds)
+
+
+def eager_decode_check(extra: dict, rec: dict) -> list[dict]:
+    """Eager decode steps of calibrate's OTHER probe (`issue_probe`: 2 layers, context 1024, 16
+    steps, groups 1 / 8, all resident or none; step times measured whole) against two models:
+    the stage sum a per-phase decode pair would give (compute_issue_fit on the stage probe's decode
+    groups, its copy pair, and its run gap per stage; the stage probe is a different run) and the
+    profile's decode-step fit (host.issue_s_per_stage / per_op: FITTED on these very steps, so it
+    has the advantage)."""
+    from kvpipe.executor.issue_probe import PROBE_CONFIG
+    from kvpipe.pipeline.builder import build
+    from kvpipe.pipeline.calibration import compute_issue_fit, copy_issue_fit, run_gap_fit
+    from kvpipe.pipeline.model import from_hf_config
+    from kvpipe.pipeline.plan import Method, PhasePlan, Plan
+    from kvpipe.pipeline.stage import Kind, Phase
+    from kvpipe.pipeline.workload import Workload
+    a, b = compute_issue_fit(rec["per_kind"], "decode")
+    ca, cb = copy_issue_fit(rec["per_kind"])
+    gap = run_gap_fit(rec["runs"])[1]
+    step_a, step_b = extra["values"]["host.issue_s_per_stage"], extra["values"]["host.issue_s_per_op"]
+    spec = from_hf_config(dict(PROBE_CONFIG, max_position_embeddings=8192))
+    out = []
+    for row in extra["extra"]["issue_probe"]["eager"]:
+        plan = Plan(Method.HEADWISE, PhasePlan(row["group"], 1024, 2), PhasePlan(row["group"], 1, 2), row["resident"], 0)
+        dec = [s for s in build(spec, Workload(1024, 16, 1), plan).stages if s.phase is Phase.DECODE]
+        steps = len({s.step for s in dec})
+        stage_sum = sum(gap + (ca + cb * s.ops if s.kind in (Kind.H2D, Kind.D2H) else a + b * (s.ops + s.small_ops))
+                        for s in dec) / steps
+        fit = step_a * len(dec) / steps + step_b * sum(s.ops for s in dec) / steps
+        out.append({"group": row["group"], "resident": row["resident"], "measured_s": row["decode_s_per_token"],
+                    "stage_sum_s": stage_sum, "step_fit_s": fit})
+    return out
+
+
+def run_walls(record: dict) -> list[dict]:
+    """Each run's wall beside its stages' summed issue seconds, and the excess per stage."""
+    return [{"group": r["group"], "resident": r["resident"], "stages": r["stages"], "wall_s": r["wall_s"],
+             "host_s_sum": r["host_s_sum"], "excess_s": r["wall_s"] - r["host_s_sum"],
+             "excess_per_stage_s": (r["wall_s"] - r["host_s_sum"]) / r["stages"]} for r in record["runs"]]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default=str(ROWS), help="a sim_check JSON with measured rows")
+    ap.add_argument("--records", default=",".join(str(p) for p in RECORDS), help="calibrate JSON records, comma-separated")
+    ap.add_argument("--hw", default="h200-testbox")
+    ap.add_argument("--out", default=str(RESULTS / "host-evidence-2026-11-30.json"))
+    args = ap.parse_args()
+    from benchmarks import sim_check as sc
+    from kvpipe.pipeline.calibration import host_issue_fields, run_gap_fit
+    rows = json.loads(Path(args.rows).read_text())
+    base, label = sc.profile(args.hw, rows)
+    variants: dict[str, dict] = {"profile": {}}
+    out = {"command": "python -m benchmarks.host_evidence " + " ".join(sys.argv[1:]),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "rows_file": args.rows, "base_profile": label, "records": {}, "rows": {}}
+    for path in args.records.split(","):
+        name = Path(path).stem
+        doc = json.loads(Path(path).read_text())
+        rec = with_small_ops(doc["extra"]["host_stage_costs"])
+        fields = host_issue_fields(rec)
+        variants[name + " no gap"] = {k: v for k, v in fields.items() if k != "host_prefill_issue_gap_s"}
+        variants[name] = fields
+        fixed, per_stage = run_gap_fit(rec["runs"])
+        out["records"][name] = {"fields": fields, "runs": run_walls(rec), "run_gap_fixed_s": fixed,
+                                "run_gap_per_stage_s": per_stage, "eager_decode": eager_decode_check(doc, rec)}
+    errs: dict[str, dict[str, list[float]]] = {v: {"prefill_s": [], "decode_s_per_token": []} for v in variants}
+    for row_name, row in rows["rows"].items():
+        if "measured" not in row:
+            continue
+        got = out["rows"][row_name] = {"measured": {k: row["measured"][k] for k in ("prefill_s", "decode_s_per_token")}}
+        for v, fields in variants.items():
+            p = sc.predict(row, replace(base, **fields))
+            got[v] = p
+            for key in errs[v]:
+                errs[v][key].append((p[key] - row["measured"][key]) / row["measured"][key])
+    out["summary"] = {v: {k: {"median_abs": statistics.median(abs(e) for e in es), "max_abs": max(abs(e) for e in es)}
+                          for k, es in e.items()} for v, e in errs.items()}
+    Path(args.out).write_text(json.dumps(out, indent=2))
+    lines = []
+    for name, r in out["records"].items():
+        f = r["fields"]
+        lines.append(f"{name}: prefill compute {f['host_prefill_issue_s_per_stage'] * 1e6:.0f} us + "
+                     f"{f['host_prefill_issue_s_per_launch'] * 1e6:.1f} us/launch, gap {f['host_prefill_issue_gap_s'] * 1e6:.1f} us/stage, "
+                     f"copy {f['host_copy_s_per_stage'] * 1e6:.1f} + {f['host_copy_s_per_op'] * 1e6:.1f} us/call")
+        lines.append("  runs (wall - summed issue s): " + ", ".join(
+            f"g{w['group']} res {w['resident']}: {w['excess_s'] * 1e3:.1f} ms / {w['stages']} stages" for w in r["runs"])
+            + f"; fit {r['run_gap_fixed_s'] * 1e3:.1f} ms + {r['run_gap_per_stage_s'] * 1e6:.1f} us/stage")
+        lines.append("  eager decode ms/step (issue_probe, held apart): measured / stage sum with a decode pair / "
+                     "decode-step fit (fitted on these steps): " + ", ".join(
+                         f"g{e['group']} res {e['resident']}: {e['measured_s'] * 1e3:.2f} / {e['stage_sum_s'] * 1e3:.2f} "
+                         f"({(e['stage_sum_s'] - e['measured_s']) / e['measured_s']:+.0%}) / {e['step_fit_s'] * 1e3:.2f} "
+                         f"({(e['step_fit_s'] - e['measured_s']) / e['measured_s']:+.0%})" for e in r["eager_decode"]))
+    names = list(variants)
+    for key, scale in (("prefill_s", 1.0), ("decode_s_per_token", 1e3)):
+        lines.append(f"{key} ({'s' if scale == 1 else 'ms'}); columns: measured, then predicted and error with " + ", ".join(names))
+        for row_name, got in out["rows"].items():
+            m = got["measured"][key]
+            cells = "".join(f"{got[v][key] * scale:9.3f}{(got[v][key] - m) / m:+5.0%}" for v in names)
+            lines.append(f"  {row_name:18}{m * scale:9.3f}{cells}")
+        lines.append("  median / max |error|: " + "; ".join(
+            f"{v} {out['summary'][v][key]['median_abs']:.1%} / {out['summary'][v][key]['max_abs']:.1%}" for v in names))
+    lines.append(f"written: {args.out}")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
