@@ -87,6 +87,24 @@ def eager_decode_check(extra: dict, rec: dict) -> list[dict]:
     return out
 
 
+DIAG = RESULTS / "h200-2026-11-30-diag-prefill-s4.json"
+
+
+def diag_gaps(path: Path = DIAG) -> dict[str, dict]:
+    """Diagnosis (nothing fitted): in each 32-layer row of a `benchmarks.diag` record, the prefill's
+    measured seconds beside its stages' summed issue seconds (`host_s`, cuDNN plan builds included)
+    and the excess per stage: where the host binds, the gap between issues in the real rows."""
+    doc = json.loads(path.read_text())
+    out = {}
+    for name, r in doc["stage_rows"].items():
+        st = [s for s in r["stages"] if s["phase"] == "prefill"]
+        host = sum(s["host_s"] for s in st)
+        out[name] = {"prefill_s": r["measured"]["prefill_s"], "host_s_sum": host, "stages": len(st),
+                     "gpu_span_sum_s": sum(s["measured_s"] for s in st),
+                     "excess_per_stage_s": (r["measured"]["prefill_s"] - host) / len(st)}
+    return out
+
+
 def run_walls(record: dict) -> list[dict]:
     """Each run's wall beside its stages' summed issue seconds, and the excess per stage."""
     return [{"group": r["group"], "resident": r["resident"], "stages": r["stages"], "wall_s": r["wall_s"],
@@ -131,7 +149,6 @@ def main() -> None:
                 errs[v][key].append((p[key] - row["measured"][key]) / row["measured"][key])
     out["summary"] = {v: {k: {"median_abs": statistics.median(abs(e) for e in es), "max_abs": max(abs(e) for e in es)}
                           for k, es in e.items()} for v, e in errs.items()}
-    Path(args.out).write_text(json.dumps(out, indent=2))
     lines = []
     for name, r in out["records"].items():
         f = r["fields"]
@@ -146,6 +163,10 @@ def main() -> None:
                          f"g{e['group']} res {e['resident']}: {e['measured_s'] * 1e3:.2f} / {e['stage_sum_s'] * 1e3:.2f} "
                          f"({(e['stage_sum_s'] - e['measured_s']) / e['measured_s']:+.0%}) / {e['step_fit_s'] * 1e3:.2f} "
                          f"({(e['step_fit_s'] - e['measured_s']) / e['measured_s']:+.0%})" for e in r["eager_decode"]))
+    out["diag_rows"] = diag_gaps()
+    lines.append(f"32-layer rows of {DIAG.name} (another call; diagnosis): prefill / summed issue s / excess per stage: " + ", ".join(
+        f"{n} {d['prefill_s']:.3f} / {d['host_s_sum']:.3f} s / {d['excess_per_stage_s'] * 1e6:.0f} us"
+        for n, d in out["diag_rows"].items()))
     names = list(variants)
     for key, scale in (("prefill_s", 1.0), ("decode_s_per_token", 1e3)):
         lines.append(f"{key} ({'s' if scale == 1 else 'ms'}); columns: measured, then predicted and error with " + ", ".join(names))
@@ -155,6 +176,7 @@ def main() -> None:
             lines.append(f"  {row_name:18}{m * scale:9.3f}{cells}")
         lines.append("  median / max |error|: " + "; ".join(
             f"{v} {out['summary'][v][key]['median_abs']:.1%} / {out['summary'][v][key]['max_abs']:.1%}" for v in names))
+    Path(args.out).write_text(json.dumps(out, indent=2))
     lines.append(f"written: {args.out}")
     print("\n".join(lines))
 
