@@ -23,7 +23,10 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROWS = RESULTS / "h200-2026-11-30-sim_check-s4.json"
-RECORDS = (RESULTS / "h200-2026-11-30-calibrated-s4.json", RESULTS / "h200-2026-11-30-calibrated-s4b.json")
+RECORDS = (RESULTS / "h200-2026-11-30-calibrated-s4.json", RESULTS / "h200-2026-11-30-calibrated-s4b.json",
+           RESULTS / "h200-2026-11-30-calibrate-simcal3.json")   # the last: h200-testbox's own host record
+OTHER_ROWS = (RESULTS / "h200-2026-11-30-sim_check.json", RESULTS / "h200-2026-11-30-sim_check-s3.json")
+HOST_BOUND = ("4k-g1-all-c2k", "8k-g2-some-c2k", "8k-g1-none-c4k")
 
 
 def probe_small_ops(record: dict) -> dict[tuple, float]:
@@ -105,6 +108,24 @@ def diag_gaps(path: Path = DIAG) -> dict[str, dict]:
     return out
 
 
+def session_check(path: Path, hw_name: str, variants: dict[str, dict]) -> dict:
+    """Another session's sim_check rows (no host probe recorded) predicted with each variant's
+    host fields: prefill median / max |error| and the host-bound rows' errors."""
+    from benchmarks import sim_check as sc
+    rows = json.loads(path.read_text())
+    base, _ = sc.profile(hw_name, rows)
+    out = {}
+    for v, fields in variants.items():
+        errs = {}
+        for name, row in rows["rows"].items():
+            if "measured" in row:
+                p = sc.predict(row, replace(base, **fields))["prefill_s"]
+                errs[name] = (p - row["measured"]["prefill_s"]) / row["measured"]["prefill_s"]
+        out[v] = {"median_abs": statistics.median(abs(e) for e in errs.values()), "max_abs": max(abs(e) for e in errs.values()),
+                  "host_bound": {n: errs[n] for n in HOST_BOUND if n in errs}}
+    return out
+
+
 def run_walls(record: dict) -> list[dict]:
     """Each run's wall beside its stages' summed issue seconds, and the excess per stage."""
     return [{"group": r["group"], "resident": r["resident"], "stages": r["stages"], "wall_s": r["wall_s"],
@@ -116,6 +137,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default=str(ROWS), help="a sim_check JSON with measured rows")
     ap.add_argument("--records", default=",".join(str(p) for p in RECORDS), help="calibrate JSON records, comma-separated")
+    ap.add_argument("--other-rows", default=",".join(str(p) for p in OTHER_ROWS),
+                    help="other sessions' sim_check JSONs (prefill summary per record)")
     ap.add_argument("--hw", default="h200-testbox")
     ap.add_argument("--out", default=str(RESULTS / "host-evidence-2026-11-30.json"))
     args = ap.parse_args()
@@ -176,6 +199,12 @@ def main() -> None:
             lines.append(f"  {row_name:18}{m * scale:9.3f}{cells}")
         lines.append("  median / max |error|: " + "; ".join(
             f"{v} {out['summary'][v][key]['median_abs']:.1%} / {out['summary'][v][key]['max_abs']:.1%}" for v in names))
+    out["other_sessions"] = {}
+    for path in filter(None, args.other_rows.split(",")):
+        got = out["other_sessions"][Path(path).name] = session_check(Path(path), args.hw, variants)
+        lines.append(f"prefill of {Path(path).name} (another session; {', '.join(HOST_BOUND)}): " + "; ".join(
+            f"{v} {g['median_abs']:.1%} / {g['max_abs']:.1%} (" + ", ".join(f"{e:+.0%}" for e in g["host_bound"].values()) + ")"
+            for v, g in got.items() if not v.endswith("no gap")))
     Path(args.out).write_text(json.dumps(out, indent=2))
     lines.append(f"written: {args.out}")
     print("\n".join(lines))

@@ -3,7 +3,12 @@ groups 1/2/4/8, resident none/some/all and prefill chunks 2K-32K, each run once 
 (prefill and a few decode steps, replayed as `kvpipe run --replay auto` does) and predicted by the
 simulator with a profile whose numbers are measurements (`kvpipe calibrate`), never fitted to
 these rows. Llama-3-8B shapes, random bf16 weights, batch 1, allocator capped at 24 GB; one
-process builds the model once (~2 minutes of H200 time in all).
+process builds the model once (~2 minutes of H200 time in all). Before the rows, the same process
+measures what varies between machines and calls: the small-kernel floor and elementwise rate
+(calibrate's micro-benchmark), the host's issue cost per stage (executor/issue_probe.stage_costs
+on a 2-layer model that is no row) and the host time of a cuDNN plan build (calibrate's
+attention_plan, on its own tensors); the report predicts with them (`--profile-small`,
+`--profile-host`: the profile's figures instead).
 
   python -m benchmarks.sim_check --measure OUT.json           # on the GPU (predicts too if simpy is there)
   python -m benchmarks.sim_check --report OUT.json [--hw P]   # here: predictions, table, plot (PNG)
@@ -81,6 +86,9 @@ def profile(hw_name: str, res: dict, session_small: bool = True, session_host: b
         hw = replace(hw, **fields)
         label += ("; host issue from the same run's probe: " +
                   ", ".join(f"{k.removeprefix('host_')} {v * 1e6:.1f} us" for k, v in fields.items()))
+    if session_host and "attention_plan_s" in cal:
+        hw = replace(hw, attention_plan_s=cal["attention_plan_s"])
+        label += f"; attention_plan_s {hw.attention_plan_s * 1e3:.1f} ms (same run)"
     return hw, label
 
 
@@ -202,6 +210,11 @@ def measure(out: Path, names: list[str], decode: int) -> dict:
                           "how": {k: cal.notes[k] for k in ("gpu.small_kernel_s", "gpu.elementwise_efficiency")},
                           "inventory": cal.extra["small_kernels"]}
     res["calibration"]["host_stage_costs"] = host_probe()
+    if torch.cuda.get_device_capability() >= (9, 0):   # cuDNN prefill attention: its plan build is host time too
+        from kvpipe.executor.calibrate import attention_plan
+        attention_plan(cal)
+        res["calibration"]["attention_plan_s"] = cal.values["gpu.attention_plan_s"]
+        res["calibration"]["attention_plan_points"] = cal.extra["attention_plan_points"]
     torch.cuda.empty_cache()
     with Bench(MODEL, "cuda", GPU_BUDGET, max(ROWS[n][0] for n in names)) as bench:
         res["load_s"] = time.perf_counter() - t_start

@@ -168,14 +168,15 @@ def test_profile_fields_come_as_a_pair_and_load_from_toml(tmp_path):
 
 def sim_check_json(tmp_path, with_probe: bool) -> Path:
     """A tiny hand-made sim_check JSON: one host-bound row (4k-g1-all-c2k's plan, measured figures
-    made up) and, with `with_probe`, a host probe record on the line above with per-phase walls."""
+    made up) and, with `with_probe`, a host probe record on the line above with per-phase walls
+    and a plan build of 30 ms measured in the same run."""
     from benchmarks.sim_check import plan_of
     row = {"context": 4096, "decode_tokens": 6, "plan": plan_of("4k-g1-all-c2k").to_json(), "decode_issue": "graph",
            "fused": True, "measured": {"prefill_s": 0.4, "decode_s_per_token": 0.01}}
     res = {"rows": {"4k-g1-all-c2k": row}, "device": "hand-made"}
     if with_probe:
         copies = [group("prefill", "kv_fetch", "h2d", o, 0, 4, 20e-6 + o * 5e-6) for o in (1, 8)]
-        res["calibration"] = {"host_stage_costs": {"per_kind": LINE + copies, "runs": RUNS}}
+        res["calibration"] = {"host_stage_costs": {"per_kind": LINE + copies, "runs": RUNS}, "attention_plan_s": 0.03}
     path = tmp_path / "sim_check.json"
     path.write_text(json.dumps(res))
     return path
@@ -184,8 +185,9 @@ def sim_check_json(tmp_path, with_probe: bool) -> Path:
 def test_sim_check_report_applies_the_recorded_host_probe(tmp_path):
     """Faults caught: --report ignoring the host probe a --measure run recorded (the rows then
     predicted with another session's host), applying it only in part, or applying it under
-    --profile-host. The expected prediction is the bundled profile with the five fields set by
-    hand (the line above: 200 us + 30 us a launch, 50 us gap, copies 20 + 5 us a call)."""
+    --profile-host. The expected prediction is the bundled profile with the six fields set by
+    hand (the line above: 200 us + 30 us a launch, 50 us gap, copies 20 + 5 us a call; the
+    recorded 30 ms plan build)."""
     from benchmarks.sim_check import predict, report
     from kvpipe.hw_profiles import load_profile
     path = sim_check_json(tmp_path, True)
@@ -193,7 +195,8 @@ def test_sim_check_report_applies_the_recorded_host_probe(tmp_path):
     lines = report(res, "h200-testbox", path)
     assert "host issue from the same run's probe" in res["profile"]
     by_hand = replace(load_profile("h200-testbox"), host_prefill_issue_s_per_stage=A, host_prefill_issue_s_per_launch=B,
-                      host_prefill_issue_gap_s=50e-6, host_copy_s_per_stage=20e-6, host_copy_s_per_op=5e-6)
+                      host_prefill_issue_gap_s=50e-6, host_copy_s_per_stage=20e-6, host_copy_s_per_op=5e-6,
+                      attention_plan_s=0.03)
     row = res["rows"]["4k-g1-all-c2k"]
     want = predict(row, by_hand)
     assert row["predicted"]["prefill_s"] == pytest.approx(want["prefill_s"], rel=1e-9)
