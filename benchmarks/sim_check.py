@@ -82,7 +82,10 @@ def profile(hw_name: str, res: dict, session_small: bool = True, session_host: b
         label += (f" with the session's small_kernel_s {hw.small_kernel_s:.3g} s and "
                   f"elementwise_efficiency {eff:.3f} (calibrate micro-benchmark, same run)")
     if session_host and "host_stage_costs" in cal:
-        fields = host_issue_fields(cal["host_stage_costs"])
+        try:
+            fields = host_issue_fields(cal["host_stage_costs"])
+        except (KeyError, ValueError) as e:   # a record this report cannot fit: say which and why
+            raise ValueError(f"calibration.host_stage_costs: cannot fit the recorded probe ({e})") from None
         hw = replace(hw, **fields)
         label += ("; host issue from the same run's probe: " +
                   ", ".join(f"{k.removeprefix('host_')} {v * 1e6:.1f} us" for k, v in fields.items()))
@@ -275,8 +278,12 @@ def main() -> None:
         return
     if args.report:
         path = Path(args.report)
-        print("\n".join(report(json.loads(path.read_text()), args.hw, path, not args.profile_small,
-                                not args.profile_host)))
+        try:
+            lines = report(json.loads(path.read_text()), args.hw, path, not args.profile_small, not args.profile_host)
+        except ValueError as e:
+            print(f"sim_check: {e}", file=sys.stderr)
+            sys.exit(2)
+        print("\n".join(lines))
         return
     ap.print_usage(sys.stderr)
     print("sim_check: give --measure, --report or --baselines", file=sys.stderr)

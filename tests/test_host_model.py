@@ -243,3 +243,18 @@ def test_stage_cost_probe_records_groups_and_phase_walls_on_cpu():
     # the fits' inputs are there: compute groups of two or more launch counts, copies of 1 and 2 calls
     assert len({k["ops"] + k["small_ops"] for k in rec["per_kind"] if k["kind"] == "compute" and k["phase"] == "prefill"}) >= 2
     assert {k["ops"] for k in rec["per_kind"] if k["kind"] in ("h2d", "d2h")} >= {1, 2}
+
+
+def test_sim_check_report_refuses_a_probe_it_cannot_fit(tmp_path):
+    """Fault caught: a recorded probe without `small_ops` (or otherwise unfit) ending the report in
+    a traceback, or being skipped silently (the rows then predicted with another host): one line
+    on stderr naming the field, exit code 2."""
+    path = sim_check_json(tmp_path, True)
+    res = json.loads(path.read_text())
+    for k in res["calibration"]["host_stage_costs"]["per_kind"]:
+        k.pop("small_ops")
+    path.write_text(json.dumps(res))
+    out = subprocess.run([sys.executable, "-m", "benchmarks.sim_check", "--report", str(path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1 and "calibration.host_stage_costs" in out.stderr and "small_ops" in out.stderr
