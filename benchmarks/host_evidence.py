@@ -24,7 +24,8 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 ROWS = RESULTS / "h200-2026-11-30-sim_check-s4.json"
 RECORDS = (RESULTS / "h200-2026-11-30-calibrated-s4.json", RESULTS / "h200-2026-11-30-calibrated-s4b.json",
-           RESULTS / "h200-2026-11-30-calibrate-simcal3.json")   # the last: h200-testbox's own host record
+           RESULTS / "h200-2026-11-30-calibrate-simcal3.json",   # h200-testbox's own host record
+           RESULTS / "h200-2026-11-30-calibrated-s5.json")       # the fifth session's (no sim_check rows of its own)
 OTHER_ROWS = (RESULTS / "h200-2026-11-30-sim_check.json", RESULTS / "h200-2026-11-30-sim_check-s3.json")
 HOST_BOUND = ("4k-g1-all-c2k", "8k-g2-some-c2k", "8k-g1-none-c4k")
 
