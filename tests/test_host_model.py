@@ -258,3 +258,11 @@ def test_sim_check_report_refuses_a_probe_it_cannot_fit(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert out.stderr.count("\n") == 1 and "calibration.host_stage_costs" in out.stderr and "small_ops" in out.stderr
+
+
+def test_sim_check_warm_row_must_be_a_row():
+    """Fault caught: an unknown --warm-row reaching the GPU run (it would fail there, after the model
+    load) instead of one line naming the field, exit 2, before anything starts."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.sim_check", "--measure", "unused.json", "--warm-row", "9k-g3"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr == "sim_check: warm-row: unknown row '9k-g3'\n"
