@@ -266,3 +266,25 @@ def test_sim_check_warm_row_must_be_a_row():
     out = subprocess.run([sys.executable, "-m", "benchmarks.sim_check", "--measure", "unused.json", "--warm-row", "9k-g3"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and out.stderr == "sim_check: warm-row: unknown row '9k-g3'\n"
+
+
+def test_calibrate_host_keys_round_trip_through_the_toml(tmp_path):
+    """Fault caught: `kvpipe calibrate` writing host.prefill_issue_* keys (Calibration.set, to_toml)
+    that the loader rejects as unknown or reads into the wrong field."""
+    from kvpipe.hw_profiles import _FIELDS, load_profile
+    from kvpipe.pipeline.calibration import Calibration, to_toml
+    base = load_profile("h200")
+    cal = Calibration("lab", "a calibrated test box", "unit test")
+    for key, (field, _) in _FIELDS.items():
+        if key not in ("name", "description"):
+            cal.set(key, getattr(base, field), "copied from h200 for the test")
+    for dtype in base.dtypes:
+        cal.set(f"gpu.compute.{dtype}.peak_flops_per_s", base.flops_peak(dtype), "h200")
+        cal.set(f"gpu.compute.{dtype}.effective_flops_per_s", base.flops_eff(dtype), "h200")
+    cal.set("host.prefill_issue_s_per_stage", 1.25e-4, "by hand")
+    cal.set("host.prefill_issue_s_per_launch", 1.5e-5, "by hand")
+    cal.set("host.prefill_issue_gap_s", 3.5e-5, "by hand")
+    path = tmp_path / "lab.toml"
+    path.write_text(to_toml(cal))
+    hw = load_profile(str(path))
+    assert (hw.host_prefill_issue_s_per_stage, hw.host_prefill_issue_s_per_launch, hw.host_prefill_issue_gap_s) == (1.25e-4, 1.5e-5, 3.5e-5)
