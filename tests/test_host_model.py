@@ -288,3 +288,21 @@ def test_calibrate_host_keys_round_trip_through_the_toml(tmp_path):
     path.write_text(to_toml(cal))
     hw = load_profile(str(path))
     assert (hw.host_prefill_issue_s_per_stage, hw.host_prefill_issue_s_per_launch, hw.host_prefill_issue_gap_s) == (1.25e-4, 1.5e-5, 3.5e-5)
+
+
+@pytest.mark.gpu
+def test_calibrate_sets_the_prefill_host_fields_on_the_gpu():
+    """On the GPU, `kvpipe calibrate`'s host step as it runs there (bf16 probe model, cuDNN/FA2
+    attention, pinned copies). Faults caught: the probe failing on CUDA (stream hook, replay off),
+    a fit that cannot run on its record, the fields not set or a gap below zero, a phase wall
+    shorter than its stages' issue seconds."""
+    from kvpipe.executor.calibrate import host_stage_costs
+    from kvpipe.pipeline.calibration import Calibration
+    cal = Calibration("t", "t", "t")
+    host_stage_costs(cal)
+    for key in ("host.prefill_issue_s_per_stage", "host.prefill_issue_s_per_launch", "host.prefill_issue_gap_s",
+                "host.copy_s_per_stage", "host.copy_s_per_op"):
+        assert key in cal.values and cal.values[key] >= 0, key
+    assert cal.values["host.prefill_issue_s_per_launch"] > 0
+    for r in cal.extra["host_stage_costs"]["runs"]:
+        assert r["prefill_wall_s"] >= r["prefill_host_s"] > 0
