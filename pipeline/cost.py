@@ -97,7 +97,8 @@ def host_issue_seconds(s: Stage, hw: HardwareProfile) -> float:
     if s.kind in (Kind.H2D, Kind.D2H) and hw.host_copy_s_per_op is not None:
         return gap + (hw.host_copy_s_per_stage or 0.0) + s.ops * hw.host_copy_s_per_op
     if s.phase is Phase.PREFILL and s.kind is Kind.COMPUTE and hw.host_prefill_issue_s_per_launch is not None:
-        return gap + hw.host_prefill_issue_s_per_stage + (s.ops + s.small_ops) * hw.host_prefill_issue_s_per_launch + plans
+        launches = s.ops + s.small_ops
+        return gap + hw.host_prefill_issue_s_per_stage + launches * hw.host_prefill_issue_s_per_launch + plans
     return gap + hw.host_issue_s_per_stage + s.ops * hw.host_issue_s_per_op + plans
 
 

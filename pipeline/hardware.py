@@ -160,9 +160,9 @@ class HardwareProfile:
     host_copy_s_per_op: float | None = None
     # Host seconds to issue a PREFILL compute stage: per stage plus per kernel launch (Stage.ops +
     # Stage.small_ops), fitted by `kvpipe calibrate` on prefill stages alone
-    # (pipeline/calibration.compute_issue_fit); and
-    # the host seconds between two prefill stage issues (actor turn, stream-event waits), charged to
-    # every prefill stage. None: the host_issue_s_* pair above stands in, with no gap.
+    # (pipeline/calibration.compute_issue_fit); and the host seconds between two prefill stage
+    # issues (actor turn, stream-event waits), charged to every prefill stage. None: the
+    # host_issue_s_* pair above stands in, with no gap.
     host_prefill_issue_s_per_stage: float | None = None
     host_prefill_issue_s_per_launch: float | None = None
     host_prefill_issue_gap_s: float | None = None
