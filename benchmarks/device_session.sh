@@ -3,7 +3,7 @@
 # simpy, crc32c, zstandard), then run the named steps, each under its own time limit, logs and
 # JSON under $OUT. Runs from /tmp so the checkout's kvpipe/ folder cannot shadow the install.
 #   bash benchmarks/device_session.sh STEP[:SECONDS] ...
-# Steps: gputests calibrate hfcache32 hfcache hfeager tiers regrows(ROWS env) regimes diag(DIAG_ROWS env) codeclink fuse lossyrun simcheck t1m t1mpoll regret(REGRET_ARGS env, e.g. "--part 1/2 --budget-s 420"; REGRET_TAG names the JSON) (SKIP_INSTALL=1: reuse the install of a warm machine)
+# Steps: gputests calibrate hfcache32 hfcache hfeager tiers regrows(ROWS env) regimes diag(DIAG_ROWS env) codeclink fuse lossyrun simcheck(SIMCHECK_ARGS env, e.g. "--warm-row 4k-g1-all-c2k") t1m t1mpoll regret(REGRET_ARGS env, e.g. "--part 1/2 --budget-s 420"; REGRET_TAG names the JSON) (SKIP_INSTALL=1: reuse the install of a warm machine)
 set -u
 R=$(pwd)
 OUT=${OUT:-$R/benchmarks/results}
@@ -43,7 +43,7 @@ for spec in "$@"; do
     regimes) timeout "$lim" python3 -m benchmarks.regimes --decode 8 --out "$OUT/regimes.json" 2>&1 | tail -32 ;;
     diag) timeout "$lim" python3 -m benchmarks.diag --out "$OUT/diag" ${DIAG_ROWS:+--rows $DIAG_ROWS} 2>&1 | grep -v Warning | tail -12 ;;
     fuse) timeout "$lim" python3 -m benchmarks.fuse_check --out "$OUT/fuse_check.json" 2>&1 | grep -v Warning | tail -13 ;;
-    simcheck) timeout "$lim" python3 -m benchmarks.sim_check --measure "$OUT/sim_check.json" 2>&1 | grep -v Warning | tail -8 ;;
+    simcheck) timeout "$lim" python3 -m benchmarks.sim_check --measure "$OUT/sim_check.json" ${SIMCHECK_ARGS:-} 2>&1 | grep -v Warning | tail -8 ;;
     lossyrun) timeout "$lim" python3 -m benchmarks.lossy_run --context 128K --decode-tokens 8 --gpu-mem 24GB --group 8 --resident none --hw h200 --device cuda --out "$OUT/lossy-run-128k.json" 2>&1 | grep -v Warning | tail -8 ;;
     regret) timeout "$lim" python3 -m benchmarks.planner_regret --plans "$R/benchmarks/results/planner-regret-plans.json" ${REGRET_ARGS:-} --out "$OUT/planner-regret${REGRET_TAG:+-$REGRET_TAG}.json" 2>&1 | grep -v "Warning\|kvpipe: executing" | tail -72 ;;
     t1m) python3 -m benchmarks.tiers 1m --kv-dir /tmp --dir /tmp/kvpipe-1m 2>&1 | tail -4; poll1m "$lim" ;;

@@ -3,7 +3,12 @@ groups 1/2/4/8, resident none/some/all and prefill chunks 2K-32K, each run once 
 (prefill and a few decode steps, replayed as `kvpipe run --replay auto` does) and predicted by the
 simulator with a profile whose numbers are measurements (`kvpipe calibrate`), never fitted to
 these rows. Llama-3-8B shapes, random bf16 weights, batch 1, allocator capped at 24 GB; one
-process builds the model once (~2 minutes of H200 time in all).
+process builds the model once (~2 minutes of H200 time in all). Before the rows, the same process
+measures what varies between machines and calls: the small-kernel floor and elementwise rate
+(calibrate's micro-benchmark), the host's issue cost per stage (executor/issue_probe.stage_costs
+on a 2-layer model that is no row) and the host time of a cuDNN plan build (calibrate's
+attention_plan, on its own tensors); the report predicts with them (`--profile-small`,
+`--profile-host`: the profile's figures instead).
 
   python -m benchmarks.sim_check --measure OUT.json           # on the GPU (predicts too if simpy is there)
   python -m benchmarks.sim_check --report OUT.json [--hw P]   # here: predictions, table, plot (PNG)
@@ -57,21 +62,37 @@ def plan_of(name: str):
     return Plan(Method.HEADWISE, PhasePlan(group, chunk, 2), PhasePlan(group, 1, 2), resident, 0)
 
 
-def profile(hw_name: str, res: dict, session_small: bool = True):
+def profile(hw_name: str, res: dict, session_small: bool = True, session_host: bool = True):
     """The profile predictions use: `hw_name`, with the small-kernel floor and elementwise rate
     measured in the same session as the rows (`--measure` runs `kvpipe calibrate`'s micro-benchmark
-    first) when the file holds them and `session_small`."""
+    first) when the file holds them and `session_small`; and with the host issue figures of the
+    same session's host-stage probe (`calibration.host_stage_costs`: the prefill compute pair, the
+    copy pair, the prefill gap, fitted from the recorded probe by pipeline/calibration.host_issue_fields)
+    when the file holds it and `session_host`. The probe runs a 2-layer model that is no row."""
     from dataclasses import replace
 
     from kvpipe.hw_profiles import load_profile
+    from kvpipe.pipeline.calibration import host_issue_fields
     hw = load_profile(hw_name)
-    cal = res.get("calibration")
-    if not (cal and session_small):
-        return hw, f"{hw_name}"
-    eff = min(1.0, cal["elementwise_bytes_per_s"] / hw.hbm_eff_bytes_per_s)
-    hw = replace(hw, small_kernel_s=cal["small_kernel_s"], elementwise_efficiency=eff)
-    return hw, (f"{hw_name} with the session's small_kernel_s {hw.small_kernel_s:.3g} s and "
-                f"elementwise_efficiency {eff:.3f} (calibrate micro-benchmark, same run)")
+    cal = res.get("calibration") or {}
+    label = f"{hw_name}"
+    if session_small and "small_kernel_s" in cal:
+        eff = min(1.0, cal["elementwise_bytes_per_s"] / hw.hbm_eff_bytes_per_s)
+        hw = replace(hw, small_kernel_s=cal["small_kernel_s"], elementwise_efficiency=eff)
+        label += (f" with the session's small_kernel_s {hw.small_kernel_s:.3g} s and "
+                  f"elementwise_efficiency {eff:.3f} (calibrate micro-benchmark, same run)")
+    if session_host and "host_stage_costs" in cal:
+        try:
+            fields = host_issue_fields(cal["host_stage_costs"])
+        except (KeyError, ValueError) as e:   # a record this report cannot fit: say which and why
+            raise ValueError(f"calibration.host_stage_costs: cannot fit the recorded probe ({e})") from None
+        hw = replace(hw, **fields)
+        label += ("; host issue from the same run's probe: " +
+                  ", ".join(f"{k.removeprefix('host_')} {v * 1e6:.1f} us" for k, v in fields.items()))
+    if session_host and "attention_plan_s" in cal:
+        hw = replace(hw, attention_plan_s=cal["attention_plan_s"])
+        label += f"; attention_plan_s {hw.attention_plan_s * 1e3:.1f} ms (same run)"
+    return hw, label
 
 
 def predict(row: dict, hw) -> dict:
@@ -151,7 +172,25 @@ def plot(res: dict, path: Path) -> str:
     return f"plot: {path}"
 
 
-def measure(out: Path, names: list[str], decode: int) -> dict:
+def host_probe() -> dict:
+    """The host-stage probe (executor/issue_probe.stage_costs) on its 2-layer Llama-3-8B-shaped
+    model, in this process before the rows: what this host spends issuing each stage now.
+    The four plans `kvpipe calibrate` runs (every stage kind; copies of 1, 2, 4 and 8 calls),
+    two runs each of a 2K context in 512-token chunks and 8 eager decode steps: seconds on the
+    H200; the model is freed after."""
+    import torch
+
+    from kvpipe.executor.issue_probe import probe_model, stage_costs
+    t0 = time.perf_counter()
+    model = probe_model("cuda")
+    rec = stage_costs(model, "cuda")
+    del model
+    torch.cuda.empty_cache()
+    rec["probe_s"] = time.perf_counter() - t0
+    return rec
+
+
+def measure(out: Path, names: list[str], decode: int, warm_row: str | None = None) -> dict:
     from benchmarks.measure import Bench, note
     from kvpipe.api import default_alloc_conf
     default_alloc_conf()   # before torch starts CUDA: fixed segments fragmented 4 rows on 2026-11-30
@@ -173,9 +212,19 @@ def measure(out: Path, names: list[str], decode: int) -> dict:
                           "hbm_copy_bytes_per_s": cal.values["gpu.hbm_eff_bytes_per_s"],
                           "how": {k: cal.notes[k] for k in ("gpu.small_kernel_s", "gpu.elementwise_efficiency")},
                           "inventory": cal.extra["small_kernels"]}
+    res["calibration"]["host_stage_costs"] = host_probe()
+    if torch.cuda.get_device_capability() >= (9, 0):   # cuDNN prefill attention: its plan build is host time too
+        from kvpipe.executor.calibrate import attention_plan
+        attention_plan(cal)
+        res["calibration"]["attention_plan_s"] = cal.values["gpu.attention_plan_s"]
+        res["calibration"]["attention_plan_points"] = cal.extra["attention_plan_points"]
     torch.cuda.empty_cache()
     with Bench(MODEL, "cuda", GPU_BUDGET, max(ROWS[n][0] for n in names)) as bench:
         res["load_s"] = time.perf_counter() - t_start
+        if warm_row:   # run once untimed, kept apart: the process's one-time costs (the fused pieces'
+            # compile in the first row's warm-up) before any row is measured
+            got = bench.row(plan_of(warm_row), Workload(ROWS[warm_row][0], decode, 1), replay="auto")
+            res["warm_row"] = {"name": warm_row, **got.json}
         for name in names:
             context = ROWS[name][0]
             work, plan = Workload(context, decode, 1), plan_of(name)
@@ -190,8 +239,8 @@ def measure(out: Path, names: list[str], decode: int) -> dict:
     return res
 
 
-def report(res: dict, hw_name: str, out: Path, session_small: bool = True) -> list[str]:
-    hw, res["profile"] = profile(hw_name, res, session_small)
+def report(res: dict, hw_name: str, out: Path, session_small: bool = True, session_host: bool = True) -> list[str]:
+    hw, res["profile"] = profile(hw_name, res, session_small, session_host)
     for r in res["rows"].values():
         if "measured" in r:
             r["predicted"] = predict(r, hw)
@@ -211,27 +260,40 @@ def main() -> None:
     ap.add_argument("--hw", default="h200-testbox", help="profile the predictions use")
     ap.add_argument("--profile-small", action="store_true", help="use the profile's small-kernel fields, "
                     "not those the --measure run calibrated in the same session")
+    ap.add_argument("--warm-row", default=None, metavar="ROW", help="run this row once before the measured "
+                    "rows and keep it apart (JSON `warm_row`): the first row of a process has measured up to 1.3x "
+                    "its neighbours' prefill (benchmarks/SIMMODEL.md, hostcal5)")
+    ap.add_argument("--profile-host", action="store_true", help="use the profile's host issue fields, "
+                    "not those the --measure run's host-stage probe measured in the same session")
     args = ap.parse_args()
     names = list(ROWS) if args.rows == "all" else args.rows.split(",")
     unknown = [n for n in names if n not in ROWS]
     if unknown:
         print(f"sim_check: rows: unknown row {unknown[0]!r}", file=sys.stderr)
         sys.exit(2)
+    if args.warm_row is not None and args.warm_row not in ROWS:
+        print(f"sim_check: warm-row: unknown row {args.warm_row!r}", file=sys.stderr)
+        sys.exit(2)
     if args.baselines:
         from benchmarks.sim_baselines import main as baselines
         return baselines()
     if args.measure:
         out = Path(args.measure)
-        res = measure(out, names, args.decode)
+        res = measure(out, names, args.decode, args.warm_row)
         try:
-            lines = report(res, args.hw, out, not args.profile_small)
+            lines = report(res, args.hw, out, not args.profile_small, not args.profile_host)
         except ImportError as e:   # simpy missing on the GPU machine: --report the JSON elsewhere
             lines = [f"measured; predictions need {e.name}: run --report {out} where it is installed"]
         print("\n".join(lines))
         return
     if args.report:
         path = Path(args.report)
-        print("\n".join(report(json.loads(path.read_text()), args.hw, path, not args.profile_small)))
+        try:
+            lines = report(json.loads(path.read_text()), args.hw, path, not args.profile_small, not args.profile_host)
+        except ValueError as e:
+            print(f"sim_check: {e}", file=sys.stderr)
+            sys.exit(2)
+        print("\n".join(lines))
         return
     ap.print_usage(sys.stderr)
     print("sim_check: give --measure, --report or --baselines", file=sys.stderr)

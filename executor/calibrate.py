@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from kvpipe.pipeline.calibration import (Calibration, copy_issue_fit, fit_alpha_beta, fit_alpha_beta_relative,
-                                         half_rate_flops)
+from kvpipe.pipeline.calibration import (Calibration, fit_alpha_beta, fit_alpha_beta_relative, half_rate_flops,
+                                         host_issue_fields)
 from kvpipe.pipeline.hardware import HardwareProfile
 
 from .attention import attend_part
@@ -109,56 +109,26 @@ def host_issue(cal: Calibration) -> None:
 def host_stage_costs(cal: Calibration, context: int = 2048, chunk: int = 512) -> None:
     """Host seconds the executor spends issuing each stage (the lane actor's perf_counter around
     the stage's issue, `Span.host_s`), prefill and eager decode, for a 2-layer Llama-3-8B-shaped
-    model under plans that cover the stage kinds (groups 1 / 2 / 8; all resident, half, none), and
-    each run's whole wall time over its stage count (the actors' turns, event waits and records
-    between issues included). Recorded per (phase, tag, kind, ops) as medians with the least
-    squares of host_s = a + b * ops per phase, in the JSON record (`host_stage_costs`)."""
-    from .adapter import HFAdapter
-    from .loader import random_model
-    from .runner import execute
-    from kvpipe.pipeline.builder import build
-    from kvpipe.pipeline.plan import Method, PhasePlan, Plan
-    from kvpipe.pipeline.workload import Workload
-    cfg = dict(model_type="llama", vocab_size=1024, hidden_size=4096, intermediate_size=14336,
-               num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-               max_position_embeddings=2 * context, tie_word_embeddings=False)
-    model = random_model(cfg, "cuda", torch.bfloat16, 0)
-    spec = HFAdapter(model).spec()
-    work = Workload(context, 8, 1)
-    ids = torch.randint(0, 1024, (1, context), generator=torch.Generator().manual_seed(0))
-    per: dict[tuple, list[float]] = {}
-    runs = []
-    for group, resident in ((1, spec.units), (2, spec.units // 2), (8, 0), (1, 0)):
-        plan = Plan(Method.HEADWISE, PhasePlan(group, chunk, 2), PhasePlan(group, 1, 2), resident, 0)
-        graph = build(spec, work, plan)
-        execute(graph, model, ids, "cuda")                 # warm: kernels, plans
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        res = execute(graph, model, ids, "cuda")
-        wall = time.perf_counter() - t0
-        for sp in res.trace.spans:
-            st = graph.stages[sp.stage]
-            per.setdefault((st.phase.value, st.tag, st.kind.value, st.ops), []).append(sp.host_s)
-        runs.append({"group": group, "resident": resident, "stages": len(graph.stages),
-                     "ops": sum(st.ops for st in graph.stages), "wall_s": wall,
-                     "host_s_sum": sum(sp.host_s for sp in res.trace.spans)})
-    fits = {}
-    for phase in ("prefill", "decode"):
-        pts = [(k[3], h) for k, v in per.items() if k[0] == phase for h in v]
-        if len({o for o, _ in pts}) >= 2:
-            n = len(pts)
-            mx, my = sum(o for o, _ in pts) / n, sum(h for _, h in pts) / n
-            b = sum((o - mx) * (h - my) for o, h in pts) / sum((o - mx) ** 2 for o, _ in pts)
-            fits[phase] = {"per_stage_s": my - b * mx, "per_op_s": b, "points": n}
-    per_kind = [{"phase": k[0], "tag": k[1], "kind": k[2], "ops": k[3], "n": len(v),
-                 "median_s": statistics.median(v)} for k, v in sorted(per.items())]
-    cal.extra["host_stage_costs"] = {"per_kind": per_kind, "fits": fits, "runs": runs}
-    per_stage, per_op = copy_issue_fit(per_kind)
-    how = ("host seconds of the executor's h2d / d2h stages issued one by one (Span.host_s) in a 2-layer "
-           "Llama-3-8B-shaped model's prefill and eager decode under 4 plans; least squares of the "
-           "median per (phase, tag, ops) = a + b * ops")
-    cal.set("host.copy_s_per_stage", per_stage, how + " (a)")
-    cal.set("host.copy_s_per_op", per_op, how + " (b)")
+    model under plans that cover the stage kinds (groups 1 / 2 / 8; all resident, half, none),
+    with each phase's host wall (executor/issue_probe.stage_costs; the JSON record's
+    `host_stage_costs`). Sets the copy pair, the prefill compute pair (per stage + per kernel
+    launch) and the prefill gap between issues (pipeline/calibration.host_issue_fields)."""
+    from .issue_probe import probe_model, stage_costs
+    rec = stage_costs(probe_model("cuda"), "cuda", context, chunk)
+    cal.extra["host_stage_costs"] = rec
+    fields = host_issue_fields(rec)
+    how = ("host seconds of the executor's {what} issued one by one (Span.host_s) in a 2-layer Llama-3-8B-shaped "
+           "model's prefill and eager decode under 4 plans (executor/issue_probe.stage_costs); least squares "
+           "of the median per group = a + b * {x} (pipeline/calibration.{fit})")
+    copy = how.format(what="h2d / d2h stages", x="copy calls", fit="copy_issue_fit")
+    cal.set("host.copy_s_per_stage", fields["host_copy_s_per_stage"], copy + " (a)")
+    cal.set("host.copy_s_per_op", fields["host_copy_s_per_op"], copy + " (b)")
+    pre = how.format(what="prefill compute stages", x="kernel launches (ops + small_ops)", fit="compute_issue_fit")
+    cal.set("host.prefill_issue_s_per_stage", fields["host_prefill_issue_s_per_stage"], pre + " (a)")
+    cal.set("host.prefill_issue_s_per_launch", fields["host_prefill_issue_s_per_launch"], pre + " (b)")
+    cal.set("host.prefill_issue_gap_s", fields["host_prefill_issue_gap_s"],
+            "the same runs: each prefill's host wall (first issue to the end of the last) minus its stages' "
+            "summed issue seconds, per stage, pooled over the 4 plans (pipeline/calibration.issue_gap)")
 
 
 def layer_small_ops(a, T: int, P: int):

@@ -46,6 +46,9 @@ _FIELDS = {
 _OPTIONAL = {   # TOML key -> HardwareProfile field: absent means the field's default
     "host.copy_s_per_stage": "host_copy_s_per_stage",
     "host.copy_s_per_op": "host_copy_s_per_op",
+    "host.prefill_issue_s_per_stage": "host_prefill_issue_s_per_stage",
+    "host.prefill_issue_s_per_launch": "host_prefill_issue_s_per_launch",
+    "host.prefill_issue_gap_s": "host_prefill_issue_gap_s",
     "host.compile_s": "compile_s",
     "gpu.sparse_score_call_s": "sparse_score_call_s",
     "gpu.sparse_score_bytes_per_s": "sparse_score_bytes_per_s",

@@ -65,6 +65,87 @@ def copy_issue_fit(per_kind: Sequence[dict]) -> tuple[float, float]:
     return per_stage, 1.0 / rate
 
 
+def compute_issue_fit(per_kind: Sequence[dict], phase: str) -> tuple[float, float]:
+    """(host seconds per compute stage, per kernel launch) of one phase ('prefill' or 'decode') from
+    a `host_stage_costs` record: least squares of median host seconds = a + b * launches over the
+    phase's compute stage groups, each group weighted by its stage count `n` (the fit serves sums
+    over stages: a group of 4 head stages must not pull it as hard as 126 attention stages), where
+    a group's launches are its `ops` (GEMMs, attention calls) plus its `small_ops` (norms, RoPE,
+    casts, merges: each one launch too; on the H200 records a prefill attention of 2 ops + 1-3
+    small kernels issues in half the time of one of 5 + 12-14, which ops alone fit 50-88% long).
+    A negative intercept is clamped at 0 with the slope refitted through the origin. ValueError
+    naming the problem: a group without `small_ops`, fewer than two distinct launch counts, a
+    slope that is not positive."""
+    pts = []
+    for k in per_kind:
+        if k["kind"] == "compute" and k["phase"] == phase:
+            if "small_ops" not in k:
+                raise ValueError(f"host_stage_costs.per_kind: 'small_ops' is missing in the {phase} {k['tag']} group")
+            pts.append((k["ops"] + k["small_ops"], k["median_s"], k["n"]))
+    if len({x for x, _, _ in pts}) < 2:
+        raise ValueError(f"host_stage_costs: phase {phase!r} needs compute stages of two or more launch counts, "
+                         f"got {sorted({x for x, _, _ in pts})}")
+    w = sum(n for _, _, n in pts)
+    mx, my = sum(n * x for x, _, n in pts) / w, sum(n * t for _, t, n in pts) / w
+    slope = sum(n * (x - mx) * (t - my) for x, t, n in pts) / sum(n * (x - mx) ** 2 for x, _, n in pts)
+    if slope <= 0:
+        raise ValueError(f"host_stage_costs: phase {phase!r}: host seconds do not grow with launches (slope {slope!r})")
+    per_stage = my - slope * mx
+    if per_stage < 0:
+        slope, per_stage = sum(n * x * t for x, t, n in pts) / sum(n * x * x for x, _, n in pts), 0.0
+    return per_stage, slope
+
+
+def issue_gap(runs: Sequence[dict], phase: str = "prefill") -> float:
+    """Host seconds per stage spent between stage issues (the lane actors' turns, stream-event
+    waits, the stream switch: outside every `Span.host_s`), from calibrate's `host_stage_costs`
+    runs: the phase's host wall (first issue to last, `<phase>_wall_s`) minus its stages' summed
+    host seconds (`<phase>_host_s`), over its stage count (`<phase>_stages`), pooled over the runs
+    (sum of gaps / sum of stages). Records written before the per-phase walls lack those keys:
+    ValueError naming the first missing one. Never negative (clamped at 0)."""
+    keys = (f"{phase}_wall_s", f"{phase}_host_s", f"{phase}_stages")
+    for r in runs:
+        for k in keys:
+            if k not in r:
+                raise ValueError(f"host_stage_costs.runs: {k!r} is missing (a record before per-phase walls)")
+    stages = sum(r[keys[2]] for r in runs)
+    if stages <= 0:
+        raise ValueError(f"host_stage_costs.runs: no {phase} stages")
+    return max(0.0, sum(r[keys[0]] - r[keys[1]] for r in runs) / stages)
+
+
+def run_gap_fit(runs: Sequence[dict]) -> tuple[float, float]:
+    """(fixed seconds per run, seconds per stage) of what a whole run's wall time holds beyond its
+    stages' summed host seconds (`wall_s - host_s_sum`: run set-up, the final sync, and the gaps
+    between issues), least squares over calibrate's `host_stage_costs` runs against their stage
+    counts. The older records' only evidence of the gap (no per-phase walls); both clamped at 0."""
+    if len({r["stages"] for r in runs}) < 2:
+        raise ValueError("host_stage_costs.runs: need runs of two or more stage counts")
+    xs, ys = [r["stages"] for r in runs], [r["wall_s"] - r["host_s_sum"] for r in runs]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return max(0.0, my - slope * mx), max(0.0, slope)
+
+
+def host_issue_fields(record: dict, gap: bool = True) -> dict[str, float]:
+    """HardwareProfile fields of host issue cost from one `host_stage_costs` record (calibrate's
+    JSON, or sim_check's same-session probe): the prefill compute pair (compute_issue_fit), the
+    copy pair (copy_issue_fit) and, with `gap`, the prefill gap between issues: `issue_gap` where
+    the record has per-phase walls, else the per-stage slope of `run_gap_fit` (whole runs: set-up
+    and the final sync go to its intercept). Returns {field: seconds}; `how` keys are not included."""
+    per_kind = record["per_kind"]
+    pre_stage, pre_launch = compute_issue_fit(per_kind, "prefill")
+    copy_stage, copy_op = copy_issue_fit(per_kind)
+    out = {"host_prefill_issue_s_per_stage": pre_stage, "host_prefill_issue_s_per_launch": pre_launch,
+           "host_copy_s_per_stage": max(0.0, copy_stage), "host_copy_s_per_op": copy_op}
+    if gap:
+        runs = record["runs"]
+        out["host_prefill_issue_gap_s"] = (issue_gap(runs, "prefill") if all("prefill_wall_s" in r for r in runs)
+                                           else run_gap_fit(runs)[1])
+    return out
+
+
 def half_rate_flops(points: Sequence[tuple[float, ...]], eff_flops_per_s: float) -> float:
     """FLOPs per kernel at which a kernel reaches half of `eff_flops_per_s`, from measured
     (kernel_flops, seconds[, memory_seconds]) points under the model rate(f) = eff * f / (f + h):

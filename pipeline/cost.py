@@ -85,10 +85,21 @@ def host_issue_seconds(s: Stage, hw: HardwareProfile) -> float:
     three). A copy stage costs `host_copy_s_per_stage + ops * host_copy_s_per_op` where the profile
     has them (calibrate: the executor's copy stages timed one by one): issued with the compute
     figures, a replayed step's 32 eager write-backs of 8 copies cost 22 ms of host on h200-testbox
-    (4k-g8-none-c4k decode predicted +90%) where the executor spends ~6 ms."""
+    (4k-g8-none-c4k decode predicted +90%) where the executor spends ~6 ms.
+    A prefill compute stage costs `host_prefill_issue_s_per_stage + (ops + small_ops) *
+    host_prefill_issue_s_per_launch` where the profile has that pair (calibrate: prefill stages
+    alone, each small kernel a launch too; the old pair is fitted on decode step times against ops),
+    and every prefill stage adds `host_prefill_issue_gap_s` where the profile has it: the host time
+    between issues that no stage's own issue time holds (actor turns, stream-event waits), measured
+    by the same probe (benchmarks/SIMMODEL.md, branch hostcal5)."""
+    gap = (hw.host_prefill_issue_gap_s or 0.0) if s.phase is Phase.PREFILL else 0.0
+    plans = attention_plans(s) * hw.attention_plan_s
     if s.kind in (Kind.H2D, Kind.D2H) and hw.host_copy_s_per_op is not None:
-        return (hw.host_copy_s_per_stage or 0.0) + s.ops * hw.host_copy_s_per_op
-    return hw.host_issue_s_per_stage + s.ops * hw.host_issue_s_per_op + attention_plans(s) * hw.attention_plan_s
+        return gap + (hw.host_copy_s_per_stage or 0.0) + s.ops * hw.host_copy_s_per_op
+    if s.phase is Phase.PREFILL and s.kind is Kind.COMPUTE and hw.host_prefill_issue_s_per_launch is not None:
+        launches = s.ops + s.small_ops
+        return gap + hw.host_prefill_issue_s_per_stage + launches * hw.host_prefill_issue_s_per_launch + plans
+    return gap + hw.host_issue_s_per_stage + s.ops * hw.host_issue_s_per_op + plans
 
 
 def replayed_decode_attention_seconds(group: int, kv_bytes: float, mem_bytes: float,

@@ -158,6 +158,14 @@ class HardwareProfile:
     # None: the compute figures above stand in.
     host_copy_s_per_stage: float | None = None
     host_copy_s_per_op: float | None = None
+    # Host seconds to issue a PREFILL compute stage: per stage plus per kernel launch (Stage.ops +
+    # Stage.small_ops), fitted by `kvpipe calibrate` on prefill stages alone
+    # (pipeline/calibration.compute_issue_fit); and the host seconds between two prefill stage
+    # issues (actor turn, stream-event waits), charged to every prefill stage. None: the
+    # host_issue_s_* pair above stands in, with no gap.
+    host_prefill_issue_s_per_stage: float | None = None
+    host_prefill_issue_s_per_launch: float | None = None
+    host_prefill_issue_gap_s: float | None = None
     # Host seconds to compile the fused decode pieces (executor/fused.py) once per process; a
     # one-time cost the prediction reports beside total_s. None: the profile does not say.
     compile_s: float | None = None
@@ -189,12 +197,16 @@ class HardwareProfile:
             raise HardwareFieldError("elementwise_efficiency", f"must be a number in (0, 1], got {ew!r}")
         object.__setattr__(self, "elementwise_efficiency", float(ew))
         for f in ("host_copy_s_per_stage", "host_copy_s_per_op", "compile_s", "sparse_score_call_s",
-                  "sparse_score_bytes_per_s"):
+                  "sparse_score_bytes_per_s", "host_prefill_issue_s_per_stage", "host_prefill_issue_s_per_launch",
+                  "host_prefill_issue_gap_s"):
             if getattr(self, f) is not None:
                 object.__setattr__(self, f, _number(f, getattr(self, f), f != "sparse_score_bytes_per_s"))
         if (self.sparse_score_call_s is None) != (self.sparse_score_bytes_per_s is None):
             raise HardwareFieldError("sparse_score_bytes_per_s", "sparse_score_call_s and sparse_score_bytes_per_s "
                                      "come together (both measured by benchmarks/sparse_score.py) or not at all")
+        if (self.host_prefill_issue_s_per_stage is None) != (self.host_prefill_issue_s_per_launch is None):
+            raise HardwareFieldError("host_prefill_issue_s_per_launch", "host_prefill_issue_s_per_stage and "
+                                     "host_prefill_issue_s_per_launch come together (one fit) or not at all")
         table = tuple(sorted(self.decode_attention, key=lambda e: e.group))
         if any(not isinstance(e, DecodeAttention) for e in table):
             raise HardwareFieldError("decode_attention", "entries must be DecodeAttention")
