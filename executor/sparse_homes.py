@@ -141,6 +141,13 @@ class SparseHomes:
                 self.stage = [store.arena.empty((B, lo.slot_heads, n_max, *self.dests[0].shape[3:]),
                                                 self.dests[0].dtype) for _ in range(lo.slots)]
 
+    def paths(self) -> dict:
+        """Which paths this run's sparse decode took (reported in `run --json` decode_issue.sparse):
+        the gather (uva | staged | cpu), the ranking (triton | torch), the threshold (radix select
+        or torch.topk), and why a faster path was left, if one was."""
+        return {"gather": self.gather_mode, "score": self.score_path,
+                "threshold": "radix" if self.radix else "topk", "note": self.score_note}
+
     @property
     def gpu_bytes(self) -> int:
         bufs = [t for ts in (self.lo, self.hi, self.codes, self.tail) for t in ts if t is not None]

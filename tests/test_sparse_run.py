@@ -143,8 +143,12 @@ def test_run_json_labels_the_sparse_run(tmp_path, capsys):
     args = ["run", "--model", str(tmp_path / "config.json"), "--random-weights", "--context", "700", "--chunk", "128",
             "--decode-tokens", "2", "--device", "cpu", "--no-progress", "--resident", "none", "--sparse", "0.2"]
     assert main(args + ["--json"]) == 0
-    lossy = json.loads(capsys.readouterr().out)["lossy"]
+    out = json.loads(capsys.readouterr().out)
+    lossy = out["lossy"]
     assert lossy["sparse"] == 0.2 and lossy["quant"] is None and lossy["sketch"] == 2
+    # and which paths it took (a slow fallback, e.g. a staged gather, must be visible in the JSON)
+    assert out["decode_issue"]["sparse"] == {"gather": "cpu", "score": "torch", "threshold": "radix",
+                                             "note": "the Triton ranking runs on CUDA only (CPU keeps the torch path)"}
     err = lossy["measured_error"]          # the run's own probe: 320 of 700 tokens (sink 64 + recent 256)
     assert err["fetched_tokens"] == 320 and err["probe_tokens"] == 700
     assert 0 < err["sparse_recall_mean"] < 1 and err["sparse_attn_rel_err"] > 0
