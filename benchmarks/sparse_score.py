@@ -35,8 +35,7 @@ from kvpipe.pipeline.units import parse_tokens
 RESULTS = Path(__file__).resolve().parent / "results"
 LAYERS = 32          # Llama-3-8B: the implied decode-step cost is 32 score stages
 TILINGS = (("token", 32, 4), ("token", 64, 4), ("token", 64, 8), ("token", 128, 8),   # (score kernel, tokens per
-           ("chunk", 64, 2), ("chunk", 64, 4), ("chunk", 64, 8), ("chunk", 32, 2), ("chunk", 32, 4),   # program,
-           ("chunk-bytes", 64, 2), ("chunk-bytes", 64, 4), ("chunk-bytes", 32, 2))                   # warps)
+           ("chunk", 64, 2), ("chunk", 64, 4), ("chunk", 64, 8), ("chunk", 32, 2), ("chunk", 32, 4))   # program, warps)
 
 
 def old_select(share: torch.Tensor, prefix: int, budget: int, sink: int, recent: int) -> torch.Tensor:

@@ -35,8 +35,7 @@ BLOCK_LSE = 256     # tiles per iteration of lse's loop
 BLOCK_SEL = 1024    # tokens per program of sel_count/sel_write/radix_hist
 SEL_TILES = 256     # tile counts sel_write reads per iteration (fixed: no recompile as the cache grows)
 SCORE_KERNEL = "chunk"   # rank's score kernel: "chunk" (the chunk's range factored out) or "token"
-KERNELS = ("token", "chunk", "chunk-bytes")   # chunk-bytes: "chunk" loading each code byte once (timed by
-                                              # benchmarks/sparse_score.py; not yet measured on a GPU)
+KERNELS = ("token", "chunk")
 
 
 def unavailable(device: torch.device, head_dim: int, bits: int) -> str | None:
@@ -64,8 +63,7 @@ def rank(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tenso
     `kernel`: "token" rebuilds each token's key k_hat from a [block, D] tile of its chunk's lo and hi
     (`score`); "chunk" (`score_chunk`) loads the chunk's lo, hi once and scores
     q . (lo + step/2) + sum cell (q step), with block cut to the chunk where it is larger (a tile
-    in one chunk; the chunk a power of two, else "token" runs); "chunk-bytes" is "chunk" loading
-    each code byte once and splitting it by shifts. "token" and "chunk" round differently."""
+    in one chunk; the chunk a power of two, else "token" runs). The two round differently."""
     lead, (G, D), S = q.shape[:-2], q.shape[-2:], codes.shape[-2]
     C = lo.shape[-2]
     if codes.shape[:-2] != lead or lo.shape[:-2] != lead or hi.shape != lo.shape or lo.shape[-1] != D:
@@ -85,17 +83,16 @@ def rank(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tenso
     from .sparse_triton_kernels import lse as lse_k, score as score_k, score_chunk, share as share_k
     if kernel not in KERNELS:
         raise ValueError(f"kernel: must be one of {', '.join(KERNELS)}, got {kernel!r}")
-    chunk, extra = S // C, {}
-    if kernel != "token" and chunk & (chunk - 1) == 0:
+    chunk = S // C
+    if kernel == "chunk" and chunk & (chunk - 1) == 0:
         score_k, block, warps = score_chunk, min(block, chunk), warps or CHUNK_WARPS
-        extra = {"BYTES": kernel == "chunk-bytes"}
     warps = warps or SCORE_WARPS
     n_tiles = -(-S // block)
     m = torch.empty(U, G, n_tiles, dtype=torch.float32, device=dev)
     lsum = torch.empty_like(m)
     score_k[(U, n_tiles)](qf, lo3, hi3, c3, s, m, lsum, S, n_tiles, lo3.stride(0), lo3.stride(1),
                           hi3.stride(0), hi3.stride(1), c3.stride(0), c3.stride(1),
-                          G=G, D=D, BITS=bits, CHUNK=S // C, BLOCK=block, num_warps=warps, **extra)
+                          G=G, D=D, BITS=bits, CHUNK=S // C, BLOCK=block, num_warps=warps)
     lse_k[(U,)](m, lsum, lse, n_tiles, G=G, BLOCK=BLOCK_LSE)
     share_k[(U, n_tiles)](s, lse, out, S, G=G, BLOCK=block)
     out = out.reshape(*lead, S)
