@@ -22,13 +22,13 @@ from kvpipe.pipeline.lossy import LossySpec
 from kvpipe.pipeline.plan import Method, PhasePlan, Plan
 from kvpipe.pipeline.stage import Phase
 from kvpipe.pipeline.workload import Workload
+from sparse_runs import CUDA_TINY, check_fraction_one, plan_of
 
 G = 16   # int4 group (tokens a record holds) of these tests: divides the sketch chunk 64
 SPARSE_INT4 = LossySpec("int4", group=G, sparse=0.2, sink=4, recent=32)
 
 
-def _plan(lossy, resident=0, group=2):
-    return Plan(Method.HEADWISE, PhasePlan(group, 128), PhasePlan(group, 1), resident, lossy=lossy)
+_plan = plan_of
 
 
 def _dequant_ref(rec: torch.Tensor, bits: int, g: int, D: int, meta: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
@@ -193,26 +193,15 @@ def test_sparse_int4_record_gather_by_uva_equals_the_cpu_gather_cuda_bf16(tiny_m
     # reading other bytes than an index_select of the host records gives, the gather racing the
     # score, the compiled dequantise over the selected records differing from the independent
     # decode, and a fallback to the staged gather where UVA works (the mode must be `uva`).
-    model = tiny_model("llama", kv_heads=2, q_heads=8, head_dim=64, layers=2, dtype=torch.bfloat16, device="cuda",
-                       hidden_size=256, intermediate_size=512, vocab_size=1024)
-    assert _check(model, "cuda", 2e-2) == "uva"
+    assert _check(tiny_model("llama", **CUDA_TINY), "cuda", 2e-2) == "uva"
 
 
 def test_fraction_one_is_the_int4_run_bit_for_bit(tiny_model):
     # Faults caught: the combined path changing bits when every block is selected (gather order,
     # the selected-record dequantise, the tail's place, the split attention) against the int4 path,
     # a nondeterministic selection, and a combined run that is not sparse at F = 0.2.
-    model = tiny_model("llama", kv_heads=2, q_heads=8, head_dim=16, layers=2)
-    spec = HFAdapter(model).spec()
-    w = Workload(300, 3)
-    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(1))
-    run = lambda lossy: execute(build(spec, w, _plan(lossy)), model, ids, keep_logits=True)
-    q4, one = run(LossySpec("int4", group=G)), run(LossySpec("int4", group=G, sparse=1.0, sink=4, recent=32))
-    assert torch.equal(q4.tokens, one.tokens) and torch.equal(q4.step_logits, one.step_logits)
-    a, b = run(SPARSE_INT4), run(SPARSE_INT4)
-    assert torch.equal(a.step_logits, b.step_logits)
-    assert not torch.equal(a.step_logits[1:], q4.step_logits[1:])
-    assert torch.equal(a.step_logits[0], q4.step_logits[0])        # prefill is never sparse
+    check_fraction_one(tiny_model, LossySpec("int4", group=G), LossySpec("int4", group=G, sparse=1.0, sink=4, recent=32),
+                       SPARSE_INT4, 3)
 
 
 @pytest.mark.parametrize("how", ["sum", "max"])

@@ -18,15 +18,14 @@ from kvpipe.executor.lanes import Lanes
 from kvpipe.executor.runner import execute
 from kvpipe.pipeline.builder import build
 from kvpipe.pipeline.lossy import LossySpec
-from kvpipe.pipeline.plan import Method, PhasePlan, Plan
 from kvpipe.pipeline.stage import Phase
 from kvpipe.pipeline.workload import Workload
+from sparse_runs import CUDA_TINY, check_fraction_one, plan_of
 
 SPARSE = LossySpec(sparse=0.2, sink=4, recent=32)
 
 
-def _plan(lossy, resident=0, group=2):
-    return Plan(Method.HEADWISE, PhasePlan(group, 128), PhasePlan(group, 1), resident, lossy=lossy)
+_plan = plan_of
 
 
 def _run_capturing(model, graph, ids, device="cpu"):
@@ -111,26 +110,14 @@ def test_sparse_step_attends_exactly_the_selected_tokens_cuda_bf16_by_uva_gather
     # Faults caught, on the H200: the zero-copy gather (a CUDA tensor over the pinned host home)
     # reading other bytes than the home holds, the gather racing the score on another stream, and
     # the probe falling back to the staged gather where UVA works (the mode must be `uva`).
-    model = tiny_model("llama", kv_heads=2, q_heads=8, head_dim=64, layers=2, dtype=torch.bfloat16, device="cuda",
-                       hidden_size=256, intermediate_size=512, vocab_size=1024)
-    assert _check_selected(model, "cuda", 2e-2) == "uva"
+    assert _check_selected(tiny_model("llama", **CUDA_TINY), "cuda", 2e-2) == "uva"
 
 
 def test_fraction_one_is_the_exact_run_and_lower_fractions_are_deterministic(tiny_model):
     # Faults caught: the sparse path changing bits when it selects everything (gather order, a
     # split attention, the sketch hooks touching the exact path), a nondeterministic selection (two
     # runs differ), and a sparse run that is in fact exact (F = 0.2 equal to exact).
-    model = tiny_model("llama", kv_heads=2, q_heads=8, head_dim=16, layers=2)
-    spec = HFAdapter(model).spec()
-    w = Workload(300, 2)
-    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(1))
-    run = lambda lossy: execute(build(spec, w, _plan(lossy)), model, ids, keep_logits=True)
-    exact, one = run(None), run(LossySpec(sparse=1.0, sink=4, recent=32))
-    assert torch.equal(exact.tokens, one.tokens) and torch.equal(exact.step_logits, one.step_logits)
-    a, b = run(SPARSE), run(SPARSE)
-    assert torch.equal(a.step_logits, b.step_logits)
-    assert not torch.equal(a.step_logits[1:], exact.step_logits[1:])
-    assert torch.equal(a.step_logits[0], exact.step_logits[0])     # prefill is never sparse
+    check_fraction_one(tiny_model, None, LossySpec(sparse=1.0, sink=4, recent=32), SPARSE, 2)
 
 
 def test_run_json_labels_the_sparse_run(tmp_path, capsys):
