@@ -103,11 +103,10 @@ def _lossy_plan(spec, work, budgets, first, lossy, sparse, rechoose):
     plan does not fit, it searches again with the GPU budget less those bytes, up to 3 times, and
     keeps the first plan that fits with them; if none does, the original, which then reports
     "fits: NO" (plan) or is refused (run)."""
-    from kvpipe.pipeline.lossy import LossySpec
-    from kvpipe.pipeline.memory import breakdown
-    from kvpipe.pipeline.report import budget_problems
     from dataclasses import replace
 
+    from kvpipe.pipeline.lossy import LossySpec
+    from kvpipe.pipeline.memory import breakdown
     from kvpipe.pipeline.units import fmt_bytes
     from kvpipe.sim.planner import NoPlanFits
     spec_l = LossySpec(lossy, sparse=sparse)
