@@ -249,6 +249,36 @@ def test_warm_up_runs_one_chunk_and_leaves_the_run_unchanged(tiny_model):
     assert warm_up(short_tail, model, long_ids[:, :512 + CUDNN_MIN_ROWS - 1], torch.device("cpu")) == 512
 
 
+def test_warm_up_collects_its_garbage_before_the_timed_run(tiny_model):
+    """Fault caught: the warm-up's garbage (torch.compile's graphs on CUDA) left for a full
+    collection that would fall inside the timed run. A reference cycle made before the warm-up,
+    with the collector's automatic runs off, must be gone when it returns."""
+    import gc
+    import weakref
+
+    from kvpipe.executor.session import warm_up
+
+    class Node:
+        pass
+
+    model = tiny_model("llama", kv_heads=2, layers=2)
+    graph = build(HFAdapter(model).spec(), Workload(64, 1, 1), headwise(1, 32, 2, 1))
+    ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(4))
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        gone = weakref.ref(a)
+        del a, b
+        assert gone() is not None          # only a collection frees a cycle
+        warm_up(graph, model, ids, torch.device("cpu"))
+        assert gone() is None
+    finally:
+        if was:
+            gc.enable()
+
+
 @pytest.mark.gpu
 def test_cuda_run_overlaps_copies_with_compute_and_reports_memory(tiny_model):
     """A model with Llama-3-8B-shaped layers: the h2d lane works while the compute lane does.
