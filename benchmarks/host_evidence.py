@@ -1,11 +1,11 @@
-"""Offline evidence for the per-phase host issue model (issue 8 §3, issue 10 §4; branch hostcal5):
+"""Offline evidence for the per-phase host issue model (issue 8 §3, issue 10 §4):
 the H200 sim_check rows of one session predicted with the host issue figures of `kvpipe calibrate`
 records from OTHER device calls (which record belongs to the rows' host is unknown: this shows the
 direction, not a validation), and the records' whole-run walls against their per-stage sums.
 
   python -m benchmarks.host_evidence [--rows SIM_CHECK.json] [--records A.json,B.json] [--out OUT.json]
 
-Records written before the probe kept `small_ops` per group (branch hostcal5) lack it: it is
+Records written before the probe kept `small_ops` per group lack it: it is
 rebuilt here from the probe's own graphs (executor/issue_probe PROBE_CONFIG / PROBE_PLANS, the
 pipeline builder, no GPU), each old (phase, tag, kind, ops) group given the mean small-kernel
 count of its stages. Their gap between issues comes from the whole runs (calibration.run_gap_fit:
@@ -32,7 +32,7 @@ HOST_BOUND = ("4k-g1-all-c2k", "8k-g2-some-c2k", "8k-g1-none-c4k")
 
 def probe_small_ops(record: dict) -> dict[tuple, float]:
     """Mean small kernels per (phase, tag, kind, ops) group of the probe's graphs (as calibrate ran
-    them before hostcal5: 2-layer Llama-3-8B-shaped model, the record's context, chunk 512, 8
+    them before the per-phase probe (fifth session): 2-layer Llama-3-8B-shaped model, the record's context, chunk 512, 8
     decode steps, the four probe plans)."""
     from kvpipe.executor.issue_probe import PROBE_CONFIG, PROBE_PLANS
     from kvpipe.pipeline.builder import build

@@ -1,4 +1,4 @@
-"""The host issue model checked on this CPU (issue 8 §3; branch hostcal5). The executor runs tiny
+"""The host issue model checked on this CPU (issue 8 §3). The executor runs tiny
 random Llama models on device cpu, where every stage is host work: the host-stage probe
 (executor/issue_probe.stage_costs) calibrates on ONE tiny model and the simulator predicts OTHER
 models and plans (held apart: other layer counts, widths, groups, chunks, contexts), measured here.

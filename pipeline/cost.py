@@ -91,7 +91,7 @@ def host_issue_seconds(s: Stage, hw: HardwareProfile) -> float:
     alone, each small kernel a launch too; the old pair is fitted on decode step times against ops),
     and every prefill stage adds `host_prefill_issue_gap_s` where the profile has it: the host time
     between issues that no stage's own issue time holds (actor turns, stream-event waits), measured
-    by the same probe (benchmarks/SIMMODEL.md, branch hostcal5)."""
+    by the same probe (benchmarks/SIMMODEL.md, "Host issue per phase")."""
     gap = (hw.host_prefill_issue_gap_s or 0.0) if s.phase is Phase.PREFILL else 0.0
     plans = attention_plans(s) * hw.attention_plan_s
     if s.kind in (Kind.H2D, Kind.D2H) and hw.host_copy_s_per_op is not None:

@@ -1,4 +1,4 @@
-"""The per-phase host issue model (issue 8 §3, issue 10 §4; branch hostcal5): the fits of
+"""The per-phase host issue model (issue 8 §3, issue 10 §4): the fits of
 pipeline/calibration.py on hand-made `host_stage_costs` records, the profile fields and their
 TOML keys, pipeline/cost.host_issue_seconds with and without them, and benchmarks/sim_check.py
 --report applying the host probe a measured JSON recorded. Each test names the fault it catches;
