@@ -264,7 +264,7 @@ def main() -> None:
                     "not those the --measure run calibrated in the same session")
     ap.add_argument("--warm-row", default=None, metavar="ROW", help="run this row once before the measured "
                     "rows and keep it apart (JSON `warm_row`): the first row of a process has measured up to 1.3x "
-                    "its neighbours' prefill (benchmarks/SIMMODEL.md, "Host issue per phase")")
+                    "its neighbours' prefill (benchmarks/SIMMODEL.md, Host issue per phase)")
     ap.add_argument("--profile-host", action="store_true", help="use the profile's host issue fields, "
                     "not those the --measure run's host-stage probe measured in the same session")
     args = ap.parse_args()
