@@ -103,19 +103,21 @@ def quantised(quant: str, k_axis: int = 0, group: int | None = None):
     return method
 
 
-def blocks(quant: str, group: int | None = None, v_per_channel: bool = False):
+def blocks(quant: str, group: int | None = None, v_per_channel: bool = False, v_group: int | None = None):
     """kvpipe --lossy QUANT as the executor stores it (executor/qstore.py BlockCodec): whole
     `group`-token blocks, K per channel (groups along the block's tokens), V per token (groups of
     gcd(group, D) channels), the tokens of the last partial block exact; attended in float64.
-    `v_per_channel`: V grouped along tokens like K (a variant)."""
+    `v_per_channel`: V grouped along tokens like K (a variant); `v_group`: V per token in groups of
+    `v_group` channels instead of gcd(group, D) (a variant: fewer scale bytes a token)."""
     spec = LossySpec(quant, group=group)
 
     def method(case, ref_w):
-        return attend(case.q, *block_kv(case.k, case.v, spec, v_per_channel))
+        return attend(case.q, *block_kv(case.k, case.v, spec, v_per_channel, v_group))
     return method
 
 
-def block_kv(k: torch.Tensor, v: torch.Tensor, spec: LossySpec, v_per_channel: bool = False):
+def block_kv(k: torch.Tensor, v: torch.Tensor, spec: LossySpec, v_per_channel: bool = False,
+             v_group: int | None = None):
     """k, v [S, D] -> the K/V a lossy run reads back (full blocks dequantised, tail exact)."""
     from kvpipe.executor.qstore import BlockCodec
     S, D = k.shape
@@ -123,13 +125,15 @@ def block_kv(k: torch.Tensor, v: torch.Tensor, spec: LossySpec, v_per_channel: b
     nb = S // g
     kv = torch.stack([k, v], 1)                                              # [S, 2, D]
     out = kv.clone()
-    codec = BlockCodec(spec.bits, g, D, kv.dtype)
+    codec = BlockCodec(spec.bits, g, D, kv.dtype, spec.vgroup)
     full = kv[:nb * g].reshape(nb, g, 2, D)
     dq = torch.empty_like(full)
     codec.decode(codec.encode(full), dq)
     out[:nb * g] = dq.reshape(nb * g, 2, D)
     if v_per_channel:
         out[:nb * g, 1] = dequantize(quantize(v[:nb * g], spec.bits, g, axis=0))
+    if v_group is not None:
+        out[:nb * g, 1] = dequantize(quantize(v[:nb * g], spec.bits, v_group, axis=-1))
     return out[:, 0], out[:, 1]
 
 
@@ -332,6 +336,8 @@ def methods(fraction: float, first: bool = True) -> dict[str, tuple[str, object]
                  "int4 (group 32)": ("kvpipe", blocks("int4", 32))}
         rows |= {f"int4 (group {g})": ("variant", blocks("int4", g)) for g in (16, 64, 128)}
         rows |= {"int4 (group 32), V per channel": ("variant", blocks("int4", 32, v_per_channel=True))}
+        rows |= {f"int4 (group 32), V groups of {vg} channels": ("variant", blocks("int4", 32, v_group=vg))
+                 for vg in (32, 64, 128)}   # 64: the executor's int4 layout (a check of this emulation); 32: the one before
     rows |= {f"sparse {pct} + int4, 32-token blocks ({BLOCK_RANK})": ("kvpipe", sketched_blocks(fraction)),
              f"sparse {pct} + int4, 32-token blocks ({OTHER_RANK})": ("variant",
                                                                       sketched_blocks(fraction, how=OTHER_RANK)),

@@ -259,7 +259,8 @@ def dequant_rate(device: torch.device, bits: int, group: int, tokens: int, fused
     `heads` x `tokens` KV from a byte slot into the exact slot as the executor does, and the rates:
     exact bytes written per second, and read + written bytes per second."""
     from kvpipe.executor.qstore import DECODE_VALUES, BlockCodec, fused_decode
-    codec = BlockCodec(bits, group, D, torch.bfloat16)
+    from kvpipe.pipeline.lossy import DEFAULT_VGROUP
+    codec = BlockCodec(bits, group, D, torch.bfloat16, DEFAULT_VGROUP.get({8: "int8", 4: "int4"}[bits]))
     nb = tokens // group
     g = torch.Generator(device=device).manual_seed(bits)
     kv = torch.randn(heads * nb, group, 2, D, generator=g, device=device, dtype=torch.bfloat16)

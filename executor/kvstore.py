@@ -50,6 +50,7 @@ class KVLayout:
     disk_codec: str = "none"
     quant_bits: int = 0        # LOSSY (--lossy): offloaded units stored quantised (executor/qstore.py)
     quant_group: int = 0
+    quant_vgroup: int = 0      # channels per V group (LossySpec.vgroup; the codec takes its gcd with head_dim)
     h2d_codec: str = "none"    # lossless GPU codec of the h2d link: host units stored compressed (cstore.py)
     sparse: LossySpec | None = None   # LOSSY (--sparse): the selection's GPU state (executor/sparse_homes.py)
 
@@ -85,7 +86,7 @@ class KVLayout:
         return cls(w.batch, m.kv_heads, m.head_dim, w.kv_capacity, resident,
                    max(p.depth for p in phases) if offloaded else 0, max(p.group for p in phases),
                    disk, min(plan.prefill.chunk, w.context), codecs.pop() if any(disk) else "none",
-                   quant, plan.lossy.group if quant else 0, h2d,
+                   quant, plan.lossy.group if quant else 0, plan.lossy.vgroup if quant else 0, h2d,
                    plan.lossy if plan.lossy is not None and plan.lossy.sparse is not None and offloaded else None)
 
     @property
@@ -158,7 +159,7 @@ class KVStore:
                 self._open_disk()
             if lo.quant_bits:
                 from .qstore import QuantHomes
-                self.q = QuantHomes(self, lo.quant_bits, lo.quant_group)
+                self.q = QuantHomes(self, lo.quant_bits, lo.quant_group, lo.quant_vgroup)
             if lo.h2d_codec != "none":
                 from .cstore import CompressedHomes
                 self.coded = CompressedHomes(self, lo.h2d_codec)
@@ -194,7 +195,8 @@ class KVStore:
         wbytes = W * self.token_bytes
         if lo.quant_bits:   # LOSSY: a step writes quantised records (executor/qstore.py)
             from .qstore import BlockCodec
-            wbytes = max(1, W // lo.quant_group) * BlockCodec(lo.quant_bits, lo.quant_group, D, self.dtype).record
+            wbytes = max(1, W // lo.quant_group) * BlockCodec(lo.quant_bits, lo.quant_group, D, self.dtype,
+                                                              lo.quant_vgroup).record
         block = opts.block_bytes or min(max(1 << (wbytes - 1).bit_length(), ALIGN), MAX_BLOCK)
         args = (opts.kv_dir or default_kv_dir(), B * sum(lo.disk), lo.capacity * self.token_bytes, block,
                 opts.threads, self.cuda)

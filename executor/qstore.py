@@ -69,11 +69,11 @@ class BlockCodec:
     """One `group`-token block of one unit, K and V [group, 2, D] <-> a `record`-byte record:
     metadata first (K scale, K zero, V scale, V zero), then K codes, V codes; padded to 16 bytes."""
 
-    def __init__(self, bits: int, group: int, head_dim: int, dtype: torch.dtype) -> None:
+    def __init__(self, bits: int, group: int, head_dim: int, dtype: torch.dtype, vgroup: int | None = None) -> None:
         if bits not in LEVELS:
             raise ValueError(f"bits: must be 8 or 4, got {bits!r}")
         self.bits, self.group, self.D, self.dtype = bits, group, head_dim, dtype
-        self.gv = math.gcd(group, head_dim)                    # V: channels per group
+        self.gv = math.gcd(vgroup or group, head_dim)          # V: channels per group (LossySpec.v_channels)
         self.meta = torch.float16 if dtype in (torch.bfloat16, torch.float16) else torch.float32
         ms, D, g = self.meta.itemsize, head_dim, group
         nv = g * (D // self.gv)                                # V groups per block
@@ -130,10 +130,10 @@ class QuantHomes:
     slot a GPU byte slot [B, slot_heads, blocks * record]. Allocated at construction (the store's
     `open`), freed with the store."""
 
-    def __init__(self, store, bits: int, group: int) -> None:
+    def __init__(self, store, bits: int, group: int, vgroup: int | None = None) -> None:
         self.s = store
         lo = store.layout
-        self.codec = c = BlockCodec(bits, group, lo.head_dim, store.dtype)
+        self.codec = c = BlockCodec(bits, group, lo.head_dim, store.dtype, vgroup)
         self.g, self.rec = group, c.record
         B, H, D = lo.batch, lo.kv_heads, lo.head_dim
         self.blocks = lo.capacity // group                       # full blocks a unit can hold

@@ -12,12 +12,19 @@ import math
 from dataclasses import dataclass
 
 QUANT_BITS = {"int8": 8, "int4": 4}
-# Default values per scale/zero-point. int4: group 32 is the largest group (fewest bytes: 5 bits
-# a value, 0.3125 of bf16) within 1e-1 mean attention-output error on the needle set
-# (benchmarks/results/lossy-error-2026-11-30-quant.json, executor layout: 16 -> 0.072, 32 -> 0.085,
-# 64 -> 0.102, 128 -> 0.122). The random-weights probe misses 1e-1 at every group >= 16 (0.105 at 16,
-# 0.125 at 32): its scores spread ~1.6 logits, which multiplies K's error; int4 cannot meet it.
+# Default values per scale/zero-point. int4: group 32 is the largest group within 1e-1 mean
+# attention-output error on the needle set (benchmarks/results/lossy-error-2026-11-30-quant.json,
+# executor layout with V groups as wide as the group: 16 -> 0.072, 32 -> 0.085, 64 -> 0.102,
+# 128 -> 0.122). The random-weights probe misses 1e-1 at every group >= 16 (0.105 at 16, 0.125 at
+# 32 in that layout; 0.129 at 32 with V groups of 64): its scores spread ~1.6 logits, which
+# multiplies K's error; int4 cannot meet it.
 DEFAULT_GROUP = {"int8": 64, "int4": 32}
+# Channels per V group (V is grouped along its channels, per token; K along the block's tokens, per
+# channel). int4: 64, where V's scale bytes halve (152 bytes a token and head against 160: the
+# ceiling at the PCIe floor goes from 3.20x to 3.37x) and the needle-set error stays within 1e-1:
+# V groups of 32 channels 0.0846, 64 -> 0.0953, 128 -> 0.106 (benchmarks/results/lossy-error-2026-11-30-vgroup.json,
+# `python -m benchmarks.lossy_error --only "int4 (group 32)" --probe-cases 0`). Elsewhere the group.
+DEFAULT_VGROUP = {"int4": 64}
 META_BYTES = 2     # scale and zero-point (the group minimum) are float16 each
 FINE_CODE_BYTES = 1   # a fine summary's min/max: a uint8 code within its coarse chunk's range
 # Sparse refinement (executor/sparse.py select_refined) splits the coarse chunks holding the best
@@ -64,6 +71,7 @@ class LossySpec:
 
     quant: str | None = None
     group: int | None = None
+    vgroup: int | None = None    # channels per V group (of the head dim: gcd(vgroup, head_dim)); None: the default
     sparse: float | None = None
     chunk: int = 64
     sink: int = 64
@@ -81,7 +89,9 @@ class LossySpec:
             raise ValueError(f"sparse: must be a fraction in (0, 1], got {self.sparse!r}")
         if self.group is None:
             object.__setattr__(self, "group", DEFAULT_GROUP.get(self.quant, 64))
-        for f in ("group", "chunk"):
+        if self.vgroup is None:
+            object.__setattr__(self, "vgroup", DEFAULT_VGROUP.get(self.quant, self.group))
+        for f in ("group", "vgroup", "chunk"):
             v = getattr(self, f)
             if not isinstance(v, int) or v <= 0 or v % 2:
                 raise ValueError(f"{f}: must be a positive even integer, got {v!r}")
@@ -117,9 +127,14 @@ class LossySpec:
         groups = math.ceil(elements / self.group)
         return math.ceil(elements * self.bits / 8) + 2 * META_BYTES * groups
 
-    def ratio(self, dtype_bytes: int) -> float:
-        """Stored bytes per exact byte (1 without quantisation); int4, group 32, bf16: 0.3125."""
-        return self.stored_bytes(self.group, dtype_bytes) / (self.group * dtype_bytes)
+    def ratio(self, dtype_bytes: int, head_dim: int = 128) -> float:
+        """Stored K/V bytes per exact byte (1 without quantisation); int4 (group 32, V groups of 64
+        channels), bf16, head_dim 128: 152 / 512 = 0.297."""
+        return self.unit_bytes(self.group, head_dim, dtype_bytes) / (self.group * 2 * head_dim * dtype_bytes)
+
+    def v_channels(self, head_dim: int) -> int:
+        """Channels per V group for this head dim (the executor's BlockCodec)."""
+        return math.gcd(self.vgroup, head_dim)
 
     @property
     def blocks(self) -> bool:
@@ -173,8 +188,13 @@ class LossySpec:
         return min(prefix, max(math.ceil(self.sparse * prefix), floor))
 
     def unit_bytes(self, tokens: int, head_dim: int, dtype_bytes: int) -> int:
-        """K and V of `tokens` tokens of one (layer, KV head) unit as stored (quantised or not)."""
-        return self.stored_bytes(tokens * 2 * head_dim, dtype_bytes)
+        """K and V of `tokens` tokens of one (layer, KV head) unit as stored (quantised or not): K
+        in groups of `group` tokens per channel, V in groups of `v_channels` channels per token."""
+        if self.quant is None:
+            return tokens * 2 * head_dim * dtype_bytes
+        n = tokens * head_dim
+        v = math.ceil(n * self.bits / 8) + 2 * META_BYTES * math.ceil(n / self.v_channels(head_dim))
+        return self.stored_bytes(n, dtype_bytes) + v
 
     def coarse_summary_bytes(self, prefix: int, head_dim: int, dtype_bytes: int) -> int:
         """Per-channel key min and max of every `chunk`-token chunk of one unit (kept on the GPU)."""
@@ -252,7 +272,8 @@ class LossySpec:
     def describe(self) -> str:
         parts = []
         if self.quant:
-            parts.append(f"{self.quant} KV (group {self.group})")
+            parts.append(f"{self.quant} KV (group {self.group}" + (f", V groups of {self.vgroup} channels"
+                                                                  if self.vgroup != self.group else "") + ")")
         if self.sparse is not None:
             parts.append(f"sparse decode {self.sparse:.0%} of tokens (chunks {self.chunk}"
                          + (f", whole {self.group}-token blocks by {BLOCK_RANK} of token shares" if self.blocks else "")
@@ -264,7 +285,8 @@ class LossySpec:
         return ", ".join(parts)
 
     def to_json(self) -> dict:
-        return {"quant": self.quant, "group": self.group if self.quant else None, "sparse": self.sparse,
+        return {"quant": self.quant, "group": self.group if self.quant else None,
+                "vgroup": self.vgroup if self.quant else None, "sparse": self.sparse,
                 "chunk": self.chunk if self.sparse is not None else None,
                 "sink": self.sink if self.sparse is not None else None,
                 "recent": self.recent if self.sparse is not None else None,
@@ -277,7 +299,8 @@ class LossySpec:
     def from_json(cls, obj: dict | None) -> "LossySpec | None":
         if obj is None:
             return None
-        keep = {k: obj[k] for k in ("quant", "group", "sparse", "chunk", "sink", "recent", "leaf", "sketch", "basis")
+        keep = {k: obj[k] for k in ("quant", "group", "vgroup", "sparse", "chunk", "sink", "recent", "leaf", "sketch",
+                                    "basis")
                 if k in obj and (obj[k] is not None or k in ("leaf", "sketch"))}
         err = obj.get("measured_error")
         return cls(**keep, error=tuple(sorted(err.items())) if err else None)

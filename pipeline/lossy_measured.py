@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SOURCE = "benchmarks/results/lossy-error-2026-11-30-quant.json"   # quantisation: needle set and probe
+SOURCE = "benchmarks/results/lossy-error-2026-11-30-vgroup.json"   # quantisation (int4: V groups of 64
+                                                                   # channels): needle set and probe
 SPARSE_NEEDLE_SOURCE = "benchmarks/results/lossy-error-2026-11-30.json"          # sparse: the needle set
 SPARSE_PROBE_SOURCE = "benchmarks/results/lossy-error-2026-11-30-sparse.json"    # sparse: the probe
-SPARSE_QUANT_SOURCE = "benchmarks/results/lossy-error-2026-11-30-sparse-int4.json"   # sparse + int4: both
+SPARSE_QUANT_SOURCE = "benchmarks/results/lossy-error-2026-11-30-vgroup.json"   # sparse + int4: both
 COMMAND = "python -m benchmarks.lossy_error"
 SPARSE_SKETCH = 2   # the sparse rows were measured with the 2-bit token sketch, chunks 64, sink 64,
                     # recent 256: LossySpec's defaults, which a sparse pick uses
@@ -58,7 +59,7 @@ class MeasuredError:
 MEASURED = {(quant, group): MeasuredError(f"{quant} (group {group})", needle=needle, probe=probe)
             for quant, group, needle, probe in (
                 ("int8", 64, 0.00657, 0.0093),
-                ("int4", 32, 0.08463, 0.12479),
+                ("int4", 32, 0.09535, 0.12942),
             )}
 """(quant, group) -> its measured error."""
 
@@ -79,7 +80,7 @@ SPARSE_QUANT_MEASURED = {(f, quant): MeasuredError(f"sparse {f:.0%} + {quant}, {
                                                    probe_row=f"sparse {f:.0%} + {quant}, {group}-token blocks ({rank}), "
                                                              f"{SPARSE_SKETCH}-bit sketch")
                          for f, quant, group, rank, needle, probe in (
-                             (0.2, "int4", 32, "sum", 0.11166, 1.9373),
+                             (0.2, "int4", 32, "sum", 0.12135, 1.93808),
                          )}
 """(sparse fraction F, quantisation) -> the measured error of both at once (whole quantised blocks
 selected by the sum of their tokens' sketch shares; LossySpec's defaults: int4 group 32, chunks 64,

@@ -40,10 +40,18 @@ def test_bad_specs_raise_naming_the_field(kw, field):
 
 def test_byte_formulas_by_hand():
     # Fault caught: metadata left out of the quantised size (the simulator would overstate the gain),
-    # or int4 counted as one byte per value. bf16: int8 group 64 = (64 + 2*2) / (64*2) bytes per byte;
-    # int4 group 32 = (16 + 4) / 64.
-    assert LossySpec("int8").ratio(2) == (64 + 4) / 128
-    assert LossySpec("int4").ratio(2) == (16 + 4) / 64
+    # or int4 counted as one byte per value, or V's groups taken as K's. bf16, head_dim 128, per
+    # token and head (K and V, 512 exact bytes): int8 group 64: codes 256 + K's scale and zero per
+    # channel every 64 tokens 2*2*128/64 + V's per 64 channels 2*2*2 = 272; int4 group 32 with V
+    # groups of 64 channels: 128 + 2*2*128/32 + 2*2*2 = 152; with V groups of 32: 160.
+    assert LossySpec("int8").ratio(2) == 272 / 512
+    assert LossySpec("int4").ratio(2) == 152 / 512
+    assert LossySpec("int4", vgroup=32).ratio(2) == 160 / 512
+    assert LossySpec("int4").unit_bytes(32, 16, 2) == 32 * 16 // 2 * 2 + 2 * 2 * 16 + 2 * 2 * 32   # D 16: V groups of 16
+    from kvpipe.executor.qstore import BlockCodec                  # the executor's record, the same bytes
+    import torch
+    assert BlockCodec(4, 32, 128, torch.bfloat16, 64).record == 152 * 32
+    assert BlockCodec(4, 32, 128, torch.bfloat16, 32).record == 160 * 32
     s = LossySpec(sparse=0.2)
     assert s.fetched_tokens(100_000) == 20_000 and s.fetched_tokens(1000) == 64 + 256
     assert s.fetched_tokens(100) == 100

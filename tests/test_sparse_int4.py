@@ -31,12 +31,13 @@ SPARSE_INT4 = LossySpec("int4", group=G, sparse=0.2, sink=4, recent=32)
 _plan = plan_of
 
 
-def _dequant_ref(rec: torch.Tensor, bits: int, g: int, D: int, meta: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+def _dequant_ref(rec: torch.Tensor, bits: int, g: int, D: int, meta: torch.dtype, dtype: torch.dtype,
+                 gv: int) -> torch.Tensor:
     """Records [n, record] -> K/V [n, g, 2, D], decoded here from the record layout (K scale, K
     zero, V scale, V zero, K codes, V codes; K groups along the block's tokens per channel, V groups
-    of gcd(g, D) channels per token; int4 codes low nibble first) with the same float32 arithmetic
+    of `gv` channels per token; int4 codes low nibble first) with the same float32 arithmetic
     the executor's dequantise promises (code * scale + zero, one rounding to the model dtype)."""
-    n, ms, gv = rec.shape[0], meta.itemsize, math.gcd(g, D)
+    n, ms = rec.shape[0], meta.itemsize
     nv = g * (D // gv)
     at = 0
 
@@ -131,7 +132,7 @@ def _check(model, device, tol, resident=0):
             # the gathered records are the selected blocks' records, in order
             assert torch.equal(qslot[0, j, :idx.numel() * codec.record].view(-1, codec.record), rows[idx])
             # the dequantised rows equal an independent decode of those records, bit for bit
-            ref = _dequant_ref(rows[idx], 4, G, D, codec.meta, dt).reshape(-1, 2, D)
+            ref = _dequant_ref(rows[idx], 4, G, D, codec.meta, dt, math.gcd(SPARSE_INT4.vgroup, D)).reshape(-1, 2, D)
             assert torch.equal(slot[0, j, :idx.numel() * G], ref)
             # ... and qstore's whole-prefix dequantise (BlockCodec.decode of every full block) on them
             whole = torch.empty(nb, G, 2, D, dtype=dt)
@@ -154,7 +155,7 @@ def _check(model, device, tol, resident=0):
                 torch.testing.assert_close(out[0, 0, h * r:(h + 1) * r].double(), ref, atol=tol, rtol=tol)
                 continue
             rows = homes[s.layer][0, h - n].view(-1, codec.record)
-            full = _dequant_ref(rows[:P // G], 4, G, D, codec.meta, dt).reshape(-1, 2, D)
+            full = _dequant_ref(rows[:P // G], 4, G, D, codec.meta, dt, math.gcd(SPARSE_INT4.vgroup, D)).reshape(-1, 2, D)
             idx = sel[0, h - n]
             toks = full.view(-1, G, 2, D)[idx].reshape(-1, 2, D)
             t = exact[s.layer][h, P // G * G:P]                      # the exact tail
@@ -309,7 +310,8 @@ def test_builder_fetches_the_selected_records_and_dequantises_them():
     deq = [s for s in g.stages if s.tag == "dequant" and s.phase is Phase.DECODE]
     assert len(fetch) == len(deq) == 2 * m.layers
     P = fetch[0].tokens[1]
-    record = (2 * 128 * 2 + 2 * 32 * 4 * 2 + 2 * 32 * 128 // 2)   # metadata + codes of a 32-token block, bf16
+    record = (2 * 128 * 2 + 2 * 32 * 2 * 2 + 2 * 32 * 128 // 2)   # metadata (V: 2 groups of 64 channels
+                                                                  # a token) + codes of a 32-token block, bf16
     assert fetch[0].bytes == 8 * spec.fetched_blocks(P) * record
     assert 0.19 < spec.fetched_blocks(P) * 32 / P < 0.21
 
