@@ -69,15 +69,9 @@ def graph_timed(fn, reps: int, dev: torch.device) -> float | None:
     issued call). None off CUDA or where the capture fails."""
     if dev.type != "cuda":
         return None
-    from kvpipe.executor.calibrate import cuda_median_s
+    from kvpipe.executor.calibrate import graph_median_s
     try:
-        for _ in range(2):
-            fn()
-        torch.cuda.synchronize(dev)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return cuda_median_s(graph.replay, reps)
+        return graph_median_s(fn, reps)
     except RuntimeError:
         return None
 

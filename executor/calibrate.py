@@ -44,6 +44,21 @@ def cuda_median_s(fn, reps: int, warmups: int = 1) -> float:
     return statistics.median(times)
 
 
+def graph_median_s(fn, reps: int) -> float:
+    """Median seconds of one replay of a CUDA graph holding `fn`'s work (no host issue in it):
+    `fn` runs once on a side stream first (kernels loaded, workspaces allocated outside the
+    capture), then is captured, then the graph is timed by `cuda_median_s`."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return cuda_median_s(g.replay, reps)
+
+
 def gemm(cal: Calibration, quick: bool, hidden: int = 4096, inner: int = 14336) -> float:
     """bf16/fp16/fp32 GEMM rates; the token counts span decode (1) to long prefill chunks."""
     tokens = [1, 16, 128, 1024, 4096, 16384] + ([] if quick else [65536])
@@ -178,16 +193,10 @@ def small_kernels(cal: Calibration, tokens: int = 8192, reps: int = 20) -> None:
         small = replayer(inv)
         with torch.no_grad():
             if T == 1:
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    small()
-                torch.cuda.current_stream().wait_stream(side)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
+                def repeated() -> None:
                     for _ in range(reps):
                         small()
-                sec = cuda_median_s(g.replay, 5) / reps
+                sec = graph_median_s(repeated, 5) / reps
             else:
                 sec = cuda_median_s(small, 5)
         found[T] = (inv.kernels, inv.bytes, sec)
@@ -323,16 +332,8 @@ def decode_attention_point(G: int, L: int, r: int = 4, d: int = 128, reps: int =
     def step() -> None:
         for i in range(calls):
             attend_decode(q, pool[i % n_buf], lens, cu_q, cu_k, scale)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()                                   # warm-up outside the capture (workspace, kernels)
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
-    sec = cuda_median_s(g.replay, reps) / calls
-    del g, pool
+    sec = graph_median_s(step, reps) / calls      # warmed outside the capture (workspace, kernels)
+    del pool
     return G * L * 2 * d * dt.itemsize, sec, calls
 
 
@@ -369,17 +370,10 @@ def copy_series(direction, n: int, size: int, reps: int = 5) -> tuple[float, flo
         b.record(stream)
         b.synchronize()
         queued.append(a.elapsed_time(b) / 1e3 / n)
-    side = torch.cuda.Stream()
-    side.wait_stream(stream)
-    with torch.cuda.stream(side):
+    def copies() -> None:
         for i in range(n):
             direction(size, i)
-    stream.wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(n):
-            direction(size, i)
-    graphed = cuda_median_s(g.replay, reps) / n
+    graphed = graph_median_s(copies, reps) / n
     return statistics.median(queued[1:]), graphed
 
 
