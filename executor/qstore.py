@@ -245,22 +245,9 @@ class QuantHomes:
     def decode(self, layer: int, heads: tuple[int, ...], base: int, slot: int, length: int) -> None:
         """Compute lane: the fetched records dequantised into the exact slot rows of `heads`, then
         the exact tail tokens [full blocks, length) copied from the GPU tail."""
-        lo, g = self.s.layout, self.g
-        n, nb = lo.resident[layer], length // g
-        j0, j1 = heads[0] - base, heads[-1] - base + 1
-        B, J = lo.batch, j1 - j0
-        dst = self.s.slots[slot][:, j0:j1]                              # [B, J, S_cap, 2, D]
-        if nb:
-            rec = self.qslots[slot][:, j0:j1, :nb * self.rec].view(B, J, nb, self.rec)
-            out = dst[:, :, :nb * g].view(B, J, nb, g, 2, lo.head_dim)
-            if self.fused:      # one compiled call for the whole fetch: no float32 temporaries
-                fused_decode()(self.codec, self.qslots[slot], self.s.slots[slot], j0, j1)
-            else:
-                step = max(1, DECODE_VALUES // (B * J * g * 2 * lo.head_dim))   # blocks per pass
-                for c in range(0, nb, step):
-                    self.codec.decode(rec[:, :, c:c + step], out[:, :, c:c + step])
-        if length > nb * g:
-            dst[:, :, nb * g:length].copy_(self.tail[layer][:, heads[0] - n:heads[-1] - n + 1, :length - nb * g])
+        nb = length // self.g
+        # one compiled call for the whole fetch: no float32 temporaries
+        self._decode(layer, heads, base, slot, nb, length - nb * self.g, self.qslots[slot] if self.fused else None)
 
     def prefix(self, layer: int, length: int) -> torch.Tensor:
         """The K/V a `length`-token prefix of the layer's host units reads back, every record
@@ -293,20 +280,29 @@ class QuantHomes:
         fixed shape; rows past `blocks` hold stale bytes, decoded into slot rows the attention
         never reads, and the tail overwrites the first of them after). The arithmetic is
         `decode`'s, so a record decodes to the same bits wherever it lies."""
+        window = (self.qslots[slot][:, :, :self.sel_blocks * self.rec]      # a fixed shape: compiled once
+                  if self.fused and blocks <= self.sel_blocks else None)
+        self._decode(layer, heads, base, slot, blocks, length % self.g, window)
+
+    def _decode(self, layer: int, heads: tuple[int, ...], base: int, slot: int, nb: int, tail: int,
+                window: torch.Tensor | None) -> None:
+        """The first `nb` records of the byte slot rows of `heads` dequantised into slot tokens
+        [0, nb * group): by one compiled call over `window` (the byte slot's leading records, a
+        fixed shape) where given, else eagerly in passes of DECODE_VALUES; then `tail` exact tokens
+        from the GPU tail right after them."""
         lo, g = self.s.layout, self.g
-        n, tail = lo.resident[layer], length - length // g * g
+        n = lo.resident[layer]
         j0, j1 = heads[0] - base, heads[-1] - base + 1
         B, J = lo.batch, j1 - j0
         dst = self.s.slots[slot][:, j0:j1]                              # [B, J, S_cap, 2, D]
-        if blocks:
-            if self.fused and blocks <= self.sel_blocks:
-                sel = self.qslots[slot][:, :, :self.sel_blocks * self.rec]    # a fixed shape: compiled once
-                fused_decode()(self.codec, sel, self.s.slots[slot], j0, j1)
+        if nb:
+            if window is not None:
+                fused_decode()(self.codec, window, self.s.slots[slot], j0, j1)
             else:
-                rec = self.qslots[slot][:, j0:j1, :blocks * self.rec].view(B, J, blocks, self.rec)
-                out = dst[:, :, :blocks * g].view(B, J, blocks, g, 2, lo.head_dim)
+                rec = self.qslots[slot][:, j0:j1, :nb * self.rec].view(B, J, nb, self.rec)
+                out = dst[:, :, :nb * g].view(B, J, nb, g, 2, lo.head_dim)
                 step = max(1, DECODE_VALUES // (B * J * g * 2 * lo.head_dim))   # blocks per pass
-                for c in range(0, blocks, step):
+                for c in range(0, nb, step):
                     self.codec.decode(rec[:, :, c:c + step], out[:, :, c:c + step])
         if tail:
-            dst[:, :, blocks * g:blocks * g + tail].copy_(self.tail[layer][:, heads[0] - n:heads[-1] - n + 1, :tail])
+            dst[:, :, nb * g:nb * g + tail].copy_(self.tail[layer][:, heads[0] - n:heads[-1] - n + 1, :tail])
