@@ -23,7 +23,7 @@ DEFAULT_GROUP = {"int8": 64, "int4": 32}
 # channel). int4: 64, where V's scale bytes halve (152 bytes a token and head against 160: the
 # ceiling at the PCIe floor goes from 3.20x to 3.37x) and the needle-set error stays within 1e-1:
 # V groups of 32 channels 0.0846, 64 -> 0.0953, 128 -> 0.106 (benchmarks/results/lossy-error-2026-11-30-vgroup.json,
-# `python -m benchmarks.lossy_error --only "int4 (group 32)" --probe-cases 0`). Elsewhere the group.
+# its command inside). Elsewhere the group.
 DEFAULT_VGROUP = {"int4": 64}
 META_BYTES = 2     # scale and zero-point (the group minimum) are float16 each
 FINE_CODE_BYTES = 1   # a fine summary's min/max: a uint8 code within its coarse chunk's range
@@ -120,11 +120,12 @@ class LossySpec:
     def bits(self) -> int | None:
         return QUANT_BITS.get(self.quant) if self.quant else None
 
-    def stored_bytes(self, elements: int, dtype_bytes: int) -> int:
-        """Bytes that `elements` KV values occupy once stored: codes plus per-group metadata."""
+    def stored_bytes(self, elements: int, dtype_bytes: int, group: int | None = None) -> int:
+        """Bytes that `elements` KV values occupy once stored: codes plus per-group metadata, in
+        groups of `group` values (None: the spec's `group`)."""
         if self.quant is None:
             return elements * dtype_bytes
-        groups = math.ceil(elements / self.group)
+        groups = math.ceil(elements / (group or self.group))
         return math.ceil(elements * self.bits / 8) + 2 * META_BYTES * groups
 
     def ratio(self, dtype_bytes: int, head_dim: int = 128) -> float:
@@ -193,8 +194,7 @@ class LossySpec:
         if self.quant is None:
             return tokens * 2 * head_dim * dtype_bytes
         n = tokens * head_dim
-        v = math.ceil(n * self.bits / 8) + 2 * META_BYTES * math.ceil(n / self.v_channels(head_dim))
-        return self.stored_bytes(n, dtype_bytes) + v
+        return self.stored_bytes(n, dtype_bytes) + self.stored_bytes(n, dtype_bytes, self.v_channels(head_dim))
 
     def coarse_summary_bytes(self, prefix: int, head_dim: int, dtype_bytes: int) -> int:
         """Per-channel key min and max of every `chunk`-token chunk of one unit (kept on the GPU)."""
