@@ -131,9 +131,8 @@ class Interpreter:
         cur = self._step(s)
         n, r = self.store.layout.resident[s.layer], self.adapter.r
         sel = self.sp.select(s.layer, cur.q[:, n * r:], s.tokens[1])
-        if self.q is None and self.lossy_error is None or self.q is not None and "sparse_recall_mean" not in (
-                self.lossy_error or {}):   # measured once, on the first scored layer (with quant: of
-            from .sparse_probe import measure                      # the K/V read back, beside quant's figures)
+        if "sparse_recall_mean" not in (self.lossy_error or {}):   # measured once, on the first scored layer
+            from .sparse_probe import measure                      # (with quant: of the K/V read back, beside its figures)
             P, B = s.tokens[1], cur.q.shape[0]
             home = self.store.host[s.layer] if self.q is None else self.q.prefix(s.layer, P)
             got = measure(
