@@ -185,14 +185,14 @@ def sim_check_json(tmp_path, with_probe: bool) -> Path:
 def test_sim_check_report_applies_the_recorded_host_probe(tmp_path):
     """Faults caught: --report ignoring the host probe a --measure run recorded (the rows then
     predicted with another session's host), applying it only in part, or applying it under
-    --profile-host. The expected prediction is the bundled profile with the six fields set by
+    without --session-host. The expected prediction is the bundled profile with the six fields set by
     hand (the line above: 200 us + 30 us a launch, 50 us gap, copies 20 + 5 us a call; the
     recorded 30 ms plan build)."""
     from benchmarks.sim_check import predict, report
     from kvpipe.hw_profiles import load_profile
     path = sim_check_json(tmp_path, True)
     res = json.loads(path.read_text())
-    lines = report(res, "h200-testbox", path)
+    lines = report(res, "h200-testbox", path, session_host=True)
     assert "host issue from the same run's probe" in res["profile"]
     by_hand = replace(load_profile("h200-testbox"), host_prefill_issue_s_per_stage=A, host_prefill_issue_s_per_launch=B,
                       host_prefill_issue_gap_s=50e-6, host_copy_s_per_stage=20e-6, host_copy_s_per_op=5e-6,
@@ -204,21 +204,22 @@ def test_sim_check_report_applies_the_recorded_host_probe(tmp_path):
     assert abs(want["prefill_s"] - bundled["prefill_s"]) > 0.05 * bundled["prefill_s"]   # the probe matters here
     assert any(line.startswith("4k-g1-all-c2k") for line in lines)
     res2 = json.loads(path.read_text())
-    report(res2, "h200-testbox", path, session_host=False)
+    report(res2, "h200-testbox", path)   # the official report: the profile as bundled
     assert res2["rows"]["4k-g1-all-c2k"]["predicted"]["prefill_s"] == pytest.approx(bundled["prefill_s"], rel=1e-9)
 
 
 def test_sim_check_cli_report_says_which_host_it_used(tmp_path):
-    """Fault caught: the command line's --report path not applying the recorded probe (or
-    --profile-host not turning it off): the printed profile line names what was used."""
+    """Faults caught: the command line's --report applying the recorded probe by default (the
+    official report predicts with the profile as bundled), or --session-host not applying it: the
+    printed profile line names what was used."""
     path = sim_check_json(tmp_path, True)
     cmd = [sys.executable, "-m", "benchmarks.sim_check", "--report", str(path)]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "host issue from the same run's probe" in out.stdout
-    out = subprocess.run(cmd + ["--profile-host"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
     assert "host issue from the same run's probe" not in out.stdout
+    out = subprocess.run(cmd + ["--session-host"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "host issue from the same run's probe" in out.stdout
 
 
 def test_stage_cost_probe_records_groups_and_phase_walls_on_cpu():
@@ -254,8 +255,8 @@ def test_sim_check_report_refuses_a_probe_it_cannot_fit(tmp_path):
     for k in res["calibration"]["host_stage_costs"]["per_kind"]:
         k.pop("small_ops")
     path.write_text(json.dumps(res))
-    out = subprocess.run([sys.executable, "-m", "benchmarks.sim_check", "--report", str(path)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "benchmarks.sim_check", "--report", str(path), "--session-host"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert out.stderr.count("\n") == 1 and "calibration.host_stage_costs" in out.stderr and "small_ops" in out.stderr
 
