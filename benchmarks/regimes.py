@@ -4,12 +4,15 @@ groups 1, 2, 4, 8 against the PCIe floor, mixed decode at 128K against its offlo
 prefill at 8K/32K/128K against HF all-on-GPU; each row beside the simulator's prediction.
 
   python -m benchmarks.regimes                  # all rows (H200: ~4 minutes)
-  python -m benchmarks.regimes --rows 8k-res,32k-g8-none --decode 8
-  python -m benchmarks.regimes --repredict FILE.json   # predictions again from a saved run (no GPU)
+  python -m benchmarks.regimes --rows 8k-default,32k-g8-none --decode 8
+  python -m benchmarks.regimes --repredict FILE.json [--hw P]   # predictions again from a saved run (no GPU)
+  python -m benchmarks.regimes --report [--hw P] [--out FILE.txt] [--audit]   # every saved issue-8 row (issue8_report.py)
 
 Llama-3-8B shapes, random bf16 weights, batch 1, kvpipe's allocator capped at 24 GB. One process:
 the model is built once, HF runs first without the cap. The table (measured, floor, ratio,
-predicted, error) prints last; JSON with the command and date goes to benchmarks/results/."""
+predicted, error) prints last; JSON with the command and date goes to benchmarks/results/.
+Predictions use `--hw` (default h200-testbox, the test machine's calibrated profile; the plans are
+still the planner's on h200, as `kvpipe run` picks them)."""
 from __future__ import annotations
 
 import argparse
@@ -23,6 +26,7 @@ from kvpipe.api import default_alloc_conf
 
 GPU_BUDGET = 24_000_000_000
 MODEL = "llama-3-8b"
+HW = "h200-testbox"   # the profile predictions use unless --hw says otherwise
 # name -> (context, --group, --resident, what is compared)
 ROWS = {
     "8k-default": (8192, "auto", "auto", "resident"),
@@ -45,14 +49,15 @@ def plan_for(spec, work, group: str, resident: str, budgets: dict):
     return search(spec, work, load_profile("h200"), budgets, pins, "total").best.plan
 
 
-def predict(row: dict, hw_name: str = "h200") -> dict:
-    """The simulator's prediction for a saved row (its plan, workload and decode issue mode)."""
+def predict(row: dict, hw=HW) -> dict:
+    """The simulator's prediction for a saved row (its plan, workload, decode issue mode and
+    fusion) on `hw`, a profile name or a loaded HardwareProfile."""
     from kvpipe.hw_profiles import load_profile
     from kvpipe.pipeline.model import load_model
     from kvpipe.pipeline.plan import Plan
     from kvpipe.pipeline.workload import Workload
     from kvpipe.sim.simulate import simulate
-    spec, hw = load_model(MODEL), load_profile(hw_name)
+    spec, hw = load_model(MODEL), load_profile(hw) if isinstance(hw, str) else hw
     work = Workload(row["context"], row["decode_tokens"], 1)
     rep = simulate(spec, work, Plan.from_json(row["plan"]), hw, replay=row["decode_issue"] == "graph",
                    fuse=row.get("fused", False)).report   # rows from before fusion was the default: unfused
@@ -180,7 +185,7 @@ def measure(args) -> dict:
     res = {"command": "python -m benchmarks.regimes " + " ".join(sys.argv[1:]),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "gpu_budget": GPU_BUDGET,
-           "rows": {}, "hf": {}}
+           "rows": {}, "hf": {}, "predicted_on": args.hw}
     out = Path(args.out)
     save = lambda: out.write_text(json.dumps(res, indent=2))
     res["rates"] = floor_rates(torch)
@@ -207,7 +212,7 @@ def measure(args) -> dict:
             note(name, got)
             if got.ok:
                 try:
-                    row["predicted"] = predict(row)
+                    row["predicted"] = predict(row, args.hw)
                 except ImportError as e:   # simpy missing on the GPU machine: --repredict the JSON elsewhere
                     row["predicted"] = {"error": f"{e}; run --repredict on this JSON"}
                 row["ratios"] = ratios(row, spec, res["rates"], res["hf"])
@@ -224,19 +229,30 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=8, help="decode steps per row")
     ap.add_argument("--replay", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--hf-max", type=int, default=131072, help="largest context HF runs at")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="JSON of a run (with --report: the report's text)")
+    ap.add_argument("--hw", default=HW, help="profile the predictions use (name or TOML path)")
     ap.add_argument("--repredict", metavar="FILE.json", help="recompute predictions of a saved run (CPU)")
+    ap.add_argument("--report", action="store_true", help="every issue-8 row measured under --results, newest "
+                    "of each, predicted on --hw: table and median/max |error| for decode and prefill (CPU)")
+    ap.add_argument("--results", default="benchmarks/results", help="folder --report reads")
+    ap.add_argument("--audit", action="store_true", help="with --report: the profile fields the predictions "
+                    "depend on, with their sources (about a minute)")
     args = ap.parse_args()
+    if args.report:
+        from benchmarks.issue8_report import main_report
+        main_report(args, "python -m benchmarks.regimes " + " ".join(sys.argv[1:]))
+        return
     if args.repredict:
         res = json.loads(Path(args.repredict).read_text())
         from kvpipe.pipeline.model import load_model
         spec = load_model(MODEL)
         for r in res["rows"].values():
             if "measured" in r:
-                r["predicted"] = predict(r)
+                r["predicted"] = predict(r, args.hw)
                 r["ratios"] = ratios(r, spec, res["rates"], res["hf"])
         res["sim_errors"] = sim_errors(res)
         res["repredicted"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        res["predicted_on"] = args.hw
         Path(args.out or args.repredict).write_text(json.dumps(res, indent=2))
     else:
         stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M")
