@@ -86,6 +86,26 @@ def run_child(name: str, argv: list[str] | None) -> dict:
         return json.loads(out.read_text())
 
 
+def table(rows: list[dict]) -> list[str]:
+    """The printed table, one line per variant; a failed row says why, and a row whose reference
+    (the exact row) failed prints no speed-up."""
+    lines = [f"{'variant':11} {'decode ms/tok':>14} {'predicted':>10} {'meas/pred':>10} {'speed-up':>9} "
+             f"{'pred. s-up':>10} {'prefill s':>10} {'attn rel err':>13} {'sparse err':>11}"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['variant']:11} FAILED: {r['error']}")
+            continue
+        errs = (r["lossy"] or {}).get("measured_error") or {}
+        err, serr = errs.get("attn_rel_err"), errs.get("sparse_attn_rel_err")   # quant's probe; sparse's
+        p = r["predicted_decode_s_per_token"]
+        x = lambda v: "-" if v is None else f"{v:.2f}x"   # no speed-up where the exact row failed
+        lines.append(f"{r['variant']:11} {1e3 * r['decode_s_per_token']:14.1f} {1e3 * p:10.1f} "
+                     f"{r['decode_s_per_token'] / p:10.2f} {x(r['decode_speedup']):>9} {x(r['predicted_speedup']):>10} "
+                     f"{r['prefill_s']:10.2f} {'-' if err is None else f'{err:.2e}':>13} "
+                     f"{'-' if serr is None else f'{serr:.2e}':>11}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-3-8b")
@@ -132,19 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         speedups(rows)
         path.write_text(json.dumps(out, indent=1))   # after every variant: a run cut short keeps its rows
     print(f"wrote {path}")
-    print(f"{'variant':11} {'decode ms/tok':>14} {'predicted':>10} {'meas/pred':>10} {'speed-up':>9} "
-          f"{'pred. s-up':>10} {'prefill s':>10} {'attn rel err':>13} {'sparse err':>11}")
-    for r in rows:
-        if "error" in r:
-            print(f"{r['variant']:11} FAILED: {r['error']}")
-            continue
-        errs = (r["lossy"] or {}).get("measured_error") or {}
-        err, serr = errs.get("attn_rel_err"), errs.get("sparse_attn_rel_err")   # quant's probe; sparse's
-        p = r["predicted_decode_s_per_token"]
-        print(f"{r['variant']:11} {1e3 * r['decode_s_per_token']:14.1f} {1e3 * p:10.1f} "
-              f"{r['decode_s_per_token'] / p:10.2f} {r['decode_speedup']:8.2f}x {r['predicted_speedup']:9.2f}x "
-              f"{r['prefill_s']:10.2f} {'-' if err is None else f'{err:.2e}':>13} "
-              f"{'-' if serr is None else f'{serr:.2e}':>11}")
+    print("\n".join(table(rows)))
     return 0 if all("error" not in r for r in rows) else 1
 
 

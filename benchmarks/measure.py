@@ -139,6 +139,10 @@ class Bench:
         alloc0 = self._pinned_alloc_s()
         t0 = time.perf_counter()
         if self.cuda:   # run_graph's own steps: cap, then the untimed warm-up
+            # blocks the caller freed since the last row go back first: a CUDA graph capture cannot
+            # release cached blocks to retry an allocation, so they would count against the cap
+            # (GPU test: 1.86 GiB cached-but-free made the next row's capture run out, 2026-12-01)
+            torch.cuda.empty_cache()
             total = torch.cuda.get_device_properties(self.dev).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, self.gpu_budget / total), self.dev)
             session.warm_up(graph, self.hf, ids, self.dev, replay=replay, fuse=fuse)

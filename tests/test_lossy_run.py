@@ -188,3 +188,19 @@ def test_lossy_cuda_bits_survive_stream_stalls_and_tiers(tiny_model, tmp_path, b
     for disk in (0, 8):
         run = _lossy_run(model, "cuda", bits, 5, disk, tmp_path, hook=hook, context=300, decode=40, group=32)
         assert torch.equal(ref.step_logits, run.step_logits) and torch.equal(ref.tokens, run.tokens), disk
+
+
+def test_lossy_run_table_survives_a_failed_exact_row():
+    """Fault caught: the benchmark's table crashing (TypeError formatting None) when the exact
+    reference row failed, losing the other rows' printout after they ran (seen on the H200,
+    2026-12-01: the 512K exact child was killed, the int4 row's table line raised). By hand: the
+    int4 row prints its 369.6 ms and '-' for both speed-ups; the exact row prints its error."""
+    from benchmarks.lossy_run import speedups, table
+    rows = [{"variant": "exact", "error": "its process exited with -9", "wall_s": 1.0},
+            {"variant": "int4", "decode_s_per_token": 0.3696, "prefill_s": 145.7,
+             "predicted_decode_s_per_token": 0.3689, "lossy": {"measured_error": {"attn_rel_err": 0.137}}}]
+    speedups(rows)
+    lines = table(rows)
+    assert lines[1] == "exact       FAILED: its process exited with -9"
+    cells = lines[2].split()
+    assert cells[:4] == ["int4", "369.6", "368.9", "1.00"] and cells[4:6] == ["-", "-"]
