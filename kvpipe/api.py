@@ -106,7 +106,7 @@ def _lossy_plan(spec, work, budgets, first, lossy, sparse, rechoose):
     from dataclasses import replace
 
     from kvpipe.pipeline.lossy import LossySpec
-    from kvpipe.pipeline.memory import breakdown
+    from kvpipe.pipeline.memory import breakdown, gpu_usable
     from kvpipe.pipeline.units import fmt_bytes
     from kvpipe.sim.planner import NoPlanFits
     spec_l = LossySpec(lossy, sparse=sparse)
@@ -116,7 +116,7 @@ def _lossy_plan(spec, work, budgets, first, lossy, sparse, rechoose):
     exact, extra, found = first.plan, 0, None
     for _ in range(3):
         lossy_gpu = breakdown(spec, work, exact.with_(lossy=spec_l)).gpu
-        if lossy_gpu <= budgets["gpu"]:
+        if lossy_gpu <= gpu_usable(budgets["gpu"]):   # fits with the allocator's allowance
             return exact.with_(lossy=spec_l), found
         extra = max(extra, lossy_gpu - breakdown(spec, work, exact).gpu)   # what the lossy option adds
         try:
@@ -162,13 +162,13 @@ def _room_warning(model: ModelSpec, work: Workload, pred, budgets, chunk: Knob) 
     blocks beside the live bytes, within the allocator's slack): say when it breaks it, since
     such runs died of fragmentation on the H200 (benchmarks/results/h200-2026-11-30-sim_check.json)."""
     from .inputs import _is_auto
-    from kvpipe.pipeline.rules import GPU_FILL_FRACTION
+    from kvpipe.pipeline.rules import gpu_fill
     from kvpipe.sim.planner import fragmentation_room
     if _is_auto(chunk) or not budgets.get("gpu"):
         return ()
     plan = pred.plan
     room = fragmentation_room(model, work, plan)
-    free = budgets["gpu"] * GPU_FILL_FRACTION - pred.report.peak_bytes["gpu"]
+    free = gpu_fill(budgets["gpu"]) - pred.report.peak_bytes["gpu"]
     if free >= room:
         return ()
     w = (f"chunk: {fmt_tokens(plan.prefill.chunk)}-token chunks leave the CUDA allocator {fmt_bytes(max(free, 0))} "

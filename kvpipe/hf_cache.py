@@ -23,7 +23,7 @@ from kvpipe.executor.adapter import HFAdapter
 from kvpipe.executor.headstream import HeadStream
 from kvpipe.executor.hf_attention import IMPLEMENTATION, PendingKV, register
 from kvpipe.executor.kvstore import KVLayout
-from kvpipe.pipeline.memory import breakdown
+from kvpipe.pipeline.memory import allocator_allowance, breakdown, gpu_usable
 from kvpipe.pipeline.model import ModelSpec
 from kvpipe.pipeline.plan import Method, Plan, Tier, placement
 from kvpipe.pipeline.rules import default_plan, max_resident, spill_to_disk
@@ -201,9 +201,9 @@ def _knob_plan(spec: ModelSpec, work: Workload, budgets: dict[str, int], residen
     if plan.resident < spec.units and spill_to_disk(spec, work, plan, budgets["host"]).disk:
         raise ValueError(f"host_mem: the offloaded KV does not fit in {budgets['host']} bytes "
                          "(the executor has no disk tier yet)")
-    if breakdown(spec, work, plan).gpu > budgets["gpu"]:
-        raise ValueError(f"gpu_mem: the plan needs {breakdown(spec, work, plan).gpu} bytes on the device, "
-                         f"the budget is {budgets['gpu']}")
+    if breakdown(spec, work, plan).gpu > gpu_usable(budgets["gpu"]):
+        raise ValueError(f"gpu_mem: the plan needs {breakdown(spec, work, plan).gpu} bytes on the device and the "
+                         f"allocator's allowance {allocator_allowance(budgets['gpu'])}, the budget is {budgets['gpu']}")
     return plan
 
 

@@ -3,6 +3,7 @@ transient activations of one chunk. The graph builder allocates exactly these, s
 measured peak and this closed form agree (a test checks it)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .model import ModelSpec
@@ -10,6 +11,46 @@ from .plan import Plan, Tier
 from .workload import Workload
 
 FP32 = 4
+
+# The CUDA caching allocator's allowance: GPU bytes a plan must leave unused under the budget, so
+# that it "fits" only with headroom for the allocator's fragmentation and the memory model's error.
+# Derived from the H200 runs at a 24.0 GB cap (benchmarks/README.md): sim_check's
+# 128k-g2-some-c16k, predicted at 23.98 GB (20 MB under the cap), ran out of memory with 110 MiB
+# reserved by the allocator but unallocated (results/h200-2026-11-30-sim_check-s4.json and -s5),
+# and the regret rows' measured peaks were within 0.12% of their predictions (28 MiB at 24 GB).
+# A plan so needs about 110 MiB + 0.12% of the budget, 138 MiB at 24 GB: the floor is about twice
+# that; the percentage, which takes over above a 25 GiB budget (1.4 GiB of the h200 profile's
+# 140.4 GiB), is eight times the model's error, so the allowance grows with the budget (an
+# assumption: no run above a 24 GB cap has measured the allocator's slack).
+ALLOCATOR_FLOOR_BYTES = 256 * 2**20
+ALLOCATOR_PERCENT = 1
+
+
+def allocator_allowance(gpu_budget: int) -> int:
+    """Bytes of a GPU budget kept for the caching allocator: max(256 MiB, 1% of the budget)."""
+    return max(ALLOCATOR_FLOOR_BYTES, -(-int(gpu_budget) * ALLOCATOR_PERCENT // 100))
+
+
+def gpu_usable(gpu_budget: int) -> int:
+    """The most GPU bytes a plan's predicted peak may take under `gpu_budget`: the budget less the
+    allocator's allowance (0 when the allowance takes it all)."""
+    return max(0, int(gpu_budget) - allocator_allowance(gpu_budget))
+
+
+def gpu_budget_for(gpu_bytes: float) -> int:
+    """The smallest GPU budget whose usable bytes hold a peak of `gpu_bytes` (gpu_usable's inverse):
+    the least n with both n - ALLOCATOR_FLOOR_BYTES >= need and
+    n - ceil(n * P / 100) = floor(n * (100 - P) / 100) >= need, P = ALLOCATOR_PERCENT."""
+    need = math.ceil(gpu_bytes)
+    if need <= 0:
+        return 1
+    return max(need + ALLOCATOR_FLOOR_BYTES, -(-need * 100 // (100 - ALLOCATOR_PERCENT)))
+
+
+def pool_limits(budgets: dict[str, int]) -> dict[str, int]:
+    """The most each pool's peak may take and still fit: the GPU budget less the allocator's
+    allowance, the host and disk budgets whole."""
+    return {"gpu": gpu_usable(budgets["gpu"]), "host": budgets["host"], "disk": budgets["disk"]}
 
 
 def hidden_bytes(m: ModelSpec, batch: int, tokens: int) -> int:

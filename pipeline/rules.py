@@ -2,7 +2,7 @@
 knobs, then as many offloaded units in host RAM as its budget allows and the rest on disk."""
 from __future__ import annotations
 
-from .memory import breakdown
+from .memory import breakdown, gpu_usable, pool_limits
 from .model import ModelSpec
 from .plan import Method, PhasePlan, Plan
 from .workload import Workload
@@ -52,22 +52,30 @@ def default_plan(method: Method, model: ModelSpec, work: Workload, budgets: dict
     plan = method_plan(method, model, work)
     if method is Method.HEADWISE:
         everything = plan.with_(resident=model.units)
-        if breakdown(model, work, everything).gpu <= budgets["gpu"]:
+        if breakdown(model, work, everything).gpu <= gpu_usable(budgets["gpu"]):
             return everything
     if plan.resident < model.units:
         plan = spill_to_disk(model, work, plan, budgets["host"])
     return plan
 
 
+def gpu_fill(gpu_budget: int) -> float:
+    """The GPU bytes resident units the search or a rule chooses may fill: GPU_FILL_FRACTION of the
+    budget, never past what the allocator's allowance leaves (memory.gpu_usable, which binds below a
+    5 GiB budget)."""
+    return min(gpu_budget * GPU_FILL_FRACTION, gpu_usable(gpu_budget))
+
+
 def max_resident(model: ModelSpec, work: Workload, plan: Plan, gpu_budget: int) -> Plan:
-    """The plan with as many resident units as GPU_FILL_FRACTION of the budget holds (0 if none)."""
-    too_many = lambda n: breakdown(model, work, plan.with_(resident=n, disk=0)).gpu > gpu_budget * GPU_FILL_FRACTION
+    """The plan with as many resident units as `gpu_fill` of the budget holds (0 if none)."""
+    too_many = lambda n: breakdown(model, work, plan.with_(resident=n, disk=0)).gpu > gpu_fill(gpu_budget)
     return plan.with_(resident=max(first_true(1, model.units + 1, too_many) - 1, 0))
 
 
 def fits(model: ModelSpec, work: Workload, plan: Plan, budgets: dict[str, int]) -> bool:
-    mem = breakdown(model, work, plan)
-    return all(mem.pools()[p] <= budgets[p] for p in ("gpu", "host", "disk"))
+    """Every pool's peak within its limit (memory.pool_limits: the GPU's less the allocator's allowance)."""
+    mem, limits = breakdown(model, work, plan), pool_limits(budgets)
+    return all(mem.pools()[p] <= limits[p] for p in ("gpu", "host", "disk"))
 
 
 def max_context(method: Method, model: ModelSpec, decode_tokens: int, batch: int,

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field, replace
 
 from kvpipe.pipeline.fusion import decode_fused
 from kvpipe.pipeline.hardware import HardwareProfile
-from kvpipe.pipeline.memory import breakdown
+from kvpipe.pipeline.memory import breakdown, gpu_budget_for, pool_limits
 from kvpipe.pipeline.model import ModelSpec
 from kvpipe.pipeline.plan import Method, PhasePlan, Plan
-from kvpipe.pipeline.rules import GPU_FILL_FRACTION, HOST_KV_FRACTION, first_true
+from kvpipe.pipeline.rules import GPU_FILL_FRACTION, HOST_KV_FRACTION, first_true, gpu_fill
 from kvpipe.pipeline.units import fmt_bytes
 from kvpipe.pipeline.workload import Workload
 
@@ -155,9 +155,11 @@ class _Search:
 
     def place(self, plan: Plan, resident: int, pinned: bool = False, chunk_pinned: bool = False) -> Plan | None:
         """`plan` with `resident` units and the fewest disk units the host budget allows, or None
-        when it does not fit. Resident units the search chose must also leave the allocator its
-        slack (GPU_FILL_FRACTION of the budget); a count the user pinned needs only the budget. A
-        chunk the search chose must leave, within that slack, room for its blocks (fragmentation)."""
+        when it does not fit. Every plan's GPU peak must leave the allocator its allowance
+        (memory.pool_limits). Resident units the search chose must also leave it its slack
+        (rules.gpu_fill: GPU_FILL_FRACTION of the budget); a count the user pinned needs only the
+        allowance. A chunk the search chose must leave, within that slack, room for its blocks
+        (fragmentation)."""
         U, unit = self.model.units, self.unit_bytes
         host_cap = self.budgets["host"] * HOST_KV_FRACTION
         off = U - resident
@@ -166,12 +168,13 @@ class _Search:
             ring = breakdown(self.model, self.work, plan.with_(resident=resident, disk=1)).host_buffers
             disk = min(off, math.ceil((off * unit + ring - host_cap) / unit))
         placed = plan.with_(resident=resident, disk=disk)
-        mem = breakdown(self.model, self.work, placed)
-        if mem.host > host_cap or any(v > self.budgets[p] for p, v in mem.pools().items()):
+        mem, limits = breakdown(self.model, self.work, placed), pool_limits(self.budgets)
+        fill = gpu_fill(self.budgets["gpu"])
+        if mem.host > host_cap or any(v > limits[p] for p, v in mem.pools().items()):
             return None
-        if resident and not pinned and mem.gpu > self.budgets["gpu"] * GPU_FILL_FRACTION:
+        if resident and not pinned and mem.gpu > fill:
             return None
-        if not chunk_pinned and mem.gpu + self.fragmentation(plan) > self.budgets["gpu"] * GPU_FILL_FRACTION:
+        if not chunk_pinned and mem.gpu + self.fragmentation(plan) > fill:
             return None   # a chunk the search chose must leave the allocator room for its blocks
         return placed
 
@@ -179,8 +182,8 @@ class _Search:
         return fragmentation_room(self.model, self.work, plan)
 
     def max_resident(self, plan: Plan) -> int:
-        """The most resident units GPU_FILL_FRACTION of the GPU budget holds (0 if none)."""
-        cap, U = self.budgets["gpu"] * GPU_FILL_FRACTION - self.fragmentation(plan), self.model.units
+        """The most resident units `gpu_fill` of the GPU budget holds beside the chunk's blocks (0 if none)."""
+        cap, U = gpu_fill(self.budgets["gpu"]) - self.fragmentation(plan), self.model.units
         if breakdown(self.model, self.work, plan.with_(resident=U, disk=0)).gpu <= cap:
             return U
         base = breakdown(self.model, self.work, plan.with_(resident=0, disk=0)).gpu
@@ -350,9 +353,11 @@ def _smallest_budget(s: _Search, space: Space, pins: Pins) -> str:
                 PhasePlan(space.groups[0], 1, min(space.depths)), 0, 0, SOURCE)
     r = pins.resident if pins.resident is not None else s.max_resident(lean)
     gpu = breakdown(m, work, lean.with_(resident=r, disk=m.units - r)).gpu
-    # The budget `place` asks of the GPU: a chunk the search chose also leaves the allocator its
-    # slack (GPU_FILL_FRACTION) and room for the chunk's blocks.
-    need = gpu if pins.chunk is not None else (gpu + s.fragmentation(lean)) / GPU_FILL_FRACTION
+    # The budget `place` asks of the GPU: the allocator's allowance beside the peak (pool_limits);
+    # a chunk the search chose also leaves the allocator its slack (gpu_fill) and room for the
+    # chunk's blocks.
+    room = gpu + s.fragmentation(lean)
+    need = gpu_budget_for(gpu) if pins.chunk is not None else max(gpu_budget_for(room), room / GPU_FILL_FRACTION)
     if need > s.budgets["gpu"]:
         return (f"gpu-mem: no plan fits: gpu needs {fmt_bytes(gpu)} (with the allocator's room "
                 f"{fmt_bytes(need)}), {fmt_bytes(s.budgets['gpu'])} available "
