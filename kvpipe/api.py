@@ -22,7 +22,7 @@ from kvpipe.pipeline.units import fmt_bytes, fmt_tokens
 from kvpipe.pipeline.workload import Workload
 
 from .inputs import (Knob, PlanArg, apply_tiers, budget, check_weights, codec_args, free_disk, method_of,
-                     output_path, planner_pins, resolve_plan)
+                     output_path, planner_pins, resolve_plan, write_output)
 from .results import PlanResult, Predicted, RunResult
 
 log = logging.getLogger("kvpipe")
@@ -217,7 +217,7 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
     from kvpipe.hw_profiles import load_profile
     from kvpipe.pipeline.fusion import fuse_mode
     trace_path, plot_path = output_path(trace, "trace"), output_path(plot, "plot")
-    out_path = output_path(out, "trace") if out is not None else None   # a .json in an existing folder
+    out_path = output_path(out, "out")   # a .json in an existing folder
     _check_max_error(max_error, lossy, sparse)
     fuse = fuse_mode(fuse)
     spec = load_model(model)
@@ -271,13 +271,14 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
             methods[m.value] = Predicted(pred.plan, pred.problems, pred.report, pred.trace, ctx)
     if out_path:
         import json
-        out_path.write_text(json.dumps(chosen.to_json(spec), indent=2))
+        write_output(out_path, "out", lambda p: p.write_text(json.dumps(chosen.to_json(spec), indent=2)))
     if trace_path:
         from kvpipe.pipeline.trace import write_chrome
-        write_chrome(trace_path, main.trace)
+        write_output(trace_path, "trace", lambda p: write_chrome(p, main.trace))
     if plot_path:
         from kvpipe.analysis.timeline import plot_timeline
-        plot_timeline(plot_path, main.trace, title=f"{spec.name} on {profile.name}, {fmt_tokens(work.context)}")
+        write_output(plot_path, "plot", lambda p: plot_timeline(
+            p, main.trace, title=f"{spec.name} on {profile.name}, {fmt_tokens(work.context)}"))
     return PlanResult(spec, profile, work, budgets, main, methods, warnings, found, largest,
                       choice.describe() if choice else None)
 
@@ -429,10 +430,11 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
                   {"gpu": res.peak_gpu_bytes, "host": res.host_pinned_bytes, "disk": res.disk_bytes}, {}, (real.note,))
     if trace_path:
         from kvpipe.pipeline.trace import write_chrome
-        write_chrome(trace_path, predicted.trace, real)
+        write_output(trace_path, "trace", lambda p: write_chrome(p, predicted.trace, real))
     if plot_path:
         from kvpipe.analysis.timeline import plot_timeline
-        plot_timeline(plot_path, predicted.trace, real, title=f"{spec.name} {fmt_tokens(work.context)} on {dev}")
+        write_output(plot_path, "plot", lambda p: plot_timeline(
+            p, predicted.trace, real, title=f"{spec.name} {fmt_tokens(work.context)} on {dev}"))
     return RunResult(spec, profile, work, budgets, predicted, mrep, real, res.tokens.cpu().tolist(),
                      measured.digest, str(dev), attention, "random weights" if random_weights else str(model),
                      warnings, {"mode": res.decode_issue, "graphs": res.graphs, "capture_s": res.capture_s,

@@ -16,6 +16,7 @@ from kvpipe.pipeline.workload import Workload
 Knob = str | int | None        # None or "auto": the rule decides
 PlanArg = str | os.PathLike | dict | Plan | None
 RESIDENT_NAMES = ("auto", "all", "none", "max")
+JSON_OUTPUTS = {"trace": "Chrome trace-event JSON", "out": "the plan `kvpipe run --plan` reads"}   # flag -> format
 
 
 def budget(value: str | int | None, default: int, field: str) -> int:
@@ -173,21 +174,24 @@ def _resident(value: Knob, model: ModelSpec) -> int | str:
 
 
 def output_path(path: str | os.PathLike | None, field: str) -> Path | None:
-    """Check a --trace (.json) or --plot (an image type matplotlib writes) path before any work:
-    not a directory, its folder exists, the extension says the format (matplotlib would silently
+    """Check a --trace or --out (.json) or --plot (an image type matplotlib writes) path before any
+    work: not a directory, its folder exists and is writable (as far as permissions say; the write
+    itself goes through `write_output`), the extension says the format (matplotlib would silently
     add `.png` to a bare name), and for plots matplotlib is installed."""
     if path is None:
         return None
     p = Path(path)
     if p.is_dir():
-        example = p / ("out.json" if field == "trace" else "out.png")
+        example = p / {"trace": "out.json", "out": "plan.json"}.get(field, "out.png")
         raise ValueError(f"{field}: {str(p)!r} is a directory; give a file name, e.g. {str(example)!r}")
     if not p.parent.is_dir():
         raise ValueError(f"{field}: folder {str(p.parent)!r} does not exist")
+    if not os.access(p.parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise ValueError(f"{field}: cannot write {str(p)!r} (permission denied)")
     suffix = p.suffix.lower().lstrip(".")
-    if field == "trace":
+    if field in JSON_OUTPUTS:
         if suffix != "json":
-            raise ValueError(f"{field}: {str(p)!r} needs the .json extension (Chrome trace-event JSON)")
+            raise ValueError(f"{field}: {str(p)!r} needs the .json extension ({JSON_OUTPUTS[field]})")
         return p
     try:
         from matplotlib.backend_bases import FigureCanvasBase
@@ -197,3 +201,12 @@ def output_path(path: str | os.PathLike | None, field: str) -> Path | None:
     if suffix not in kinds:
         raise ValueError(f"{field}: {str(p)!r} needs an image extension ({', '.join('.' + k for k in sorted(kinds))})")
     return p
+
+
+def write_output(path: Path, field: str, write) -> None:
+    """write(path), a failure to write (a folder that refuses it, a full disk) as a ValueError
+    naming the flag, so the CLI prints one line and exits 2."""
+    try:
+        write(path)
+    except OSError as e:
+        raise ValueError(f"{field}: cannot write {str(path)!r} ({e.strerror or e})") from None

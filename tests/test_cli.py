@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -225,17 +226,39 @@ def test_plot_without_matplotlib_names_the_extra(capsys, tmp_path, monkeypatch):
     ("--plot", "{dir}", "is a directory"),
     ("--plot", "{dir}/timeline", "image extension"),
     ("--plot", "{dir}/timeline.xyz", "image extension"),
+    ("--out", "{dir}", "is a directory"),
+    ("--out", "{dir}/plan.txt", ".json extension"),
+    ("--out", "{dir}/missing/plan.json", "does not exist"),
 ])
 def test_output_paths_are_checked_before_the_work(capsys, tmp_path, flag, name, needle):
     # Fault caught (issue 7): a directory or a bare name as --trace/--plot failed only after the
     # whole run (IsADirectoryError), or matplotlib silently wrote `timeline.png` instead of the
-    # path given. The GPU budget here is also too small: the path is reported first, which
-    # shows it is checked before anything else.
+    # path given; --out's errors named the trace flag and its format. The GPU budget here is also
+    # too small: the path is reported first, which shows it is checked before anything else.
     path = name.replace("{dir}", str(tmp_path))
     rc, _, err = cli(capsys, "plan", "--context", "8K", "--gpu-mem", "1GB", flag, path)
     assert_one_line_exit_2(rc, err, flag.lstrip("-") + ":")
     assert needle in err and "gpu-mem" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc (a folder no file can be created in)")
+def test_an_out_file_that_cannot_be_created_is_one_line_naming_out(capsys):
+    # Fault caught: `plan --out` into a folder that refuses new files printed Python's
+    # "[Errno 2] No such file or directory: ..." without the flag (and --out's path errors said
+    # "trace:", the flag whose check it borrowed). /proc refuses files even to root.
+    rc, _, err = cli(capsys, "plan", "--context", "4K", "--decode-tokens", "1", "--out", "/proc/kvpipe-plan.json")
+    assert_one_line_exit_2(rc, err, "out: cannot write '/proc/kvpipe-plan.json'")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_an_out_folder_without_write_permission_is_refused_before_the_work(capsys, tmp_path):
+    # Fault caught: a --out folder the user may not write to, found only after the search.
+    folder = tmp_path / "ro"
+    folder.mkdir(mode=0o555)
+    rc, _, err = cli(capsys, "plan", "--context", "8K", "--gpu-mem", "1GB", "--out", str(folder / "plan.json"))
+    assert_one_line_exit_2(rc, err, "out: cannot write")
+    assert "gpu-mem" not in err
 
 
 def test_trace_and_plot_are_written_where_asked(capsys, tmp_path):
