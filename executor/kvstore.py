@@ -150,9 +150,12 @@ class KVStore:
         B, S, D, H = lo.batch, lo.capacity, lo.head_dim, lo.kv_heads
         gpu = dict(dtype=self.dtype, device=self.device)
         self.gpu = [torch.empty(B, n, S, 2, D, **gpu) if n else None for n in lo.resident]
-        self.host = [self.arena.empty((B, H - n - lo.n_disk(i), S, 2, D), self.dtype)
-                     if n + lo.n_disk(i) < H and not lo.quant_bits and lo.h2d_codec == "none" else None
-                     for i, n in enumerate(lo.resident)]
+        homed = [i for i, n in enumerate(lo.resident)
+                 if n + lo.n_disk(i) < H and not lo.quant_bits and lo.h2d_codec == "none"]
+        homes = self.arena.empties([(B, H - lo.resident[i] - lo.n_disk(i), S, 2, D) for i in homed], self.dtype)
+        self.host = [None] * lo.layers
+        for i, t in zip(homed, homes):   # one call: torch-pinned homes share power-of-two blocks
+            self.host[i] = t
         self.slots = [torch.empty(B, lo.slot_heads, S, 2, D, **gpu) for _ in range(lo.slots)]
         try:
             if any(lo.disk):
@@ -212,8 +215,7 @@ class KVStore:
         finally:
             if self.disk is not None:
                 self.disk.close()      # removes the file, whatever ended the run
-            if self.cuda:
-                self.arena.close()
+            self.arena.close()   # unregisters (CUDA) and drops the carved blocks
         self.gpu, self.host, self.slots, self.wstage, self.rstage, self.cstage = [], [], [], [], None, None
         self.q = self.coded = self.sparse = None
 
@@ -231,6 +233,13 @@ class KVStore:
             bufs += [self.rstage, self.disk.tails] + ([self.cstage] if self.cstage is not None else [])
         return (sum(t.numel() * t.element_size() for t in bufs) + (self.q.host_bytes if self.q else 0)
                 + (self.coded.host_bytes if self.coded else 0))
+
+    @property
+    def host_reserved_bytes(self) -> int:
+        """Host bytes the run's arena pinned or carved: its share of `host_bytes` plus the slack of
+        the power-of-two blocks that torch-pinned homes are carved from (pinned.carve); 0 where it
+        made plain allocations (CPU runs)."""
+        return self.arena.reserved_bytes
 
     @property
     def disk_bytes(self) -> int:

@@ -1,8 +1,15 @@
 """Host buffers for the KV tiers: page-aligned, and on CUDA page-locked by registering exactly
 their own bytes with the driver. torch's pinned allocator rounds every allocation up to a power
 of two (a 2.5 GiB layer would pin 4 GiB), which a 1M-token host tier of ~90 GiB cannot afford.
-A `HostArena` owns what it registered and unregisters it on `close()`."""
+A `HostArena` owns what it registered and unregisters it on `close()`.
+
+Where torch must pin (decode replay, see `HostArena`), the arena asks it only for power-of-two
+blocks, which torch does not round, and carves the buffers out of them (`carve`): Llama-3-8B at
+512K + 4 tokens, 32 layer homes of 2 GiB + 16 KiB, pins 68 GiB, not the 128 GiB of one torch block
+per home that killed the exact 512K run on a 125 GiB H200 machine (the planner counts 64 GiB)."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -15,18 +22,73 @@ def _aligned(nbytes: int) -> torch.Tensor:
     return raw[off:off + nbytes]
 
 
+def pow2_ceil(n: int) -> int:
+    """The least power of two >= n (n >= 1): what torch's pinned allocator takes for n bytes."""
+    assert n >= 1, n
+    return 1 << (n - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class Carving:
+    """Buffers packed into power-of-two blocks: `blocks[i]` bytes each; buffer j lies in block
+    `places[j][0]` at byte offset `places[j][1]` (a multiple of ALIGN)."""
+
+    blocks: tuple[int, ...]
+    places: tuple[tuple[int, int], ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.blocks)
+
+
+def carve(sizes: list[int] | tuple[int, ...]) -> Carving:
+    """Pack buffers of `sizes` bytes (each > 0) into few power-of-two blocks. Each block is the
+    largest power of two not above the bytes still to place (the next one up when the largest
+    remaining buffer is bigger), filled first-fit in decreasing size; offsets are ALIGN multiples.
+    Every block's unused tail is smaller than the largest buffer: 32 equal buffers of just over
+    2^k bytes take 2^(k+5) + 2^(k+1) bytes (31 buffers, then 1), not 32 * 2^(k+1)."""
+    assert all(s > 0 for s in sizes), sizes
+    padded = [-(-s // ALIGN) * ALIGN for s in sizes]
+    left = sorted(range(len(sizes)), key=lambda j: (-padded[j], j))
+    blocks: list[int] = []
+    places: dict[int, tuple[int, int]] = {}
+    while left:
+        rest = sum(padded[j] for j in left)
+        block = 1 << (rest.bit_length() - 1)           # the largest power of two <= rest
+        if block < padded[left[0]]:
+            block = pow2_ceil(padded[left[0]])
+        at, kept = 0, []
+        for j in left:
+            if at + padded[j] <= block:
+                places[j] = (len(blocks), at)
+                at += padded[j]
+            else:
+                kept.append(j)
+        blocks.append(block)
+        left = kept
+    return Carving(tuple(blocks), tuple(places[j] for j in range(len(sizes))))
+
+
 class HostArena:
     """Makes page-aligned host buffers, pinned when `pin` (CUDA); a context manager.
 
-    With `torch_pinned`, `empty()` takes torch's own pinned allocator instead of registering:
-    torch refuses to capture a copy (CUDA-graph replay) from memory it did not pin itself, even
-    when the driver has it registered, so decode replay needs torch-pinned KV homes. The cost is
-    torch's power-of-two rounding of each buffer; plans that replay have no disk units."""
+    With `torch_pinned`, `empty()`/`empties()` take torch's own pinned allocator instead of
+    registering: torch refuses to capture a copy (CUDA-graph replay) from memory it did not pin
+    itself, even when the driver has it registered, so decode replay needs torch-pinned KV homes.
+    torch rounds each allocation up to a power of two, so the arena asks for power-of-two blocks
+    and carves the buffers out of them (`carve`; plans that replay have no disk units; without
+    `pin` the blocks are plain memory, as CPU tests run it). `reserved_bytes`: what the arena took
+    from the system, the blocks' slack included (pinned on CUDA: the bytes the machine loses)."""
 
     def __init__(self, pin: bool, torch_pinned: bool = False) -> None:
         self.pin = pin
         self.torch_pinned = torch_pinned
         self.registered: list[torch.Tensor] = []
+        self.blocks: list[torch.Tensor] = []   # torch-pinned blocks the buffers are views of
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(t.numel() for t in self.registered + self.blocks)
 
     def bytes(self, nbytes: int) -> torch.Tensor:
         """A uint8 buffer of `nbytes`, ALIGN-aligned, pinned when the arena pins."""
@@ -41,21 +103,54 @@ class HostArena:
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised contiguous tensor of `shape`: in a registered buffer when the arena
         pins, else a plain allocation (no alignment needed off the disk path)."""
-        if not self.pin or self.torch_pinned:
-            return torch.empty(shape, dtype=dtype, pin_memory=self.pin)
-        n = 1
-        for d in shape:
-            n *= d
-        return self.bytes(n * dtype.itemsize).view(dtype).view(shape)
+        return self.empties([shape], dtype)[0]
+
+    def empties(self, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
+        """`empty()` of each shape; torch-pinned ones carved out of shared power-of-two blocks."""
+        numels = [_numel(s) for s in shapes]
+        if not self.torch_pinned:
+            if not self.pin:
+                return [torch.empty(s, dtype=dtype) for s in shapes]
+            return [self.bytes(n * dtype.itemsize).view(dtype).view(s) for s, n in zip(shapes, numels)]
+        out: list[torch.Tensor | None] = [torch.empty(s, dtype=dtype) if n == 0 else None
+                                          for s, n in zip(shapes, numels)]
+        sized = [j for j, n in enumerate(numels) if n]
+        plan = carve([numels[j] * dtype.itemsize for j in sized])
+        first = len(self.blocks)
+        self.blocks += [torch.empty(b, dtype=torch.uint8, pin_memory=self.pin) for b in plan.blocks]
+        for j, (b, at) in zip(sized, plan.places):
+            nbytes = numels[j] * dtype.itemsize
+            out[j] = self.blocks[first + b][at:at + nbytes].view(dtype).view(shapes[j])
+        return out
 
     def close(self) -> None:
-        """Unregister everything (the caller has synchronised: no copy uses the buffers)."""
+        """Unregister everything and drop the torch-pinned blocks (the caller has synchronised:
+        no copy uses the buffers; the blocks return to torch once their views are gone)."""
         while self.registered:
             buf = self.registered.pop()
             torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+        self.blocks = []
 
     def __enter__(self) -> "HostArena":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def release_cached_pinned() -> None:
+    """Give torch's cached (freed, still pinned) host blocks back to the system, where this torch
+    can (torch.accelerator.empty_host_cache); a no-op without CUDA."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return
+    release = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) \
+        or getattr(torch._C, "_host_emptyCache", None)
+    if release is not None:
+        release()
