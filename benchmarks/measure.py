@@ -20,6 +20,28 @@ from dataclasses import dataclass, field
 from kvpipe.api import default_alloc_conf
 
 
+def host_rss_peak_bytes() -> int | None:
+    """This process's peak resident host memory (VmHWM: pinned KV, weights' host copies, CUDA
+    context, Python) since the last `reset_host_rss_peak()`; None where /proc has no figure."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def reset_host_rss_peak() -> None:
+    """Start VmHWM again from the current resident size (Linux clear_refs 5); silent where refused."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
 def process_mem_bytes() -> int | None:
     """This process's GPU memory as nvidia-smi reports it (context and library workspaces included)."""
     try:
@@ -40,7 +62,10 @@ class Row:
     peak_gpu_bytes from the allocator, reserved_gpu_bytes, process_gpu_bytes from nvidia-smi),
     the run's decode issue mode, graphs, capture/compile seconds, `warmup_s`, `run_s` (the timed
     run's wall, buffers included), `pinned_alloc_s` (time torch spent creating pinned blocks) and
-    `wall_s`; or `error` (with `oom` true for an out-of-memory) when it did not run to the end."""
+    `wall_s`, and in every row `host_rss_peak_bytes` (the process's peak resident host memory
+    over the row, VmHWM) and `torch_pinned_peak_bytes` (torch's pinned allocator, its cached
+    blocks and slack included; None on CPU); or `error` (with `oom` true for an out-of-memory)
+    when it did not run to the end."""
 
     json: dict
     last_logits: object = None   # [B, vocab] fp32 on the CPU when asked for, else None
@@ -118,6 +143,8 @@ class Bench:
         if self.last_context not in (None, work.context):
             self._release_pinned()   # another context: the cached blocks are the wrong sizes
         self.last_context = work.context
+        reset_host_rss_peak()
+        self._reset_host_peak()
         t0 = time.perf_counter()
         try:
             info, logits = self._run(plan, work, replay, keep_logits, fuse)
@@ -126,6 +153,8 @@ class Bench:
                             "oom": type(e).__name__ == "OutOfMemoryError" or "out of memory" in str(e)}, None
         # outside the except block: the traceback's frames (and their tensors) are gone
         info["wall_s"] = time.perf_counter() - t0
+        info["host_rss_peak_bytes"] = host_rss_peak_bytes()
+        info["torch_pinned_peak_bytes"] = self._host_stats().get("allocated_bytes.peak")
         self._clean()
         return Row(info, logits)
 
@@ -168,22 +197,28 @@ class Bench:
         stats = getattr(torch.cuda.memory, "host_memory_stats", None)
         return stats() if self.cuda and stats else {}
 
+    def _reset_host_peak(self) -> None:
+        import torch
+        reset = getattr(torch.cuda.memory, "reset_peak_host_memory_stats", None)
+        if self.cuda and reset:
+            reset()
+
     def _pinned_alloc_s(self) -> float | None:
         us = self._host_stats().get("host_alloc_time.total")
         return None if us is None else us / 1e6
 
     def _release_pinned(self) -> None:
-        import torch
-        release = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
-        if self.cuda and release:
-            release()
+        from kvpipe.executor.pinned import release_cached_pinned
+        if self.cuda:
+            release_cached_pinned()
 
     def _clean(self) -> None:
         """Free what the last row left: Python garbage first (an exception's tensors), then the
         allocator's cached blocks. torch's cached pinned host blocks are kept for the next row of
-        the same context to reuse (creating pinned memory is slow; torch rounds each block up to
-        a power of two: just over 1 GiB per layer at 256K takes 2) unless they pass half the host
-        budget; `pinned_alloc_s` shows what each row paid (torch-pinned homes only: replayed rows)."""
+        the same context to reuse (creating pinned memory is slow; the homes are carved from
+        power-of-two blocks, executor/pinned.carve: 34 GiB for 32 GiB of KV at 256K) unless they
+        pass half the host budget; `pinned_alloc_s` shows what each row paid (torch-pinned homes
+        only: replayed rows)."""
         gc.collect()
         if self.cuda:
             import torch
