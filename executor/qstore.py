@@ -16,12 +16,19 @@ Stages (builder: `quant` before `kv_store`, `dequant` after `kv_fetch`): `encode
 -> `store` (d2h) -> `disk_write` (disk lane), and `disk_read` -> `fetch` (h2d) -> `decode`.
 
 `decode` on CUDA with float16 metadata (bf16/fp16 models) is ONE torch.compile'd call per fetch
-(`fused_decode`: unpack, scale, shift, round, write into the slot; inductor emits a kernel each
-for K and V, no float32 temporaries in memory) over the WHOLE byte slot, so its shapes never
-change: it is compiled once per slot layout, in the store's open, not in a timed stage. It equals the eager `dequantize` bit for bit: a code (<= 255, 8 bits) times a float16
-scale (11 significant bits) is exact in float32, so a fused multiply-add (which the compiler may
-emit) and eager's multiply-then-add round the same sum once; one rounding to the model dtype
-follows. Float32 metadata (fp32 models) has no such guarantee and stays eager, as does the CPU."""
+(`fused_decode`: unpack, scale, shift, round, write into the slot; no float32 temporaries in
+memory) over the WHOLE byte slot, so its shapes never change: it is compiled once per slot
+layout, in the store's open, not in a timed stage. Only the records and the slot rows they fill
+enter the compiled region (`records_decode`; the slicing runs before it). Compiled with the whole
+exact slot as an input written through a slice, AOTAutograd made that a slice_scatter over the
+whole input and a copy back, so every call read and wrote all S_cap tokens of the slot through a
+slot-sized temporary, whatever it decoded (128K, 8 heads: ~2.1 GB a call; seen in the graph
+inductor builds on the CPU; the H200's 820-record sparse window took 1.24 ms a layer, as long as a
+prefill's full-slot decode). It equals the eager `dequantize` bit for bit: a code (<= 255, 8 bits)
+times a float16 scale (11 significant bits) is exact in float32, so a fused multiply-add (which the
+compiler may emit) and eager's multiply-then-add round the same sum once; one rounding to the
+model dtype follows. Float32 metadata (fp32 models) has no such guarantee and stays eager, as does
+the CPU."""
 from __future__ import annotations
 
 import functools
@@ -39,30 +46,48 @@ def block_decode(kc: torch.Tensor, ks: torch.Tensor, kz: torch.Tensor, vc: torch
                  vz: torch.Tensor, out: torch.Tensor, bits: int) -> None:
     """The block decode arithmetic (pure but for writing `out`): K codes [*L, D, 1, g*bits/8] and
     scale/zero [*L, D, 1] (groups along the block's tokens), V codes [*L, g, nv, gv*bits/8] and
-    scale/zero [*L, g, nv] (groups along channels) -> out [*L, g, 2, D] (the model dtype)."""
+    scale/zero [*L, g, nv] (groups along channels) -> out [*L, g, 2, D] (the model dtype), written
+    by one copy of K and V together: compiled, `out` is then overwritten, not read back (two
+    copies into its K and V halves become a select_scatter that reads the old rows)."""
     k = dequant_math(kc, ks, kz, bits, torch.float32, out.dtype)          # [*L, D, 1, g]
-    out[..., 0, :].copy_(k.flatten(-2).transpose(-1, -2))                 # [*L, g, D]
     v = dequant_math(vc, vs, vz, bits, torch.float32, out.dtype)          # [*L, g, nv, gv]
-    out[..., 1, :].copy_(v.flatten(-2))
+    out.copy_(torch.stack([k.flatten(-2).transpose(-1, -2), v.flatten(-2)], -2))   # [*L, g, 2, D]
 
 
-def slot_decode(codec: "BlockCodec", qslot: torch.Tensor, slot: torch.Tensor, j0: int, j1: int) -> None:
+def records_decode(codec: "BlockCodec", rec: torch.Tensor, out: torch.Tensor) -> None:
+    """Records rec [B, J, nb, record] uint8 -> out [B, J, nb, group, 2, D]: the region
+    `fused_decode` compiles; its inputs are exactly the records it decodes and the slot rows they
+    fill (views, cut by `slot_decode` before the call), so a call moves those bytes and no others."""
+    block_decode(*codec.fields(rec), out, codec.bits)
+
+
+def slot_decode(codec: "BlockCodec", qslot: torch.Tensor, slot: torch.Tensor, j0: int, j1: int,
+                decode=records_decode) -> None:
     """EVERY record of rows [j0, j1) of a byte slot qslot [B, heads, blocks * record] decoded into
-    the exact slot [B, heads, S_cap, 2, D], tokens [0, blocks * group): fixed shapes, so the
-    compiled version is built once per codec and slot layout. Blocks past the fetched prefix hold
-    stale bytes; they decode into slot tokens the attention never reads (it reads [0, length), and
-    the exact tail overwrites [full blocks, length))."""
+    the exact slot [B, heads, S_cap, 2, D], tokens [0, blocks * group) (`decode`: records_decode,
+    eager, or its compiled version): fixed shapes, so the compiled version is built once per codec
+    and slot layout. Blocks past the fetched prefix hold stale bytes; they decode into slot tokens
+    the attention never reads (it reads [0, length), and the exact tail overwrites [full blocks,
+    length)). Slot tokens past blocks * group are neither read nor written."""
     B, J, nb = qslot.shape[0], j1 - j0, qslot.shape[2] // codec.record
     rec = qslot[:, j0:j1].view(B, J, nb, codec.record)
     out = slot[:, j0:j1, :nb * codec.group].view(B, J, nb, codec.group, 2, codec.D)
-    block_decode(*codec.fields(rec), out, codec.bits)
+    decode(codec, rec, out)
+
+
+@functools.cache
+def compiled_records():
+    """`records_decode` compiled by torch.compile (inductor: Triton on CUDA, C++ on CPU), memoised
+    for the process; static shapes (dynamo specialises on the codec's constants and the views'
+    shapes and strides)."""
+    return torch.compile(records_decode, dynamic=False)
 
 
 @functools.cache
 def fused_decode():
-    """`slot_decode` compiled by torch.compile (inductor: Triton on CUDA, C++ on CPU), memoised for
-    the process; static shapes (dynamo specialises on the codec's constants and j0, j1)."""
-    return torch.compile(slot_decode, dynamic=False)
+    """`slot_decode` with the compiled `records_decode`: the slicing runs eagerly, outside the
+    compiled region (module docstring: compiled whole, every call rewrote the whole slot)."""
+    return functools.partial(slot_decode, decode=compiled_records())
 
 
 class BlockCodec:
