@@ -28,11 +28,13 @@ prefill's full-slot decode). It equals the eager `dequantize` bit for bit: a cod
 times a float16 scale (11 significant bits) is exact in float32, so a fused multiply-add (which the
 compiler may emit) and eager's multiply-then-add round the same sum once; one rounding to the
 model dtype follows. Float32 metadata (fp32 models) has no such guarantee and stays eager, as does
-the CPU."""
+the CPU. `QuantHomes.paths()` counts the dequantise calls by path (reported in `run --json`
+decode_issue.dequant)."""
 from __future__ import annotations
 
 import functools
 import math
+from collections import Counter
 
 import torch
 
@@ -40,6 +42,9 @@ from .quant import LEVELS, Quantized, dequant_math, dequantize, quantize
 
 DECODE_VALUES = 1 << 25   # eager decode: values dequantised per pass, bounding the float32
                           # temporaries (128 MiB each) under the exact-size output the plan books
+# the dequantise's paths (QuantHomes.paths): the compiled call over the whole byte slot, over the
+# sparse window, eager passes, and calls with no full block to decode
+FULL, WINDOW, EAGER, EMPTY = "full", "window", "eager", "empty"
 
 
 def block_decode(kc: torch.Tensor, ks: torch.Tensor, kz: torch.Tensor, vc: torch.Tensor, vs: torch.Tensor,
@@ -88,6 +93,20 @@ def fused_decode():
     """`slot_decode` with the compiled `records_decode`: the slicing runs eagerly, outside the
     compiled region (module docstring: compiled whole, every call rewrote the whole slot)."""
     return functools.partial(slot_decode, decode=compiled_records())
+
+
+def dynamo_frames() -> tuple[int, int]:
+    """(frames dynamo set out to compile, frames it compiled) so far in this process, from
+    torch._dynamo.utils.counters["frames"] ("total" counts every call that missed all cached
+    graphs, "ok" the ones compiled). A call that moves either made a graph (a compile) or failed
+    to (then it ran eagerly: e.g. the recompile limit; after that, dynamo runs such calls eagerly
+    without counting them). (0, 0) where torch keeps no such counters."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return 0, 0
+    frames = counters.get("frames", {})
+    return int(frames.get("total", 0)), int(frames.get("ok", 0))
 
 
 class BlockCodec:
@@ -177,14 +196,25 @@ class QuantHomes:
         # compiled here, in the store's open, on the slots' real shapes (a group of every slot row),
         # so that no compile lands inside a timed stage (stale bytes decode into unread rows)
         self.fused = store.cuda and c.fusable
+        # why this store's calls run eagerly (None: compiled), reported by `paths`
+        self.unfused = (None if self.fused else "not CUDA" if not store.cuda
+                        else "float32 metadata (not bit-exact fused)")
         # LOSSY sparse too (executor/sparse_homes.py): a decode step's records are the selected
         # blocks', at most `sel_blocks` of them, decoded by a second compiled call over that many
         sparse = lo.sparse
         self.sel_blocks = min(self.blocks, sparse.max_fetched_blocks(lo.capacity)) if sparse is not None else 0
+        # the dequantise calls by path (`paths`): FULL, WINDOW, EAGER (and why), EMPTY (no full block)
+        self.calls: Counter[str] = Counter()
+        self.eager_why: Counter[str] = Counter()
+        self.max_selected = 0                  # the most records one sparse dequantise decoded
+        self.stage_compiles = self.stage_compile_failures = 0   # in a dequant stage (dynamo_frames)
+        self.open_compiles = 0
         if self.fused:
+            seen = dynamo_frames()
             fused_decode()(c, self.qslots[0], store.slots[0], 0, lo.slot_heads)
             if self.sel_blocks:
                 fused_decode()(c, self.qslots[0][:, :, :self.sel_blocks * c.record], store.slots[0], 0, lo.slot_heads)
+            self.open_compiles = dynamo_frames()[1] - seen[1]
 
     @property
     def host_bytes(self) -> int:
@@ -272,7 +302,8 @@ class QuantHomes:
         the exact tail tokens [full blocks, length) copied from the GPU tail."""
         nb = length // self.g
         # one compiled call for the whole fetch: no float32 temporaries
-        self._decode(layer, heads, base, slot, nb, length - nb * self.g, self.qslots[slot] if self.fused else None)
+        self._decode(layer, heads, base, slot, nb, length - nb * self.g,
+                     self.qslots[slot] if self.fused else None, FULL, self.unfused)
 
     def prefix(self, layer: int, length: int) -> torch.Tensor:
         """The K/V a `length`-token prefix of the layer's host units reads back, every record
@@ -305,29 +336,55 @@ class QuantHomes:
         fixed shape; rows past `blocks` hold stale bytes, decoded into slot rows the attention
         never reads, and the tail overwrites the first of them after). The arithmetic is
         `decode`'s, so a record decodes to the same bits wherever it lies."""
+        fits = blocks <= self.sel_blocks
+        self.max_selected = max(self.max_selected, blocks)
         window = (self.qslots[slot][:, :, :self.sel_blocks * self.rec]      # a fixed shape: compiled once
-                  if self.fused and blocks <= self.sel_blocks else None)
-        self._decode(layer, heads, base, slot, blocks, length % self.g, window)
+                  if self.fused and fits else None)
+        # an overflow first: LossySpec.max_fetched_blocks promises none, on any device
+        why = self.unfused if fits else f"more selected blocks than the window ({self.sel_blocks})"
+        self._decode(layer, heads, base, slot, blocks, length % self.g, window, WINDOW, why)
+
+    def paths(self) -> dict:
+        """Which path this store's dequantise calls took (reported in `run --json`
+        decode_issue.dequant): counts of compiled calls over the whole byte slot (`full`: prefill,
+        decode without sparse) and over the sparse window of `window_blocks` records (`window`),
+        eager calls with their reasons (`eager_why`), calls with no full block (`empty`); the most
+        records one sparse call decoded; and dynamo's compiles in the store's open and inside
+        dequant stages (a compile in a timed stage, or one that failed and ran eagerly: see
+        `dynamo_frames`; dynamo's silent eager runs past its recompile limit are not seen)."""
+        return {**{k: self.calls[k] for k in (FULL, WINDOW, EAGER, EMPTY)}, "eager_why": dict(self.eager_why),
+                "window_blocks": self.sel_blocks, "max_selected_blocks": self.max_selected,
+                "open_compiles": self.open_compiles, "stage_compiles": self.stage_compiles,
+                "stage_compile_failures": self.stage_compile_failures}
 
     def _decode(self, layer: int, heads: tuple[int, ...], base: int, slot: int, nb: int, tail: int,
-                window: torch.Tensor | None) -> None:
+                window: torch.Tensor | None, path: str, why: str | None) -> None:
         """The first `nb` records of the byte slot rows of `heads` dequantised into slot tokens
         [0, nb * group): by one compiled call over `window` (the byte slot's leading records, a
-        fixed shape) where given, else eagerly in passes of DECODE_VALUES; then `tail` exact tokens
-        from the GPU tail right after them."""
+        fixed shape) where given, counted as `path`, else eagerly in passes of DECODE_VALUES,
+        counted with the reason `why`; then `tail` exact tokens from the GPU tail right after them."""
         lo, g = self.s.layout, self.g
         n = lo.resident[layer]
         j0, j1 = heads[0] - base, heads[-1] - base + 1
         B, J = lo.batch, j1 - j0
         dst = self.s.slots[slot][:, j0:j1]                              # [B, J, S_cap, 2, D]
-        if nb:
-            if window is not None:
-                fused_decode()(self.codec, window, self.s.slots[slot], j0, j1)
-            else:
-                rec = self.qslots[slot][:, j0:j1, :nb * self.rec].view(B, J, nb, self.rec)
-                out = dst[:, :, :nb * g].view(B, J, nb, g, 2, lo.head_dim)
-                step = max(1, DECODE_VALUES // (B * J * g * 2 * lo.head_dim))   # blocks per pass
-                for c in range(0, nb, step):
-                    self.codec.decode(rec[:, :, c:c + step], out[:, :, c:c + step])
+        if not nb:
+            self.calls[EMPTY] += 1
+        elif window is not None:
+            self.calls[path] += 1
+            seen = dynamo_frames()
+            fused_decode()(self.codec, window, self.s.slots[slot], j0, j1)
+            got = dynamo_frames()
+            self.stage_compiles += got[1] - seen[1]
+            self.stage_compile_failures += (got[0] - seen[0]) - (got[1] - seen[1])
+        else:
+            assert why is not None, (path, nb)       # eager only where unfused or past the window
+            self.calls[EAGER] += 1
+            self.eager_why[why] += 1
+            rec = self.qslots[slot][:, j0:j1, :nb * self.rec].view(B, J, nb, self.rec)
+            out = dst[:, :, :nb * g].view(B, J, nb, g, 2, lo.head_dim)
+            step = max(1, DECODE_VALUES // (B * J * g * 2 * lo.head_dim))   # blocks per pass
+            for c in range(0, nb, step):
+                self.codec.decode(rec[:, :, c:c + step], out[:, :, c:c + step])
         if tail:
             dst[:, :, nb * g:nb * g + tail].copy_(self.tail[layer][:, heads[0] - n:heads[-1] - n + 1, :tail])

@@ -51,6 +51,7 @@ class RunResult:
     lossy_error: dict | None = None   # LOSSY runs: errors measured in the run (executor/lossy_probe.py)
     h2d_codec: dict | None = None     # h2d codec runs: what it stored (executor/cstore.py `stats`)
     sparse_paths: dict | None = None  # LOSSY sparse runs: gather / ranking paths taken (SparseHomes.paths)
+    dequant_paths: dict | None = None  # LOSSY quantised runs: the dequantise calls by path (QuantHomes.paths)
 
 
 def decode_steps(graph: Graph) -> int:
@@ -125,6 +126,7 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
             disk_stats = store.disk.stats.to_json() if store.disk is not None else None
             codec_stats = store.coded.stats() if store.coded is not None else None
             sparse_paths = store.sparse.paths() if store.sparse is not None else None
+            dequant_paths = store.q.paths() if store.q is not None else None
     note = "measured with CUDA events" if cuda else "measured with the host clock (CPU, no overlap)"
     if replayed:
         note += (f"; decode steps issued as {'CUDA-graph replays' if issue == 'graph' else 'device steps'}: "
@@ -132,7 +134,7 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
     trace = Trace(graph, "real", spans, note=note)
     return RunResult(trace, interp.last_logits, tokens, peak, host, tuple(interp.moved), step_logits,
                      disk_bytes=disk_bytes, disk=disk_stats, lossy_error=interp.lossy_error, h2d_codec=codec_stats,
-                     sparse_paths=sparse_paths, **extra)
+                     sparse_paths=sparse_paths, dequant_paths=dequant_paths, **extra)
 
 
 def _prefill_then_replay(graph: Graph, interp: ReplayInterpreter, lanes: Lanes, tokens: torch.Tensor,

@@ -439,5 +439,6 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
                      measured.digest, str(dev), attention, "random weights" if random_weights else str(model),
                      warnings, {"mode": res.decode_issue, "graphs": res.graphs, "capture_s": res.capture_s,
                                 "fuse": fuse, "fused": res.fused, "compile_s": res.compile_s,
-                                "fuse_note": res.fuse_note, "sparse": res.sparse_paths},
+                                "fuse_note": res.fuse_note, "sparse": res.sparse_paths,
+                                "dequant": res.dequant_paths},
                      res.disk, found, res.lossy_error, choice.describe() if choice else None)

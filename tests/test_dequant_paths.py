@@ -1,13 +1,96 @@
-"""The compiled dequantise of executor/qstore.py (LOSSY `--lossy int4|int8`, with `--sparse F`
-too) moves only the records it decodes and the slot rows they fill. One GPU test."""
+"""The dequantise's paths (executor/qstore.py, LOSSY `--lossy int4|int8`, with `--sparse F` too):
+which calls ran compiled (over the whole byte slot, or over the sparse window of selected records)
+and which eagerly, and why (`QuantHomes.paths`, `run --json` decode_issue.dequant); and that the
+compiled decode moves only the records it decodes and the slot rows they fill. Tiny random models
+built here (no task accuracy); two GPU tests."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kvpipe.executor.adapter import HFAdapter
+from kvpipe.executor.kvstore import KVLayout, KVStore
 from kvpipe.executor.qstore import BlockCodec, fused_decode
+from kvpipe.executor.runner import execute
+from kvpipe.pipeline.builder import build
+from kvpipe.pipeline.lossy import LossySpec
+from kvpipe.pipeline.stage import Phase
+from kvpipe.pipeline.workload import Workload
+from sparse_runs import CUDA_TINY, plan_of
 
 G = 16   # int4 group of these tests: divides the sketch chunk 64
+SPARSE_INT4 = LossySpec("int4", group=G, sparse=0.2, sink=4, recent=32)
+
+
+def _expected(graph, spec: LossySpec) -> dict:
+    """Dequantise calls per kind that `graph` makes: prefill fetches decode every full block of
+    their prefix (`full`), sparse decode steps the selected blocks (`window`); none without a block."""
+    got = {"full": 0, "window": 0, "empty": 0}
+    for s in graph.stages:
+        if s.tag != "dequant":
+            continue
+        P = s.tokens[1]
+        sparse = s.phase is Phase.DECODE and spec.sparse is not None
+        blocks = spec.fetched_blocks(P) if sparse else P // spec.group
+        got["empty" if blocks == 0 else "window" if sparse else "full"] += 1
+    return got
+
+
+def _run(model, spec, decode=3, device="cpu"):
+    mspec = HFAdapter(model).spec()
+    graph = build(mspec, Workload(300, decode), plan_of(spec))
+    ids = torch.randint(0, mspec.vocab, (1, 300), generator=torch.Generator().manual_seed(0))
+    return graph, execute(graph, model, ids.to(device)).dequant_paths
+
+
+def test_a_cpu_sparse_int4_run_counts_every_dequantise_eager_because_not_cuda(tiny_model):
+    """Faults: a dequantise call left uncounted or counted twice (the counts must equal the graph's
+    dequant stages), a CPU call reported as compiled, an eager call without its reason (here "not
+    CUDA"), and the window size or the largest selection misreported against the plan's
+    (LossySpec.max_fetched_blocks, fetched_blocks)."""
+    model = tiny_model("llama", kv_heads=2, q_heads=8, head_dim=16, layers=2)
+    graph, paths = _run(model, SPARSE_INT4)
+    want = _expected(graph, SPARSE_INT4)
+    calls = want["full"] + want["window"]
+    assert calls and want["window"]
+    assert {k: paths[k] for k in ("full", "window", "eager", "empty")} == \
+        {"full": 0, "window": 0, "eager": calls, "empty": want["empty"]}
+    assert paths["eager_why"] == {"not CUDA": calls}
+    cap = graph.workload.kv_capacity
+    assert paths["window_blocks"] == min(cap // G, SPARSE_INT4.max_fetched_blocks(cap))
+    steps = [s.tokens[1] for s in graph.stages if s.tag == "dequant" and s.phase is Phase.DECODE]
+    assert paths["max_selected_blocks"] == max(SPARSE_INT4.fetched_blocks(P) for P in steps)
+    assert paths["stage_compiles"] == paths["stage_compile_failures"] == paths["open_compiles"] == 0
+
+
+def _store(spec: LossySpec, tiny_model, context: int = 2000):
+    model = tiny_model("llama", kv_heads=2, q_heads=8, head_dim=16, layers=2)
+    graph = build(HFAdapter(model).spec(), Workload(context, 1), plan_of(spec))
+    return KVStore(KVLayout.of(graph), "cpu", torch.float32)
+
+
+def test_more_selected_blocks_than_the_window_are_counted_eager_with_that_reason(tiny_model):
+    """Faults: a sparse dequantise of more records than the compiled window (the bound
+    LossySpec.max_fetched_blocks broken) passing unseen, or reported under another reason (it
+    must name the window, ahead of "not CUDA"), and the eager decode past the window decoding other
+    bits than the codec's own decode of those records."""
+    with _store(SPARSE_INT4, tiny_model) as store:
+        q = store.q
+        n = q.sel_blocks + 1
+        assert n <= q.blocks
+        gen = torch.Generator().manual_seed(5)
+        kv = torch.randn(q.s.layout.slot_heads * n, G, 2, 16, generator=gen)
+        q.qslots[0][0, :, :n * q.rec] = q.codec.encode(kv).view(q.s.layout.slot_heads, n * q.rec)
+        q.decode_selected(0, (0, 1), 0, 0, n, n * G)
+        q.decode_selected(0, (0, 1), 0, 0, q.sel_blocks, q.sel_blocks * G)
+        paths = q.paths()
+        ref = torch.empty(2, n, G, 2, 16)
+        q.codec.decode(q.qslots[0][0, :, :n * q.rec].reshape(2, n, q.rec), ref)
+        got = store.slots[0][0, :, :n * G].reshape(ref.shape)
+    assert paths["eager"] == 2 and paths["window"] == 0
+    assert paths["eager_why"] == {f"more selected blocks than the window ({n - 1})": 1, "not CUDA": 1}
+    assert paths["max_selected_blocks"] == n
+    assert torch.equal(got, ref)
 
 
 def test_the_compiled_decode_reads_and_writes_only_the_window_not_the_whole_slot():
@@ -38,6 +121,21 @@ def test_the_compiled_decode_reads_and_writes_only_the_window_not_the_whole_slot
     assert torch.equal(slot[:, j0:j1, :sel * G].reshape(ref.shape).view(torch.int16), ref.view(torch.int16))
     assert bool(slot[:, j0:j1, sel * G:].isnan().all()) and bool(slot[:, :j0].isnan().all()) \
         and bool(slot[:, j1:].isnan().all())
+
+
+@pytest.mark.gpu
+def test_a_cuda_sparse_int4_run_dequantises_every_decode_step_by_the_compiled_window(tiny_model):
+    """Faults, on a GPU: a sparse decode's dequantise falling to the eager passes (the window test
+    failing, the compiled path off for bf16 on CUDA), the prefill's not taking the compiled full
+    slot, and a compile (or a failed one, then eager) inside a timed dequant stage instead of in
+    the store's open."""
+    model = tiny_model("llama", **CUDA_TINY)
+    graph, paths = _run(model, SPARSE_INT4, decode=4, device="cuda")
+    want = _expected(graph, SPARSE_INT4)
+    assert want["window"] and want["full"]
+    assert {k: paths[k] for k in ("full", "window", "eager", "empty")} == {**want, "eager": 0}
+    assert paths["eager_why"] == {} and paths["max_selected_blocks"] <= paths["window_blocks"]
+    assert paths["stage_compiles"] == paths["stage_compile_failures"] == 0
 
 
 @pytest.mark.gpu

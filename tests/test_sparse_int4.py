@@ -272,14 +272,20 @@ def _cfg(tmp_path):
 def test_cli_run_and_plan_label_both_lossy_options(tmp_path, capsys):
     # Faults caught: a combined run or plan whose `lossy` object or first line names only one of the
     # two lossy options, a run that quietly fetches whole prefixes (its probe's fetched tokens must
-    # be the plan's count), and a plan that charges the fetch as exact or unselected bytes.
+    # be the plan's count), a plan that charges the fetch as exact or unselected bytes, and a run
+    # whose JSON does not say which path its dequantise calls took (decode_issue.dequant: on the
+    # CPU every call eager, "not CUDA"; tests/test_dequant_paths.py checks the counts).
     from kvpipe.cli import main
     model = _cfg(tmp_path)
     args = ["run", "--model", model, "--random-weights", "--context", "700", "--chunk", "128",
             "--decode-tokens", "2", "--device", "cpu", "--no-progress", "--resident", "none",
             "--sparse", "0.2", "--lossy", "int4"]
     assert main(args + ["--json"]) == 0
-    lossy = json.loads(capsys.readouterr().out)["lossy"]
+    out = json.loads(capsys.readouterr().out)
+    deq = out["decode_issue"]["dequant"]
+    assert deq["eager"] > 0 and deq["full"] == deq["window"] == 0 and deq["eager_why"] == {"not CUDA": deq["eager"]}
+    assert 0 < deq["max_selected_blocks"] <= deq["window_blocks"]
+    lossy = out["lossy"]
     assert lossy["sparse"] == 0.2 and lossy["quant"] == "int4" and lossy["group"] == 32 and lossy["sketch"] == 2
     err = lossy["measured_error"]
     spec = LossySpec("int4", sparse=0.2)
