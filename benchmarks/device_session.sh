@@ -3,7 +3,7 @@
 # simpy, crc32c, zstandard), then run the named steps, each under its own time limit, logs and
 # JSON under $OUT. Runs from /tmp so the checkout's kvpipe/ folder cannot shadow the install.
 #   bash benchmarks/device_session.sh STEP[:SECONDS] ...
-# Steps: gputests calibrate hfcache32 hfcache hfeager tiers regrows(ROWS env) regimes diag(DIAG_ROWS env) codeclink fuse lossyrun simcheck(SIMCHECK_ARGS env, e.g. "--warm-row 4k-g1-all-c2k") t1m t1mpoll regret(REGRET_ARGS env, e.g. "--part 1/2 --budget-s 420"; REGRET_TAG names the JSON) (SKIP_INSTALL=1: reuse the install of a warm machine)
+# Steps: gputests calibrate hfcache32 hfcache hfeager tiers regrows(ROWS env) regimes diag(DIAG_ROWS env) codeclink fuse lossyrun simcheck(SIMCHECK_ARGS env, e.g. "--warm-row 4k-g1-all-c2k") t1m t1mpoll regret(REGRET_ARGS env, e.g. "--part 1/2 --budget-s 420"; REGRET_TAG names the JSON) dequant si4trace lossy128 lossy512 gpunew (SKIP_INSTALL=1: reuse the install of a warm machine)
 set -u
 R=$(pwd)
 OUT=${OUT:-$R/benchmarks/results}
@@ -48,6 +48,18 @@ for spec in "$@"; do
     regret) timeout "$lim" python3 -m benchmarks.planner_regret --plans "$R/benchmarks/results/planner-regret-plans.json" ${REGRET_ARGS:-} --out "$OUT/planner-regret${REGRET_TAG:+-$REGRET_TAG}.json" 2>&1 | grep -v "Warning\|kvpipe: executing" | tail -72 ;;
     t1m) python3 -m benchmarks.tiers 1m --kv-dir /tmp --dir /tmp/kvpipe-1m 2>&1 | tail -4; poll1m "$lim" ;;
     t1mpoll) poll1m "$lim" ;;
+    dequant) timeout "$lim" python3 -m benchmarks.dequant_window --out "$OUT/dequant-window.json" 2>&1 | tail -14 ;;
+    si4trace) timeout "$lim" python3 -m kvpipe run --model llama-3-8b --random-weights --context 128K --decode-tokens 4 \
+                --gpu-mem 24GB --group 8 --resident none --hw h200-testbox --sparse 0.2 --lossy int4 \
+                --trace "$OUT/sparse-int4-trace.json" --json > "$OUT/sparse-int4-run.json" 2> "$OUT/sparse-int4-run.log"
+              tail -3 "$OUT/sparse-int4-run.log"; gzip -f "$OUT/sparse-int4-trace.json" ;;
+    lossy128) timeout "$lim" python3 -m benchmarks.lossy_run --context 128K --decode-tokens 6 --gpu-mem 24GB --group 8 --resident none \
+                --hw h200-testbox --device cuda --sparse 0.2 --variants exact int8 int4 sparse-int4 --out "$OUT/lossy-run-128k.json" 2>&1 | grep -v Warning | tail -8 ;;
+    lossy512) timeout "$lim" python3 -m benchmarks.lossy_run --context 512K --decode-tokens 4 --gpu-mem 24GB --group auto --resident none \
+                --hw h200-testbox --device cuda --sparse 0.2 --variants exact int4 sparse-int4 --out "$OUT/lossy-run-512k.json" 2>&1 | grep -v Warning | tail -8 ;;
+    gpunew) timeout "$lim" python3 -m pytest -v -m gpu -p no:cacheprovider --rootdir "$R" "$R/tests/test_dequant_paths.py" \
+                "$R/tests/test_pinned.py" "$R/tests/test_replay.py" "$R/tests/test_kvstore.py" "$R/tests/test_measure.py" \
+                "$R/tests/test_lossy_store.py" "$R/tests/test_sparse_int4.py" > "$OUT/gpu-tests-new.log" 2>&1; tail -4 "$OUT/gpu-tests-new.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done
