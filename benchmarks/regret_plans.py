@@ -4,7 +4,8 @@ prediction. No torch: `python -m benchmarks.planner_regret --estimate` lists the
 
 How the others are chosen (issue 10 §4 wants real contenders, not strawmen): each moves ONE
 dimension of the pick to its neighbours in the planner's space (prefill chunk /4, /2, x2; every
-other head-group size; no or half the resident units; a deeper transfer ring; decode replay off),
+other head-group size; no or half the resident units; a deeper transfer ring; decode replay off,
+or on where the planner chose it off),
 so the pick loses to one of them exactly where the simulator misjudges that dimension; beside
 them two fixed plans of another structure: the former rule (HeadInfer's setting: group 1, no
 resident units, 4K chunks) and layer-like groups (group 8, chunk 16K, as many resident units as
@@ -27,8 +28,9 @@ MIN_CHUNK, MAX_CHUNK = 1024, 32768   # the planner's chunk range (sim/planner.py
 
 @dataclass(frozen=True)
 class Candidate:
-    """One row to measure: `replay` "auto" (as `kvpipe run`) or "off"; `rank` 0 the pick, 1.. the
-    runners-up, then the others in order of predicted objective (the strongest first)."""
+    """One row to measure: `replay` "auto" (as `kvpipe run` without --replay: decode as the plan's
+    replay choice says) or "off"; `rank` 0 the pick, 1.. the runners-up, then the others in order
+    of predicted objective (the strongest first)."""
 
     label: str
     plan: Plan
@@ -39,15 +41,16 @@ class Candidate:
 
     def key(self) -> tuple:
         p = self.plan
-        return (p.prefill, p.decode, p.resident, p.disk, self.replay)
+        return (p.prefill, p.decode, p.resident, p.disk, self.replay, p.replay)
 
 
 def predicted(spec: ModelSpec, work: Workload, plan: Plan, hw, replay: str, pred=None) -> dict:
     """The simulator's figures for `plan`, decode replayed as `kvpipe run --replay auto` would
-    (`replay` "off": issued stage by stage), and fused where replayed (`--fuse auto`, run's default)."""
+    (the plan's replay choice where it has one; `replay` "off": issued stage by stage), and fused
+    where replayed (`--fuse auto`, run's default)."""
     from kvpipe.sim.simulate import replays_decode, simulate
-    replayed = (replay != "off" and replays_decode(spec, work) and not plan.disk
-                and plan.decode.codec("h2d") == "none")
+    replayed = (replay != "off" and plan.replay is not False and replays_decode(spec, work)
+                and plan.replay_blocker is None)
     rep = (pred or simulate(spec, work, plan, hw, replay=replayed, fuse=replayed)).report
     t = rep.timing
     return {"prefill_s": t.prefill_s, "ttft_s": t.ttft_s, "decode_s_per_token": t.decode_s_per_token,
@@ -80,7 +83,11 @@ def variants(spec: ModelSpec, work: Workload, pick: Plan) -> list[tuple[str, Pla
                     "one knob of the pick: resident units"))
     if off:
         out.append(("depth 3", _with(pick, depth=3), "auto", "one knob of the pick: transfer ring depth"))
-    out.append(("replay off", pick, "off", "the pick with decode steps issued stage by stage"))
+    if pick.replay is False:   # the planner chose eager decode: its neighbour is replayed
+        out.append(("replay on", pick.with_(replay=True), "auto", "the pick with decode steps replayed as CUDA graphs"))
+    else:
+        out.append(("replay off", pick.with_(replay=False if pick.replay else None), "off",
+                    "the pick with decode steps issued stage by stage"))
     rule = Plan(Method.HEADWISE, PhasePlan(1, min(4096, work.context), 2), PhasePlan(1, 1, 2), 0, 0,
                 "regret: the former rule (HeadInfer's setting)")
     out.append(("rule g1 none 4K", rule, "auto", "another structure: the former rule"))
@@ -111,11 +118,13 @@ def candidates(spec: ModelSpec, work: Workload, hw, budgets: dict, objective: st
     repeats."""
     from kvpipe.sim.planner import search
     found = search(spec, work, hw, budgets, objective=objective)
-    rows = [Candidate("planner pick", found.best.plan, "auto",
+    # `kvpipe run` executes a plan's replay choice; Bench.row takes it as its replay argument
+    mode = lambda plan, replay="auto": "off" if plan.replay is False else replay
+    rows = [Candidate("planner pick", found.best.plan, mode(found.best.plan),
                       predicted(spec, work, found.best.plan, hw, "auto", found.best.prediction), 0, "the planner")]
     for i, alt in enumerate(found.alternatives, 1):
-        rows.append(Candidate(f"runner-up {i}", alt.plan, "auto", predicted(spec, work, alt.plan, hw, "auto",
-                                                                           alt.prediction), i, "the planner"))
+        rows.append(Candidate(f"runner-up {i}", alt.plan, mode(alt.plan), predicted(spec, work, alt.plan, hw, "auto",
+                                                                                   alt.prediction), i, "the planner"))
     others = variants(spec, work, found.best.plan)
     lay = layerlike(spec, work, hw, budgets, objective)
     if lay is not None:
@@ -124,7 +133,7 @@ def candidates(spec: ModelSpec, work: Workload, hw, budgets: dict, objective: st
     seen = {c.key() for c in rows}
     extra = []
     for label, plan, replay, how in others:
-        cand = Candidate(label, plan, replay, {}, 0, how)
+        cand = Candidate(label, plan, mode(plan, replay), {}, 0, how)
         if cand.key() in seen or not fits(spec, work, plan, budgets):
             continue
         seen.add(cand.key())

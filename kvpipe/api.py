@@ -21,8 +21,8 @@ from kvpipe.pipeline.report import Report
 from kvpipe.pipeline.units import fmt_bytes, fmt_tokens
 from kvpipe.pipeline.workload import Workload
 
-from .inputs import (Knob, PlanArg, apply_tiers, budget, check_weights, codec_args, free_disk, method_of,
-                     output_path, planner_pins, resolve_plan, write_output)
+from .inputs import (Knob, PlanArg, apply_replay, apply_tiers, budget, check_weights, codec_args, free_disk,
+                     method_of, output_path, planner_pins, replay_pin, resolve_plan, write_output)
 from .results import PlanResult, Predicted, RunResult
 
 log = logging.getLogger("kvpipe")
@@ -51,17 +51,19 @@ def default_alloc_conf(environ=None) -> bool:
 
 def _predict(model, work, plan: Plan, hw, budgets, full: bool = False, max_context: int | None = None,
              replay: bool | None = None, pred=None, fuse: str = "auto") -> Predicted:
-    """`replay`: decode steps as CUDA-graph replays; None: as `run --replay auto` would on a GPU.
-    `fuse`: the fuse setting (auto|on|off; `on` refused where decode is not replayed).
-    `pred`: a prediction already simulated for this plan (the planner's)."""
+    """`replay`: decode steps as CUDA-graph replays; None: the plan's replay choice, else as
+    `run --replay auto` would on a GPU. `fuse`: the fuse setting (auto|on|off; `on` refused where
+    decode is not replayed). `pred`: a prediction already simulated for this plan (the planner's)."""
     from kvpipe.pipeline.fusion import decode_fused, refuse_unfusable
     from kvpipe.pipeline.memory import breakdown
     from kvpipe.pipeline.report import budget_problems
     from kvpipe.sim.simulate import replays_decode, simulate
     plan.check(model, work)
     problems = tuple(budget_problems(breakdown(model, work, plan), budgets))
-    if replay is None:   # disk units run eagerly (their reads cannot sit in a CUDA graph)
-        replay = replays_decode(model, work) and not plan.disk and plan.decode.codec("h2d") == "none"
+    if replay is None and plan.replay is not None:
+        replay = plan.replay
+    if replay is None:   # disk units, lossy KV and an h2d codec run eagerly (no CUDA graph holds them)
+        replay = replays_decode(model, work) and plan.replay_blocker is None
     refuse_unfusable(fuse, replay)
     pred = pred or simulate(model, work, plan, hw, full=full, replay=replay, fuse=decode_fused(fuse, replay))
     return Predicted(plan, problems, pred.report, pred.trace, max_context, pred.fused, pred.compile_s)
@@ -74,23 +76,25 @@ def _searches(method, plan: PlanArg) -> bool:
 
 
 def _choose(spec, work, profile, budgets, method, group, chunk, resident, plan, objective, full=False,
-            disk=None, codec=(), h2d_codecs=True, fuse: str = "auto"):
+            disk=None, codec=(), h2d_codecs=True, fuse: str = "auto", replay: bool | None = None):
     """(the plan's prediction, the planner's result or None). --disk/--codec are not dimensions of
-    the search yet: given, they apply over the planner's plan, which is then simulated again."""
+    the search yet: given, they apply over the planner's plan, which is then simulated again.
+    `replay`: the replay pin (--replay on/off; None: the planner decides, a rule's plan runs as
+    `run --replay auto` would, a plan file's as it says)."""
     from .inputs import _is_auto
     if _searches(method, plan):
         from kvpipe.sim.planner import search
-        found = search(spec, work, profile, budgets, planner_pins(spec, group, chunk, resident), objective,
+        found = search(spec, work, profile, budgets, planner_pins(spec, group, chunk, resident, replay), objective,
                        full=full, h2d_codecs=h2d_codecs and not any(str(c).startswith("h2d=")
                                                                     for c in codec_args(codec)),
                        fuse=fuse)
         if _is_auto(disk) and not codec:
             return _predict(spec, work, found.best.plan, profile, budgets, pred=found.best.prediction,
                             fuse=fuse), found
-        chosen = _tiers(spec, work, found.best.plan, profile, disk, codec)
+        chosen = apply_replay(spec, work, _tiers(spec, work, found.best.plan, profile, disk, codec), replay)
         return _predict(spec, work, chosen, profile, budgets, full=full, fuse=fuse), found
     chosen = resolve_plan(spec, work, budgets, method, group, chunk, resident, plan)
-    chosen = _tiers(spec, work, chosen, profile, disk, codec)
+    chosen = apply_replay(spec, work, _tiers(spec, work, chosen, profile, disk, codec), replay)
     return _predict(spec, work, chosen, profile, budgets, full=full, fuse=fuse), None
 
 
@@ -197,7 +201,7 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
          disk: Knob = None, kv_dir: Path_ = None, codec: str | list[str] = (),
          lossy: str | None = None, sparse: float | None = None,
          objective: str = "total", out: Path_ = None, max_context: bool = False,
-         max_error: float | None = None, fuse: str | None = None) -> PlanResult:
+         max_error: float | None = None, fuse: str | None = None, replay: str = "auto") -> PlanResult:
     """Predict latency and memory of `model` on hardware profile `hw` (no GPU, no torch).
     Budgets default to the profile's. Head-wise plans come from the planner (sim/planner.py),
     which minimises `objective` (total, ttft or decode); `group`/`chunk`/`resident` other than
@@ -211,6 +215,9 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
     without it, never lossy.
     `fuse` auto|on|off (None: KVPIPE_FUSE, else auto; pipeline/fusion.py): replayed decode steps
     with fused elementwise work, its one-time compile reported beside the total.
+    `replay` auto|on|off: decode steps as CUDA-graph replays; auto lets the planner score both
+    where decode can be replayed (its choice is the plan's `replay`), on/off pin it (on refused
+    where decode cannot be replayed: disk units, lossy KV, an h2d codec, fp32, batch > 1).
     `max_context` answers the largest context that fits, with its plan;
     `out` writes the plan for `run(plan=...)`. `trace`/`plot` paths are checked first and written
     last. ValueError names the argument for bad input."""
@@ -220,6 +227,10 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
     out_path = output_path(out, "out")   # a .json in an existing folder
     _check_max_error(max_error, lossy, sparse)
     fuse = fuse_mode(fuse)
+    pin = replay_pin(replay)
+    if pin and (lossy is not None or sparse is not None):
+        raise ValueError("replay: decode replay cannot run lossy KV (--lossy/--sparse run eagerly); "
+                         "use --replay off or auto")
     spec = load_model(model)
     profile = load_profile(hw)
     work = Workload.parse(context, decode_tokens, batch)
@@ -235,12 +246,12 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
         work = Workload(largest, work.decode_tokens, work.batch)
     warnings = _warnings(spec, work)
     main, found = _choose(spec, work, profile, budgets, method, group, chunk, resident, plan, objective, full_sim,
-                          disk, codec, h2d_codecs=lossy is None and sparse is None, fuse=fuse)
+                          disk, codec, h2d_codecs=lossy is None and sparse is None, fuse=fuse, replay=pin)
     warnings += _room_warning(spec, work, main, budgets, chunk)
     chosen = main.plan
     if lossy is not None or sparse is not None:   # explicit opt-in only, over the exact plan
         rechoose = (lambda b: _choose(spec, work, profile, b, method, group, chunk, resident, plan, objective,
-                                      full_sim, disk, codec, h2d_codecs=False, fuse=fuse)) \
+                                      full_sim, disk, codec, h2d_codecs=False, fuse=fuse, replay=pin)) \
             if _searches(method, plan) else None
         chosen, again = _lossy_plan(spec, work, budgets, main, lossy, sparse, rechoose)
         found = again or found
@@ -254,7 +265,8 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
         def predict(p: Plan) -> Predicted:   # a candidate that cannot fuse is predicted unfused, not refused
             return exact if p is chosen else _predict(spec, work, p, profile, budgets, full=full_sim,
                                                       replay=_lossy_replay(p), fuse="auto" if fuse == "on" else fuse)
-        main, choice = choose_lossy(chosen, max_error, objective, predict)
+        main, choice = choose_lossy(chosen, max_error, objective, predict,
+                                    refuse="not with --replay on (lossy stages run eagerly)" if pin else None)
         chosen = main.plan
     methods = None
     if compare:
@@ -265,7 +277,7 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
                 pred = main
             else:
                 pred, _ = _choose(spec, work, profile, budgets, m, None, None, None, None, objective, full_sim,
-                                  fuse=fuse)
+                                  fuse=fuse, replay=False if pin is False else None)   # on: where they can
             ctx = (_max_context(spec, work, budgets, method, group, chunk, resident, plan) if m is chosen.method
                    else _max_context(spec, work, budgets, m))
             methods[m.value] = Predicted(pred.plan, pred.problems, pred.report, pred.trace, ctx)
@@ -299,6 +311,15 @@ def _lossy_replay(plan: Plan) -> bool | None:
     return False if plan.lossy is not None else None
 
 
+def executor_replay(flag: str, plan: Plan) -> str:
+    """The executor's `replay` argument for `run --replay FLAG` over `plan`: a flag other than
+    auto as given (a plan that disagrees was refused before); auto: the plan's replay choice (on /
+    off), or auto where it has none (replayed where this device, dtype and batch allow)."""
+    if flag != "auto" or plan.replay is None:
+        return flag
+    return "on" if plan.replay else "off"
+
+
 def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | None = None,
         decode_tokens: int = DEFAULT_DECODE_TOKENS, batch: int = 1, gpu_mem: str | int | None = None,
         host_mem: str | int | None = None, disk_mem: str | int | None = None, method: str | None = None,
@@ -321,7 +342,10 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
     units yet). `max_error` as
     for `plan`. `fuse` auto|on|off (None: KVPIPE_FUSE, else auto): replayed decode steps with fused
     elementwise work where it can run; a compile that fails under auto runs unfused with one
-    warning; `on` is refused where decode is not replayed."""
+    warning; `on` is refused where decode is not replayed. `replay` auto|on|off: auto runs decode
+    as the plan's replay choice says (the planner scores replayed and eager decode where this run
+    can replay; None: replayed on CUDA with bf16/fp16, batch 1), on/off pin it; a plan file's
+    replay true is refused where this run cannot replay."""
     trace_path, plot_path = output_path(trace, "trace"), output_path(plot, "plot")
     _check_max_error(max_error, lossy, sparse)
     loaded = sys.modules.get("torch")
@@ -362,6 +386,14 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
     if plan is not None:   # read once
         from .inputs import read_plan
         plan = read_plan(plan, spec)
+        if plan.replay and replay == "auto" and issue == "eager" and work.decode_tokens:
+            from kvpipe.executor.replay import replay_supported
+            why = replay_supported(dev, session.TORCH_DTYPES[spec.dtype], work.batch, spec.head_dim)
+            raise ValueError(f"plan.replay: true, but decode replay {why} ({dev}); set it to false or null "
+                             "in the plan file, or give --replay off")
+    # The search scores what this run can execute: both where it replays decode (--replay auto on
+    # CUDA), else the pin (on; off, or a device or dtype that cannot replay: eager).
+    pin = True if replay == "on" else None if replay == "auto" and issue == "graph" else False
     from kvpipe.executor.nvcomp_codec import check_available
     from kvpipe.pipeline.codecs import parse_codec
     for link, name in (parse_codec(c) for c in codec_args(codec)):
@@ -375,14 +407,17 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
     except ValueError:
         runnable = False
     first, found = _choose(spec, work, profile, budgets, method, group, chunk, resident, plan, objective,
-                           disk=disk, codec=codec, h2d_codecs=runnable, fuse=fuse)
+                           disk=disk, codec=codec, h2d_codecs=runnable, fuse=fuse, replay=pin)
     chosen = first.plan
     if lossy is not None or sparse is not None:   # LOSSY, explicit opt-in only, over the exact plan
         rechoose = (lambda b: _choose(spec, work, profile, b, method, group, chunk, resident, plan, objective,
-                                      disk=disk, codec=codec, h2d_codecs=False, fuse=fuse)) \
+                                      disk=disk, codec=codec, h2d_codecs=False, fuse=fuse, replay=pin)) \
             if _searches(method, plan) else None
         chosen, again = _lossy_plan(spec, work, budgets, first, lossy, sparse, rechoose)
         found = again or found
+    mode = executor_replay(replay, chosen)   # what the executor is told
+    if mode != replay:
+        issue = resolve_mode(mode, dev, session.TORCH_DTYPES[spec.dtype], work.batch, spec.head_dim)
     sp = chosen.lossy
     if sp is not None and sp.sparse is not None and (chosen.disk or sp.sketch is None
                                                      or chosen.decode.codec("h2d") != "none"):
@@ -406,7 +441,8 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
         if replay != "auto":
             raise ValueError("replay: decode replay cannot run disk units, lossy KV or an h2d codec; "
                              "use --replay off or auto")
-        issue, replay = "eager", "off"
+        issue, mode = "eager", "off"
+    refuse_unfusable(fuse, issue != "eager")   # `on` over a plan whose decode is eager (its replay false)
     replayed = issue == "graph" and work.decode_tokens > 0
     predicted = _predict(spec, work, chosen, profile, budgets, replay=replayed, fuse=fuse)
     if predicted.problems:   # refused before anything is allocated
@@ -419,7 +455,7 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
     hf = session.load_hf_model(model, random_weights, dev, session.TORCH_DTYPES[spec.dtype], seed)
     ids = session.prompt_tensor(prompt, work.batch, work.context, spec.vocab, seed)
     measured = session.run_graph(graph, hf, ids, dev, budgets["gpu"], progress=progress, warmup=warmup,
-                                 replay=replay, kv_dir=None if kv_dir is None else str(kv_dir), fuse=fuse)
+                                 replay=mode, kv_dir=None if kv_dir is None else str(kv_dir), fuse=fuse)
     res, real = measured.result, measured.result.trace
     if res.fuse_note:   # auto ran unfused (e.g. a failed compile): one line, and predict what ran
         log.warning(res.fuse_note)

@@ -97,6 +97,10 @@ def add_workload_flags(p: argparse.ArgumentParser, *, context: str | None, hw: s
                    help="fused decode: the elementwise work of replayed decode steps compiled by torch.compile "
                         "(auto: where it runs, CUDA + Triton; on: refused where it cannot; off: HF's modules). "
                         "Default: KVPIPE_FUSE if set, else auto")
+    p.add_argument("--replay", type=str.lower, choices=["auto", "on", "off"], default="auto",
+                   help="decode steps as CUDA-graph replays (on) or issued stage by stage (off); auto: the planner "
+                        "scores both where decode can be replayed (bf16/fp16, batch 1, no disk units, lossy KV or "
+                        "h2d codec) and the plan says which; run executes the plan's choice, else replays on CUDA")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--trace", metavar="FILE.json", help="write the Chrome/Perfetto trace")
     p.add_argument("--plot", metavar="FILE.png", help="draw the timeline (needs kvpipe[plot]); .png, .pdf, .svg ...")
@@ -133,7 +137,6 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0, help="seed of the random prompt and weights")
     r.add_argument("--prompt-file", help="whitespace-separated token ids, or text with a model tokenizer")
     r.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    r.add_argument("--replay", choices=["auto", "on", "off"], default="auto", help="decode steps as CUDA-graph replays (auto: on CUDA with bf16/fp16, batch 1)")
     r.add_argument("--lossy", choices=["int8", "int4"],
                    help="LOSSY opt-in: store, move and read back the offloaded KV quantised")
     r.add_argument("--sparse", type=float, metavar="F", help="LOSSY opt-in: each decode step fetches a fraction F of the offloaded tokens, chosen "

@@ -16,6 +16,7 @@ from kvpipe.pipeline.workload import Workload
 Knob = str | int | None        # None or "auto": the rule decides
 PlanArg = str | os.PathLike | dict | Plan | None
 RESIDENT_NAMES = ("auto", "all", "none", "max")
+REPLAY_FLAGS = ("auto", "on", "off")   # --replay of plan and run (run's API also takes "issue", a test mode)
 JSON_OUTPUTS = {"trace": "Chrome trace-event JSON", "out": "the plan `kvpipe run --plan` reads"}   # flag -> format
 
 
@@ -116,14 +117,44 @@ def resolve_plan(model: ModelSpec, work: Workload, budgets: dict[str, int], meth
     return spill_to_disk(model, work, out, budgets["host"]) if out.resident < model.units else out.with_(disk=0)
 
 
-def planner_pins(model: ModelSpec, group: Knob = None, chunk: Knob = None, resident: Knob = None):
+def planner_pins(model: ModelSpec, group: Knob = None, chunk: Knob = None, resident: Knob = None,
+                 replay: bool | None = None):
     """The knobs the user gave as the planner's pins (None: the search decides; `max` is what the
-    search does anyway)."""
+    search does anyway); `replay` as `replay_pin` returns it."""
     from kvpipe.sim.planner import Pins
     g = None if _is_auto(group) else _positive(group, "group")
     c = None if _is_auto(chunk) else _positive(chunk, "chunk", lambda t: parse_tokens(t, "chunk"))
     r = None if _is_auto(resident) else _resident(resident, model)
-    return Pins(group=g, chunk=c, resident=None if r == "max" else r)
+    return Pins(group=g, chunk=c, resident=None if r == "max" else r, replay=replay)
+
+
+def replay_pin(value: str | None) -> bool | None:
+    """--replay as the replay pin: on True, off False, auto (or None) None: the plan decides."""
+    name = "auto" if value is None else str(value).strip().lower()
+    if name not in REPLAY_FLAGS:
+        raise ValueError(f"replay: expected one of {', '.join(REPLAY_FLAGS)}, got {value!r}")
+    return {"auto": None, "on": True, "off": False}[name]
+
+
+def apply_replay(model: ModelSpec, work: Workload, plan: Plan, pin: bool | None, flag: str = "--replay") -> Plan:
+    """The replay pin over a plan the search did not choose (a rule's, a plan file's, or one the
+    user's --disk/--codec changed): refused where `plan` says otherwise (its own replay choice)
+    or cannot replay (on); off leaves plans that cannot replay at None (they run eagerly). A plan
+    (file) whose replay true no GPU could run for this model and workload is refused, naming it."""
+    from kvpipe.sim.simulate import replays_decode
+    why = plan.replay_blocker or (None if replays_decode(model, work) or not work.decode_tokens else
+                                  "decode replay needs bf16/fp16, batch 1 and a head dim that is a multiple of 8 "
+                                  f"up to 256 ({model.name}: {model.dtype}, head dim {model.head_dim}; batch {work.batch})")
+    if pin is None:
+        if plan.replay and why:
+            raise ValueError(f"plan.replay: true, but {why}; set it to false or null")
+        return plan
+    if plan.replay is not None and plan.replay is not pin:
+        raise ValueError(f"replay: {flag} {'on' if pin else 'off'} disagrees with the plan's replay "
+                         f"{str(plan.replay).lower()}; drop {flag} or edit the plan file")
+    if pin and why:
+        raise ValueError(f"replay: on, but {why}; use {flag} off or auto")
+    return plan.with_(replay=pin if why is None and work.decode_tokens else None)
 
 
 def codec_args(codec) -> list:

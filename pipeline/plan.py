@@ -1,5 +1,6 @@
-"""A plan: how the KV cache is split by head between GPU, pinned host RAM and disk, and how each
-phase streams it (head-group size, chunk, buffer depth, codec per link)."""
+"""A plan: how the KV cache is split by head between GPU, pinned host RAM and disk, how each
+phase streams it (head-group size, chunk, buffer depth, codec per link), and whether decode steps
+are replayed as CUDA graphs."""
 from __future__ import annotations
 
 import enum
@@ -10,7 +11,8 @@ from .lossy import LossySpec
 from .model import ModelSpec
 from .workload import Workload
 
-PLAN_SCHEMA = 2   # version of Plan.to_json's layout; 1 had no `schema` and no `model` field
+PLAN_SCHEMA = 3   # version of Plan.to_json's layout; 1 had no `schema` and no `model` field, 2 no `replay`
+READ_SCHEMAS = (2, PLAN_SCHEMA)   # layouts Plan.from_json reads (a schema 2 file's replay is None)
 CODECS = tuple(REGISTRY)  # lossless codecs first; lossy ones are added as explicit opt-ins
 
 
@@ -54,7 +56,9 @@ class PhasePlan:
 class Plan:
     """Placement is one for the whole workload (K/V stays where it was written); streaming is
     per phase. `resident` (layer, KV head) units stay on the GPU, chosen by `resident_units`;
-    of the rest, `disk` units live on disk (see `placement`) and the others in pinned host RAM."""
+    of the rest, `disk` units live on disk (see `placement`) and the others in pinned host RAM.
+    `replay`: decode steps as CUDA-graph replays (True) or issued stage by stage (False); None
+    leaves it to `kvpipe run --replay auto`. True needs a plan a graph can hold (`replay_blocker`)."""
 
     method: Method
     prefill: PhasePlan
@@ -63,12 +67,29 @@ class Plan:
     disk: int = 0
     source: str = "user"   # where the plan came from: a rule, the user, the planner
     lossy: LossySpec | None = None   # opt-in lossy KV (quantised / sparse); None = exact
+    replay: bool | None = None       # decode as CUDA-graph replays; None: as `run --replay auto` decides
 
     def __post_init__(self) -> None:
         if not isinstance(self.resident, int) or self.resident < 0:
             raise ValueError(f"resident: must be >= 0 units, got {self.resident!r}")
         if not isinstance(self.disk, int) or self.disk < 0:
             raise ValueError(f"disk: must be >= 0 units, got {self.disk!r}")
+        if type(self.replay) not in (bool, type(None)):
+            raise ValueError(f"replay: must be true, false or none, got {self.replay!r}")
+        if self.replay and self.replay_blocker:
+            raise ValueError(f"replay: true, but {self.replay_blocker}; use replay false or none")
+
+    @property
+    def replay_blocker(self) -> str | None:
+        """Why no CUDA graph can hold this plan's decode steps (executor/replay.py), or None: disk
+        reads, lossy KV and an h2d codec's decode are issued eagerly."""
+        if self.disk:
+            return f"decode replay cannot run disk units (this plan has {self.disk})"
+        if self.lossy is not None:
+            return "decode replay cannot run lossy KV"
+        if self.decode.codec("h2d") != "none":
+            return f"decode replay cannot run an h2d codec ({self.decode.codec('h2d')})"
+        return None
 
     def check(self, model: ModelSpec, work: Workload) -> None:
         """Raise ValueError naming the field when the plan does not suit this model/workload."""
@@ -92,6 +113,12 @@ class Plan:
             raise ValueError(f"codec: h2d={h2d.pop()} is lossless and cannot run with lossy KV (--lossy)")
 
     def with_(self, **kw) -> "Plan":
+        """A copy with `kw` changed. A replay choice of True that the copy cannot keep (it gained
+        disk units, lossy KV or an h2d codec) becomes None, as `run --replay auto` would run it;
+        `replay=True` given in `kw` is checked, not dropped."""
+        if self.replay and "replay" not in kw:
+            out = replace(self, replay=None, **kw)
+            return out if out.replay_blocker else replace(out, replay=True)
         return replace(self, **kw)
 
     def describe(self) -> str:
@@ -100,6 +127,7 @@ class Plan:
                 f"decode group={d.group} depth={d.depth}; resident units={self.resident}, "
                 f"disk units={self.disk}" + "".join(f"; {link} codec {name}" for link, name in p.codecs
                                                     if name != "none")
+                + {None: "", True: "; decode replayed (CUDA graph)", False: "; decode eager (replay off)"}[self.replay]
                 + (f"; LOSSY: {self.lossy.describe()}" if self.lossy else ""))
 
     def to_json(self, model: ModelSpec | None = None) -> dict:
@@ -112,18 +140,22 @@ class Plan:
                     "resident": self.resident, "disk": self.disk, "source": self.source})
         if self.lossy is not None:
             out["lossy"] = self.lossy.to_json()
+        if self.replay is not None:
+            out["replay"] = self.replay
         return out
 
     @classmethod
     def from_json(cls, obj: object, model: ModelSpec | None = None) -> "Plan":
         """The plan printed under 'plan' by `--json`. Every field is checked for its JSON type
         (a whole number is an int, never a string or a bool); errors name the field. A plan of
-        another schema version, or (given `model`) made for another model, is refused."""
+        schema version this kvpipe does not read, or (given `model`) made for another model, is
+        refused. `replay` is true, false or null (absent, as in schema 2 files: null); true is
+        refused where the plan's decode cannot be replayed (disk units, lossy KV, an h2d codec)."""
         if isinstance(obj, dict):
             schema = obj.get("schema", 1)
-            if schema != PLAN_SCHEMA:
-                raise ValueError(f"plan.schema: {schema!r} is not this kvpipe's plan schema {PLAN_SCHEMA} "
-                                 f"(make the plan again with `kvpipe plan --out`)")
+            if schema not in READ_SCHEMAS:
+                raise ValueError(f"plan.schema: {schema!r} is not a plan schema this kvpipe reads "
+                                 f"({', '.join(map(str, READ_SCHEMAS))}; make the plan again with `kvpipe plan --out`)")
             if model is not None and "model" in obj and obj["model"] != model.name:
                 raise ValueError(f"plan.model: the plan file is for {obj.get('model')!r}, not --model "
                                  f"{model.name!r}")
@@ -158,9 +190,15 @@ class Plan:
         method = field(obj, "method", str, "")
         if method not in {m.value for m in Method}:
             raise ValueError(f"plan.method: unknown {method!r} (known: {', '.join(m.value for m in Method)})")
-        return cls(Method(method), phase("prefill"), phase("decode"), field(obj, "resident", int, ""),
+        replay = obj.get("replay")
+        if replay is not None and type(replay) is not bool:
+            raise ValueError(f"plan.replay: expected true, false or null, got {_json_type(replay)} {replay!r}"[:200])
+        plan = cls(Method(method), phase("prefill"), phase("decode"), field(obj, "resident", int, ""),
                    field(obj, "disk", int, "", 0), field(obj, "source", str, "", "plan file"),
                    LossySpec.from_json(field(obj, "lossy", dict, "", None) if obj.get("lossy") is not None else None))
+        if replay and plan.replay_blocker:
+            raise ValueError(f"plan.replay: true, but {plan.replay_blocker}; set it to false or null")
+        return plan.with_(replay=replay)
 
 
 _REQUIRED = object()

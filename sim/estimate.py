@@ -5,8 +5,10 @@ The planner uses it to rank plans and to prune them. A lane runs its stages one 
 busy time bounds the simulated time from below; a step's busy time is convex in the step's start
 token (costs are affine in the prefix, rooflines take a max), so by Jensen's inequality the busy
 of a run of equal steps is at least their count times the busy at their mean start. `Estimate`
-holds those lower bounds and, for ranking, the sum over steps of the busiest lane.
-`tests/test_planner.py` checks the lane sums against the simulator's."""
+holds those lower bounds and, for ranking, the sum over steps of the busiest lane. For decode
+issued stage by stage (no graph replay) the host is a lane too: it issues every stage of a step
+one after the other (`decode_host_seconds`). `tests/test_planner.py` checks the lane sums against
+the simulator's."""
 from __future__ import annotations
 
 from collections import Counter
@@ -108,6 +110,29 @@ def step_busy(model: ModelSpec, work: Workload, hw: HardwareProfile, layout: tup
     return busy
 
 
+def decode_host_seconds(model: ModelSpec, work: Workload, hw: HardwareProfile, layout: tuple, G: int) -> float:
+    """Host seconds to issue one decode step stage by stage (`cost.host_issue_seconds` of each of
+    the builder's stages: embed, per layer qkv, one attn per group and mlp, a fetch per group with
+    offloaded heads, a disk read per group with disk heads, the layer's store and disk write, and
+    the head). Plans without codecs or lossy KV (those a graph could replay): their extra stages
+    are not counted. `simulate.host_step_s` sums the same over a built step."""
+    B = work.batch
+    compute = lambda ops: hw.host_issue_s_per_stage + ops * hw.host_issue_s_per_op
+    copy = ((lambda ops: (hw.host_copy_s_per_stage or 0.0) + ops * hw.host_copy_s_per_op)
+            if hw.host_copy_s_per_op is not None else compute)
+    total = compute(1) + compute(3)   # embed, head
+    for count, n_off, n_dsk, kinds in layout:
+        layer = compute(6) + compute(8)   # qkv, mlp
+        for (o, d), k in kinds:
+            layer += k * (compute(5) + (copy(B * o) if o else 0.0) + (compute(B * d) if d else 0.0))
+        if n_off:
+            layer += copy(B * n_off)
+        if n_dsk:
+            layer += compute(B * n_dsk)
+        total += count * layer
+    return total
+
+
 def _small(ops: layer_ops.SmallOps, hw: HardwareProfile, replayed: bool) -> float:
     return small_seconds(ops.kernels, ops.bytes, hw, replayed)
 
@@ -123,7 +148,10 @@ class Estimate:
     """Lower bounds from lane busy (seconds) and, for ranking, estimates that sum the busiest lane
     of each step. `prefill_busy` and `decode_busy` are lower bounds of the lanes' totals;
     `last_prefill` and `decode_step` are the busy of the last prefill chunk and of the longest
-    decode step; `depth` transfer slots let that many fetches run ahead of their step."""
+    decode step; `depth` transfer slots let that many fetches run ahead of their step.
+    `decode_host_s`: host seconds to issue one decode step stage by stage where the planner
+    counts it (its eager-decode plans; 0 otherwise): the host issues every decode stage one after
+    the other, so the run takes at least `decode_tokens` times it."""
 
     prefill_busy: dict[str, float]
     decode_busy: dict[str, float]
@@ -134,6 +162,7 @@ class Estimate:
     prefill_s: float          # ranking estimate: sum over steps of the busiest lane
     decode_s_per_token: float | None
     total_s: float
+    decode_host_s: float = 0.0
 
     def ttft_bound(self) -> float:
         """Every prefill compute, fetch and disk read ends before the first token (the last
@@ -147,9 +176,13 @@ class Estimate:
         share = self.decode_busy[lane] * steps / self.decode_tokens
         return max(0.0, share - self.depth * self.decode_step[lane])
 
-    def lower_bound(self, objective: str) -> float:
+    def lower_bound(self, objective: str, ttft_s: float | None = None) -> float:
         """A value the fully simulated objective cannot go under: each lane runs one stage at a
-        time, decode compute waits for the first token, and fetches run at most `depth` ahead."""
+        time, decode compute waits for the first token, and fetches run at most `depth` ahead.
+        `ttft_s`: the first token's time where it is known (a simulation of the same prefill: the
+        planner's replayed twin of an eager-decode plan; how decode is issued does not move a
+        prefill stage, as every lane runs its prefill stages before its decode ones), for the
+        total objective in place of the lanes' bound on it."""
         M = self.decode_tokens
         if objective == "ttft":
             return self.ttft_bound()
@@ -158,11 +191,12 @@ class Estimate:
         if objective == "decode" and M > 1:
             gpu = self.decode_busy["gpu"] / M
             return max(gpu, max(self._after(lane, M - 1) for lane in ("h2d", "disk")) / (M - 1))
-        whole = max(self.prefill_busy[lane] + self.decode_busy[lane] for lane in LANES)
+        whole = max(max(self.prefill_busy[lane] + self.decode_busy[lane] for lane in LANES),
+                    M * self.decode_host_s)
         if not M:
             return whole
         after = max(self.decode_busy["gpu"], self._after("h2d", M), self._after("disk", M))
-        return max(whole, self.ttft_bound() + after)
+        return max(whole, max(self.ttft_bound(), ttft_s or 0.0) + after)
 
     def score(self, objective: str) -> float:
         if objective == "ttft":

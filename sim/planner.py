@@ -1,6 +1,7 @@
 """The planner: searches head-wise plans (KV heads per group in each phase, prefill chunk, buffer
-depth, resident units, host/disk split) under GPU, host and disk budgets for the plan the
-simulator predicts best on an objective (total time, time to first token or decode rate).
+depth, resident units, host/disk split, decode graph replay on or off) under GPU, host and disk
+budgets for the plan the simulator predicts best on an objective (total time, time to first token
+or decode rate).
 
 Coarse to fine: every plan of the space that fits is ranked by the closed-form lane estimate
 (`sim/estimate.py`); plans are simulated in that order (branch and bound), skipping any whose lane
@@ -8,12 +9,27 @@ lower bound is already no better than the best simulated one, until `SIM_BUDGET`
 simulated. Resident units: as many as the GPU holds, that count rounded down to whole head
 groups, or none (every count up to the most for models of at most `EVERY_RESIDENT_UNITS` units);
 disk units: the fewest the host budget allows. Knobs the user gives pin their dimension.
-A lossless GPU codec on h2d is tried on the winner (`_h2d_codec`): simulated with each one the
-profile rates, it replaces the winner where the simulator predicts it better. Graph replay and fused
-decode are settings, not dimensions: decode is replayed and fused as `kvpipe run` would (`--fuse
-auto`: fused wherever decode is replayed); the reason says when it is fused and what its one-time
-compile costs (not in the objective: `run` pays it once per process, untimed). Hook: graph replay
-becomes a dimension of `Space` once `Plan` has a replay switch (the estimate then needs host issue)."""
+
+Graph replay: every plan whose decode a CUDA graph can hold (`replays_decode`, no disk units,
+codec or lossy KV) is searched with decode replayed first, exactly as before replay was a
+dimension; then its eager twin (decode issued stage by stage) gets its own branch-and-bound pass,
+pruned by the best value of both passes, within `EAGER_SIM_BUDGET` stages, so a pick changes only
+where eager decode is predicted better. A twin's estimate has the host as a lane (it issues every
+decode stage: `estimate.decode_host_seconds`) and its bound the replayed twin's simulated first
+token (decode issue does not move a prefill stage); its simulation reuses the twin's prefill
+windows (`simulate(memo=)`). Eager decode wins where the replayed run's costs (the host's sync
+after the prefill and the capture, each step waiting for the previous one and its write-backs)
+exceed issuing the stages: fetch-bound steps, whose next fetches an eager host queues early.
+It is not searched for the TTFT objective (decode issue does not move the first token; replay is
+kept as `run --replay auto` keeps it), nor with `--fuse on` (only replayed decode is fused); a
+pin (`Pins.replay`, `--replay on|off`) fixes it. Plans that cannot replay keep `replay` None.
+The second pass costs 30-50% more CPU where decode can replay (32K-512K on the bundled profiles)
+and nothing at 1M-4M where the presets need disk units.
+A lossless GPU codec on h2d is tried on the winner and its runners-up (`_h2d_codec`): simulated
+with each one the profile rates, it replaces the winner where the simulator predicts it better
+(the codec's decode runs eagerly). Fused decode is a setting, not a dimension: replayed decode is
+fused as `kvpipe run` would (`--fuse auto`); the reason says when it is fused and what its
+one-time compile costs (not in the objective: `run` pays it once per process, untimed)."""
 from __future__ import annotations
 
 import math
@@ -28,13 +44,15 @@ from kvpipe.pipeline.rules import GPU_FILL_FRACTION, HOST_KV_FRACTION, first_tru
 from kvpipe.pipeline.units import fmt_bytes
 from kvpipe.pipeline.workload import Workload
 
-from .estimate import Estimate, decode_estimate, layer_classes, phase_layout, prefill_estimate
+from .estimate import (Estimate, decode_estimate, decode_host_seconds, layer_classes, phase_layout,
+                       prefill_estimate)
 from .simulate import Prediction, replays_decode, simulate
 
 OBJECTIVES = ("total", "ttft", "decode")
 CHUNKS = (1024, 2048, 4096, 8192, 16384, 32768)   # prefill chunk candidates (tokens)
 DEPTHS = (2, 3, 4)                                # transfer slots
 SIM_BUDGET = 150_000                              # stages simulated before the search stops early
+EAGER_SIM_BUDGET = 75_000                         # the same for the eager-decode pass
 RUNNERS_UP = 2                                    # simulated besides the winner, to show beside it
 EVERY_RESIDENT_UNITS = 64                         # models with at most this many units try every resident count
 TIE = 0.001                                       # estimates closer than this rank as equal
@@ -43,12 +61,14 @@ SOURCE = "planner"
 
 @dataclass(frozen=True)
 class Pins:
-    """Dimensions the user fixed; None leaves one to the search. `resident` counts units."""
+    """Dimensions the user fixed; None leaves one to the search. `resident` counts units;
+    `replay` True: decode replayed (plans that cannot replay are left out), False: eager."""
 
     group: int | None = None
     chunk: int | None = None
     resident: int | None = None
     depth: int | None = None
+    replay: bool | None = None
 
     def __post_init__(self) -> None:
         for f in ("group", "chunk", "depth"):
@@ -57,6 +77,8 @@ class Pins:
                 raise ValueError(f"{f}: must be a positive integer, got {v!r}")
         if self.resident is not None and (not isinstance(self.resident, int) or self.resident < 0):
             raise ValueError(f"resident: must be >= 0 units, got {self.resident!r}")
+        if type(self.replay) not in (bool, type(None)):
+            raise ValueError(f"replay: must be True, False or None, got {self.replay!r}")
 
 
 @dataclass(frozen=True)
@@ -100,7 +122,7 @@ class PlannerResult:
     alternatives: tuple[Scored, ...]   # the runners-up, best first
     reason: str
     objective: str
-    fitting: int                       # plans of the space that fit the budgets
+    fitting: int                       # plans of the space that fit the budgets (an eager twin is one)
     simulated: int
     pruned: int                        # skipped because their lower bound could not win
     unexplored: int = 0                # neither simulated nor pruned: the simulation budget ran out
@@ -137,14 +159,29 @@ class _Search:
     budgets: dict[str, int]
     classes: dict = field(default_factory=dict)
     layouts: dict = field(default_factory=dict)
-    replay: bool | None = None       # decode as CUDA-graph replays; None: as `run --replay auto` would
+    replay: bool | None = None       # the pin: decode replayed (True) or eager (False); None: both searched
     fuse: str = "auto"               # the fuse setting (pipeline/fusion.py): replayed decode is fused unless off
     pre: dict = field(default_factory=dict)
     dec: dict = field(default_factory=dict)
+    host: dict = field(default_factory=dict)
+    windows: dict = field(default_factory=dict)   # simulate's memo of prefill windows (shared by replay twins)
+
+    def can_replay(self, plan: Plan) -> bool:
+        """Whether `kvpipe run` on a CUDA GPU can replay this plan's decode (sim.simulate.replays_decode,
+        and no disk units, lossy KV or h2d codec)."""
+        return replays_decode(self.model, self.work) and plan.replay_blocker is None
 
     def replays(self, plan: Plan) -> bool:
-        return self.replay if self.replay is not None else (replays_decode(self.model, self.work) and not plan.disk
-                                                            and plan.decode.codec("h2d") == "none")
+        """How the plan's decode is simulated: its replay choice, else as `run --replay auto` would
+        run it (replayed where it can be; the search gives every plan that can a choice)."""
+        return plan.replay if plan.replay is not None else self.can_replay(plan)
+
+    def stamped(self, plan: Plan) -> Plan | None:
+        """`plan` with the replay choice the first pass searches: True where decode can replay
+        (False under a pin off), None where it cannot; None (left out) under a pin on where it cannot."""
+        if not self.can_replay(plan):
+            return None if self.replay else plan
+        return plan.with_(replay=self.replay is not False)
 
     def fuses(self, plan: Plan) -> bool:
         return decode_fused(self.fuse, self.replays(plan))
@@ -211,7 +248,9 @@ class _Search:
                                 continue
                             if plan.resident == m.units:   # nothing streams: depth is moot
                                 plan = plan.with_(prefill=PhasePlan(gp, chunk, 2), decode=PhasePlan(gd, 1, 2))
-                            out.setdefault(_key(plan), plan)
+                            plan = self.stamped(plan)
+                            if plan is not None:
+                                out.setdefault(_key(plan), plan)
         return list(out.values())
 
     def layout(self, rd: tuple[int, int], group: int) -> tuple:
@@ -227,14 +266,22 @@ class _Search:
         pk = (plan.prefill.group, plan.prefill.chunk) + rd
         if pk not in self.pre:
             self.pre[pk] = prefill_estimate(self.model, self.work, self.hw, self.layout(rd, pk[0]), *pk[:2])
-        dk = (plan.decode.group,) + rd
+        replayed = self.replays(plan)
+        dk = (plan.decode.group,) + rd + (replayed, self.fuses(plan))
         if dk not in self.dec:
             self.dec[dk] = decode_estimate(self.model, self.work, self.hw, self.layout(rd, dk[0]), dk[0],
-                                           self.replays(plan), self.fuses(plan))
+                                           replayed, self.fuses(plan))
         (pb, plast, pe), (db, dlong, dstep) = self.pre[pk], self.dec[dk]
+        host = 0.0
+        if not replayed and plan.replay is False:   # the eager pass: the host issues every stage
+            hk = (plan.decode.group,) + rd
+            if hk not in self.host:
+                self.host[hk] = decode_host_seconds(self.model, self.work, self.hw, self.layout(rd, hk[0]), hk[0])
+            host = self.host[hk]
+            dstep = None if dstep is None else max(dstep, host)
         total = pe + (dstep or 0.0) * self.work.decode_tokens
         depth = max(plan.prefill.depth, plan.decode.depth)
-        return Estimate(pb, db, plast, dlong, self.work.decode_tokens, depth, pe, dstep, total)
+        return Estimate(pb, db, plast, dlong, self.work.decode_tokens, depth, pe, dstep, total, host)
 
 
 def sim_cost(model: ModelSpec, work: Workload, plan: Plan, full: bool = False) -> int:
@@ -248,83 +295,149 @@ def sim_cost(model: ModelSpec, work: Workload, plan: Plan, full: bool = False) -
 
 
 def _key(plan: Plan) -> tuple:
-    return (plan.prefill, plan.decode, plan.resident, plan.disk)
+    return (plan.prefill, plan.decode, plan.resident, plan.disk, plan.replay)
 
 
 def search(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dict[str, int],
            pins: Pins = Pins(), objective: str = "total", *, sim_budget: int = SIM_BUDGET,
-           full: bool = False, replay: bool | None = None, h2d_codecs: bool = True,
-           fuse: str = "auto") -> PlannerResult:
+           full: bool = False, h2d_codecs: bool = True, fuse: str = "auto",
+           eager_budget: int = EAGER_SIM_BUDGET) -> PlannerResult:
     """The best plan the simulator finds for `objective`, with the two runners-up. Plans are
     simulated best estimate first until every other one is pruned by its lower bound or the
-    stages simulated pass `sim_budget` (then the search is anytime, not exhaustive). `replay`:
-    decode steps as CUDA-graph replays; None: as `run --replay auto` would on a GPU.
-    `h2d_codecs`: try the profile's lossless GPU codecs on h2d for the winner (`_h2d_codec`).
-    `fuse`: the fuse setting (auto|on|off), applied to every plan whose decode is replayed."""
+    stages simulated pass `sim_budget` (then the search is anytime, not exhaustive); then the
+    eager-decode twins of the plans that can replay, the same way within `eager_budget` stages
+    (the module docstring says when). `pins.replay` fixes replay instead (on: plans that cannot
+    replay are left out). `h2d_codecs`: try the profile's lossless GPU codecs on h2d for the
+    winner (`_h2d_codec`). `fuse`: the fuse setting (auto|on|off), applied to every plan whose
+    decode is replayed."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective: {objective!r} is not one of {', '.join(OBJECTIVES)}")
-    s = _Search(model, work, hw, budgets, replay=replay, fuse=fuse)
+    if pins.replay and not replays_decode(model, work):
+        raise ValueError("replay: on, but decode replay needs bf16/fp16, batch 1, a head dim that is a multiple "
+                         "of 8 up to 256 and decode tokens (use --replay off or auto)")
+    s = _Search(model, work, hw, budgets, replay=pins.replay, fuse=fuse)
     space = Space.of(model, work, pins)
     plans = s.candidates(space, pins, space.depths)
     if not plans:
         raise NoPlanFits(_smallest_budget(s, space, pins))
-    # Best estimate first; estimates within TIE of each other count as equal (the estimate is no
-    # closer to the simulator than that), and among equals the cheaper to simulate goes first.
-    tie = lambda x: math.floor(math.log(max(x, 1e-30)) / math.log1p(TIE))
-    ranked = sorted(plans, key=lambda p: (tie(s.estimate(p).score(objective)),
-                                          sim_cost(model, work, p, full), s.estimate(p).score(objective)))
     done: dict[tuple, Scored] = {}
-    pruned, spent, unexplored = 0, 0, 0
-    for i, plan in enumerate(ranked):
-        best = min((c.value for c in done.values()), default=math.inf)
-        if len(done) >= 1 + RUNNERS_UP and s.estimate(plan).lower_bound(objective) >= best:
-            pruned += 1       # cannot beat the best: its lanes alone take longer
-            continue
-        if spent >= sim_budget and len(done) >= 1 + RUNNERS_UP:
-            unexplored = sum(s.estimate(p).lower_bound(objective) < best for p in ranked[i:])
-            break             # anytime: the rest ranks worse on the estimate and may not be pruned
-        pred = simulate(model, work, plan, hw, full=full, replay=s.replays(plan), fuse=s.fuses(plan))
-        done[_key(plan)] = Scored(plan, pred, objective_value(pred, objective))
-        spent += sim_cost(model, work, plan, full)
+    pruned, _, unexplored = _branch_and_bound(s, plans, done, objective, sim_budget, full)
+    eager_skip = _eager_skipped(s, objective)
+    twins = [p.with_(replay=False) for p in plans if p.replay] if eager_skip is None else []
+    if twins:   # a second pass: the first is the search as it was before replay was a dimension
+        more, _, left = _branch_and_bound(s, twins, done, objective, eager_budget, full, _twin_ttft(done))
+        pruned, unexplored = pruned + more, unexplored + left
     order = sorted(done.values(), key=lambda c: (c.value, c.prediction.report.timing.total_s))
     best = order[0]
     rest = order[1:1 + RUNNERS_UP]
     if h2d_codecs:
-        best = _h2d_codec(s, best, objective, full)
-    return PlannerResult(best, tuple(rest), _reason(s, best, rest, objective), objective,
-                         len(plans), len(done), pruned, unexplored)
+        best = _h2d_codec(s, best, objective, full, rest)
+    reason = _reason(s, best, rest, objective, _replay_note(s, best, done, objective, eager_skip))
+    return PlannerResult(best, tuple(rest), reason, objective, len(plans) + len(twins), len(done), pruned,
+                         unexplored)
 
 
-def _h2d_codec(s: _Search, best: Scored, objective: str, full: bool) -> Scored:
-    """The codec dimension, on the winner only: it is simulated again with each lossless codec
-    the profile rates for h2d (sim/codec_choice.candidates); one the simulator predicts better on
-    the objective, that still fits, replaces it. Plans with disk units, or nothing offloaded, keep
-    none (the GPU codec serves host units only)."""
-    from .codec_choice import candidates, with_codec
-    plan, m, budgets = best.plan, s.model, s.budgets
-    if plan.disk or plan.resident >= m.units or plan.decode.codec("h2d") != "none":
-        return best
-    chosen = best
-    for name in candidates("h2d", s.hw)[1:]:
-        coded = with_codec(plan, "h2d", name)
-        # The codec's GPU buffers (pipeline/memory.h2d_codec_bytes) may cost resident units.
-        extra = breakdown(m, s.work, coded).gpu - breakdown(m, s.work, plan).gpu
-        resident = max(0, plan.resident - math.ceil(extra / s.unit_bytes)) if plan.resident else 0
-        coded = s.place(coded, resident)
-        while coded is None and resident > 0:
-            resident = max(0, resident - m.layers)
-            coded = s.place(with_codec(plan, "h2d", name), resident)
-        if coded is None or coded.disk:
+def _branch_and_bound(s: _Search, plans: list[Plan], done: dict, objective: str, budget: int,
+                      full: bool, ttft=lambda plan: None) -> tuple[int, int, int]:
+    """Simulate `plans` best estimate first into `done` (key -> Scored; the best of it prunes),
+    until each is pruned or `budget` stages are spent; returns (pruned, spent, unexplored).
+    `ttft(plan)`: its first token's time where a simulation of the same prefill knows it, else None
+    (`Estimate.lower_bound`)."""
+    m, work = s.model, s.work
+    bound = lambda p: s.estimate(p).lower_bound(objective, ttft(p))
+    # Best estimate first; estimates within TIE of each other count as equal (the estimate is no
+    # closer to the simulator than that), and among equals the cheaper to simulate goes first.
+    tie = lambda x: math.floor(math.log(max(x, 1e-30)) / math.log1p(TIE))
+    ranked = sorted(plans, key=lambda p: (tie(s.estimate(p).score(objective)),
+                                          sim_cost(m, work, p, full), s.estimate(p).score(objective)))
+    pruned, spent, unexplored = 0, 0, 0
+    for i, plan in enumerate(ranked):
+        best = min((c.value for c in done.values()), default=math.inf)
+        if len(done) >= 1 + RUNNERS_UP and bound(plan) >= best:
+            pruned += 1       # cannot beat the best: its lanes alone take longer
             continue
-        pred = simulate(m, s.work, coded, s.hw, full=full, replay=s.replays(coded), fuse=s.fuses(coded))
-        value = objective_value(pred, objective)
-        if value < chosen.value:
-            note = f"{SOURCE}; h2d codec {name}: {value:.4g} vs {best.value:.4g} without it ({objective})"
-            chosen = Scored(coded.with_(source=note), pred, value)
+        if spent >= budget and len(done) >= 1 + RUNNERS_UP:
+            unexplored = sum(bound(p) < best for p in ranked[i:])
+            break             # anytime: the rest ranks worse on the estimate and may not be pruned
+        pred = simulate(m, work, plan, s.hw, full=full, replay=s.replays(plan), fuse=s.fuses(plan), memo=s.windows)
+        done[_key(plan)] = Scored(plan, pred, objective_value(pred, objective))
+        spent += sim_cost(m, work, plan, full)
+    return pruned, spent, unexplored
+
+
+def _twin_ttft(done: dict):
+    """plan -> the simulated first token of its replayed twin (the same prefill), or None."""
+    def ttft(plan: Plan) -> float | None:
+        twin = done.get(_key(plan.with_(replay=True)))
+        return None if twin is None else twin.prediction.report.timing.ttft_s
+    return ttft
+
+
+def _eager_skipped(s: _Search, objective: str) -> str | None:
+    """Why the eager-decode pass does not run, or None when it does."""
+    if s.replay is not None:
+        return "pinned by --replay"
+    if s.fuse == "on":
+        return "--fuse on fuses replayed decode only"
+    if objective == "ttft":
+        return "decode issue does not move the first token"
+    return None
+
+
+def _replay_note(s: _Search, best: Scored, done: dict, objective: str, skipped: str | None) -> str | None:
+    """The replay choice of the winner and why, for the reason (None where its decode cannot replay)."""
+    plan = best.plan
+    if plan.replay is None or plan.replay_blocker:   # e.g. the h2d codec's plan: its decode runs eagerly
+        return None
+    mode = "decode replayed" if plan.replay else "decode eager (replay off)"
+    twin = done.get(_key(plan.with_(replay=not plan.replay)))
+    if skipped is not None:
+        return f"{mode}: {skipped}"
+    if twin is not None:
+        gap = twin.value / best.value - 1 if best.value else 0.0
+        return f"{mode}: {gap:.1%} better on {objective} than {'eager' if plan.replay else 'replayed'} decode"
+    if not plan.replay:
+        return f"{mode}: its replayed twin was not simulated"
+    bound = s.estimate(plan.with_(replay=False)).lower_bound(objective)
+    return (f"{mode}: eager decode cannot beat it (its lower bound)" if bound >= best.value
+            else f"{mode}: eager decode not simulated (simulation budget)")
+
+
+def _h2d_codec(s: _Search, best: Scored, objective: str, full: bool, rest=()) -> Scored:
+    """The codec dimension, on the winner and its runners-up `rest`: each is simulated again with
+    each lossless codec the profile rates for h2d (sim/codec_choice.candidates); one the simulator
+    predicts better on the objective than the winner, that still fits, replaces it. The runners-up
+    too: the codec's GPU buffers may not fit beside the winner's deeper transfer ring where they
+    fit beside a runner-up's (an eager winner of depth 4, its runner-up of depth 2). Plans with
+    disk units, or nothing offloaded, keep none (the GPU codec serves host units only); the
+    codec's decode runs eagerly (`Plan.replay_blocker`)."""
+    from .codec_choice import candidates, with_codec
+    m, chosen, tried = s.model, best, set()
+    for base in (best,) + tuple(rest):
+        plan = base.plan
+        if plan.disk or plan.resident >= m.units or plan.decode.codec("h2d") != "none":
+            continue
+        for name in candidates("h2d", s.hw)[1:]:
+            coded = with_codec(plan, "h2d", name)
+            # The codec's GPU buffers (pipeline/memory.h2d_codec_bytes) may cost resident units.
+            extra = breakdown(m, s.work, coded).gpu - breakdown(m, s.work, plan).gpu
+            resident = max(0, plan.resident - math.ceil(extra / s.unit_bytes)) if plan.resident else 0
+            coded = s.place(coded, resident)
+            while coded is None and resident > 0:
+                resident = max(0, resident - m.layers)
+                coded = s.place(with_codec(plan, "h2d", name), resident)
+            if coded is None or coded.disk or _key(coded) in tried:
+                continue
+            tried.add(_key(coded))
+            pred = simulate(m, s.work, coded, s.hw, full=full, replay=s.replays(coded), fuse=s.fuses(coded))
+            value = objective_value(pred, objective)
+            if value < chosen.value:
+                note = f"{SOURCE}; h2d codec {name}: {value:.4g} vs {best.value:.4g} without it ({objective})"
+                chosen = Scored(coded.with_(source=note), pred, value)
     return chosen
 
 
-def _reason(s: _Search, best: Scored, rest, objective: str) -> str:
+def _reason(s: _Search, best: Scored, rest, objective: str, replay_note: str | None = None) -> str:
     m, plan, rep = s.model, best.plan, best.prediction.report
     parts = []
     if rest:
@@ -339,6 +452,8 @@ def _reason(s: _Search, best: Scored, rest, objective: str) -> str:
         parts.append(f"host memory binds: {plan.disk} units on disk")
     lanes = ", ".join(f"{ph} {rep.critical_lane_of(ph)}" for ph in rep.phase_busy_s if rep.critical_lane_of(ph))
     parts.append(f"critical lane: {lanes}")
+    if replay_note:
+        parts.append(replay_note)
     if best.prediction.fused:
         c = best.prediction.compile_s
         parts.append("decode fused (one-time compile " + ("time unknown" if c is None else f"{c:.1f} s")
@@ -363,12 +478,22 @@ def _smallest_budget(s: _Search, space: Space, pins: Pins) -> str:
                 f"{fmt_bytes(need)}), {fmt_bytes(s.budgets['gpu'])} available "
                 f"(smallest that fits: --gpu-mem {_size_flag(need)})")
     off = (m.units - r) * unit
+    if pins.replay:   # replayed decode cannot read disk units: host RAM must hold the offloaded KV
+        return (f"host-mem: no plan fits with --replay on: {fmt_bytes(off)} of KV must leave the GPU into host RAM "
+                f"(decode replay cannot run disk units), host {fmt_bytes(s.budgets['host'])} available "
+                f"(smallest that fits: --host-mem {_size_flag((off + ring_bytes(s, lean, r)) / HOST_KV_FRACTION)}, "
+                "or --replay off or auto)")
     ring = breakdown(m, work, lean.with_(resident=r, disk=1)).host_buffers
     disk_need = max(1, math.ceil((off + ring - s.budgets["host"] * HOST_KV_FRACTION) / unit)) * unit
     return (f"host-mem: no plan fits: {fmt_bytes(off)} of KV must leave the GPU, host "
             f"{fmt_bytes(s.budgets['host'])} and disk {fmt_bytes(s.budgets['disk'])} available (smallest that "
             f"fits: --host-mem {_size_flag(off / HOST_KV_FRACTION)}, or --disk-mem {_size_flag(disk_need)} "
             f"with this host budget)")
+
+
+def ring_bytes(s: _Search, lean: Plan, resident: int) -> int:
+    """Host buffers (staging rings) of `lean` with `resident` units and none on disk."""
+    return breakdown(s.model, s.work, lean.with_(resident=resident, disk=0)).host_buffers
 
 
 def _size_flag(n: float) -> str:

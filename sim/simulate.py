@@ -104,9 +104,9 @@ def _interp(points: list[tuple[float, float]], x: float) -> float:
 class _PrefillShortcut:
     """Samples prefill windows and answers the chunk time and per-lane busy of any chunk."""
 
-    def __init__(self, model, work, plan, hw, replay: bool, fuse: bool = False) -> None:
+    def __init__(self, model, work, plan, hw, replay: bool, fuse: bool = False, memo: dict | None = None) -> None:
         self.args = (model, work, plan)
-        self.hw, self.replay, self.fuse = hw, replay, fuse
+        self.hw, self.replay, self.fuse, self.memo = hw, replay, fuse, memo
         self.chunks = len(chunk_sizes(work.context, plan.prefill.chunk))
         self.dur: dict[float, float] = {}                 # centre index -> steady chunk time
         self.busy: dict[float, dict[str, float]] = {}     # centre index -> lane busy of one chunk
@@ -114,11 +114,20 @@ class _PrefillShortcut:
         self.windows = 0
 
     def window(self, k: int, n: int, decode: range = range(0)) -> Trace:
-        """Simulate chunks [k, k+n) (and `decode` steps) from a cache home up to chunk k."""
+        """Simulate chunks [k, k+n) (and `decode` steps) from a cache home up to chunk k. A window
+        without decode steps does not depend on how decode is issued: kept in `memo` (if given)
+        under the plan less its replay choice, for the plan's twin of the other choice."""
         model, work, plan = self.args
-        tr, pools = run(build(model, work, plan, prefill=range(k, k + n), decode=decode, fused=self.fuse),
-                        self.hw, self.replay)
-        self.peaks.append(pools.peak)
+        key = (plan.with_(replay=None, source=""), k, n) if self.memo is not None and not decode else None
+        if key is not None and key in self.memo:
+            tr, peak = self.memo[key]
+        else:
+            tr, pools = run(build(model, work, plan, prefill=range(k, k + n), decode=decode, fused=self.fuse),
+                            self.hw, self.replay)
+            peak = pools.peak
+            if key is not None:
+                self.memo[key] = (tr, peak)
+        self.peaks.append(peak)
         self.windows += 1
         return tr
 
@@ -156,10 +165,12 @@ def _shifted(tr: Trace, shift: float, note: str) -> Trace:
 
 def simulate(model: ModelSpec, work: Workload, plan: Plan, hw: HardwareProfile, *,
              full: bool = False, window: int = DECODE_WINDOW, replay: bool = False,
-             fuse: bool = False) -> Prediction:
+             fuse: bool = False, memo: dict | None = None) -> Prediction:
     """Predict `work` under `plan` on `hw`; `replay`: decode steps as CUDA-graph replays (as
     `kvpipe run --replay` executes them), else issued stage by stage; `fuse` (replayed only): with
-    the fused decode pieces (`kvpipe run --fuse`), whose one-time compile is `compile_s`."""
+    the fused decode pieces (`kvpipe run --fuse`), whose one-time compile is `compile_s`. `memo`:
+    a dict kept across calls for one model, workload and profile, where the prefill shortcut's
+    windows without decode steps are kept (the planner simulates a plan replayed and eager)."""
     fuse = fuse and replay
     mem = breakdown(model, work, plan)
     M = work.decode_tokens
@@ -175,7 +186,7 @@ def simulate(model: ModelSpec, work: Workload, plan: Plan, hw: HardwareProfile, 
         prefill_s, ttft_s = head.prefill_s, head.ttft_s
     else:
         W = PREFILL_WINDOW
-        ps = _PrefillShortcut(model, work, plan, hw, replay, fuse)
+        ps = _PrefillShortcut(model, work, plan, hw, replay, fuse, memo)
         a = ps.window(0, W)
         z0 = C - W - 1                                   # the last window: chunks z0 .. C-1
         z = ps.window(z0, W + 1, first_decode)
