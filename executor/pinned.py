@@ -4,69 +4,23 @@ of two (a 2.5 GiB layer would pin 4 GiB), which a 1M-token host tier of ~90 GiB 
 A `HostArena` owns what it registered and unregisters it on `close()`.
 
 Where torch must pin (decode replay, see `HostArena`), the arena asks it only for power-of-two
-blocks, which torch does not round, and carves the buffers out of them (`carve`): Llama-3-8B at
-512K + 4 tokens, 32 layer homes of 2 GiB + 16 KiB, pins 68 GiB, not the 128 GiB of one torch block
-per home that killed the exact 512K run on a 125 GiB H200 machine (the planner counts 64 GiB)."""
+blocks, which torch does not round, and carves the buffers out of them (pipeline/pinned_blocks.carve,
+the law the memory model counts too): Llama-3-8B at 512K + 4 tokens, 32 layer homes of 2 GiB +
+16 KiB, pins 68 GiB, not the 128 GiB of one torch block per home that killed the exact 512K run on
+a 125 GiB H200 machine."""
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
-ALIGN = 4096   # page size; O_DIRECT alignment of addresses, offsets and lengths
+from kvpipe.pipeline.pinned_blocks import ALIGN, Carving, carve, pow2_ceil
+
+__all__ = ["ALIGN", "Carving", "HostArena", "carve", "pow2_ceil", "release_cached_pinned"]
 
 
 def _aligned(nbytes: int) -> torch.Tensor:
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
     off = (-raw.data_ptr()) % ALIGN
     return raw[off:off + nbytes]
-
-
-def pow2_ceil(n: int) -> int:
-    """The least power of two >= n (n >= 1): what torch's pinned allocator takes for n bytes."""
-    assert n >= 1, n
-    return 1 << (n - 1).bit_length()
-
-
-@dataclass(frozen=True)
-class Carving:
-    """Buffers packed into power-of-two blocks: `blocks[i]` bytes each; buffer j lies in block
-    `places[j][0]` at byte offset `places[j][1]` (a multiple of ALIGN)."""
-
-    blocks: tuple[int, ...]
-    places: tuple[tuple[int, int], ...]
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.blocks)
-
-
-def carve(sizes: list[int] | tuple[int, ...]) -> Carving:
-    """Pack buffers of `sizes` bytes (each > 0) into few power-of-two blocks. Each block is the
-    largest power of two not above the bytes still to place (the next one up when the largest
-    remaining buffer is bigger), filled first-fit in decreasing size; offsets are ALIGN multiples.
-    Every block's unused tail is smaller than the largest buffer: 32 equal buffers of just over
-    2^k bytes take 2^(k+5) + 2^(k+1) bytes (31 buffers, then 1), not 32 * 2^(k+1)."""
-    assert all(s > 0 for s in sizes), sizes
-    padded = [-(-s // ALIGN) * ALIGN for s in sizes]
-    left = sorted(range(len(sizes)), key=lambda j: (-padded[j], j))
-    blocks: list[int] = []
-    places: dict[int, tuple[int, int]] = {}
-    while left:
-        rest = sum(padded[j] for j in left)
-        block = 1 << (rest.bit_length() - 1)           # the largest power of two <= rest
-        if block < padded[left[0]]:
-            block = pow2_ceil(padded[left[0]])
-        at, kept = 0, []
-        for j in left:
-            if at + padded[j] <= block:
-                places[j] = (len(blocks), at)
-                at += padded[j]
-            else:
-                kept.append(j)
-        blocks.append(block)
-        left = kept
-    return Carving(tuple(blocks), tuple(places[j] for j in range(len(sizes))))
 
 
 class HostArena:

@@ -237,7 +237,7 @@ def build(model: ModelSpec, work: Workload, plan: Plan, *, prefill: bool | range
     b = _Builder(model, work, plan, fused)
     mem = breakdown(model, work, plan)
     b.graph.static = [Alloc(Pool.GPU, "weights", mem.weights), Alloc(Pool.GPU, "kv", mem.gpu_kv),
-                      Alloc(Pool.GPU, "buffers", mem.gpu_buffers), Alloc(Pool.HOST, "kv", mem.host_kv),
+                      Alloc(Pool.GPU, "buffers", mem.gpu_buffers), Alloc(Pool.HOST, "kv", mem.host_kv + mem.host_slack),
                       Alloc(Pool.HOST, "buffers", mem.host_buffers), Alloc(Pool.DISK, "kv", mem.disk_kv)]
     last = None
     if prefill is not False:

@@ -1,13 +1,16 @@
 """Bytes each pool holds for a plan: static buffers (weights, KV homes, transfer slots) and the
 transient activations of one chunk. The graph builder allocates exactly these, so the simulator's
-measured peak and this closed form agree (a test checks it)."""
+measured peak and this closed form agree (a test checks it). Where decode will be replayed the
+host homes are pinned by torch in power-of-two blocks (pipeline/pinned_blocks.carve): the host
+pool then counts the blocks, their slack included (`host_slack`), as the executor pins them."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
 from .model import ModelSpec
-from .plan import Plan, Tier
+from .pinned_blocks import carve
+from .plan import Plan, Tier, decode_replayed
 from .workload import Workload
 
 FP32 = 4
@@ -90,7 +93,8 @@ def step_act_bytes(m: ModelSpec, batch: int, tokens: int, group: int, with_head:
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Peak bytes per pool, the GPU split by what holds it."""
+    """Peak bytes per pool, the GPU split by what holds it. `host_slack`: the unused tails of the
+    power-of-two blocks that torch-pinned host homes are carved from (replayed decode), 0 else."""
 
     weights: int
     gpu_kv: int
@@ -99,6 +103,7 @@ class MemoryBreakdown:
     host_kv: int
     host_buffers: int
     disk_kv: int
+    host_slack: int = 0
 
     @property
     def gpu(self) -> int:
@@ -106,7 +111,7 @@ class MemoryBreakdown:
 
     @property
     def host(self) -> int:
-        return self.host_kv + self.host_buffers
+        return self.host_kv + self.host_buffers + self.host_slack
 
     @property
     def disk(self) -> int:
@@ -156,9 +161,24 @@ def breakdown(m: ModelSpec, work: Workload, plan: Plan) -> MemoryBreakdown:
         gpu_kv += off * work.batch * plan.lossy.gpu_summary_bytes(cap, m.head_dim, m.dtype_bytes)
     if slots and plan.decode.codec("h2d") != "none":   # GPU codec on h2d: executor/cstore.py's buffers
         slots += h2d_codec_bytes(m, work, plan, count[Tier.HOST])
+    host_kv = count[Tier.HOST] * home
+    # Replayed decode (no disk units, lossy KV or codec): torch pins the homes, carved from blocks.
+    slack = pinned_homes_bytes(m, work, resident) - host_kv if decode_replayed(m, work, plan) else 0
     return MemoryBreakdown(weights=m.weight_bytes, gpu_kv=gpu_kv, gpu_buffers=slots,
-                           activations=act, host_kv=count[Tier.HOST] * home, host_buffers=staging,
-                           disk_kv=count[Tier.DISK] * home)
+                           activations=act, host_kv=host_kv, host_buffers=staging,
+                           disk_kv=count[Tier.DISK] * home, host_slack=slack)
+
+
+def pinned_homes_bytes(m: ModelSpec, work: Workload, resident: int) -> int:
+    """Host bytes torch pins for the KV homes of a plan with `resident` units and none on disk,
+    as the executor takes them where decode is replayed (executor/kvstore.py, pinned.HostArena):
+    one home per layer that keeps heads on the host (its heads not resident, `placement`'s split),
+    all carved in one call out of power-of-two blocks (pinned_blocks.carve), slack included."""
+    L, H = m.layers, m.kv_heads
+    unit = work.batch * work.kv_capacity * m.kv_unit_bytes_per_token
+    homes = [(H - resident // L - (layer < resident % L)) * unit for layer in range(L)]
+    homes = [b for b in homes if b > 0]
+    return carve(homes).total_bytes if homes else 0
 
 
 def h2d_codec_bytes(m: ModelSpec, work: Workload, plan: Plan, host_units: int) -> int:

@@ -221,6 +221,26 @@ class Tier(str, enum.Enum):
     DISK = "disk"
 
 
+def replays_decode(model: ModelSpec, work: Workload) -> bool:
+    """Whether `kvpipe run --replay auto` replays this workload's decode steps on a CUDA GPU
+    (mirrors executor.replay.replay_supported: bf16/fp16 FA2 varlen, batch 1)."""
+    return model.dtype in ("bf16", "fp16") and work.batch == 1 and model.head_dim % 8 == 0 \
+        and model.head_dim <= 256 and work.decode_tokens > 0
+
+
+def decode_replayed(model: ModelSpec, work: Workload, plan: Plan) -> bool:
+    """Whether `kvpipe run --replay auto` on a CUDA GPU replays `plan`'s decode steps: as its
+    replay choice says, else (None) where the workload and the plan allow (`replays_decode`, no
+    `replay_blocker`); never without decode tokens. Where it does, the executor's KV homes are
+    pinned by torch (executor/kvstore.py), carved out of power-of-two blocks (pipeline/memory.py
+    counts them)."""
+    if not work.decode_tokens:
+        return False
+    if plan.replay is not None:
+        return plan.replay
+    return replays_decode(model, work) and plan.replay_blocker is None
+
+
 def placement(model: ModelSpec, plan: Plan) -> dict[tuple[int, int], Tier]:
     """Tier of every (layer, KV head) unit. Resident units are spread evenly over layers, lowest
     head indices first (so whole head groups become resident); `disk` offloaded units live on

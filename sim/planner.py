@@ -178,9 +178,12 @@ class _Search:
 
     def stamped(self, plan: Plan) -> Plan | None:
         """`plan` with the replay choice the first pass searches: True where decode can replay
-        (False under a pin off), None where it cannot; None (left out) under a pin on where it cannot."""
+        (False under a pin off, or where `place` left it False), None where it cannot; None (left
+        out) under a pin on where it cannot."""
         if not self.can_replay(plan):
             return None if self.replay else plan
+        if plan.replay is False:   # `place` found that only eager decode's exact homes fit the host
+            return plan
         return plan.with_(replay=self.replay is not False)
 
     def fuses(self, plan: Plan) -> bool:
@@ -207,7 +210,13 @@ class _Search:
         placed = plan.with_(resident=resident, disk=disk)
         mem, limits = breakdown(self.model, self.work, placed), pool_limits(self.budgets)
         fill = gpu_fill(self.budgets["gpu"])
-        if mem.host > host_cap or any(v > limits[p] for p, v in mem.pools().items()):
+        host_fits = lambda mem: mem.host <= host_cap and all(v <= limits[p] for p, v in mem.pools().items())
+        if not host_fits(mem) and mem.host_slack and placed.replay is None and self.replay is None:
+            # Replayed, torch pins the homes in power-of-two blocks (memory.host_slack) that the
+            # budget cannot hold: decode can still run eagerly, its homes registered exactly.
+            placed = placed.with_(replay=False)
+            mem = breakdown(self.model, self.work, placed)
+        if not host_fits(mem):
             return None
         if resident and not pinned and mem.gpu > fill:
             return None
@@ -478,22 +487,18 @@ def _smallest_budget(s: _Search, space: Space, pins: Pins) -> str:
                 f"{fmt_bytes(need)}), {fmt_bytes(s.budgets['gpu'])} available "
                 f"(smallest that fits: --gpu-mem {_size_flag(need)})")
     off = (m.units - r) * unit
-    if pins.replay:   # replayed decode cannot read disk units: host RAM must hold the offloaded KV
+    if pins.replay:   # replayed decode cannot read disk units: host RAM must hold the offloaded KV,
+        pinned = breakdown(m, work, lean.with_(resident=r, disk=0, replay=True)).host   # as torch pins it
         return (f"host-mem: no plan fits with --replay on: {fmt_bytes(off)} of KV must leave the GPU into host RAM "
-                f"(decode replay cannot run disk units), host {fmt_bytes(s.budgets['host'])} available "
-                f"(smallest that fits: --host-mem {_size_flag((off + ring_bytes(s, lean, r)) / HOST_KV_FRACTION)}, "
-                "or --replay off or auto)")
+                f"(decode replay cannot run disk units; torch pins it as {fmt_bytes(pinned)}), host "
+                f"{fmt_bytes(s.budgets['host'])} available (smallest that fits: --host-mem "
+                f"{_size_flag(pinned / HOST_KV_FRACTION)}, or --replay off or auto)")
     ring = breakdown(m, work, lean.with_(resident=r, disk=1)).host_buffers
     disk_need = max(1, math.ceil((off + ring - s.budgets["host"] * HOST_KV_FRACTION) / unit)) * unit
     return (f"host-mem: no plan fits: {fmt_bytes(off)} of KV must leave the GPU, host "
             f"{fmt_bytes(s.budgets['host'])} and disk {fmt_bytes(s.budgets['disk'])} available (smallest that "
             f"fits: --host-mem {_size_flag(off / HOST_KV_FRACTION)}, or --disk-mem {_size_flag(disk_need)} "
             f"with this host budget)")
-
-
-def ring_bytes(s: _Search, lean: Plan, resident: int) -> int:
-    """Host buffers (staging rings) of `lean` with `resident` units and none on disk."""
-    return breakdown(s.model, s.work, lean.with_(resident=resident, disk=0)).host_buffers
 
 
 def _size_flag(n: float) -> str:
@@ -509,7 +514,7 @@ def max_context(model: ModelSpec, decode_tokens: int, batch: int, budgets: dict[
     fewer resident units need more host and disk, more do not fit the GPU."""
     def ok(ctx: int) -> bool:
         work = Workload(ctx, decode_tokens, batch)
-        s = _Search(model, work, None, budgets)   # memory only: no hardware needed
+        s = _Search(model, work, None, budgets, replay=pins.replay)   # memory only: no hardware needed
         try:
             space = Space.of(model, work, replace(pins, chunk=min(pins.chunk, ctx)) if pins.chunk else pins)
         except ValueError:

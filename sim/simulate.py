@@ -24,7 +24,7 @@ from kvpipe.pipeline.builder import build
 from kvpipe.pipeline.hardware import HardwareProfile
 from kvpipe.pipeline.memory import MemoryBreakdown, breakdown, chunk_sizes
 from kvpipe.pipeline.model import ModelSpec
-from kvpipe.pipeline.plan import Plan
+from kvpipe.pipeline.plan import Plan, replays_decode  # noqa: F401 (re-exported: kvpipe.api, inputs)
 from kvpipe.pipeline.report import Report, Timing, decode_head_ends, timing_from_trace
 from kvpipe.pipeline.cost import host_issue_seconds
 from kvpipe.pipeline.stage import LANE_OF_KIND, Kind, Lane, Phase, Pool
@@ -39,13 +39,6 @@ PREFILL_MIN_CHUNKS = 24   # fewer chunks than this: the prefill is simulated in 
 PREFILL_TOL = 0.01        # relative gap between a sampled chunk time and the line that splits an interval
 PREFILL_MAX_SAMPLES = 8   # interior windows at most
 RAMP = 2                  # chunks a window needs to reach its steady state
-
-
-def replays_decode(model: ModelSpec, work: Workload) -> bool:
-    """Whether `kvpipe run --replay auto` replays this workload's decode steps on a CUDA GPU
-    (mirrors executor.replay.replay_supported: bf16/fp16 FA2 varlen, batch 1)."""
-    return model.dtype in ("bf16", "fp16") and work.batch == 1 and model.head_dim % 8 == 0 \
-        and model.head_dim <= 256 and work.decode_tokens > 0
 
 
 def host_step_s(graph, hw: HardwareProfile, replay: bool) -> float:
