@@ -48,9 +48,9 @@ def predicted(spec: ModelSpec, work: Workload, plan: Plan, hw, replay: str, pred
     """The simulator's figures for `plan`, decode replayed as `kvpipe run --replay auto` would
     (the plan's replay choice where it has one; `replay` "off": issued stage by stage), and fused
     where replayed (`--fuse auto`, run's default)."""
-    from kvpipe.sim.simulate import replays_decode, simulate
-    replayed = (replay != "off" and plan.replay is not False and replays_decode(spec, work)
-                and plan.replay_blocker is None)
+    from kvpipe.pipeline.plan import decode_replayed
+    from kvpipe.sim.simulate import simulate
+    replayed = replay != "off" and decode_replayed(spec, work, plan)
     rep = (pred or simulate(spec, work, plan, hw, replay=replayed, fuse=replayed)).report
     t = rep.timing
     return {"prefill_s": t.prefill_s, "ttft_s": t.ttft_s, "decode_s_per_token": t.decode_s_per_token,

@@ -16,7 +16,7 @@ import os
 import sys
 
 from kvpipe.pipeline.model import ModelSpec, load_model
-from kvpipe.pipeline.plan import Plan
+from kvpipe.pipeline.plan import Plan, decode_replayed
 from kvpipe.pipeline.report import Report
 from kvpipe.pipeline.units import fmt_bytes, fmt_tokens
 from kvpipe.pipeline.workload import Workload
@@ -57,13 +57,11 @@ def _predict(model, work, plan: Plan, hw, budgets, full: bool = False, max_conte
     from kvpipe.pipeline.fusion import decode_fused, refuse_unfusable
     from kvpipe.pipeline.memory import breakdown
     from kvpipe.pipeline.report import budget_problems
-    from kvpipe.sim.simulate import replays_decode, simulate
+    from kvpipe.sim.simulate import simulate
     plan.check(model, work)
     problems = tuple(budget_problems(breakdown(model, work, plan), budgets))
-    if replay is None and plan.replay is not None:
-        replay = plan.replay
     if replay is None:   # disk units, lossy KV and an h2d codec run eagerly (no CUDA graph holds them)
-        replay = replays_decode(model, work) and plan.replay_blocker is None
+        replay = decode_replayed(model, work, plan)
     refuse_unfusable(fuse, replay)
     pred = pred or simulate(model, work, plan, hw, full=full, replay=replay, fuse=decode_fused(fuse, replay))
     return Predicted(plan, problems, pred.report, pred.trace, max_context, pred.fused, pred.compile_s)

@@ -39,7 +39,7 @@ from kvpipe.pipeline.fusion import decode_fused
 from kvpipe.pipeline.hardware import HardwareProfile
 from kvpipe.pipeline.memory import breakdown, gpu_budget_for, pool_limits
 from kvpipe.pipeline.model import ModelSpec
-from kvpipe.pipeline.plan import Method, PhasePlan, Plan
+from kvpipe.pipeline.plan import Method, PhasePlan, Plan, decode_replayed
 from kvpipe.pipeline.rules import GPU_FILL_FRACTION, HOST_KV_FRACTION, first_true, gpu_fill
 from kvpipe.pipeline.units import fmt_bytes
 from kvpipe.pipeline.workload import Workload
@@ -174,7 +174,7 @@ class _Search:
     def replays(self, plan: Plan) -> bool:
         """How the plan's decode is simulated: its replay choice, else as `run --replay auto` would
         run it (replayed where it can be; the search gives every plan that can a choice)."""
-        return plan.replay if plan.replay is not None else self.can_replay(plan)
+        return decode_replayed(self.model, self.work, plan)
 
     def stamped(self, plan: Plan) -> Plan | None:
         """`plan` with the replay choice the first pass searches: True where decode can replay
