@@ -37,16 +37,12 @@ CODECS = (("int4", 4, 32, 64), ("int8", 8, 64, None))   # name, bits, group, V-g
 
 def whole_slot_decode(codec, qslot: torch.Tensor, slot: torch.Tensor, j0: int, j1: int) -> None:
     """The pre-fix compiled region (executor/qstore.py before the fix): slot_decode with the
-    slicing and the two half copies inside it, so the whole exact slot is an input it writes."""
-    from kvpipe.executor.quant import dequant_math
+    slicing and the two half copies (`halves_decode`) inside it, so the whole exact slot is an
+    input it writes."""
     B, J, nb = qslot.shape[0], j1 - j0, qslot.shape[2] // codec.record
     rec = qslot[:, j0:j1].view(B, J, nb, codec.record)
     out = slot[:, j0:j1, :nb * codec.group].view(B, J, nb, codec.group, 2, codec.D)
-    kc, ks, kz, vc, vs, vz = codec.fields(rec)
-    k = dequant_math(kc, ks, kz, codec.bits, torch.float32, out.dtype)
-    out[..., 0, :].copy_(k.flatten(-2).transpose(-1, -2))
-    v = dequant_math(vc, vs, vz, codec.bits, torch.float32, out.dtype)
-    out[..., 1, :].copy_(v.flatten(-2))
+    halves_decode(codec, rec, out)
 
 
 def halves_decode(codec, rec: torch.Tensor, out: torch.Tensor) -> None:
