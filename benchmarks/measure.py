@@ -33,6 +33,18 @@ def host_rss_peak_bytes() -> int | None:
     return None
 
 
+def child_pids() -> list[int]:
+    """This process's child processes (Linux /proc; [] where it has none to read)."""
+    kids: list[int] = []
+    try:
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/children") as f:
+                kids += [int(p) for p in f.read().split()]
+    except OSError:
+        pass
+    return kids
+
+
 def reset_host_rss_peak() -> None:
     """Start VmHWM again from the current resident size (Linux clear_refs 5); silent where refused."""
     try:
@@ -60,8 +72,9 @@ def process_mem_bytes() -> int | None:
 class Row:
     """One measured row. `json`: `measured` (prefill_s, decode_s_per_token, total_s, ttft_s,
     peak_gpu_bytes from the allocator, reserved_gpu_bytes, process_gpu_bytes from nvidia-smi),
-    the run's decode issue mode, graphs, capture/compile seconds, `warmup_s`, `run_s` (the timed
-    run's wall, buffers included), `pinned_alloc_s` (time torch spent creating pinned blocks) and
+    the run's decode issue mode, graphs, capture/compile seconds, `warmup_s`, `run_s` (one timed
+    run's wall, buffers included; the mean over `repeats`), `samples` (each timed run's times; `measured`
+    holds their medians), `repeat_outputs_agree`, `loadavg_1m`, `child_processes`, `pinned_alloc_s` (time torch spent creating pinned blocks) and
     `wall_s`, and in every row `host_rss_peak_bytes` (the process's peak resident host memory
     over the row, VmHWM) and `torch_pinned_peak_bytes` (torch's pinned allocator, its cached
     blocks and slack included; None on CPU); or `error` (with `oom` true for an out-of-memory)
@@ -129,10 +142,12 @@ class Bench:
     def budgets(self) -> dict[str, int]:
         return {"gpu": self.gpu_budget, "host": self.host_budget, "disk": 0}
 
-    def row(self, plan, work, replay: str = "auto", keep_logits: bool = False, fuse: str | None = None) -> Row:
+    def row(self, plan, work, replay: str = "auto", keep_logits: bool = False, fuse: str | None = None,
+            repeats: int = 1) -> Row:
         """Measure `plan` on `work` (batch 1, context <= max_context). A plan over the budgets is
         refused without running, as `kvpipe run` refuses it; any error ends only this row. `fuse`:
-        auto|on|off (None: run's default, KVPIPE_FUSE else auto)."""
+        auto|on|off (None: run's default, KVPIPE_FUSE else auto). `repeats` timed runs after the
+        one warm-up: `measured` holds each time's median over them, `samples` every run's times."""
         from kvpipe.pipeline.memory import breakdown
         from kvpipe.pipeline.report import budget_problems
         if work.context > self.max_context:
@@ -145,25 +160,33 @@ class Bench:
         self.last_context = work.context
         reset_host_rss_peak()
         self._reset_host_peak()
+        load0 = os.getloadavg()[0]
         t0 = time.perf_counter()
         try:
-            info, logits = self._run(plan, work, replay, keep_logits, fuse)
+            info, logits = self._run(plan, work, replay, keep_logits, fuse, repeats)
         except Exception as e:   # one failed row must not lose the others
             info, logits = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
                             "oom": type(e).__name__ == "OutOfMemoryError" or "out of memory" in str(e)}, None
         # outside the except block: the traceback's frames (and their tensors) are gone
         info["wall_s"] = time.perf_counter() - t0
+        info["loadavg_1m"] = [load0, os.getloadavg()[0]]   # the host's load at the row's start and end
+        info["child_processes"] = len(child_pids())       # e.g. a compile-worker pool left running
         info["host_rss_peak_bytes"] = host_rss_peak_bytes()
         info["torch_pinned_peak_bytes"] = self._host_stats().get("allocated_bytes.peak")
         self._clean()
         return Row(info, logits)
 
-    def _run(self, plan, work, replay: str, keep_logits: bool, fuse: str | None = None) -> tuple[dict, object]:
+    def _run(self, plan, work, replay: str, keep_logits: bool, fuse: str | None = None,
+             repeats: int = 1) -> tuple[dict, object]:
+        import statistics
+
         import torch
 
         from kvpipe.executor import session
         from kvpipe.pipeline.builder import build
         from kvpipe.pipeline.report import timing_from_trace
+        if repeats < 1:
+            raise ValueError(f"repeats: {repeats} is not a positive count")
         graph, ids = build(self.spec, work, plan), self.ids[:, :work.context]
         alloc0 = self._pinned_alloc_s()
         t0 = time.perf_counter()
@@ -176,16 +199,27 @@ class Bench:
             torch.cuda.set_per_process_memory_fraction(min(1.0, self.gpu_budget / total), self.dev)
             session.warm_up(graph, self.hf, ids, self.dev, replay=replay, fuse=fuse)
         t1 = time.perf_counter()
-        m = session.run_graph(graph, self.hf, ids, self.dev, self.gpu_budget, progress=False, warmup=False,
-                              replay=replay, fuse=fuse)
+        samples, digests = [], set()
+        for _ in range(repeats):
+            m = session.run_graph(graph, self.hf, ids, self.dev, self.gpu_budget, progress=False, warmup=False,
+                                  replay=replay, fuse=fuse)
+            t = timing_from_trace(m.result.trace)
+            digests.add(m.digest)
+            samples.append({"prefill_s": t.prefill_s, "decode_s_per_token": t.decode_s_per_token,
+                            "total_s": t.total_s, "ttft_s": t.ttft_s})
         t2 = time.perf_counter()
-        r, t = m.result, timing_from_trace(m.result.trace)
-        info = {"measured": {"prefill_s": t.prefill_s, "decode_s_per_token": t.decode_s_per_token,
-                             "total_s": t.total_s, "ttft_s": t.ttft_s, "peak_gpu_bytes": r.peak_gpu_bytes,
+        r = m.result
+
+        def med(key):
+            vals = [s[key] for s in samples if s[key] is not None]
+            return statistics.median(vals) if vals else None
+        info = {"measured": {"prefill_s": med("prefill_s"), "decode_s_per_token": med("decode_s_per_token"),
+                             "total_s": med("total_s"), "ttft_s": med("ttft_s"), "peak_gpu_bytes": r.peak_gpu_bytes,
                              "reserved_gpu_bytes": torch.cuda.max_memory_reserved(self.dev) if self.cuda else 0,
                              "process_gpu_bytes": process_mem_bytes() if self.cuda else None},
+                "repeats": repeats, "samples": samples, "repeat_outputs_agree": len(digests) == 1,
                 "decode_issue": r.decode_issue, "graphs": r.graphs, "capture_s": r.capture_s, "fused": r.fused,
-                "compile_s": r.compile_s, "fuse_note": r.fuse_note, "warmup_s": t1 - t0, "run_s": t2 - t1,
+                "compile_s": r.compile_s, "fuse_note": r.fuse_note, "warmup_s": t1 - t0, "run_s": (t2 - t1) / repeats,
                 "pinned_alloc_s": None if alloc0 is None else self._pinned_alloc_s() - alloc0,
                 "tokens": r.tokens[0].tolist(),
                 "output_digest": m.digest}

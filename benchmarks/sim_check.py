@@ -1,6 +1,7 @@
 """The simulator against real runs (issue 10 §4): 18 explicit plans spanning contexts 4K-512K,
-groups 1/2/4/8, resident none/some/all and prefill chunks 2K-32K, each run once on the GPU
-(prefill and a few decode steps, replayed as `kvpipe run --replay auto` does) and predicted by the
+groups 1/2/4/8, resident none/some/all and prefill chunks 2K-32K, each run on the GPU after an
+untimed warm-up (prefill and a few decode steps, replayed as `kvpipe run --replay auto` does; the
+median of 5 timed runs to 16K, 3 at 32K, 1 beyond: `repeats_of`) and predicted by the
 simulator with a profile whose numbers are measurements (`kvpipe calibrate`), never fitted to
 these rows. Llama-3-8B shapes, random bf16 weights, batch 1, allocator capped at 24 GB; one
 process builds the model once (~2 minutes of H200 time for the rows to 128K, ~4 more for 512K).
@@ -60,6 +61,14 @@ ROWS = {
 DIAGNOSED = ("8k-g8-all-c8k", "32k-g8-all-c8k", "32k-g8-some-c16k")
 
 
+def repeats_of(context: int) -> int:
+    """Timed runs of a row after its warm-up; the row's figure is their median (device/METHOD.md:
+    warm up, repeat, take the median). Rule fixed 2026-12-01 (seventh session) before its rows ran;
+    until then each row was ONE timed run, and the short host-bound rows varied up to 1.6x between
+    sessions. Long rows stay at one run (a 128K prefill is 12 s, a 512K one over 2 minutes)."""
+    return 5 if context <= 16384 else 3 if context <= 32768 else 1
+
+
 def plan_of(name: str):
     from kvpipe.pipeline.plan import Method, PhasePlan, Plan
     _, group, chunk, resident = ROWS[name]
@@ -111,12 +120,15 @@ def predict(row: dict, hw) -> dict:
     return {"prefill_s": rep.timing.prefill_s, "decode_s_per_token": rep.timing.decode_s_per_token}
 
 
-def errors(res: dict) -> dict[str, list[float]]:
-    """Relative errors (predicted - measured) / measured, per metric, over rows with both."""
+def errors(res: dict, first: bool = False) -> dict[str, list[float]]:
+    """Relative errors (predicted - measured) / measured, per metric, over rows with both; `first`:
+    against each row's first timed run instead of the median of its repeats (rows of one run:
+    the same)."""
     out: dict[str, list[float]] = {"prefill_s": [], "decode_s_per_token": []}
     for r in res["rows"].values():
         for key in out:
-            m, p = r.get("measured", {}).get(key), r.get("predicted", {}).get(key)
+            meas = r["samples"][0] if first and r.get("samples") else r.get("measured", {})
+            m, p = meas.get(key), r.get("predicted", {}).get(key)
             if m and isinstance(p, float):
                 out[key].append((p - m) / m)
     return out
@@ -141,9 +153,15 @@ def table(res: dict) -> list[str]:
                 cells.append(fmt.format(mv * scale, pv * scale) + f"{(pv - mv) / mv:+7.0%}")
             else:
                 cells.append(" " * (19 if key == "prefill_s" else 20) + "      -")
-        lines.append(f"{name:20}" + "".join(cells) + ("  (diagnosed)" if name in DIAGNOSED else ""))
+        pre = [x["prefill_s"] for x in r.get("samples", []) if x.get("prefill_s")]
+        spread = f"  n={len(pre)} {min(pre):.3f}-{max(pre):.3f}" if len(pre) > 1 else ""
+        lines.append(f"{name:20}" + "".join(cells) + ("  (diagnosed)" if name in DIAGNOSED else "") + spread)
     for key, s in summary(errors(res)).items():
         lines.append(f"{key:20} {s['rows']} rows: median |error| {s['median_abs']:.1%}, max {s['max_abs']:.1%}")
+    if any(r.get("repeats", 1) > 1 for r in res["rows"].values()):
+        for key, s in summary(errors(res, first=True)).items():
+            lines.append(f"{key + ' (1st run)':20} {s['rows']} rows: median |error| {s['median_abs']:.1%}, "
+                         f"max {s['max_abs']:.1%} (each row's first timed run, as before the repeats)")
     return lines
 
 
@@ -233,7 +251,7 @@ def measure(out: Path, names: list[str], decode: int, warm_row: str | None = Non
             context = ROWS[name][0]
             work, plan = Workload(context, decode, 1), plan_of(name)
             row = {"context": context, "decode_tokens": decode, "plan": plan.to_json()}
-            got = bench.row(plan, work, replay="auto")
+            got = bench.row(plan, work, replay="auto", repeats=repeats_of(context))
             row.update(got.json)
             res["rows"][name] = row
             note(name, got)
@@ -255,6 +273,7 @@ def report(res: dict, hw_name: str, out: Path, session_small: bool = False, sess
         if "measured" in r:
             r["predicted"] = predict(r, hw)
     res["summary"] = summary(errors(res))
+    res["summary_first_run"] = summary(errors(res, first=True))
     res["predicted_on"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     out.write_text(json.dumps(res, indent=2))
     return [plot(res, out.with_suffix(".png")), f"profile: {res['profile']}"] + table(res)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from .compiling import compile_fn
 from kvpipe.pipeline.fusion import FUSE_ENV, fuse_mode  # noqa: F401  (the setting's one definition)
 
 _ACTS = {"silu": F.silu}      # hidden_act -> the function HF's ACT2FN applies (extension: one line)
@@ -76,7 +77,7 @@ def compiled(name: str, compile: bool) -> Callable:
     fn = _MATH[name]
     if not compile:
         return fn
-    return torch.compile(fn, fullgraph=True, dynamic=False, options={"emulate_precision_casts": True})
+    return compile_fn(fn, fullgraph=True, dynamic=False, options={"emulate_precision_casts": True})
 
 
 class FusedDecode:

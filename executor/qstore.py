@@ -38,6 +38,7 @@ from collections import Counter
 
 import torch
 
+from .compiling import compile_fn
 from .quant import LEVELS, Quantized, dequant_math, dequantize, quantize
 
 DECODE_VALUES = 1 << 25   # eager decode: values dequantised per pass, bounding the float32
@@ -85,7 +86,7 @@ def compiled_records():
     """`records_decode` compiled by torch.compile (inductor: Triton on CUDA, C++ on CPU), memoised
     for the process; static shapes (dynamo specialises on the codec's constants and the views'
     shapes and strides)."""
-    return torch.compile(records_decode, dynamic=False)
+    return compile_fn(records_decode, dynamic=False)
 
 
 @functools.cache

@@ -147,3 +147,19 @@ def test_cuda_rows_in_one_process_leave_nothing_allocated(tmp_path_factory):
         for _ in range(4):
             assert bench.row(plan, work).ok
         assert torch.cuda.memory_allocated() - after_one < 16 << 20, (after_one, torch.cuda.memory_allocated())
+
+
+def test_repeats_take_the_median_of_every_timed_run(bench):
+    """Fault caught: `measured` holding one run (the first or the last) when a row asks for
+    repeats, a repeat reusing the previous run's KV (its output would differ), or the runs'
+    samples not kept: the median is recomputed here from the samples by hand."""
+    row = bench.row(_plan(0), Workload(64, 2, 1), repeats=3)
+    assert row.ok, row.json
+    j = row.json
+    assert j["repeats"] == 3 and len(j["samples"]) == 3 and j["repeat_outputs_agree"] is True
+    for key in ("prefill_s", "decode_s_per_token", "total_s"):
+        vals = sorted(s[key] for s in j["samples"])
+        assert j["measured"][key] == vals[1]
+    assert isinstance(j["child_processes"], int) and len(j["loadavg_1m"]) == 2
+    bad = bench.row(_plan(0), Workload(64, 2, 1), repeats=0)
+    assert not bad.ok and "repeats" in bad.json["error"]

@@ -53,3 +53,24 @@ def test_error_summary_per_metric():
     lines = table(res)
     assert lines[-2].startswith("prefill_s") and "median |error| 10.0%, max 25.0%" in lines[-2]
     assert any("failed: OutOfMemoryError" in line for line in lines)
+
+
+def test_first_run_errors_and_spread_beside_the_median():
+    """Fault caught: the report judging a repeated row by one of its runs, or dropping the
+    first-run comparison with the sessions measured before repeats."""
+    res = {"rows": {"a": {"measured": {"prefill_s": 1.0, "decode_s_per_token": 0.010},
+                          "repeats": 3, "samples": [{"prefill_s": 2.0, "decode_s_per_token": 0.010},
+                                                    {"prefill_s": 1.0, "decode_s_per_token": 0.010},
+                                                    {"prefill_s": 0.9, "decode_s_per_token": 0.010}],
+                          "predicted": {"prefill_s": 1.1, "decode_s_per_token": 0.010}}}}
+    assert errors(res)["prefill_s"] == pytest.approx([0.1])
+    assert errors(res, first=True)["prefill_s"] == pytest.approx([-0.45])
+    lines = table(res)
+    assert "n=3 0.900-2.000" in lines[1]
+    assert any("(1st run)" in line and "max 45.0%" in line for line in lines)
+
+
+def test_repeats_rule():
+    """Fault caught: the fixed rule (5 runs to 16K, 3 at 32K, 1 beyond) drifting."""
+    from benchmarks.sim_check import repeats_of
+    assert [repeats_of(c) for c in (4096, 16384, 32768, 65536, 524288)] == [5, 5, 3, 1, 1]
