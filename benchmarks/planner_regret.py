@@ -188,12 +188,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--order", default="rank", choices=["rank", "cheap"], help="rank: every workload's pick, then "
                     "every first runner-up, ...; cheap: the cheapest workload's rows all, then the next")
     ap.add_argument("--table", nargs="+", metavar="FILE.json", help="print the table of saved results")
+    ap.add_argument("--pick-plans", metavar="PLANS.json", help="with --table: where today's picks (an --estimate "
+                    "file) are among the saved measurements, and their regret")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     started = time.monotonic()
     try:
         if args.table:
-            print("\n".join(table([json.loads(Path(f).read_text()) for f in args.table])))
+            saved = [json.loads(Path(f).read_text()) for f in args.table]
+            print("\n".join(table(saved)))
+            if args.pick_plans:
+                from benchmarks.regret_table import current_picks
+                print("\n".join(current_picks(saved, json.loads(Path(args.pick_plans).read_text()))))
             return 0
         return regret_run(args, started)
     except (ValueError, OSError) as e:

@@ -2,6 +2,8 @@
 and how many rows were measured; saved parts of one run joined; the table printed last."""
 from __future__ import annotations
 
+import json
+
 from benchmarks.regret_plans import OBJECTIVE_KEY
 
 
@@ -63,4 +65,39 @@ def table(results: list[dict]) -> list[str]:
             short = "" if n >= 9 else f"; only {n} measured (issue: the pick and >= 8 others)"
             lines.append(f"{name:>8} => pick regret {'-' if reg is None else f'{reg:+.1%}'} over {n} measured: "
                          f"{verdict}{short}")
+    return lines
+
+
+def _eager(row: dict) -> bool:
+    """The row's decode ran eagerly: run with --replay off, or a plan that chose eager decode."""
+    return row.get("replay") == "off" or row["plan"].get("replay") is False
+
+
+def _knobs(plan: dict) -> str:
+    return json.dumps({k: plan.get(k) for k in ("method", "prefill", "decode", "resident", "disk")}, sort_keys=True)
+
+
+def current_picks(results: list[dict], plans: dict) -> list[str]:
+    """The regret of TODAY's planner picks (`plans`: a planner_regret --estimate file) over saved
+    measurements made earlier: per workload, the measured row whose plan has the pick's knobs and
+    decode mode (replayed or eager) is the pick's measurement, judged against the best of every
+    measured row of that workload (saved parts joined by merge). A pick no row measured says so."""
+    lines = []
+    for res in merge(results):
+        key = OBJECTIVE_KEY[res["objective"]]
+        for name, wl in res["workloads"].items():
+            if name not in plans["workloads"]:
+                continue
+            pick = plans["workloads"][name]["rows"][0]
+            want = (_knobs(pick["plan"]), _eager(pick))
+            same = [r for r in wl["rows"] if r.get("measured", {}).get(key) is not None
+                    and (_knobs(r["plan"]), _eager(r)) == want]
+            best, n = wl.get("best_measured"), wl.get("measured_rows", 0)
+            if not same or not best:
+                lines.append(f"{name:>8} => today's pick ({'eager' if want[1] else 'replayed'}) was not measured")
+                continue
+            m = same[0]["measured"][key]
+            reg = m / best - 1
+            lines.append(f"{name:>8} => today's pick = measured row {same[0]['label']!r} ({m:.4g} s): regret "
+                         f"{reg:+.1%} over {n} measured: {'within 5%' if reg <= 0.05 else 'MISSES 5%'}")
     return lines
