@@ -73,8 +73,8 @@ class Row:
     """One measured row. `json`: `measured` (prefill_s, decode_s_per_token, total_s, ttft_s,
     peak_gpu_bytes from the allocator, reserved_gpu_bytes, process_gpu_bytes from nvidia-smi),
     the run's decode issue mode, graphs, capture/compile seconds, `warmup_s`, `run_s` (one timed
-    run's wall, buffers included; the mean over `repeats`), `samples` (each timed run's times; `measured`
-    holds their medians), `repeat_outputs_agree`, `loadavg_1m`, `child_processes`, `pinned_alloc_s` (time torch spent creating pinned blocks) and
+    run's wall, buffers included; the mean over `repeats`), `samples` (each timed run's times and its cudaMalloc
+    count `device_allocs`; `measured` holds their medians), `repeat_outputs_agree`, `loadavg_1m`, `child_processes`, `pinned_alloc_s` (time torch spent creating pinned blocks) and
     `wall_s`, and in every row `host_rss_peak_bytes` (the process's peak resident host memory
     over the row, VmHWM) and `torch_pinned_peak_bytes` (torch's pinned allocator, its cached
     blocks and slack included; None on CPU); or `error` (with `oom` true for an out-of-memory)
@@ -201,12 +201,15 @@ class Bench:
         t1 = time.perf_counter()
         samples, digests = [], set()
         for _ in range(repeats):
+            mallocs0 = self._device_allocs()
             m = session.run_graph(graph, self.hf, ids, self.dev, self.gpu_budget, progress=False, warmup=False,
                                   replay=replay, fuse=fuse)
             t = timing_from_trace(m.result.trace)
             digests.add(m.digest)
+            mallocs1 = self._device_allocs()
             samples.append({"prefill_s": t.prefill_s, "decode_s_per_token": t.decode_s_per_token,
-                            "total_s": t.total_s, "ttft_s": t.ttft_s})
+                            "total_s": t.total_s, "ttft_s": t.ttft_s,
+                            "device_allocs": None if mallocs0 is None or mallocs1 is None else mallocs1 - mallocs0})
         t2 = time.perf_counter()
         r = m.result
 
@@ -224,6 +227,13 @@ class Bench:
                 "tokens": r.tokens[0].tolist(),
                 "output_digest": m.digest}
         return info, (r.last_logits.detach().float().cpu().clone() if keep_logits else None)
+
+    def _device_allocs(self) -> int | None:
+        """cudaMalloc calls of the caching allocator so far (None on CPU or where torch has no count)."""
+        if not self.cuda:
+            return None
+        import torch
+        return torch.cuda.memory_stats(self.dev).get("num_device_alloc")
 
     def _host_stats(self) -> dict:
         """torch's pinned-host allocator statistics ({} on CPU, or where this torch has none)."""
