@@ -11,6 +11,7 @@ import argparse
 import inspect
 import json
 import logging
+import os
 import re
 import sys
 
@@ -20,6 +21,7 @@ from kvpipe.pipeline.plan import Method
 EXIT_BAD_INPUT = 2
 EXIT_DOES_NOT_FIT = 3
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141   # 128 + SIGPIPE, as a C tool killed by it: `kvpipe plan --json | head`
 
 UNITS = ("units: token counts take binary K/M (128K = 131072, 1M = 1048576); sizes are decimal with "
          "KB/MB/GB/TB (24GB = 24e9 bytes) or binary with KiB/MiB/GiB/TiB (24GiB = 24 * 2^30); sizes "
@@ -239,6 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"plan": cmd_plan, "run": cmd_run, "calibrate": cmd_calibrate,
                 "codecs": cmd_codecs}[args.command](args)
+    except BrokenPipeError:   # the reader went away (`| head`): stop quietly, and keep Python's
+        # exit-time flush of stdout from failing again (the Python docs' recipe for SIGPIPE)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except (ValueError, OSError) as e:
         return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     except RuntimeError as e:

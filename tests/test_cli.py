@@ -414,3 +414,15 @@ def test_docs_and_profiles_point_inside_the_repository():
         for ref in re.findall(r"docs/[A-Za-z_]+\.md", text):
             assert (root / ref).is_file(), (f.name, ref)
     assert (root / "docs" / "DESIGN.md").is_file()
+
+
+def test_a_reader_that_goes_away_ends_the_output_quietly():
+    """Fault caught: `kvpipe plan --json | head` printing 'kvpipe: error: [Errno 32] Broken pipe'
+    (or a traceback from the exit-time flush) when the reader closes the pipe early."""
+    import os
+    r, w = os.pipe()
+    os.close(r)                                  # the reader is gone before the first byte
+    proc = subprocess.run([sys.executable, "-m", "kvpipe", "plan", "--model", "llama-3-8b", "--context", "128K",
+                           "--json"], stdout=w, stderr=subprocess.PIPE, text=True, timeout=120)
+    os.close(w)
+    assert proc.stderr == "" and proc.returncode == 141
