@@ -17,11 +17,20 @@ class Terminated(KeyboardInterrupt):
 @contextlib.contextmanager
 def sigterm_raises():
     """While inside, SIGTERM stops the run like Ctrl-C (asyncio cancels it cleanly when it owns
-    SIGINT) and surfaces as Terminated; outside the main thread nothing changes."""
+    SIGINT) and surfaces as Terminated; an ignored SIGINT (a background job) raises
+    KeyboardInterrupt while inside; outside the main thread nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     hit = threading.Event()
+    # A shell starts a background job (`kvpipe run ... &`) with SIGINT ignored. Then asyncio would
+    # not take SIGINT for its clean cancel, and SIGTERM could only be raised at whatever line was
+    # running: a traceback, printed after the run's own "terminated" line (seen under CI's nohup).
+    # While inside, SIGINT raises KeyboardInterrupt again, as in a foreground run.
+    sigint = signal.getsignal(signal.SIGINT)
+    swap = sigint in (signal.SIG_IGN, signal.SIG_DFL)
+    if swap:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def handler(signum, frame):
         hit.set()
@@ -39,3 +48,5 @@ def sigterm_raises():
         raise
     finally:
         signal.signal(signal.SIGTERM, before)
+        if swap:
+            signal.signal(signal.SIGINT, sigint)

@@ -72,6 +72,40 @@ def test_the_kv_file_is_removed_on_sigterm_and_ctrl_c(tiny_config, tmp_path):
                 p.kill()
 
 
+def test_a_background_job_stops_cleanly_on_sigterm_and_sigint(tiny_config, tmp_path):
+    """Catches the background-job case (`kvpipe run ... &`: the shell starts it with SIGINT
+    ignored): SIGTERM raised wherever the run happened to be, a traceback after the run's own
+    line; and `kill -INT` doing nothing. Both must end as in the foreground, the KV file removed."""
+    ignore = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)   # what sh does for `cmd &`
+    cases = {signal.SIGTERM: (143, "kvpipe: terminated (SIGTERM)"), signal.SIGINT: (130, "kvpipe: interrupted")}
+    procs = {}
+    try:
+        for sig in cases:
+            d = tmp_path / sig.name
+            d.mkdir()
+            procs[sig] = (d, subprocess.Popen(cmd(tiny_config, d, "--disk", "2", "--context", "256", "--chunk", "64",
+                                                  "--decode-tokens", "4000", "--no-warmup"), preexec_fn=ignore,
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        deadline = time.monotonic() + 120
+        for sig, (d, p) in procs.items():
+            while not os.listdir(d):
+                assert p.poll() is None and time.monotonic() < deadline, "the run never made its file"
+                time.sleep(0.05)
+        time.sleep(0.5)
+        for sig, (d, p) in procs.items():
+            p.send_signal(sig)
+        for sig, (d, p) in procs.items():
+            _, err = p.communicate(timeout=120)
+            code, line = cases[sig]
+            assert p.returncode == code, (sig, err[-2000:])
+            assert err.strip().splitlines()[-1] == line and "Traceback" not in err, (sig, err[-2000:])
+            assert os.listdir(d) == [], sig
+    finally:
+        for _, p in procs.values():
+            if p.poll() is None:
+                p.kill()
+
+
 def test_a_plan_needing_more_disk_than_is_free_is_refused_with_the_numbers(tiny_config, tmp_path):
     """Catches a run that starts (allocates, writes) although its disk units cannot fit: on a
     real 64 KiB tmpfs in a private mount namespace, the refusal is one line with both sizes."""
