@@ -40,43 +40,13 @@ def test_disk_units_and_host_units_print_the_same_digest(tiny_config, tmp_path, 
     assert os.listdir(tmp_path) == []
 
 
-def test_the_kv_file_is_removed_on_sigterm_and_ctrl_c(tiny_config, tmp_path):
+@pytest.mark.parametrize("background", [False, True])
+def test_the_kv_file_is_removed_on_sigterm_and_ctrl_c(tiny_config, tmp_path, background):
     """Catches a KV file left on disk when the run is terminated (SIGTERM) or interrupted
-    (Ctrl-C) mid-way. Both runs go at once, each in its own directory."""
-    cases = {signal.SIGTERM: (143, "kvpipe: terminated (SIGTERM)"), signal.SIGINT: (130, "kvpipe: interrupted")}
-    procs = {}
-    try:
-        for sig in cases:
-            d = tmp_path / sig.name
-            d.mkdir()
-            procs[sig] = (d, subprocess.Popen(cmd(tiny_config, d, "--disk", "2", "--context", "256", "--chunk", "64",
-                                                  "--decode-tokens", "4000", "--no-warmup"),
-                                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-        deadline = time.monotonic() + 120
-        for sig, (d, p) in procs.items():
-            while not os.listdir(d):
-                assert p.poll() is None and time.monotonic() < deadline, "the run never made its file"
-                time.sleep(0.05)
-        time.sleep(0.5)                      # well into the runs
-        for sig, (d, p) in procs.items():
-            p.send_signal(sig)
-        for sig, (d, p) in procs.items():
-            _, err = p.communicate(timeout=120)
-            code, line = cases[sig]
-            assert p.returncode == code, (sig, err[-2000:])
-            assert err.strip().splitlines()[-1] == line
-            assert os.listdir(d) == [], sig
-    finally:
-        for _, p in procs.values():
-            if p.poll() is None:
-                p.kill()
-
-
-def test_a_background_job_stops_cleanly_on_sigterm_and_sigint(tiny_config, tmp_path):
-    """Catches the background-job case (`kvpipe run ... &`: the shell starts it with SIGINT
-    ignored): SIGTERM raised wherever the run happened to be, a traceback after the run's own
-    line; and `kill -INT` doing nothing. Both must end as in the foreground, the KV file removed."""
-    ignore = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)   # what sh does for `cmd &`
+    (Ctrl-C) mid-way. Both runs go at once, each in its own directory. `background`: started as
+    a shell starts `kvpipe run ... &`, with SIGINT ignored; catches SIGTERM then raised wherever
+    the run happened to be (a traceback after the run's own line) and `kill -INT` doing nothing."""
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if background else None
     cases = {signal.SIGTERM: (143, "kvpipe: terminated (SIGTERM)"), signal.SIGINT: (130, "kvpipe: interrupted")}
     procs = {}
     try:
@@ -91,7 +61,7 @@ def test_a_background_job_stops_cleanly_on_sigterm_and_sigint(tiny_config, tmp_p
             while not os.listdir(d):
                 assert p.poll() is None and time.monotonic() < deadline, "the run never made its file"
                 time.sleep(0.05)
-        time.sleep(0.5)
+        time.sleep(0.5)                      # well into the runs
         for sig, (d, p) in procs.items():
             p.send_signal(sig)
         for sig, (d, p) in procs.items():
