@@ -269,7 +269,8 @@ class Bench:
             torch.cuda.synchronize(self.dev)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.dev)
-            if self._host_stats().get("allocated_bytes.current", 0) > (self.host_budget or 0) / 2:
+            stats = self._host_stats()   # torch 2.11 adds "allocated_bytes" once a block was freed
+            if stats.get("allocated_bytes.current", stats.get("active_bytes.current", 0)) > (self.host_budget or 0) / 2:
                 self._release_pinned()
 
 
