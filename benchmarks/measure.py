@@ -172,7 +172,8 @@ class Bench:
         info["loadavg_1m"] = [load0, os.getloadavg()[0]]   # the host's load at the row's start and end
         info["child_processes"] = len(child_pids())       # e.g. a compile-worker pool left running
         info["host_rss_peak_bytes"] = host_rss_peak_bytes()
-        info["torch_pinned_peak_bytes"] = self._host_stats().get("allocated_bytes.peak")
+        pinned = self._host_stats()
+        info["torch_pinned_peak_bytes"] = pinned.get("allocated_bytes.peak", pinned.get("active_bytes.peak"))
         self._clean()
         return Row(info, logits)
 
