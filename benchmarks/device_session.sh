@@ -3,7 +3,7 @@
 # simpy, crc32c, zstandard), then run the named steps, each under its own time limit, logs and
 # JSON under $OUT. Runs from /tmp so the checkout's kvpipe/ folder cannot shadow the install.
 #   bash benchmarks/device_session.sh STEP[:SECONDS] ...
-# Steps: gputests calibrate hfcache32 hfcache hfeager tiers regrows(ROWS env) regimes diag(DIAG_ROWS env) codeclink fuse lossyrun simcheck(SIMCHECK_ARGS env, e.g. "--warm-row 4k-g1-all-c2k") t1m t1mpoll regret(REGRET_ARGS env, e.g. "--part 1/2 --budget-s 420"; REGRET_TAG names the JSON) dequant si4trace lossy128 lossy512 gpunew (SKIP_INSTALL=1: reuse the install of a warm machine)
+# Steps: gputests calibrate hfcache32 hfcache hfeager tiers regrows(ROWS env) regimes diag(DIAG_ROWS env) codeclink fuse lossyrun simcheck(SIMCHECK_ARGS env, e.g. "--warm-row 4k-g1-all-c2k") t1m t1mpoll regret(REGRET_ARGS env, e.g. "--part 1/2 --budget-s 420"; REGRET_TAG names the JSON) dequant si4trace lossy128 lossy128r lossy512 gpunew (SKIP_INSTALL=1: reuse the install of a warm machine)
 set -u
 R=$(pwd)
 OUT=${OUT:-$R/benchmarks/results}
@@ -55,6 +55,9 @@ for spec in "$@"; do
               tail -3 "$OUT/sparse-int4-run.log"; gzip -f "$OUT/sparse-int4-trace.json" ;;
     lossy128) timeout "$lim" python3 -m benchmarks.lossy_run --context 128K --decode-tokens 6 --gpu-mem 24GB --group 8 --resident none \
                 --hw h200-testbox --device cuda --sparse 0.2 --variants exact int8 int4 sparse-int4 --out "$OUT/lossy-run-128k.json" 2>&1 | grep -v Warning | tail -8 ;;
+    lossy128r) timeout "$lim" python3 -m benchmarks.lossy_run --context 128K --decode-tokens 6 --gpu-mem 24GB --group 8 --resident none \
+                --hw h200-testbox --device cuda --sparse 0.2 --rounds 2 --variants exact int8 int4 sparse-int4 \
+                --out "$OUT/lossy-run-128k-rounds.json" 2>&1 | grep -v Warning | tail -8 ;;   # ~420 s: 5 variants x 2 rounds
     lossy512) timeout "$lim" python3 -m benchmarks.lossy_run --context 512K --decode-tokens 4 --gpu-mem 24GB --group auto --resident none \
                 --hw h200-testbox --device cuda --sparse 0.2 --variants exact int4 sparse-int4 --out "$OUT/lossy-run-512k.json" 2>&1 | grep -v Warning | tail -8 ;;
     gpunew) timeout "$lim" python3 -m pytest -v -m gpu -p no:cacheprovider --rootdir "$R" "$R/tests/test_dequant_paths.py" \
