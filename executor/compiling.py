@@ -8,7 +8,10 @@ pool buys little, and its start-up burst (16 processes importing torch on the H2
 16 cores) runs while the host issues the next timed stages: the host-bound prefill rows of
 benchmarks/sim_check.py measured up to 1.6x slower in the row after a compile than in other
 processes (benchmarks/SIMMODEL.md). The workers' resident memory also counts against the host
-budget the pinned KV homes need. A user who sets TORCHINDUCTOR_COMPILE_THREADS keeps their setting."""
+budget the pinned KV homes need. The cost: the compile itself is serial, once per process (the H200's
+first warm-up of a sim_check process 9.6 s, against 5.9 s with the pool). A user who sets
+TORCHINDUCTOR_COMPILE_THREADS keeps their setting. The setting is process-wide: other torch.compile
+calls in the same process compile in-process too."""
 from __future__ import annotations
 
 import os
