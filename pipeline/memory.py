@@ -56,6 +56,12 @@ def pool_limits(budgets: dict[str, int]) -> dict[str, int]:
     return {"gpu": gpu_usable(budgets["gpu"]), "host": budgets["host"], "disk": budgets["disk"]}
 
 
+def over_limits(mem: MemoryBreakdown, budgets: dict[str, int]) -> list[str]:
+    """The pools whose peak exceeds what their budget allows (`pool_limits`), in `mem.pools()` order."""
+    limits = pool_limits(budgets)
+    return [pool for pool, need in mem.pools().items() if need > limits[pool]]
+
+
 def hidden_bytes(m: ModelSpec, batch: int, tokens: int) -> int:
     """The residual stream of a chunk, alive across all layers of the step."""
     return batch * tokens * m.hidden * m.dtype_bytes

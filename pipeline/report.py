@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from .memory import MemoryBreakdown, allocator_allowance, pool_limits
+from .memory import MemoryBreakdown, allocator_allowance, over_limits
 from .stage import Phase
 from .trace import Trace
 from .units import fmt_bytes, fmt_seconds
@@ -86,12 +86,10 @@ def budget_problems(mem: MemoryBreakdown, budgets: dict[str, int]) -> list[str]:
     """One line per pool whose peak exceeds what its budget allows (memory.pool_limits: the GPU
     budget less the caching allocator's allowance): 'gpu needs 23.5 GiB + 256.0 MiB allocator
     allowance, 22.4 GiB available'."""
-    limits, out = pool_limits(budgets), []
-    for pool, need in mem.pools().items():
-        if need > limits[pool]:
-            room = f" + {fmt_bytes(allocator_allowance(budgets[pool]))} allocator allowance" if pool == "gpu" else ""
-            out.append(f"{pool} needs {fmt_bytes(need)}{room}, {fmt_bytes(budgets[pool])} available")
-    return out
+    need = mem.pools()
+    room = lambda pool: f" + {fmt_bytes(allocator_allowance(budgets[pool]))} allocator allowance" if pool == "gpu" else ""
+    return [f"{pool} needs {fmt_bytes(need[pool])}{room(pool)}, {fmt_bytes(budgets[pool])} available"
+            for pool in over_limits(mem, budgets)]
 
 
 def fmt_s(x: float | None) -> str:

@@ -2,7 +2,7 @@
 knobs, then as many offloaded units in host RAM as its budget allows and the rest on disk."""
 from __future__ import annotations
 
-from .memory import breakdown, gpu_usable, pool_limits
+from .memory import breakdown, gpu_usable, over_limits
 from .model import ModelSpec
 from .plan import Method, PhasePlan, Plan
 from .workload import Workload
@@ -74,8 +74,7 @@ def max_resident(model: ModelSpec, work: Workload, plan: Plan, gpu_budget: int) 
 
 def fits(model: ModelSpec, work: Workload, plan: Plan, budgets: dict[str, int]) -> bool:
     """Every pool's peak within its limit (memory.pool_limits: the GPU's less the allocator's allowance)."""
-    mem, limits = breakdown(model, work, plan), pool_limits(budgets)
-    return all(mem.pools()[p] <= limits[p] for p in ("gpu", "host", "disk"))
+    return not over_limits(breakdown(model, work, plan), budgets)
 
 
 def max_context(method: Method, model: ModelSpec, decode_tokens: int, batch: int,

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 
 from kvpipe.pipeline.fusion import decode_fused
 from kvpipe.pipeline.hardware import HardwareProfile
-from kvpipe.pipeline.memory import breakdown, gpu_budget_for, pool_limits
+from kvpipe.pipeline.memory import breakdown, gpu_budget_for, over_limits
 from kvpipe.pipeline.model import ModelSpec
 from kvpipe.pipeline.plan import Method, PhasePlan, Plan, decode_replayed
 from kvpipe.pipeline.rules import GPU_FILL_FRACTION, HOST_KV_FRACTION, first_true, gpu_fill
@@ -208,9 +208,9 @@ class _Search:
             ring = breakdown(self.model, self.work, plan.with_(resident=resident, disk=1)).host_buffers
             disk = min(off, math.ceil((off * unit + ring - host_cap) / unit))
         placed = plan.with_(resident=resident, disk=disk)
-        mem, limits = breakdown(self.model, self.work, placed), pool_limits(self.budgets)
+        mem = breakdown(self.model, self.work, placed)
         fill = gpu_fill(self.budgets["gpu"])
-        host_fits = lambda mem: mem.host <= host_cap and all(v <= limits[p] for p, v in mem.pools().items())
+        host_fits = lambda mem: mem.host <= host_cap and not over_limits(mem, self.budgets)
         if not host_fits(mem) and mem.host_slack and placed.replay is None and self.replay is None:
             # Replayed, torch pins the homes in power-of-two blocks (memory.host_slack) that the
             # budget cannot hold: decode can still run eagerly, its homes registered exactly.
