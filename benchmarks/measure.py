@@ -172,8 +172,7 @@ class Bench:
         info["loadavg_1m"] = [load0, os.getloadavg()[0]]   # the host's load at the row's start and end
         info["child_processes"] = len(child_pids())       # e.g. a compile-worker pool left running
         info["host_rss_peak_bytes"] = host_rss_peak_bytes()
-        pinned = self._host_stats()
-        info["torch_pinned_peak_bytes"] = pinned.get("allocated_bytes.peak", pinned.get("active_bytes.peak"))
+        info["torch_pinned_peak_bytes"] = self._pinned_bytes("peak")
         self._clean()
         return Row(info, logits)
 
@@ -242,6 +241,13 @@ class Bench:
         stats = getattr(torch.cuda.memory, "host_memory_stats", None)
         return stats() if self.cuda and stats else {}
 
+    def _pinned_bytes(self, which: str) -> int | None:
+        """torch's pinned blocks, cached ones included: their `which` ("current" or "peak") bytes;
+        torch 2.11 adds the "allocated_bytes" keys once a block was freed (until then active bytes
+        are all it holds); None on CPU."""
+        stats = self._host_stats()
+        return stats.get(f"allocated_bytes.{which}", stats.get(f"active_bytes.{which}"))
+
     def _reset_host_peak(self) -> None:
         import torch
         reset = getattr(torch.cuda.memory, "reset_peak_host_memory_stats", None)
@@ -270,8 +276,7 @@ class Bench:
             torch.cuda.synchronize(self.dev)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.dev)
-            stats = self._host_stats()   # torch 2.11 adds "allocated_bytes" once a block was freed
-            if stats.get("allocated_bytes.current", stats.get("active_bytes.current", 0)) > (self.host_budget or 0) / 2:
+            if (self._pinned_bytes("current") or 0) > (self.host_budget or 0) / 2:
                 self._release_pinned()
 
 

@@ -10,6 +10,8 @@ the law the memory model counts too): Llama-3-8B at 512K + 4 tokens, 32 layer ho
 a 125 GiB H200 machine."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kvpipe.pipeline.pinned_blocks import ALIGN, Carving, carve, pow2_ceil
@@ -61,7 +63,7 @@ class HostArena:
 
     def empties(self, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
         """`empty()` of each shape; torch-pinned ones carved out of shared power-of-two blocks."""
-        numels = [_numel(s) for s in shapes]
+        numels = [math.prod(s) for s in shapes]
         if not self.torch_pinned:
             if not self.pin:
                 return [torch.empty(s, dtype=dtype) for s in shapes]
@@ -90,13 +92,6 @@ class HostArena:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def release_cached_pinned() -> None:

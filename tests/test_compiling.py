@@ -1,11 +1,10 @@
 """kvpipe's compiled functions compile in the calling process (executor/compiling.py): inductor's
 worker pool (16 processes importing torch on a 16-core host) must not start under a run."""
-import os
-
 import pytest
 import torch
 import torch._inductor.config as inductor_config
 
+from benchmarks.measure import child_pids
 from kvpipe.executor import compiling, fused, qstore
 
 
@@ -48,21 +47,12 @@ def test_the_users_thread_count_is_kept(pool_default, monkeypatch):
     assert inductor_config.compile_threads == 16   # inductor read the env at import; we leave it
 
 
-def _children() -> list[int]:
-    """This process's child pids (Linux /proc)."""
-    kids = []
-    for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/children") as f:
-            kids += [int(p) for p in f.read().split()]
-    return kids
-
-
 @pytest.mark.gpu
 def test_no_compile_workers_after_a_cuda_compile(pool_default):
     """Catches: a Triton compile on CUDA starting inductor's worker pool (child processes)."""
-    before = set(_children())
+    before = set(child_pids())
     x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
     fused.compiled("norm", True)(x, w, 1e-5)
     torch.cuda.synchronize()
-    assert set(_children()) - before == set()
+    assert set(child_pids()) - before == set()
