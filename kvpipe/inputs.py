@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvpipe.pipeline.model import ModelSpec
-from kvpipe.pipeline.plan import ALL_ON_GPU, Method, Plan
+from kvpipe.pipeline.plan import ALL_ON_GPU, Method, Plan, replays_decode
 from kvpipe.pipeline.units import fmt_bytes, parse_bytes, parse_tokens
 from kvpipe.pipeline.workload import Workload
 
@@ -141,7 +141,6 @@ def apply_replay(model: ModelSpec, work: Workload, plan: Plan, pin: bool | None,
     user's --disk/--codec changed): refused where `plan` says otherwise (its own replay choice)
     or cannot replay (on); off leaves plans that cannot replay at None (they run eagerly). A plan
     (file) whose replay true no GPU could run for this model and workload is refused, naming it."""
-    from kvpipe.sim.simulate import replays_decode
     why = plan.replay_blocker or (None if replays_decode(model, work) or not work.decode_tokens else
                                   "decode replay needs bf16/fp16, batch 1 and a head dim that is a multiple of 8 "
                                   f"up to 256 ({model.name}: {model.dtype}, head dim {model.head_dim}; batch {work.batch})")

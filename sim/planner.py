@@ -39,14 +39,14 @@ from kvpipe.pipeline.fusion import decode_fused
 from kvpipe.pipeline.hardware import HardwareProfile
 from kvpipe.pipeline.memory import breakdown, gpu_budget_for, over_limits
 from kvpipe.pipeline.model import ModelSpec
-from kvpipe.pipeline.plan import Method, PhasePlan, Plan, decode_replayed
+from kvpipe.pipeline.plan import Method, PhasePlan, Plan, decode_replayed, replays_decode
 from kvpipe.pipeline.rules import GPU_FILL_FRACTION, HOST_KV_FRACTION, first_true, gpu_fill
 from kvpipe.pipeline.units import fmt_bytes
 from kvpipe.pipeline.workload import Workload
 
 from .estimate import (Estimate, decode_estimate, decode_host_seconds, layer_classes, phase_layout,
                        prefill_estimate)
-from .simulate import Prediction, replays_decode, simulate
+from .simulate import Prediction, simulate
 
 OBJECTIVES = ("total", "ttft", "decode")
 CHUNKS = (1024, 2048, 4096, 8192, 16384, 32768)   # prefill chunk candidates (tokens)
@@ -167,7 +167,7 @@ class _Search:
     windows: dict = field(default_factory=dict)   # simulate's memo of prefill windows (shared by replay twins)
 
     def can_replay(self, plan: Plan) -> bool:
-        """Whether `kvpipe run` on a CUDA GPU can replay this plan's decode (sim.simulate.replays_decode,
+        """Whether `kvpipe run` on a CUDA GPU can replay this plan's decode (pipeline/plan.replays_decode,
         and no disk units, lossy KV or h2d codec)."""
         return replays_decode(self.model, self.work) and plan.replay_blocker is None
 

@@ -24,7 +24,7 @@ from kvpipe.pipeline.builder import build
 from kvpipe.pipeline.hardware import HardwareProfile
 from kvpipe.pipeline.memory import MemoryBreakdown, breakdown, chunk_sizes
 from kvpipe.pipeline.model import ModelSpec
-from kvpipe.pipeline.plan import Plan, replays_decode  # noqa: F401 (re-exported: kvpipe.api, inputs)
+from kvpipe.pipeline.plan import Plan
 from kvpipe.pipeline.report import Report, Timing, decode_head_ends, timing_from_trace
 from kvpipe.pipeline.cost import host_issue_seconds
 from kvpipe.pipeline.stage import LANE_OF_KIND, Kind, Lane, Phase, Pool
