@@ -201,8 +201,9 @@ def _knob_plan(spec: ModelSpec, work: Workload, budgets: dict[str, int], residen
     if plan.resident < spec.units and spill_to_disk(spec, work, plan, budgets["host"]).disk:
         raise ValueError(f"host_mem: the offloaded KV does not fit in {budgets['host']} bytes "
                          "(the executor has no disk tier yet)")
-    if breakdown(spec, work, plan).gpu > gpu_usable(budgets["gpu"]):
-        raise ValueError(f"gpu_mem: the plan needs {breakdown(spec, work, plan).gpu} bytes on the device and the "
+    need = breakdown(spec, work, plan).gpu
+    if need > gpu_usable(budgets["gpu"]):
+        raise ValueError(f"gpu_mem: the plan needs {need} bytes on the device and the "
                          f"allocator's allowance {allocator_allowance(budgets['gpu'])}, the budget is {budgets['gpu']}")
     return plan
 
