@@ -209,20 +209,21 @@ def test_lossy_run_table_survives_a_failed_exact_row():
 def test_rounds_keep_each_variants_median_run():
     """Fault caught: a repeated benchmark reporting one round (the first or the last) instead of
     each variant's median run, mixing fields of different runs, or dropping a variant whose runs
-    all failed. By hand: exact runs 0.30 / 0.32 / 0.31 -> the 0.31 run; sparse 0.137 / 0.088
-    (even count: the lower middle, 0.088); int4 failed in its only round."""
+    all failed. By hand: exact runs 0.32 / 0.31 / 0.30 -> the 0.31 run (neither the first nor
+    the last); sparse 0.088 / 0.137 (even count: the lower middle, 0.088, the first); int4 failed
+    in its only round."""
     from benchmarks.lossy_run import medians, speedups
-    runs = [{"variant": "exact", "decode_s_per_token": 0.30, "prefill_s": 1.0, "round": 0},
-            {"variant": "sparse", "decode_s_per_token": 0.137, "prefill_s": 2.0, "round": 0},
+    runs = [{"variant": "exact", "decode_s_per_token": 0.32, "prefill_s": 1.0, "round": 0},
+            {"variant": "sparse", "decode_s_per_token": 0.088, "prefill_s": 2.0, "round": 0},
             {"variant": "int4", "error": "its process exited with -9", "round": 0},
-            {"variant": "exact", "decode_s_per_token": 0.32, "prefill_s": 1.1, "round": 1},
-            {"variant": "sparse", "decode_s_per_token": 0.088, "prefill_s": 2.1, "round": 1},
-            {"variant": "exact", "decode_s_per_token": 0.31, "prefill_s": 1.2, "round": 2}]
+            {"variant": "exact", "decode_s_per_token": 0.31, "prefill_s": 1.1, "round": 1},
+            {"variant": "sparse", "decode_s_per_token": 0.137, "prefill_s": 2.1, "round": 1},
+            {"variant": "exact", "decode_s_per_token": 0.30, "prefill_s": 1.2, "round": 2}]
     rows = medians(runs, ["exact", "int4", "sparse"])
     assert [r["variant"] for r in rows] == ["exact", "int4", "sparse"]
-    assert rows[0]["decode_s_per_token"] == 0.31 and rows[0]["prefill_s"] == 1.2 and rows[0]["rounds"] == [0.30, 0.32, 0.31]
+    assert rows[0]["decode_s_per_token"] == 0.31 and rows[0]["prefill_s"] == 1.1 and rows[0]["rounds"] == [0.32, 0.31, 0.30]
     assert "error" in rows[1]
-    assert rows[2]["decode_s_per_token"] == 0.088 and rows[2]["prefill_s"] == 2.1
+    assert rows[2]["decode_s_per_token"] == 0.088 and rows[2]["prefill_s"] == 2.0
     for r in rows:
         r.setdefault("predicted_decode_s_per_token", None)
     speedups(rows)

@@ -23,6 +23,10 @@ def test_the_pick_is_matched_by_knobs_and_decode_mode():
     replayed_pick = {"workloads": {"128K": {"rows": [{"plan": _plan(4, replay=True), "replay": "auto"}]}}}
     line, = current_picks([_saved(rows)], replayed_pick)
     assert "'planner pick'" in line and "+10.0%" in line and "MISSES" in line
+    by_plan = [rows[0], {"rank": 1, "label": "eager plan", "replay": "auto", "plan": _plan(4, replay=False),
+                         "measured": {"total_s": 10.5}}]   # run --replay auto executes the plan's eager choice
+    line, = current_picks([_saved(by_plan)], eager_pick)
+    assert "'eager plan'" in line and "+0.0%" in line
     unmeasured = {"workloads": {"128K": {"rows": [{"plan": _plan(2), "replay": "auto"}]}}}
     line, = current_picks([_saved(rows)], unmeasured)
     assert "not measured" in line
