@@ -25,7 +25,7 @@ class DeviceStep:
     ids [B, 1] long: the token embedded, then the greedy next token; pos [1] long: its position
     (= keys cached before it); lens [1] int32: keys attended (pos + 1); logits [B, V] fp32;
     cu_q (0, 1), cu_k (0, capacity) int32; copy_len: tokens each prefix copy moves (host int,
-    baked into a graph)."""
+    baked into a graph); args, sp_lens, bucket: a sparse step's (LOSSY)."""
 
     ids: torch.Tensor
     pos: torch.Tensor
@@ -34,6 +34,11 @@ class DeviceStep:
     cu_q: torch.Tensor
     cu_k: torch.Tensor
     copy_len: int = 0
+    # LOSSY sparse steps (executor/lossy_replay.py): the step's counts (int64 [ARGS]), the keys its
+    # offloaded heads attend (int32 [1]: the fetched ones and its own) and the graph's fixed shapes
+    args: torch.Tensor | None = None
+    sp_lens: torch.Tensor | None = None
+    bucket: object | None = None
 
 
 class ReplayInterpreter(Interpreter):
@@ -50,6 +55,7 @@ class ReplayInterpreter(Interpreter):
         self.fuse = fuse_mode(fuse)
         self.fused, self.fuse_note = make_fused(self.adapter, self.fuse)
         self._pending: torch.Tensor | None = None   # [B, 1, hidden] MLP output not yet added
+        self.probe_ref: tuple | None = None   # LOSSY sparse: (layer, queries, selection) of a step's first scored layer
 
     def warm_fused(self, positions: torch.Tensor) -> float:
         """Compile and warm the fused pieces before any capture -> seconds; a compile that fails
@@ -83,6 +89,8 @@ class ReplayInterpreter(Interpreter):
         n = lo.resident[s.layer]
         if n:
             self.store.gpu[s.layer].index_copy_(2, self.dev.pos, kv[:, :n])  # at the device-held position
+        if self.sp is not None:           # LOSSY: the sketch's unsealed chunk (lossy_replay.py)
+            self.sp.append_static(s.layer, kv, self.dev.args)
         B, Hq, T, D = q.shape
         cur.q, cur.out = q, None if self.fused is not None else q.new_empty(B, T, Hq, D)
         self._kv[(s.phase, s.step, s.layer)] = [kv, 1 + (n < lo.kv_heads)]
@@ -93,7 +101,14 @@ class ReplayInterpreter(Interpreter):
         cur = self._step(s)
         h0, G, r = s.heads[0], len(s.heads), self.adapter.r
         new = self._kv[(s.phase, s.step, s.layer)][0][:, h0:h0 + G]   # [1, G, 1, 2, D]
-        if s.slot is not None:   # offloaded heads were fetched into the slot; add the rest and the new token
+        lens = self.dev.lens
+        if s.slot is not None and self.sp is not None:   # LOSSY sparse: the fetched rows, then the new token
+            assert h0 >= self.store.layout.resident[s.layer], f"{s.name}: a mixed group under sparse replay"
+            from .lossy_replay import ATTENDED
+            buf = self.store.slots[s.slot][:, :G]
+            buf.index_copy_(2, self.dev.args[ATTENDED:ATTENDED + 1], new)
+            lens = self.dev.sp_lens
+        elif s.slot is not None:   # offloaded heads were fetched into the slot; add the rest and the new token
             self.store.fill_resident(s.layer, s.heads, s.slot, self.dev.copy_len)
             buf = self.store.slots[s.slot][:, :G]                      # [1, G, S, 2, D]
             buf.index_copy_(2, self.dev.pos, new)
@@ -101,7 +116,7 @@ class ReplayInterpreter(Interpreter):
             buf = self.store.gpu[s.layer][:, h0:h0 + G]                # [1, G, S, 2, D]
         qs = slice(h0 * r, (h0 + G) * r)
         scale = self.adapter.body.layers[s.layer].self_attn.scaling
-        o = attend_decode(cur.q[:, qs], buf, self.dev.lens, self.dev.cu_q, self.dev.cu_k, scale)  # [1, 1, G*r, D]
+        o = attend_decode(cur.q[:, qs], buf, lens, self.dev.cu_q, self.dev.cu_k, scale)  # [1, 1, G*r, D]
         if cur.out is None and G == self.store.layout.kv_heads:   # fused: one group holds every head
             cur.out = o
             return
@@ -109,9 +124,31 @@ class ReplayInterpreter(Interpreter):
             cur.out = o.new_empty(1, 1, cur.q.shape[1], o.shape[-1])    # [B, T, Hq, D]
         cur.out[:, :, qs] = o
 
+    # ---- LOSSY sparse steps (executor/lossy_replay.py) -----------------------------------
+    def _quant(self, s: Stage) -> None:
+        if not self._device_step(s):
+            return super()._quant(s)
+        self.q.encode_static(s.layer, self._kv[(s.phase, s.step, s.layer)][0], self.dev.args)
+
+    def _score(self, s: Stage) -> None:
+        if not self._device_step(s):
+            return super()._score(s)
+        cur = self._step(s)
+        q_off = cur.q[:, self.store.layout.resident[s.layer] * self.adapter.r:]
+        sel = self.sp.select_static(s.layer, q_off, self.dev.args, self.dev.bucket)
+        if self.sparse_probe_due and self.probe_ref is None:   # kept for the probe after the first step
+            self.probe_ref = (s.layer, q_off, sel)
+        self._sel[(s.step, s.layer)] = sel
+
+    def _dequant(self, s: Stage) -> None:
+        if not self._device_step(s) or self.sp is None:
+            return super()._dequant(s)
+        self.q.decode_static(s.layer, s.heads, s.group * self.group[s.phase], s.slot, self.dev.args)
+
     def _mlp(self, s: Stage) -> None:
         if not self._device_step(s) or self.fused is None:
             return super()._mlp(s)
+        self._sel.pop((s.step, s.layer), None)
         cur = self._step(s)
         cur.hidden, self._pending = self.fused.mlp(s.layer, cur.hidden, cur.out)
         cur.q = cur.out = None
@@ -135,4 +172,7 @@ class ReplayInterpreter(Interpreter):
         if not self._device_step(s):
             return super()._fetch(s)
         base = s.group * self.group[s.phase]
+        if self.sp is not None:   # LOSSY sparse: the selected rows, a fixed n_max of them (lossy_replay.py)
+            self.moved[s.id] = self.sp.gather(s.layer, s.heads, base, s.slot, self._sel[(s.step, s.layer)])
+            return
         self.moved[s.id] = self.store.fetch(s.layer, s.heads, base, s.slot, self.dev.copy_len)

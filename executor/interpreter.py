@@ -131,18 +131,27 @@ class Interpreter:
         cur = self._step(s)
         n, r = self.store.layout.resident[s.layer], self.adapter.r
         sel = self.sp.select(s.layer, cur.q[:, n * r:], s.tokens[1])
-        if "sparse_recall_mean" not in (self.lossy_error or {}):   # measured once, on the first scored layer
-            from .sparse_probe import measure                      # (with quant: of the K/V read back, beside its figures)
-            P, B = s.tokens[1], cur.q.shape[0]
-            home = self.store.host[s.layer] if self.q is None else self.q.prefix(s.layer, P)
-            got = measure(
-                cur.q[:, n * r:, 0].reshape(B, -1, r, cur.q.shape[-1]), home[:, :, :P], self.sp.tokens(sel, P),
-                self.adapter.body.layers[s.layer].self_attn.scaling)
-            if self.q is not None:
-                got["sparse_probe_tokens"] = got.pop("probe_tokens")
-            self.lossy_error = {**(self.lossy_error or {}), **got}
+        if self.sparse_probe_due:          # measured once, on the first scored layer
+            self.sparse_probe(s.layer, cur.q[:, n * r:], sel, s.tokens[1])
         self.lanes.protect(sel, Lane.H2D)   # made on the compute stream, read by the gathers
         self._sel[(s.step, s.layer)] = sel
+
+    @property
+    def sparse_probe_due(self) -> bool:
+        return "sparse_recall_mean" not in (self.lossy_error or {})
+
+    def sparse_probe(self, layer: int, q_off: torch.Tensor, sel: torch.Tensor, P: int) -> None:
+        """LOSSY: the sparse selection's error (executor/sparse_probe.py) for the queries q_off
+        [B, n_off * r, 1, D] of a layer's offloaded heads and the selection `sel` [B, n_off, N] of
+        a step over a `P`-token cache (with quant: of the K/V read back, beside its figures)."""
+        from .sparse_probe import measure
+        r, B = self.adapter.r, q_off.shape[0]
+        home = self.store.host[layer] if self.q is None else self.q.prefix(layer, P)
+        got = measure(q_off[:, :, 0].reshape(B, -1, r, q_off.shape[-1]), home[:, :, :P], self.sp.tokens(sel, P),
+                      self.adapter.body.layers[layer].self_attn.scaling)
+        if self.q is not None:
+            got["sparse_probe_tokens"] = got.pop("probe_tokens")
+        self.lossy_error = {**(self.lossy_error or {}), **got}
 
     def _mlp(self, s: Stage) -> None:
         cur = self._step(s)

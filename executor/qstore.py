@@ -345,6 +345,42 @@ class QuantHomes:
         why = self.unfused if fits else f"more selected blocks than the window ({self.sel_blocks})"
         self._decode(layer, heads, base, slot, blocks, length % self.g, window, WINDOW, why)
 
+    # ---- replayed sparse steps (executor/lossy_replay.py: a step's counts in the device row `a`) ----
+    def open_replay(self) -> None:
+        """The static record each offloaded layer's filling block is encoded into every replayed step."""
+        self.open_rec = [None if t is None else torch.empty(*t.shape[:2], 1, self.rec, dtype=torch.uint8,
+                                                             device=self.s.device) for t in self.tail]
+
+    def encode_static(self, layer: int, kv: torch.Tensor, a: torch.Tensor) -> None:
+        """`encode` of one new token at a device-held place (a[IN_BLOCK]) of the filling block, which
+        is encoded whole into `open_rec` (stale tokens past it included: its record goes home only
+        in the step that fills it, `store_filled`, then from the eager path's values)."""
+        from .lossy_replay import IN_BLOCK
+        t = self.tail[layer]
+        if t is None:
+            return
+        n, (B, J) = self.s.layout.resident[layer], t.shape[:2]
+        t.index_copy_(2, a[IN_BLOCK:IN_BLOCK + 1], kv[:, n:])                     # [B, n_off, g, 2, D]
+        self.open_rec[layer].copy_(self.codec.encode(t.reshape(-1, self.g, 2, t.shape[-1])).view(B, J, 1, self.rec))
+
+    def store_filled(self, layer: int, heads: tuple[int, ...], position: int) -> int:
+        """D2H lane, after a replayed step whose new token sat at `position`: the filled block's
+        record home when that token filled it, else nothing. Returns bytes moved."""
+        rec = self.open_rec[layer]
+        full = position % self.g == self.g - 1
+        return self.store(layer, heads, rec if full else rec[:, :, :0], position // self.g)
+
+    def decode_static(self, layer: int, heads: tuple[int, ...], base: int, slot: int, a: torch.Tensor) -> None:
+        """`decode_selected` for a replayed step: the window's records dequantised (one compiled call,
+        a fixed shape), then the whole exact tail block copied to slot rows a[TAIL_AT] onwards (its
+        rows past the step's tail are not attended; the step's own token overwrites the first)."""
+        from .lossy_replay import TAIL_AT
+        n = self.s.layout.resident[layer]
+        j0, j1 = heads[0] - base, heads[-1] - base + 1      # (not counted in `calls`: captured once, replayed)
+        fused_decode()(self.codec, self.qslots[slot][:, :, :self.sel_blocks * self.rec], self.s.slots[slot], j0, j1)
+        rows = a[TAIL_AT:TAIL_AT + 1] + torch.arange(self.g, device=self.s.device)
+        self.s.slots[slot][:, j0:j1].index_copy_(2, rows, self.tail[layer][:, heads[0] - n:heads[-1] - n + 1])
+
     def paths(self) -> dict:
         """Which path this store's dequantise calls took (reported in `run --json`
         decode_issue.dequant): counts of compiled calls over the whole byte slot (`full`: prefill,

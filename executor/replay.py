@@ -26,6 +26,7 @@ import torch
 from kvpipe.pipeline.stage import Graph, Kind, Lane, Phase, Stage
 from kvpipe.pipeline.trace import Span
 
+from . import lossy_replay
 from .device_step import DeviceStep, ReplayInterpreter
 from .lanes import Lanes, cross_lane_waits
 
@@ -59,6 +60,28 @@ def resolve_mode(mode: str, device: torch.device, dtype: torch.dtype, batch: int
     if mode == "off" or why:
         return "eager"
     return "issue" if mode == "issue" else "graph"
+
+
+def lossy_blocker(graph: Graph, store) -> str | None:
+    """Why this run's decode steps with lossy KV cannot be replayed (store: the opened KVStore),
+    or None (also without lossy KV). Sparse steps replay (executor/lossy_replay.py) where the
+    store's paths allow it, no decode group mixes resident and offloaded heads, and every step
+    ranks; quantised KV without sparse decode is issued eagerly."""
+    spec = graph.plan.lossy
+    if spec is None:
+        return None
+    if store.sparse is None:
+        return "decode replay runs lossy KV only with --sparse (quantised decode alone is issued eagerly)"
+    why = store.sparse.replay_blocker()
+    if why:
+        return why
+    lo = store.layout
+    for s in graph.stages:
+        if s.phase is Phase.DECODE and s.tag == "attn" and s.slot is not None and s.heads[0] < lo.resident[s.layer]:
+            return f"sparse replay cannot run a decode group of resident and offloaded heads ({s.name})"
+    steps = sorted({s.step for s in graph.stages if s.phase is Phase.DECODE})
+    window = store.q.sel_blocks if store.q is not None else 0
+    return lossy_replay.blocker(spec, [graph.workload.context + k for k in steps], lo.capacity, window)
 
 
 def bucket_len(prefix: int, bucket: int, capacity: int) -> int:
@@ -113,6 +136,23 @@ class DecodeReplay:
                               lens=torch.empty(1, **i32),
                               logits=torch.empty(1, self.graph.model.vocab, dtype=torch.float32, device=device),
                               cu_q=torch.tensor([0, 1], **i32), cu_k=torch.tensor([0, lo.capacity], **i32))
+        self.lossy = self.store.sparse is not None   # LOSSY sparse steps (executor/lossy_replay.py)
+        if self.lossy:
+            spec = self.graph.plan.lossy
+            prefixes = [self.context + k for k in range(n)]
+            rows = [lossy_replay.step_args(spec, p) for p in prefixes]
+            self.rows = rows
+            self.args_all = torch.tensor(rows, dtype=torch.long, device=device)
+            self.sp_lens_all = (self.args_all[:, lossy_replay.ATTENDED] + 1).to(torch.int32).view(n, 1)
+            by: dict[int, list[int]] = {}
+            for k, p in enumerate(prefixes):
+                by.setdefault(lossy_replay.ranked(spec, p), []).append(k)
+            self.buckets = {key: lossy_replay.bucket_of(spec, [rows[k] for k in ks], [prefixes[k] for k in ks])
+                            for key, ks in by.items()}
+            self.dev = replace(self.dev, args=torch.zeros(lossy_replay.ARGS, dtype=torch.long, device=device),
+                               sp_lens=torch.ones(1, **i32))
+            if self.store.q is not None:
+                self.store.q.open_replay()
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         return self
 
@@ -126,7 +166,10 @@ class DecodeReplay:
 
     # ---- keys and capture ----------------------------------------------------------------
     def key(self, k: int) -> int:
-        """The copy length step k's graph bakes in (0 when the step copies no prefix)."""
+        """The copy length step k's graph bakes in (0 when the step copies no prefix); sparse
+        steps (LOSSY): the ranked tokens (blocks) of the step's bucket (they copy no prefix)."""
+        if self.lossy:
+            return lossy_replay.ranked(self.graph.plan.lossy, self.context + k)
         copies = any(s.kind is Kind.H2D or (s.tag == "attn" and s.slot is not None) for s in self.steps[k])
         return bucket_len(self.context + k, self.bucket, self.store.layout.capacity) if copies else 0
 
@@ -166,6 +209,43 @@ class DecodeReplay:
         keys = [key for key in self.interp._kv if key[0] is Phase.DECODE and key[1] == k]
         return {key[2]: self.interp._kv.pop(key)[0] for key in keys}
 
+    def _dev_for(self, key: int) -> DeviceStep:
+        """The step buffers as a graph of `key` reads them (its copy length, or its sparse shapes)."""
+        if self.lossy:
+            return replace(self.dev, copy_len=0, bucket=self.buckets[key])
+        return replace(self.dev, copy_len=key)
+
+    def _refresh(self, k: int) -> None:
+        """Step k's inputs into the static buffers (on the current stream)."""
+        self.dev.pos.copy_(self.pos_all[k:k + 1])
+        self.dev.lens.copy_(self.lens_all[k:k + 1])
+        if self.lossy:
+            self.dev.args.copy_(self.args_all[k])
+            self.dev.sp_lens.copy_(self.sp_lens_all[k])
+
+    def _first_sparse_step(self) -> None:
+        """LOSSY sparse: step 0 issued once without a graph before any capture, so that every
+        Triton kernel is compiled outside a capture, and the selection's error is measured on it
+        (the probe, as the eager path measures its first step; it needs host syncs). Every write
+        it makes the real step 0 makes again with the same values (its token, K/V, sketch and
+        tail entries at the same device-held places); its next token is put back."""
+        gpu = self.lanes.streams[Lane.GPU]
+        with torch.cuda.stream(gpu):
+            self.dev.ids.copy_(self.tokens[:, 0:1])
+            self._refresh(0)
+        self.interp.dev = self._dev_for(self.key(0))
+        self.interp.probe_ref = None
+        self._issue(self.steps[0])
+        torch.cuda.synchronize(self.store.device)
+        self._take_kv(0)
+        self.interp._sel.clear()
+        if self.interp.probe_ref is not None:
+            layer, q_off, sel = self.interp.probe_ref
+            self.interp.probe_ref = None
+            self.interp.sparse_probe(layer, q_off, sel[..., :self.rows[0][lossy_replay.N]], self.context)
+        with torch.cuda.stream(gpu):
+            self.dev.ids.copy_(self.tokens[:, 0:1])
+
     def _capture_all(self) -> None:
         t0 = time.perf_counter()
         gpu = self.lanes.streams[Lane.GPU]
@@ -173,7 +253,7 @@ class DecodeReplay:
             key = self.key(k)
             if key in self.captured:
                 continue
-            self.interp.dev = replace(self.dev, copy_len=key)
+            self.interp.dev = self._dev_for(key)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool, stream=gpu):
                 self._issue(self.steps[k])
@@ -195,6 +275,8 @@ class DecodeReplay:
                 self.compile_s = self.interp.warm_fused(self.pos_all[:1])
             if self.interp.fused is not None:
                 print(f"kvpipe: fused decode pieces compiled and warmed in {self.compile_s:.1f} s", file=sys.stderr, flush=True)
+        if self.lossy:
+            self._first_sparse_step()
         if self.capture:
             self._capture_all()
         dev = self.dev
@@ -212,8 +294,7 @@ class DecodeReplay:
                     for s in stages:
                         before(s)
                 start = _event(gpu)
-                dev.pos.copy_(self.pos_all[k:k + 1])
-                dev.lens.copy_(self.lens_all[k:k + 1])
+                self._refresh(k)
                 if self.capture:
                     c = self.captured[key]
                     c.graph.replay()
@@ -221,7 +302,7 @@ class DecodeReplay:
                     for s, t in zip(stages, self.steps[c.template]):
                         moved[s.id] = moved[t.id]
                 else:
-                    self.interp.dev = replace(dev, copy_len=key)
+                    self.interp.dev = self._dev_for(key)
                     self._issue(stages)
                     kv = self._take_kv(k)
                 self.tokens[:, k + 1:k + 2].copy_(dev.ids)
@@ -235,7 +316,10 @@ class DecodeReplay:
                         a = _event(d2h)
                         if not self.capture:
                             self.lanes.protect(kv[s.layer], Lane.D2H)
-                        moved[s.id] = self.store.store(s.layer, s.heads, kv[s.layer], s.tokens[0])
+                        if self.lossy and self.store.q is not None:   # a filled block's record, if any
+                            moved[s.id] = self.store.q.store_filled(s.layer, s.heads, s.tokens[0])
+                        else:
+                            moved[s.id] = self.store.store(s.layer, s.heads, kv[s.layer], s.tokens[0])
                         marks[s.id] = (a, _event(d2h))
             for s in stages:
                 if s.kind is not Kind.D2H:

@@ -17,7 +17,7 @@ from .interrupts import sigterm_raises
 from .interpreter import Interpreter
 from .kvstore import DiskOptions, KVLayout, KVStore
 from .lanes import HOST_LANES, Lanes
-from .replay import DecodeReplay, ReplayInterpreter, resolve_mode
+from .replay import DecodeReplay, ReplayInterpreter, lossy_blocker, resolve_mode
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,7 @@ class RunResult:
     h2d_codec: dict | None = None     # h2d codec runs: what it stored (executor/cstore.py `stats`)
     sparse_paths: dict | None = None  # LOSSY sparse runs: gather / ranking paths taken (SparseHomes.paths)
     dequant_paths: dict | None = None  # LOSSY quantised runs: the dequantise calls by path (QuantHomes.paths)
+    replay_note: str | None = None     # why replay (auto) issued a sparse run's steps eagerly after all
 
 
 def decode_steps(graph: Graph) -> int:
@@ -104,16 +105,22 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
         step_logits = (torch.empty(n_decode + 1, w.batch, graph.model.vocab, device=device)
                        if keep_logits else None)
         issue = resolve_mode(replay, device, adapter.dtype, w.batch, adapter.head_dim) if n_decode else "eager"
-        if issue != "eager" and (graph.plan.lossy is not None or graph.plan.decode.codec("h2d") != "none"
+        lossy = graph.plan.lossy
+        if issue != "eager" and ((lossy is not None and lossy.sparse is None) or graph.plan.decode.codec("h2d") != "none"
                                  or any(s.lane in HOST_LANES for s in graph.stages)):
             if replay != "auto":
-                raise ValueError("replay: decode replay cannot run disk units, codec stages or lossy KV; "
-                                 "use --replay off")
+                raise ValueError("replay: decode replay cannot run disk units, codec stages or quantised KV "
+                                 "without --sparse; use --replay off")
             issue = "eager"
         replayed = issue != "eager"
         extra = {}
         with sigterm_raises(), KVStore(KVLayout.of(graph), device, adapter.dtype, disk, replay=replayed) as store, \
                 Lanes(device, turns=turns) as lanes:
+            why = lossy_blocker(graph, store) if replayed else None   # LOSSY sparse: known once the store is open
+            if why and replay != "auto":
+                raise ValueError(f"replay: {why}; use --replay off")
+            if why:
+                replayed, extra = False, dict(replay_note=why)
             if not replayed:
                 interp = Interpreter(graph, adapter, store, lanes, prompt, tokens, step_logits)
                 spans = lanes.run(graph, interp, before=stage_hook)

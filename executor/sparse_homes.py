@@ -110,8 +110,8 @@ class SparseHomes:
         self.s, self.spec = store, spec
         self.chunk, self.bits = spec.chunk, spec.sketch
         B, H, D, cap = lo.batch, lo.kv_heads, lo.head_dim, lo.capacity
-        C = cap // self.chunk
-        gpu = dict(device=store.device)
+        C = cap // self.chunk + 1   # one chunk past the capacity's whole ones: a replayed step summarises the
+        gpu = dict(device=store.device)   # chunk filling at a device-held index (append_static), even a last part one
         off = [H - n for n in lo.resident]
         self.lo = [torch.empty(B, o, C, D, dtype=store.dtype, **gpu) if o else None for o in off]
         self.hi = [torch.empty(B, o, C, D, dtype=store.dtype, **gpu) if o else None for o in off]
@@ -224,6 +224,50 @@ class SparseHomes:
                 logging.getLogger("kvpipe").warning(self.score_note)   # once each: the store keeps the slower path
         share = blocks(sparse_sketch.group_share(sparse_sketch.scores(qg, lo, hi, codes, self.bits)))
         return sparse_sketch.select(share, total, budget, sink, recent)
+
+    # ---- replayed steps (executor/lossy_replay.py: a step's counts in the device row `a`) ------
+    def replay_blocker(self) -> str | None:
+        """Why this store's sparse steps cannot be captured in a CUDA graph, or None."""
+        if self.gather_mode != "uva":
+            return f"sparse replay needs the zero-copy gather (this run's is {self.gather_mode})"
+        if self.score_path != "triton" or not self.radix:
+            return f"sparse replay needs the Triton ranking and radix select ({self.score_note})"
+        q = self.s.q if self.s.layout.quant_bits else None
+        if q is not None and not q.fused:
+            return f"sparse replay needs the compiled dequantise window ({q.unfused})"
+        return None
+
+    def append_static(self, layer: int, kv: torch.Tensor, a: torch.Tensor) -> None:
+        """`append` of one new token at a device-held place (a[IN_CHUNK] of chunk a[CHUNK]): its key
+        joins the unsealed chunk, whose summary and sketch are recomputed whole (stale keys past it
+        included: the chunk is ranked only once full, then from the eager path's values)."""
+        from .lossy_replay import CHUNK, IN_CHUNK
+        t = self.tail[layer]
+        if t is None:
+            return
+        n, c = self.s.layout.resident[layer], self.chunk
+        t.index_copy_(2, a[IN_CHUNK:IN_CHUNK + 1], kv[:, n:, :, 0])               # [B, n_off, c, D]
+        lo, hi = t.amin(2, keepdim=True), t.amax(2, keepdim=True)                 # [B, n_off, 1, D]
+        at = a[CHUNK:CHUNK + 1]
+        self.lo[layer].index_copy_(2, at, lo)
+        self.hi[layer].index_copy_(2, at, hi)
+        rows = at * c + torch.arange(c, device=t.device)
+        self.codes[layer].index_copy_(2, rows, sparse_sketch.encode(t, lo, hi, self.bits))
+
+    def select_static(self, layer: int, q: torch.Tensor, a: torch.Tensor, bucket) -> torch.Tensor:
+        """`select` with the step's counts on the device (a[TOTAL:N + 1]) and the shapes of
+        `bucket` (lossy_replay.Bucket): idx [B, n_off, bucket.n_max], the step's a[N] tokens
+        (blocks) ascending, then zeros."""
+        B, n_off = self.lo[layer].shape[:2]
+        D, g = q.shape[-1], self.block
+        qg = q.reshape(B, n_off, -1, D)
+        sealed = bucket.sealed * g                                 # tokens sketched and ranked
+        C = sealed // self.chunk
+        share = sparse_triton.rank(qg, self.lo[layer][:, :, :C], self.hi[layer][:, :, :C],
+                                   self.codes[layer][:, :, :sealed], self.bits)
+        if g > 1:
+            share = sparse_sketch.block_share(share, g, BLOCK_RANK)
+        return sparse_triton.select_static(share, a, bucket.total_max, bucket.h0_min, bucket.h1_max, bucket.n_max)
 
     # ---- h2d lane ----------------------------------------------------------------------------
     def gather(self, layer: int, heads: tuple[int, ...], base: int, slot: int, idx: torch.Tensor) -> int:

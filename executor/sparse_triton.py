@@ -99,23 +99,30 @@ def rank(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tenso
     return (out, s.reshape(*lead, G, S)) if with_scores else out
 
 
-def threshold(rank: torch.Tensor, h0: int, h1: int, room: int) -> torch.Tensor:
+def threshold(rank: torch.Tensor, h0: int, h1: int, room: int, prm: torch.Tensor | None = None) -> torch.Tensor:
     """The `room`-th largest value of each row of rank[:, h0:h1] (rank [U, S] float32 contiguous,
     0 < room <= h1 - h0): [U] float32, exactly an element of the row. A radix select, 8 bits a
     pass from the top of the float's order-preserving 32-bit key: per pass, radix_hist counts the
     next digit of the tokens whose higher digits match the ones decided (a histogram per 1024-token
     tile, added atomically per row), radix_pick takes the digit where the `room`-th largest falls.
     Four passes of 2 kernels plus a zeroed histogram, against torch.topk's multi-pass select (0.11 ms
-    at 128K x 8 on the H200)."""
+    at 128K x 8 on the H200). `prm` (int64 [5] on the device: prefix, h0, h1, room, n): the kernels
+    read h0, h1 and room from it (a replayed graph's step) and the host's h0, h1 only size the grid
+    (their range must be at least as wide as the device's)."""
     from .sparse_triton_kernels import radix_hist, radix_pick
     U, dev = rank.shape[0], rank.device
     st = torch.zeros(U, 2, dtype=torch.int64, device=dev)           # per row: key digits so far, rank sought
-    st[:, 1] = room
+    if prm is None:
+        st[:, 1] = room
+    else:
+        st[:, 1].copy_(prm[3].expand(U))
     hist = torch.zeros(U, 256, dtype=torch.int32, device=dev)
     v = torch.empty(U, dtype=torch.float32, device=dev)
     tiles = -(-(h1 - h0) // BLOCK_SEL)
+    dummy = st if prm is None else prm
     for shift in (24, 16, 8, 0):
-        radix_hist[(U, tiles)](rank, st, hist, rank.stride(0), h0, h1, SHIFT=shift, BLOCK=BLOCK_SEL)
+        radix_hist[(U, tiles)](rank, st, hist, rank.stride(0), h0, h1, dummy, SHIFT=shift, BLOCK=BLOCK_SEL,
+                               DEV=prm is not None)
         radix_pick[(U,)](st, hist, v, LAST=shift == 0)
     return v
 
@@ -137,19 +144,48 @@ def select(rank: torch.Tensor, prefix: int, budget: int, sink: int, recent: int,
         return sparse_sketch.select(rank, prefix, budget, sink, recent)    # forced only, or F = 1
     n, room, h0, h1 = sparse_sketch.split(prefix, sealed, budget, sink, recent)
     lead, dev = rank.shape[:-1], rank.device
-    if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("select: CPU tensors run only in Triton's interpreter (TRITON_INTERPRET=1 before importing triton)")
+    _interpretable(dev)
     U = math.prod(lead)
     r2 = rank.reshape(U, sealed).float().contiguous()
     if radix:
         v = threshold(r2, h0, h1, room)                                                # [U]
     else:   # torch.topk's values: the same v
         v = torch.topk(r2[:, h0:h1], room, dim=-1, sorted=False).values.amin(-1).contiguous()
-    T = -(-prefix // BLOCK_SEL)
-    cnt = torch.empty(U, 3, T, dtype=torch.int32, device=dev)
     out = torch.empty(U, n, dtype=torch.int64, device=dev)
-    from .sparse_triton_kernels import sel_count, sel_write
-    sel_count[(U, T)](r2, v, cnt, r2.stride(0), prefix, h0, h1, T, BLOCK=BLOCK_SEL)
-    sel_write[(U, T)](r2, v, cnt, out, r2.stride(0), prefix, h0, h1, T, room, n,
-                      BLOCK=BLOCK_SEL, TB=sel_tiles)
+    _compact(r2, v, out, prefix, h0, h1, room, n, None, sel_tiles)
     return out.reshape(*lead, n)
+
+
+def select_static(rank: torch.Tensor, prm: torch.Tensor, prefix_max: int, h0_min: int, h1_max: int,
+                  n_max: int, sel_tiles: int = SEL_TILES) -> torch.Tensor:
+    """`select` for a replayed graph: the step's counts are read on the device from prm (int64 [5]:
+    prefix, h0, h1, room, n, as sparse_sketch.split gives them; `ranks` must hold), so one capture
+    serves every step whose counts lie within the fixed shapes: prefix <= prefix_max, [h0, h1]
+    within [h0_min, h1_max], n <= n_max. Returns [..., n_max] int64: the step's n tokens ascending
+    (the same ones `select` picks), then zeros (valid rows that a gather may read and nothing
+    attends). Radix threshold only."""
+    sealed = rank.shape[-1]
+    lead, dev = rank.shape[:-1], rank.device
+    _interpretable(dev)
+    U = math.prod(lead)
+    r2 = rank.reshape(U, sealed).float().contiguous()
+    v = threshold(r2, h0_min, h1_max, 0, prm)
+    out = torch.zeros(U, n_max, dtype=torch.int64, device=dev)
+    _compact(r2, v, out, prefix_max, h0_min, h1_max, 0, n_max, prm, sel_tiles)
+    return out.reshape(*lead, n_max)
+
+
+def _interpretable(dev: torch.device) -> None:
+    if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("select: CPU tensors run only in Triton's interpreter (TRITON_INTERPRET=1 before importing triton)")
+
+
+def _compact(r2, v, out, prefix, h0, h1, room, n, prm, sel_tiles) -> None:
+    """sel_count then sel_write into out [U, n_row] (host counts, or prm's on the device)."""
+    from .sparse_triton_kernels import sel_count, sel_write
+    U, T = r2.shape[0], -(-prefix // BLOCK_SEL)
+    cnt = torch.empty(U, 3, T, dtype=torch.int32, device=r2.device)
+    p = v if prm is None else prm
+    sel_count[(U, T)](r2, v, cnt, r2.stride(0), prefix, h0, h1, T, p, BLOCK=BLOCK_SEL, DEV=prm is not None)
+    sel_write[(U, T)](r2, v, cnt, out, r2.stride(0), out.stride(0), prefix, h0, h1, T, room, n, p,
+                      BLOCK=BLOCK_SEL, TB=sel_tiles, DEV=prm is not None)

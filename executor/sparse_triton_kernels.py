@@ -104,9 +104,11 @@ def share(s_ptr, lse_ptr, r_ptr, S, G: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["sr_u", "prefix", "h0", "h1", "T"])
-def sel_count(r_ptr, v_ptr, cnt_ptr, sr_u, prefix, h0, h1, T, BLOCK: tl.constexpr):
+def sel_count(r_ptr, v_ptr, cnt_ptr, sr_u, prefix, h0, h1, T, prm_ptr, BLOCK: tl.constexpr, DEV: tl.constexpr):
     u = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
+    if DEV:   # the step's counts from the device (a replayed graph): prm = (prefix, h0, h1, room, n)
+        prefix, h0, h1 = tl.load(prm_ptr), tl.load(prm_ptr + 1), tl.load(prm_ptr + 2)
     t = tile * BLOCK + tl.arange(0, BLOCK)
     ranked = (t >= h0) & (t < h1)
     r = tl.load(r_ptr + u * sr_u + t, mask=ranked, other=0.0)
@@ -120,11 +122,14 @@ def sel_count(r_ptr, v_ptr, cnt_ptr, sr_u, prefix, h0, h1, T, BLOCK: tl.constexp
     tl.store(cnt_ptr + base + 2 * T, tl.sum(forced.to(tl.int32), axis=0))
 
 
-@triton.jit(do_not_specialize=["sr_u", "prefix", "h0", "h1", "T", "room", "n"])
-def sel_write(r_ptr, v_ptr, cnt_ptr, out_ptr, sr_u, prefix, h0, h1, T, room, n,
-              BLOCK: tl.constexpr, TB: tl.constexpr):
+@triton.jit(do_not_specialize=["sr_u", "so_u", "prefix", "h0", "h1", "T", "room", "n"])
+def sel_write(r_ptr, v_ptr, cnt_ptr, out_ptr, sr_u, so_u, prefix, h0, h1, T, room, n, prm_ptr,
+              BLOCK: tl.constexpr, TB: tl.constexpr, DEV: tl.constexpr):
     u = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
+    if DEV:   # as sel_count; the output's rows keep their fixed stride so_u >= n
+        prefix, h0, h1 = tl.load(prm_ptr), tl.load(prm_ptr + 1), tl.load(prm_ptr + 2)
+        room, n = tl.load(prm_ptr + 3), tl.load(prm_ptr + 4)
     base = (u * 3) * T
     j0 = tl.arange(0, TB)
     total_above = tl.sum(tl.zeros([TB], tl.int32), axis=0)
@@ -147,12 +152,15 @@ def sel_write(r_ptr, v_ptr, cnt_ptr, out_ptr, sr_u, prefix, h0, h1, T, room, n,
     take = tied & (tb + tl.cumsum(tied.to(tl.int32), axis=0) <= need)
     keep = ((t < prefix) & ~ranked) | (ranked & (r > v)) | take
     pos = off + tl.cumsum(keep.to(tl.int32), axis=0) - 1
-    tl.store(out_ptr + u * n + pos, t.to(tl.int64), mask=keep & (pos < n))
+    tl.store(out_ptr + u * so_u + pos, t.to(tl.int64), mask=keep & (pos < n))
 
 
 @triton.jit(do_not_specialize=["sr_u", "h0", "h1"])
-def radix_hist(r_ptr, st_ptr, hist_ptr, sr_u, h0, h1, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+def radix_hist(r_ptr, st_ptr, hist_ptr, sr_u, h0, h1, prm_ptr, SHIFT: tl.constexpr, BLOCK: tl.constexpr,
+               DEV: tl.constexpr):
     u = tl.program_id(0).to(tl.int64)
+    if DEV:   # the unforced range from the device (prm as sel_count's); the grid covers the widest
+        h0, h1 = tl.load(prm_ptr + 1), tl.load(prm_ptr + 2)
     t = h0 + tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = t < h1
     r = tl.load(r_ptr + u * sr_u + t, mask=live, other=0.0)

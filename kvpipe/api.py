@@ -253,7 +253,7 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
             if _searches(method, plan) else None
         chosen, again = _lossy_plan(spec, work, budgets, main, lossy, sparse, rechoose)
         found = again or found
-        main = _predict(spec, work, chosen, profile, budgets, full=full_sim, replay=_lossy_replay(chosen),
+        main = _predict(spec, work, chosen, profile, budgets, full=full_sim, replay=None,
                         fuse=fuse)
     choice = None
     if max_error is not None:      # LOSSY only from the explicit budget, by measured error
@@ -262,9 +262,9 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
 
         def predict(p: Plan) -> Predicted:   # a candidate that cannot fuse is predicted unfused, not refused
             return exact if p is chosen else _predict(spec, work, p, profile, budgets, full=full_sim,
-                                                      replay=_lossy_replay(p), fuse="auto" if fuse == "on" else fuse)
+                                                      replay=None, fuse="auto" if fuse == "on" else fuse)
         main, choice = choose_lossy(chosen, max_error, objective, predict,
-                                    refuse="not with --replay on (lossy stages run eagerly)" if pin else None)
+                                    refuse="not with --replay on (the lossy choice runs under --replay auto)" if pin else None)
         chosen = main.plan
     methods = None
     if compare:
@@ -301,12 +301,6 @@ def _check_max_error(max_error, lossy, sparse) -> None:
     check_budget(max_error)
     if lossy is not None or sparse is not None:
         raise ValueError("max-error: the planner picks within the budget; give --max-error or --lossy/--sparse, not both")
-
-
-def _lossy_replay(plan: Plan) -> bool | None:
-    """Lossy KV (quantised or sparse) runs eagerly (`run` issues its stages one by one): predicted
-    so; else the default."""
-    return False if plan.lossy is not None else None
 
 
 def executor_replay(flag: str, plan: Plan) -> str:
@@ -426,19 +420,18 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
         from kvpipe.sim.lossy_choice import choose_lossy
         replay_ok = issue == "graph" and work.decode_tokens > 0 and not chosen.disk
         picked, choice = choose_lossy(chosen, max_error, objective, lambda p: _predict(
-            spec, work, p, profile, budgets, replay=replay_ok and p.lossy is None,   # lossy runs eagerly
+            spec, work, p, profile, budgets, replay=replay_ok and p.replay_blocker is None,   # quantised alone: eager
             fuse="auto" if fuse == "on" else fuse),
-            refuse="not with --replay on (lossy stages run eagerly)" if replay == "on" else None)
+            refuse="not with --replay on (the lossy choice runs under --replay auto)" if replay == "on" else None)
         chosen = picked.plan
     if chosen.lossy is not None and any(p.codec("disk") != "none" for p in (chosen.prefill, chosen.decode)):
         raise ValueError("codec: a disk codec cannot run with --lossy (quantised records go to disk as they are)")
     h2d = chosen.decode.codec("h2d")
     if h2d != "none":   # a GPU codec on h2d (a plan file's): nvCOMP on a CUDA GPU (executor/nvcomp_codec.py)
         check_available(h2d, dev)
-    if (chosen.disk or chosen.lossy or h2d != "none") and issue != "eager":   # no CUDA graph for these
+    if chosen.replay_blocker and issue != "eager":   # no CUDA graph for these
         if replay != "auto":
-            raise ValueError("replay: decode replay cannot run disk units, lossy KV or an h2d codec; "
-                             "use --replay off or auto")
+            raise ValueError(f"replay: {chosen.replay_blocker}; use --replay off or auto")
         issue, mode = "eager", "off"
     refuse_unfusable(fuse, issue != "eager")   # `on` over a plan whose decode is eager (its replay false)
     replayed = issue == "graph" and work.decode_tokens > 0
@@ -458,6 +451,11 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
     if res.fuse_note:   # auto ran unfused (e.g. a failed compile): one line, and predict what ran
         log.warning(res.fuse_note)
         warnings += (res.fuse_note,)
+    if res.replay_note:   # LOSSY sparse: the executor found a reason to issue the steps eagerly
+        log.warning(f"replay: {res.replay_note}; decode issued eagerly")
+        warnings += (f"replay: {res.replay_note}; decode issued eagerly",)
+        replayed = False
+        predicted = _predict(spec, work, chosen, profile, budgets, replay=False, fuse="off")
     if res.fused != predicted.fused:
         predicted = _predict(spec, work, chosen, profile, budgets, replay=replayed, fuse="off")
     mrep = Report(timing_from_trace(real), real.lane_busy_s(),

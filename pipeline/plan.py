@@ -82,11 +82,15 @@ class Plan:
     @property
     def replay_blocker(self) -> str | None:
         """Why no CUDA graph can hold this plan's decode steps (executor/replay.py), or None: disk
-        reads, lossy KV and an h2d codec's decode are issued eagerly."""
+        reads, quantised KV without sparse decode and an h2d codec's decode are issued eagerly.
+        Sparse decode (LOSSY, the token sketch) replays (executor/lossy_replay.py); the executor
+        may still find a reason at run time (e.g. a decode group of resident and offloaded heads,
+        or steps whose forced tokens fill their budget) and then issues the steps eagerly."""
         if self.disk:
             return f"decode replay cannot run disk units (this plan has {self.disk})"
-        if self.lossy is not None:
-            return "decode replay cannot run lossy KV"
+        if self.lossy is not None and (self.lossy.sparse is None or self.lossy.sketch is None):
+            return ("decode replay cannot run quantised KV without --sparse" if self.lossy.sparse is None
+                    else "decode replay cannot run the chunk-summary selection (sketch null)")
         if self.decode.codec("h2d") != "none":
             return f"decode replay cannot run an h2d codec ({self.decode.codec('h2d')})"
         return None
