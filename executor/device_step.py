@@ -101,14 +101,10 @@ class ReplayInterpreter(Interpreter):
         cur = self._step(s)
         h0, G, r = s.heads[0], len(s.heads), self.adapter.r
         new = self._kv[(s.phase, s.step, s.layer)][0][:, h0:h0 + G]   # [1, G, 1, 2, D]
+        if s.slot is not None and self.sp is not None:   # LOSSY sparse
+            return self._attn_sparse_static(s, cur, new)
         lens = self.dev.lens
-        if s.slot is not None and self.sp is not None:   # LOSSY sparse: the fetched rows, then the new token
-            assert h0 >= self.store.layout.resident[s.layer], f"{s.name}: a mixed group under sparse replay"
-            from .lossy_replay import ATTENDED
-            buf = self.store.slots[s.slot][:, :G]
-            buf.index_copy_(2, self.dev.args[ATTENDED:ATTENDED + 1], new)
-            lens = self.dev.sp_lens
-        elif s.slot is not None:   # offloaded heads were fetched into the slot; add the rest and the new token
+        if s.slot is not None:   # offloaded heads were fetched into the slot; add the rest and the new token
             self.store.fill_resident(s.layer, s.heads, s.slot, self.dev.copy_len)
             buf = self.store.slots[s.slot][:, :G]                      # [1, G, S, 2, D]
             buf.index_copy_(2, self.dev.pos, new)
@@ -125,6 +121,25 @@ class ReplayInterpreter(Interpreter):
         cur.out[:, :, qs] = o
 
     # ---- LOSSY sparse steps (executor/lossy_replay.py) -----------------------------------
+    def _attn_sparse_static(self, s: Stage, cur, new: torch.Tensor) -> None:
+        """The group's offloaded heads attend the fetched rows of the slot and their own token
+        (written after them, lengths from the device row); its resident heads, if any, their whole
+        prefix at home (the new token written there by qkv), apart, as the eager `_attn_sparse`."""
+        from .lossy_replay import ATTENDED
+        h0, G, r = s.heads[0], len(s.heads), self.adapter.r
+        k = max(0, min(G, self.store.layout.resident[s.layer] - h0))     # resident heads lead the group
+        scale = self.adapter.body.layers[s.layer].self_attn.scaling
+        if cur.out is None:
+            cur.out = cur.q.new_empty(1, 1, cur.q.shape[1], cur.q.shape[-1])   # [B, T, Hq, D]
+        if k:
+            qs = slice(h0 * r, (h0 + k) * r)
+            cur.out[:, :, qs] = attend_decode(cur.q[:, qs], self.store.gpu[s.layer][:, h0:h0 + k], self.dev.lens,
+                                              self.dev.cu_q, self.dev.cu_k, scale)
+        buf = self.store.slots[s.slot][:, k:G]                            # [1, G - k, S, 2, D]
+        buf.index_copy_(2, self.dev.args[ATTENDED:ATTENDED + 1], new[:, k:])
+        qs = slice((h0 + k) * r, (h0 + G) * r)
+        cur.out[:, :, qs] = attend_decode(cur.q[:, qs], buf, self.dev.sp_lens, self.dev.cu_q, self.dev.cu_k, scale)
+
     def _quant(self, s: Stage) -> None:
         if not self._device_step(s):
             return super()._quant(s)

@@ -65,8 +65,7 @@ def resolve_mode(mode: str, device: torch.device, dtype: torch.dtype, batch: int
 def lossy_blocker(graph: Graph, store) -> str | None:
     """Why this run's decode steps with lossy KV cannot be replayed (store: the opened KVStore),
     or None (also without lossy KV). Sparse steps replay (executor/lossy_replay.py) where the
-    store's paths allow it, no decode group mixes resident and offloaded heads, and every step
-    ranks; quantised KV without sparse decode is issued eagerly."""
+    store's paths allow it and every step ranks; quantised KV without sparse decode is issued eagerly."""
     spec = graph.plan.lossy
     if spec is None:
         return None
@@ -76,9 +75,6 @@ def lossy_blocker(graph: Graph, store) -> str | None:
     if why:
         return why
     lo = store.layout
-    for s in graph.stages:
-        if s.phase is Phase.DECODE and s.tag == "attn" and s.slot is not None and s.heads[0] < lo.resident[s.layer]:
-            return f"sparse replay cannot run a decode group of resident and offloaded heads ({s.name})"
     steps = sorted({s.step for s in graph.stages if s.phase is Phase.DECODE})
     window = store.q.sel_blocks if store.q is not None else 0
     return lossy_replay.blocker(spec, [graph.workload.context + k for k in steps], lo.capacity, window)
