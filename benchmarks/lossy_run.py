@@ -61,7 +61,8 @@ def run_variant(name: str, args) -> dict:
     return {"variant": name, "decode_s_per_token": t["decode_s_per_token"], "prefill_s": t["prefill_s"],
             "predicted_decode_s_per_token": j["predicted"]["decode_s_per_token"],
             "peak_bytes": t["peak_bytes"], "plan": j["plan"], "lossy": j["lossy"],
-            "tokens": j["tokens"], "digest": j["output_digest"], "wall_s": time.time() - t0}
+            "tokens": j["tokens"], "digest": j["output_digest"], "wall_s": time.time() - t0,
+            "decode_issue": (j.get("decode_issue") or {}).get("mode"), "warnings": j.get("warnings")}
 
 
 def speedups(rows: list[dict]) -> None:
@@ -112,7 +113,7 @@ def table(rows: list[dict]) -> list[str]:
     """The printed table, one line per variant; a failed row says why, and a row whose reference
     (the exact row) failed prints no speed-up."""
     lines = [f"{'variant':11} {'decode ms/tok':>14} {'predicted':>10} {'meas/pred':>10} {'speed-up':>9} "
-             f"{'pred. s-up':>10} {'prefill s':>10} {'attn rel err':>13} {'sparse err':>11}"]
+             f"{'pred. s-up':>10} {'prefill s':>10} {'attn rel err':>13} {'sparse err':>11} {'decode':>7}"]
     for r in rows:
         if "error" in r:
             lines.append(f"{r['variant']:11} FAILED: {r['error']}")
@@ -124,7 +125,7 @@ def table(rows: list[dict]) -> list[str]:
         lines.append(f"{r['variant']:11} {1e3 * r['decode_s_per_token']:14.1f} {1e3 * p:10.1f} "
                      f"{r['decode_s_per_token'] / p:10.2f} {x(r['decode_speedup']):>9} {x(r['predicted_speedup']):>10} "
                      f"{r['prefill_s']:10.2f} {'-' if err is None else f'{err:.2e}':>13} "
-                     f"{'-' if serr is None else f'{serr:.2e}':>11}")
+                     f"{'-' if serr is None else f'{serr:.2e}':>11} {r.get('decode_issue') or '-':>7}")
     return lines
 
 

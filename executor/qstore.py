@@ -126,13 +126,13 @@ class BlockCodec:
                        ("kc", D * g * bits // 8), ("vc", g * D * bits // 8))
         self.record = -(-sum(n for _, n in self.parts) // 16) * 16
 
-    def encode(self, kv: torch.Tensor) -> torch.Tensor:
-        """kv [N, group, 2, D] -> records [N, record] uint8, on kv's device."""
+    def encode(self, kv: torch.Tensor, overflow: torch.Tensor | None = None) -> torch.Tensor:
+        """kv [N, group, 2, D] -> records [N, record] uint8, on kv's device (`overflow`: as `quantize`'s)."""
         N = kv.shape[0]
         if N == 0:
             return torch.empty(0, self.record, dtype=torch.uint8, device=kv.device)
-        qk = quantize(kv[:, :, 0], self.bits, self.group, axis=-2)     # groups along tokens
-        qv = quantize(kv[:, :, 1], self.bits, self.gv, axis=-1)        # groups along channels
+        qk = quantize(kv[:, :, 0], self.bits, self.group, axis=-2, overflow=overflow)     # groups along tokens
+        qv = quantize(kv[:, :, 1], self.bits, self.gv, axis=-1, overflow=overflow)        # groups along channels
         out = torch.zeros(N, self.record, dtype=torch.uint8, device=kv.device)
         parts = {"ks": qk.scale, "kz": qk.zero, "vs": qv.scale, "vz": qv.zero, "kc": qk.codes, "vc": qv.codes}
         at = 0
@@ -350,6 +350,13 @@ class QuantHomes:
         """The static record each offloaded layer's filling block is encoded into every replayed step."""
         self.open_rec = [None if t is None else torch.empty(*t.shape[:2], 1, self.rec, dtype=torch.uint8,
                                                              device=self.s.device) for t in self.tail]
+        self.overflow = torch.zeros((), dtype=torch.bool, device=self.s.device)   # checked by `check_overflow`
+
+    def check_overflow(self) -> None:
+        """After replayed steps: the ValueError `encode` raises eagerly, for K/V past float16."""
+        from .quant import OVERFLOW
+        if bool(self.overflow):
+            raise ValueError(OVERFLOW)
 
     def encode_static(self, layer: int, kv: torch.Tensor, a: torch.Tensor) -> None:
         """`encode` of one new token at a device-held place (a[IN_BLOCK]) of the filling block, which
@@ -361,7 +368,8 @@ class QuantHomes:
             return
         n, (B, J) = self.s.layout.resident[layer], t.shape[:2]
         t.index_copy_(2, a[IN_BLOCK:IN_BLOCK + 1], kv[:, n:])                     # [B, n_off, g, 2, D]
-        self.open_rec[layer].copy_(self.codec.encode(t.reshape(-1, self.g, 2, t.shape[-1])).view(B, J, 1, self.rec))
+        recs = self.codec.encode(t.reshape(-1, self.g, 2, t.shape[-1]), self.overflow)
+        self.open_rec[layer].copy_(recs.view(B, J, 1, self.rec))
 
     def store_filled(self, layer: int, heads: tuple[int, ...], position: int) -> int:
         """D2H lane, after a replayed step whose new token sat at `position`: the filled block's

@@ -41,9 +41,15 @@ class Quantized:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
 
 
-def quantize(x: torch.Tensor, bits: int, group: int = 64, axis: int = -1) -> Quantized:
+OVERFLOW = "kv: values beyond the float16 range of the quantisation metadata"
+
+
+def quantize(x: torch.Tensor, bits: int, group: int = 64, axis: int = -1,
+             overflow: torch.Tensor | None = None) -> Quantized:
     """Quantise `x` in groups of `group` consecutive values along `axis` (the last group is padded
-    by repeating the axis' last value)."""
+    by repeating the axis' last value). Values past the float16 metadata's range raise a
+    ValueError; with `overflow` (a bool tensor on x's device, for a captured CUDA graph, which
+    cannot wait on the GPU) they set it instead, for the caller to check after the graph ran."""
     if bits not in LEVELS:
         raise ValueError(f"bits: must be 8 or 4, got {bits!r}")
     if group <= 0 or group % 2:
@@ -55,8 +61,10 @@ def quantize(x: torch.Tensor, bits: int, group: int = 64, axis: int = -1) -> Qua
     axis = axis % x.dim()
     y = x.movedim(axis, -1).to(work)
     shape, n = tuple(y.shape), y.shape[-1]
-    if meta == torch.float16 and y.numel() and y.abs().max() > _FP16_MAX:
-        raise ValueError("kv: values beyond the float16 range of the quantisation metadata")
+    if meta == torch.float16 and y.numel() and overflow is not None:
+        overflow.logical_or_(y.abs().amax() > _FP16_MAX)
+    elif meta == torch.float16 and y.numel() and y.abs().max() > _FP16_MAX:
+        raise ValueError(OVERFLOW)
     pad = -n % group
     if pad:
         y = torch.cat([y, y[..., -1:].expand(*shape[:-1], pad)], -1)

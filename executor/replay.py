@@ -324,6 +324,8 @@ class DecodeReplay:
             host[head] = time.perf_counter() - t0   # refresh, replay (or issue) and write-backs
         self.interp.last_logits = dev.logits
         torch.cuda.synchronize(self.store.device)
+        if self.lossy and self.store.q is not None:
+            self.store.q.check_overflow()
         sec = lambda ev: base.elapsed_time(ev) / 1e3
         return [Span(i, sec(a), sec(b), host.get(i, 0.0)) for i, (a, b) in sorted(marks.items())]
 

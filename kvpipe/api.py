@@ -96,7 +96,7 @@ def _choose(spec, work, profile, budgets, method, group, chunk, resident, plan, 
     return _predict(spec, work, chosen, profile, budgets, full=full, fuse=fuse), None
 
 
-def _lossy_plan(spec, work, budgets, first, lossy, sparse, rechoose):
+def _lossy_plan(spec, work, budgets, first, lossy, sparse, rechoose, pin=None):
     """The exact plan of `first` (a Predicted) with the LOSSY opt-in on, and the planner's result
     where it searched again (else None). The search ranks exact plans; the lossy GPU bytes (the
     sparse sketch and chunk summaries, quantised byte slots) come on top, so a plan that fit exact
@@ -104,7 +104,11 @@ def _lossy_plan(spec, work, budgets, first, lossy, sparse, rechoose):
     plan (`rechoose`: budgets -> (Predicted, found), None where the user gave the plan) and the lossy
     plan does not fit, it searches again with the GPU budget less those bytes, up to 3 times, and
     keeps the first plan that fits with them; if none does, the original, which then reports
-    "fits: NO" (plan) or is refused (run)."""
+    "fits: NO" (plan) or is refused (run). Where the planner chose, the lossy plan's replay choice
+    is made again: `pin` (the --replay pin: True, False, or None for `run --replay auto`), and None
+    where the plan cannot replay (quantised KV alone); the exact plan's choice (often eager at the
+    PCIe floor, where the host's issue cost hides) does not carry over to a sparse decode, which
+    moves a fraction of the bytes and is host-bound unless replayed. A user's plan keeps its own."""
     from dataclasses import replace
 
     from kvpipe.pipeline.lossy import LossySpec
@@ -112,14 +116,18 @@ def _lossy_plan(spec, work, budgets, first, lossy, sparse, rechoose):
     from kvpipe.pipeline.units import fmt_bytes
     from kvpipe.sim.planner import NoPlanFits
     spec_l = LossySpec(lossy, sparse=sparse)
-    plan = first.plan.with_(lossy=spec_l)
     if rechoose is None:
-        return plan, None
+        return first.plan.with_(lossy=spec_l), None
+
+    def lossy_of(exact: Plan) -> Plan:
+        out = exact.with_(lossy=spec_l, replay=None)
+        return out if out.replay_blocker or pin is None else out.with_(replay=pin)
+    plan = lossy_of(first.plan)
     exact, extra, found = first.plan, 0, None
     for _ in range(3):
         lossy_gpu = breakdown(spec, work, exact.with_(lossy=spec_l)).gpu
         if lossy_gpu <= gpu_usable(budgets["gpu"]):   # fits with the allocator's allowance
-            return exact.with_(lossy=spec_l), found
+            return lossy_of(exact), found
         extra = max(extra, lossy_gpu - breakdown(spec, work, exact).gpu)   # what the lossy option adds
         try:
             again, found = rechoose(dict(budgets, gpu=budgets["gpu"] - extra))
@@ -226,8 +234,8 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
     _check_max_error(max_error, lossy, sparse)
     fuse = fuse_mode(fuse)
     pin = replay_pin(replay)
-    if pin and (lossy is not None or sparse is not None):
-        raise ValueError("replay: decode replay cannot run lossy KV (--lossy/--sparse run eagerly); "
+    if pin and lossy is not None and sparse is None:
+        raise ValueError("replay: decode replay cannot run quantised KV without --sparse (it runs eagerly); "
                          "use --replay off or auto")
     spec = load_model(model)
     profile = load_profile(hw)
@@ -251,7 +259,7 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
         rechoose = (lambda b: _choose(spec, work, profile, b, method, group, chunk, resident, plan, objective,
                                       full_sim, disk, codec, h2d_codecs=False, fuse=fuse, replay=pin)) \
             if _searches(method, plan) else None
-        chosen, again = _lossy_plan(spec, work, budgets, main, lossy, sparse, rechoose)
+        chosen, again = _lossy_plan(spec, work, budgets, main, lossy, sparse, rechoose, pin)
         found = again or found
         main = _predict(spec, work, chosen, profile, budgets, full=full_sim, replay=None,
                         fuse=fuse)
@@ -405,7 +413,7 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
         rechoose = (lambda b: _choose(spec, work, profile, b, method, group, chunk, resident, plan, objective,
                                       disk=disk, codec=codec, h2d_codecs=False, fuse=fuse, replay=pin)) \
             if _searches(method, plan) else None
-        chosen, again = _lossy_plan(spec, work, budgets, first, lossy, sparse, rechoose)
+        chosen, again = _lossy_plan(spec, work, budgets, first, lossy, sparse, rechoose, pin)
         found = again or found
     mode = executor_replay(replay, chosen)   # what the executor is told
     if mode != replay:
