@@ -99,12 +99,12 @@ def test_device_row_selection_takes_exactly_the_top_tokens_for_every_step_of_a_b
                 assert not got[u, n:].any()               # zeros past n: rows a gather may read
 
 
-def _run(tiny_model, lossy, replay, resident=0, decode=140):
+def _run(tiny_model, lossy, replay, resident=0, decode=140, layers=2):
     from kvpipe.executor.adapter import HFAdapter
     from kvpipe.executor.runner import execute
     from kvpipe.pipeline.builder import build
     from kvpipe.pipeline.workload import Workload
-    model = tiny_model("llama", kv_heads=2, q_heads=8, head_dim=64, layers=2, dtype=torch.bfloat16, device="cuda",
+    model = tiny_model("llama", kv_heads=2, q_heads=8, head_dim=64, layers=layers, dtype=torch.bfloat16, device="cuda",
                        hidden_size=256, intermediate_size=512, vocab_size=1024, max_position_embeddings=2048)
     spec = HFAdapter(model).spec()
     w = Workload(640, decode)
@@ -135,9 +135,13 @@ def test_sparse_replay_equals_the_same_steps_issued_without_a_graph(tiny_model, 
 def test_sparse_replay_matches_the_eager_sparse_decode_within_bf16_rounding(tiny_model, lossy):
     """Fault caught: the replayed step selecting other tokens than the eager one (the first step's
     probe differs), attending a row too many or too few, or missing the exact tail: the logits
-    then drift far past bf16 rounding. (Not bitwise: one varlen call against eager's merge.)"""
-    rep = _run(tiny_model, lossy, "on", decode=20)
-    eager = _run(tiny_model, lossy, "off", decode=20)
+    then drift far past bf16 rounding. (Not bitwise: one varlen call against eager's merge.) One
+    layer, so that the step's only selection is the probed one: with more, the first layer's
+    rounding moves the next layer's queries, and a near-tie of 2-bit sketch ranks can then take
+    another 32-token block (2 layers, int4: 0.17 relative, H200; the replay == issue test covers
+    every layer bit for bit)."""
+    rep = _run(tiny_model, lossy, "on", decode=20, layers=1)
+    eager = _run(tiny_model, lossy, "off", decode=20, layers=1)
     assert eager.decode_issue == "eager" and rep.decode_issue == "graph"
     assert rep.lossy_error["sparse_recall_mean"] == pytest.approx(eager.lossy_error["sparse_recall_mean"], rel=1e-6)
     d = (rep.step_logits[1:2] - eager.step_logits[1:2]).abs().max() / eager.step_logits[1:2].abs().max()
