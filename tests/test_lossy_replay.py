@@ -172,3 +172,17 @@ def test_steps_that_rank_nothing_run_eagerly_under_auto_and_are_refused_under_on
     assert res.decode_issue == "eager" and "rank" in res.replay_note
     with pytest.raises(ValueError, match="replay: sparse replay needs every decode step to rank"):
         _run(tiny_model, wide, "on", decode=4)
+
+
+def test_a_sparse_plan_is_predicted_replayed_not_as_its_exact_plans_eager_choice():
+    """Fault caught: the lossy plan inheriting the exact plan's replay choice (at 128K the planner
+    picks eager for the exact plan, whose decode sits at the PCIe floor), so `plan` and `run`
+    predicted and ran a host-bound eager sparse decode (88.6 ms measured eagerly on the H200,
+    the same as the replayed 88.7 there only by luck of the host)."""
+    import kvpipe
+    kw = dict(context="128K", gpu_mem="24GB", group=8, resident="none", hw="h200-testbox", sparse=0.2, lossy="int4")
+    auto, off = kvpipe.plan(**kw), kvpipe.plan(**kw, replay="off")
+    assert auto.plan.replay is None and off.plan.replay is False
+    a = auto.to_json()["predicted"]["decode_s_per_token"]
+    b = off.to_json()["predicted"]["decode_s_per_token"]
+    assert a < 0.8 * b, (a, b)
