@@ -142,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--variants", nargs="+", default=["exact", "int8", "int4"], choices=list(VARIANTS))
+    ap.add_argument("--no-sparse-row", action="store_true",
+                    help="with --sparse, run only the variants named (no `sparse` row; e.g. sparse-int4 alone)")
     ap.add_argument("--sparse", type=float, metavar="F", help="also run `sparse`: kvpipe run --sparse F (LOSSY)")
     ap.add_argument("--rounds", type=int, default=1, help="run the variants this many times, round-robin; each "
                     "row is the variant's median run (an eager lossy step is host-bound: the H200 ran the same sparse "
@@ -173,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
            "rows": rows}
     path = Path(args.out) if args.out else RESULTS / f"lossy-run-{datetime.date.today()}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    order = ["exact"] + [v for v in args.variants if v != "exact"] + (["sparse"] if args.sparse else [])
+    order = ["exact"] + [v for v in args.variants if v != "exact"] + (["sparse"] if args.sparse and not args.no_sparse_row else [])
     runs: list[dict] = []
     if args.rounds > 1:
         out["runs"] = runs
