@@ -119,9 +119,7 @@ def _lossy_plan(spec, work, budgets, first, lossy, sparse, rechoose, pin=None):
     if rechoose is None:
         return first.plan.with_(lossy=spec_l), None
 
-    def lossy_of(exact: Plan) -> Plan:
-        out = exact.with_(lossy=spec_l, replay=None)
-        return out if out.replay_blocker or pin is None else out.with_(replay=pin)
+    lossy_of = lambda exact: exact.with_lossy(spec_l, pin)   # noqa: E731
     plan = lossy_of(first.plan)
     exact, extra, found = first.plan, 0, None
     for _ in range(3):
@@ -272,7 +270,8 @@ def plan(model: str = DEFAULT_MODEL, hw: str = DEFAULT_HW, context: str | int = 
             return exact if p is chosen else _predict(spec, work, p, profile, budgets, full=full_sim,
                                                       replay=None, fuse="auto" if fuse == "on" else fuse)
         main, choice = choose_lossy(chosen, max_error, objective, predict,
-                                    refuse="not with --replay on (the lossy choice runs under --replay auto)" if pin else None)
+                                    refuse="not with --replay on (the lossy choice runs under --replay auto)" if pin else None,
+                                    replay=pin)
         chosen = main.plan
     methods = None
     if compare:
@@ -430,7 +429,8 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
         picked, choice = choose_lossy(chosen, max_error, objective, lambda p: _predict(
             spec, work, p, profile, budgets, replay=replay_ok and p.replay_blocker is None,   # quantised alone: eager
             fuse="auto" if fuse == "on" else fuse),
-            refuse="not with --replay on (the lossy choice runs under --replay auto)" if replay == "on" else None)
+            refuse="not with --replay on (the lossy choice runs under --replay auto)" if replay == "on" else None,
+            replay=pin)
         chosen = picked.plan
     if chosen.lossy is not None and any(p.codec("disk") != "none" for p in (chosen.prefill, chosen.decode)):
         raise ValueError("codec: a disk codec cannot run with --lossy (quantised records go to disk as they are)")

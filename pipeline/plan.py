@@ -125,6 +125,14 @@ class Plan:
             return out if out.replay_blocker else replace(out, replay=True)
         return replace(self, **kw)
 
+    def with_lossy(self, lossy: LossySpec | None, pin: bool | None = None) -> "Plan":
+        """A copy with `lossy` and its decode replay choice made again, not kept from this plan's
+        (an exact decode at the PCIe floor hides the host's issue cost, a sparse one does not): the
+        --replay pin `pin` (True / False; None: `run --replay auto` decides), None where the copy
+        cannot replay (quantised KV alone)."""
+        out = replace(self, lossy=lossy, replay=None)
+        return out if out.replay_blocker or pin is None else replace(out, replay=pin)
+
     def describe(self) -> str:
         p, d = self.prefill, self.decode
         return (f"{self.method.value}: prefill group={p.group} chunk={p.chunk} depth={p.depth}; "

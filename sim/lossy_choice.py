@@ -88,10 +88,11 @@ def excluded(plan: Plan, option: Option | None = None) -> str | None:
 
 
 def choose_lossy(plan: Plan, max_error: float, objective: str, predict: Callable,
-                 refuse: str | None = None) -> tuple[object, LossyChoice]:
+                 refuse: str | None = None, replay: bool | None = None) -> tuple[object, LossyChoice]:
     """The best of `plan` (exact) and its admitted lossy variants. `predict(plan)` returns an
     object with `problems` (budget misses) and the simulator's `report` (api._predict).
     `refuse`: why the caller cannot run a lossy plan at all (e.g. --replay on), or None.
+    `replay`: the --replay pin; each candidate's replay choice is made again (Plan.with_lossy).
     Candidates are tried exact first, then by measured error (smallest first), and one replaces
     the best so far only when strictly faster: ties go to exact, then to the smaller error."""
     max_error = check_budget(max_error)
@@ -104,7 +105,7 @@ def choose_lossy(plan: Plan, max_error: float, objective: str, predict: Callable
         elif why:
             rows[opt.name] = (opt.name, opt.measured.worst, why)
         else:
-            tried.append((opt.name, plan.with_(lossy=opt.spec(max_error)), opt.measured.worst))
+            tried.append((opt.name, plan.with_lossy(opt.spec(max_error), replay), opt.measured.worst))
     best, best_v, pick = None, math.inf, None
     for name, p, err in sorted(tried, key=lambda t: -1.0 if t[2] is None else t[2]):
         pred = predict(p)
