@@ -39,7 +39,9 @@ tail, the blocks holding sink or recent tokens and the blocks not yet sketched f
 moves the selected blocks' records (rows of `record` bytes) from the pinned record home into the
 byte slot by the same gather modes, and the `dequant` stage decodes only those records
 (QuantHomes.decode_selected) into slot rows in token order, the exact tail after them.
-Refused for now: disk units (their rows are read whole) and an h2d codec (compressed homes)."""
+Refused for now: disk units (their rows are read whole) and an h2d codec (compressed homes).
+Replayed decode (CUDA graphs, executor/lossy_replay.py) runs the `*_static` methods: the same
+selection with the step's counts read on the device, a fixed-width gather."""
 from __future__ import annotations
 
 import logging

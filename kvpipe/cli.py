@@ -101,8 +101,8 @@ def add_workload_flags(p: argparse.ArgumentParser, *, context: str | None, hw: s
                         "Default: KVPIPE_FUSE if set, else auto")
     p.add_argument("--replay", type=str.lower, choices=["auto", "on", "off"], default="auto",
                    help="decode steps as CUDA-graph replays (on) or issued stage by stage (off); auto: the planner "
-                        "scores both where decode can be replayed (bf16/fp16, batch 1, no disk units, lossy KV or "
-                        "h2d codec) and the plan says which; run executes the plan's choice, else replays on CUDA")
+                        "scores both where decode can be replayed (bf16/fp16, batch 1, no disk units, quantised KV without --sparse "
+                        "or h2d codec) and the plan says which; run executes the plan's choice, else replays on CUDA")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--trace", metavar="FILE.json", help="write the Chrome/Perfetto trace")
     p.add_argument("--plot", metavar="FILE.png", help="draw the timeline (needs kvpipe[plot]); .png, .pdf, .svg ...")
