@@ -105,12 +105,11 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
         step_logits = (torch.empty(n_decode + 1, w.batch, graph.model.vocab, device=device)
                        if keep_logits else None)
         issue = resolve_mode(replay, device, adapter.dtype, w.batch, adapter.head_dim) if n_decode else "eager"
-        lossy = graph.plan.lossy
-        if issue != "eager" and ((lossy is not None and lossy.sparse is None) or graph.plan.decode.codec("h2d") != "none"
-                                 or any(s.lane in HOST_LANES for s in graph.stages)):
+        why = graph.plan.replay_blocker or ("decode replay cannot run disk or CPU codec stages"
+                                            if any(s.lane in HOST_LANES for s in graph.stages) else None)
+        if issue != "eager" and why:
             if replay != "auto":
-                raise ValueError("replay: decode replay cannot run disk units, codec stages or quantised KV "
-                                 "without --sparse; use --replay off")
+                raise ValueError(f"replay: {why}; use --replay off")
             issue = "eager"
         replayed = issue != "eager"
         extra = {}
