@@ -184,10 +184,7 @@ class ReplayInterpreter(Interpreter):
         self._cur = None
 
     def _fetch(self, s: Stage) -> None:
-        if not self._device_step(s):
-            return super()._fetch(s)
+        if not self._device_step(s) or self.sp is not None:   # LOSSY sparse: the eager gather of the
+            return super()._fetch(s)                           # selection (n_max rows under replay)
         base = s.group * self.group[s.phase]
-        if self.sp is not None:   # LOSSY sparse: the selected rows, a fixed n_max of them (lossy_replay.py)
-            self.moved[s.id] = self.sp.gather(s.layer, s.heads, base, s.slot, self._sel[(s.step, s.layer)])
-            return
         self.moved[s.id] = self.store.fetch(s.layer, s.heads, base, s.slot, self.dev.copy_len)

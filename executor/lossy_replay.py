@@ -62,13 +62,13 @@ def step_args(spec, prefix: int) -> list[int]:
                                                spec.sink, spec.recent)
     n, room, h0, h1 = sparse_sketch.split(total, ranked, budget, sink, recent)
     g = spec.group if spec.blocks else 1
-    tail = prefix % g if spec.blocks else 0
+    tail = prefix % g
     row = [0] * ARGS
     row[TOTAL], row[H0], row[H1], row[ROOM], row[N] = total, h0, h1, room, n
     row[ATTENDED] = n * g + tail
     row[TAIL_AT] = n * g
     row[IN_CHUNK], row[CHUNK] = prefix % c, prefix // c
-    row[IN_BLOCK] = prefix % g
+    row[IN_BLOCK] = tail
     return row
 
 
@@ -89,11 +89,11 @@ def bucket_of(spec, rows: list[list[int]], prefixes: list[int]) -> Bucket:
 def blocker(spec, prefixes: list[int], capacity: int, window_blocks: int) -> str | None:
     """Why these decode steps cannot be replayed under `spec`, or None: every step must rank (its
     forced tokens do not fill its count and not every token is kept), and the slot must hold a
-    step's widest fetch, its exact tail and its own token."""
-    from kvpipe.executor import sparse_sketch
+    step's widest fetch, its exact tail and its own token (sparse_sketch.ranks' rule, read off the
+    step's row: room > 0 and n < total)."""
+    g = spec.group if spec.blocks else 1
     for p in prefixes:
         r = step_args(spec, p)
-        g = spec.group if spec.blocks else 1
         if r[ROOM] <= 0 or r[N] >= r[TOTAL]:
             return (f"sparse replay needs every decode step to rank tokens; at prefix {p} the forced "
                     f"ones (sink {spec.sink}, recent {spec.recent}) fill the step's {r[N]} (or F keeps all)")
@@ -101,11 +101,4 @@ def blocker(spec, prefixes: list[int], capacity: int, window_blocks: int) -> str
             return f"sparse replay: a step fetches {r[N]} blocks, past the dequantise window of {window_blocks}"
         if (r[N] + 1) * g + 1 > capacity:
             return f"sparse replay: a step's fetch ({r[N]} x {g} tokens) leaves no room in the slot"
-        assert sparse_sketch.ranks(r[TOTAL], ranked(spec, p), *_budget(spec, p)), p
     return None
-
-
-def _budget(spec, prefix: int) -> tuple[int, int, int]:
-    if spec.blocks:
-        return spec.block_args(prefix)[2:]
-    return spec.fetched_tokens(prefix), spec.sink, spec.recent

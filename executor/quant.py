@@ -61,10 +61,11 @@ def quantize(x: torch.Tensor, bits: int, group: int = 64, axis: int = -1,
     axis = axis % x.dim()
     y = x.movedim(axis, -1).to(work)
     shape, n = tuple(y.shape), y.shape[-1]
-    if meta == torch.float16 and y.numel() and overflow is not None:
-        overflow.logical_or_(y.abs().amax() > _FP16_MAX)
-    elif meta == torch.float16 and y.numel() and y.abs().max() > _FP16_MAX:
-        raise ValueError(OVERFLOW)
+    if meta == torch.float16 and y.numel():
+        if overflow is not None:
+            overflow.logical_or_(y.abs().amax() > _FP16_MAX)
+        elif y.abs().max() > _FP16_MAX:
+            raise ValueError(OVERFLOW)
     pad = -n % group
     if pad:
         y = torch.cat([y, y[..., -1:].expand(*shape[:-1], pad)], -1)

@@ -224,7 +224,7 @@ class DecodeReplay:
         Triton kernel is compiled outside a capture, and the selection's error is measured on it
         (the probe, as the eager path measures its first step; it needs host syncs). Every write
         it makes the real step 0 makes again with the same values (its token, K/V, sketch and
-        tail entries at the same device-held places); its next token is put back."""
+        tail entries at the same device-held places); `run` puts its input token back after."""
         gpu = self.lanes.streams[Lane.GPU]
         with torch.cuda.stream(gpu):
             self.dev.ids.copy_(self.tokens[:, 0:1])
@@ -239,8 +239,6 @@ class DecodeReplay:
             layer, q_off, sel = self.interp.probe_ref
             self.interp.probe_ref = None
             self.interp.sparse_probe(layer, q_off, sel[..., :self.rows[0][lossy_replay.N]], self.context)
-        with torch.cuda.stream(gpu):
-            self.dev.ids.copy_(self.tokens[:, 0:1])
 
     def _capture_all(self) -> None:
         t0 = time.perf_counter()
