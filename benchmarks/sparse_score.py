@@ -35,7 +35,8 @@ from kvpipe.pipeline.units import parse_tokens
 RESULTS = Path(__file__).resolve().parent / "results"
 LAYERS = 32          # Llama-3-8B: the implied decode-step cost is 32 score stages
 TILINGS = (("token", 32, 4), ("token", 64, 4), ("token", 64, 8), ("token", 128, 8),   # (score kernel, tokens per
-           ("chunk", 64, 2), ("chunk", 64, 4), ("chunk", 64, 8), ("chunk", 32, 2), ("chunk", 32, 4))   # program, warps)
+           ("chunk", 64, 2), ("chunk", 64, 4), ("chunk", 64, 8), ("chunk", 32, 2), ("chunk", 32, 4),   # program, warps)
+           ("dot", 64, 2), ("dot", 64, 4), ("dot", 64, 8), ("dot", 32, 4))
 
 
 def old_select(share: torch.Tensor, prefix: int, budget: int, sink: int, recent: int) -> torch.Tensor:
@@ -128,6 +129,12 @@ def bench(prefix: int, args, dev: torch.device) -> dict:
                                                             args.reps, dev) for kern, blk, w in TILINGS}
         row["rank_kernels_max_abs_diff"] = float((sparse_triton.rank(q, lo, hi, codes, bits, kernel="token")
                                                   - sparse_triton.rank(q, lo, hi, codes, bits, kernel="chunk")).abs().max())
+        row["rank_dot_max_abs_diff"] = float((sparse_triton.rank(q, lo, hi, codes, bits, kernel="dot")
+                                              - sparse_triton.rank(q, lo, hi, codes, bits, kernel="chunk")).abs().max())
+        # sparse + int4's ranking: 32-token blocks, the fused block rank, then the selection over blocks
+        nb, bb = prefix // 32, math.ceil(args.fraction * prefix / 32)
+        row["blocks_total_graph_s"] = graph_timed(lambda: sparse_triton.select(
+            sparse_triton.rank(q, lo, hi, codes, bits, blocks=32), nb, bb, 2, 8), args.reps, dev)
         row["triton_select_s"] = timed(lambda: sparse_triton.select(share_new, prefix, budget, sink, recent),
                                        args.reps, dev)
         row["triton_select_topk_s"] = timed(lambda: sparse_triton.select(share_new, prefix, budget, sink, recent,

@@ -25,7 +25,7 @@ class DeviceStep:
     ids [B, 1] long: the token embedded, then the greedy next token; pos [1] long: its position
     (= keys cached before it); lens [1] int32: keys attended (pos + 1); logits [B, V] fp32;
     cu_q (0, 1), cu_k (0, capacity) int32; copy_len: tokens each prefix copy moves (host int,
-    baked into a graph); args, sp_lens, bucket: a sparse step's (LOSSY)."""
+    baked into a graph); args, sp_lens, bucket, sp_width, sp_cu_k: a sparse step's (LOSSY)."""
 
     ids: torch.Tensor
     pos: torch.Tensor
@@ -39,6 +39,8 @@ class DeviceStep:
     args: torch.Tensor | None = None
     sp_lens: torch.Tensor | None = None
     bucket: object | None = None
+    sp_width: int = 0                     # W: the leading slot rows a bucket's steps can attend
+    sp_cu_k: torch.Tensor | None = None   # (0, W) int32 on the device
 
 
 class ReplayInterpreter(Interpreter):
@@ -56,6 +58,7 @@ class ReplayInterpreter(Interpreter):
         self.fused, self.fuse_note = make_fused(self.adapter, self.fuse)
         self._pending: torch.Tensor | None = None   # [B, 1, hidden] MLP output not yet added
         self.probe_ref: tuple | None = None   # LOSSY sparse: (layer, queries, selection) of a step's first scored layer
+        self._side: torch.cuda.Stream | None = None   # LOSSY sparse: see `side`
 
     def warm_fused(self, positions: torch.Tensor) -> float:
         """Compile and warm the fused pieces before any capture -> seconds; a compile that fails
@@ -66,6 +69,16 @@ class ReplayInterpreter(Interpreter):
         if note is not None:
             self.fused, self.fuse_note = None, note
         return seconds
+
+    def side(self) -> torch.cuda.Stream:
+        """LOSSY sparse steps: the stream the sketch's and the quantisation's per-step upkeep of the
+        filling chunk (block) runs on, beside the step's chain of score, gather, dequantise and
+        attention, which never reads what it writes within the step (SparseHomes.append_static,
+        QuantHomes.encode_static); `_head` joins it, so it belongs to a captured step's graph.
+        Made on first use, which is the step issued before any capture."""
+        if self._side is None:
+            self._side = torch.cuda.Stream(device=self.store.device)
+        return self._side
 
     def _device_step(self, s: Stage) -> bool:
         return s.phase is Phase.DECODE and self.dev is not None
@@ -90,7 +103,7 @@ class ReplayInterpreter(Interpreter):
         if n:
             self.store.gpu[s.layer].index_copy_(2, self.dev.pos, kv[:, :n])  # at the device-held position
         if self.sp is not None:           # LOSSY: the sketch's unsealed chunk (lossy_replay.py)
-            self.sp.append_static(s.layer, kv, self.dev.args)
+            self.sp.append_static(s.layer, kv, self.dev.args, self.side())
         B, Hq, T, D = q.shape
         cur.q, cur.out = q, None if self.fused is not None else q.new_empty(B, T, Hq, D)
         self._kv[(s.phase, s.step, s.layer)] = [kv, 1 + (n < lo.kv_heads)]
@@ -138,12 +151,15 @@ class ReplayInterpreter(Interpreter):
         buf = self.store.slots[s.slot][:, k:G]                            # [1, G - k, S, 2, D]
         buf.index_copy_(2, self.dev.args[ATTENDED:ATTENDED + 1], new[:, k:])
         qs = slice((h0 + k) * r, (h0 + G) * r)
-        cur.out[:, :, qs] = attend_decode(cur.q[:, qs], buf, self.dev.sp_lens, self.dev.cu_q, self.dev.cu_k, scale)
+        # only the rows the bucket's steps can attend: FA2 sizes its key splits by the keys it is
+        # given, and over the whole slot most splits would lie past the step's ~F x prefix rows
+        rows = buf[:, :, :self.dev.sp_width]
+        cur.out[:, :, qs] = attend_decode(cur.q[:, qs], rows, self.dev.sp_lens, self.dev.cu_q, self.dev.sp_cu_k, scale)
 
     def _quant(self, s: Stage) -> None:
         if not self._device_step(s):
             return super()._quant(s)
-        self.q.encode_static(s.layer, self._kv[(s.phase, s.step, s.layer)][0], self.dev.args)
+        self.q.encode_static(s.layer, self._kv[(s.phase, s.step, s.layer)][0], self.dev.args, self.side())
 
     def _score(self, s: Stage) -> None:
         if not self._device_step(s):
@@ -180,6 +196,8 @@ class ReplayInterpreter(Interpreter):
             self._pending = None
         self.dev.logits.copy_(logits)
         self.dev.ids.copy_(logits.argmax(-1, keepdim=True))             # greedy, the next step's input
+        if self._side is not None:       # LOSSY sparse: the upkeep stream joins before the step ends
+            torch.cuda.current_stream(self.store.device).wait_stream(self._side)
         self.last_logits = self.dev.logits
         self._cur = None
 

@@ -32,6 +32,7 @@ the CPU. `QuantHomes.paths()` counts the dequantise calls by path (reported in `
 decode_issue.dequant)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections import Counter
@@ -358,18 +359,26 @@ class QuantHomes:
         if bool(self.overflow):
             raise ValueError(OVERFLOW)
 
-    def encode_static(self, layer: int, kv: torch.Tensor, a: torch.Tensor) -> None:
+    def encode_static(self, layer: int, kv: torch.Tensor, a: torch.Tensor,
+                      side: torch.cuda.Stream | None = None) -> None:
         """`encode` of one new token at a device-held place (a[IN_BLOCK]) of the filling block, which
         is encoded whole into `open_rec` (stale tokens past it included: its record goes home only
-        in the step that fills it, `store_filled`, then from the eager path's values)."""
+        in the step that fills it, `store_filled`, then from the eager path's values). `side`: a
+        stream the encoding (~70 small kernels) runs on, off the step's critical path; the new
+        token is written into the tail on the current stream first, so that side stream only reads
+        the tail and writes `open_rec` and the overflow flag, which nothing reads before the caller
+        joins it (DeviceStep's end of step)."""
         from .lossy_replay import IN_BLOCK
         t = self.tail[layer]
         if t is None:
             return
         n, (B, J) = self.s.layout.resident[layer], t.shape[:2]
         t.index_copy_(2, a[IN_BLOCK:IN_BLOCK + 1], kv[:, n:])                     # [B, n_off, g, 2, D]
-        recs = self.codec.encode(t.reshape(-1, self.g, 2, t.shape[-1]), self.overflow)
-        self.open_rec[layer].copy_(recs.view(B, J, 1, self.rec))
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            recs = self.codec.encode(t.reshape(-1, self.g, 2, t.shape[-1]), self.overflow)
+            self.open_rec[layer].copy_(recs.view(B, J, 1, self.rec))
 
     def store_filled(self, layer: int, heads: tuple[int, ...], position: int) -> int:
         """D2H lane, after a replayed step whose new token sat at `position`: the filled block's

@@ -147,6 +147,11 @@ class DecodeReplay:
                             for key, ks in by.items()}
             self.dev = replace(self.dev, args=torch.zeros(lossy_replay.ARGS, dtype=torch.long, device=device),
                                sp_lens=torch.ones(1, **i32))
+            # the slot rows a bucket's offloaded heads can attend: its widest fetch, the exact tail
+            # and the step's own token; the attention reads only those (splits sized to them)
+            g = spec.group if spec.blocks else 1
+            widths = {key: min(lo.capacity, (b.n_max + 1) * g) for key, b in self.buckets.items()}
+            self.sp_width = {key: (w, torch.tensor([0, w], **i32)) for key, w in widths.items()}
             if self.store.q is not None:
                 self.store.q.open_replay()
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
@@ -208,7 +213,8 @@ class DecodeReplay:
     def _dev_for(self, key: int) -> DeviceStep:
         """The step buffers as a graph of `key` reads them (its copy length, or its sparse shapes)."""
         if self.lossy:
-            return replace(self.dev, copy_len=0, bucket=self.buckets[key])
+            w, cu_k = self.sp_width[key]
+            return replace(self.dev, copy_len=0, bucket=self.buckets[key], sp_width=w, sp_cu_k=cu_k)
         return replace(self.dev, copy_len=key)
 
     def _refresh(self, k: int) -> None:

@@ -44,6 +44,7 @@ Replayed decode (CUDA graphs, executor/lossy_replay.py) runs the `*_static` meth
 selection with the step's counts read on the device, a fixed-width gather."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -210,10 +211,9 @@ class SparseHomes:
         if not sparse_sketch.ranks(total, ranked, budget, sink, recent):   # forced tokens / F = 1
             return sparse_sketch.select(torch.empty(B, n_off, ranked, device=q.device), total, budget, sink, recent)
         lo, hi, codes = self.lo[layer][:, :, :C], self.hi[layer][:, :, :C], self.codes[layer][:, :, :sealed]
-        blocks = (lambda share: share) if g == 1 else (lambda share: sparse_sketch.block_share(share, g, BLOCK_RANK))
         while self.score_path == "triton":
             try:
-                share = blocks(sparse_triton.rank(qg, lo, hi, codes, self.bits))        # [B, n_off, ranked]
+                share = sparse_triton.rank(qg, lo, hi, codes, self.bits, blocks=g, how=BLOCK_RANK)   # [B, n_off, ranked]
                 return sparse_triton.select(share, total, budget, sink, recent, self.radix)
             except torch.OutOfMemoryError:
                 raise
@@ -224,7 +224,9 @@ class SparseHomes:
                 else:
                     self.score_path, self.score_note = "torch", f"sparse: the Triton ranking failed ({first}); torch path"
                 logging.getLogger("kvpipe").warning(self.score_note)   # once each: the store keeps the slower path
-        share = blocks(sparse_sketch.group_share(sparse_sketch.scores(qg, lo, hi, codes, self.bits)))
+        share = sparse_sketch.group_share(sparse_sketch.scores(qg, lo, hi, codes, self.bits))
+        if g > 1:
+            share = sparse_sketch.block_share(share, g, BLOCK_RANK)
         return sparse_sketch.select(share, total, budget, sink, recent)
 
     # ---- replayed steps (executor/lossy_replay.py: a step's counts in the device row `a`) ------
@@ -239,22 +241,30 @@ class SparseHomes:
             return f"sparse replay needs the compiled dequantise window ({q.unfused})"
         return None
 
-    def append_static(self, layer: int, kv: torch.Tensor, a: torch.Tensor) -> None:
+    def append_static(self, layer: int, kv: torch.Tensor, a: torch.Tensor,
+                      side: torch.cuda.Stream | None = None) -> None:
         """`append` of one new token at a device-held place (a[IN_CHUNK] of chunk a[CHUNK]): its key
         joins the unsealed chunk, whose summary and sketch are recomputed whole (stale keys past it
-        included: the chunk is ranked only once full, then from the eager path's values)."""
+        included: the chunk is ranked only once full, then from the eager path's values). `side`: a
+        stream the summary and sketch (~15 kernels) run on, off the step's critical path: the key
+        is written into the tail on the current stream first; the side stream then reads only the
+        tail and writes chunk a[CHUNK]'s summary and codes, past the sealed chunks this step's
+        `select_static` ranks (the bucket's), so nothing reads them before the caller joins it."""
         from .lossy_replay import CHUNK, IN_CHUNK
         t = self.tail[layer]
         if t is None:
             return
         n, c = self.s.layout.resident[layer], self.chunk
         t.index_copy_(2, a[IN_CHUNK:IN_CHUNK + 1], kv[:, n:, :, 0])               # [B, n_off, c, D]
-        lo, hi = t.amin(2, keepdim=True), t.amax(2, keepdim=True)                 # [B, n_off, 1, D]
-        at = a[CHUNK:CHUNK + 1]
-        self.lo[layer].index_copy_(2, at, lo)
-        self.hi[layer].index_copy_(2, at, hi)
-        rows = at * c + torch.arange(c, device=t.device)
-        self.codes[layer].index_copy_(2, rows, sparse_sketch.encode(t, lo, hi, self.bits))
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            lo, hi = t.amin(2, keepdim=True), t.amax(2, keepdim=True)             # [B, n_off, 1, D]
+            at = a[CHUNK:CHUNK + 1]
+            self.lo[layer].index_copy_(2, at, lo)
+            self.hi[layer].index_copy_(2, at, hi)
+            rows = at * c + torch.arange(c, device=t.device)
+            self.codes[layer].index_copy_(2, rows, sparse_sketch.encode(t, lo, hi, self.bits))
 
     def select_static(self, layer: int, q: torch.Tensor, a: torch.Tensor, bucket) -> torch.Tensor:
         """`select` with the step's counts on the device (a[TOTAL:N + 1]) and the shapes of
@@ -266,9 +276,7 @@ class SparseHomes:
         sealed = bucket.sealed * g                                 # tokens sketched and ranked
         C = sealed // self.chunk
         share = sparse_triton.rank(qg, self.lo[layer][:, :, :C], self.hi[layer][:, :, :C],
-                                   self.codes[layer][:, :, :sealed], self.bits)
-        if g > 1:
-            share = sparse_sketch.block_share(share, g, BLOCK_RANK)
+                                   self.codes[layer][:, :, :sealed], self.bits, blocks=g, how=BLOCK_RANK)
         return sparse_triton.select_static(share, a, bucket.total_max, bucket.h0_min, bucket.h1_max, bucket.n_max)
 
     # ---- h2d lane ----------------------------------------------------------------------------

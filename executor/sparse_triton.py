@@ -7,10 +7,14 @@ logsumexp over heads of (s - logsumexp over tokens of s). Only the summation ord
 float32 results agree within rounding, not bit for bit), so near-ties may rank the other way.
 
   score    grid (unit, token tile): reads the tile's packed codes once, rebuilds k_hat, writes the
-           G scores per token and, per head, the tile's max and sum of exp (for the softmax).
-  lse      grid (unit): combines the tiles' (max, sum) into each head's logsumexp over the tokens.
+           G scores per token and, per head, the tile's max and sum of exp (for the softmax);
+           `score_chunk` and `score_dot` (the default: matrix products on the tensor cores) sum
+           the same terms with the chunk's range factored out.
+  lse      grid (unit x head): combines the tiles' (max, sum) into each head's logsumexp over the
+           tokens (`lse_rows`, one pass).
   share    grid (unit, token tile): the log group share of each token (sparse_sketch.select then
-           ranks the unforced ones).
+           ranks the unforced ones); `share_blocks` goes on to each quantised block's rank
+           (sparse_sketch.block_share), so sparse + int4 ranks blocks in the same three kernels.
 
 The kernels (executor/sparse_triton_kernels.py) are imported on first use, so CPU CI needs no
 Triton; on CPU tensors they run only in Triton's interpreter (TRITON_INTERPRET=1 set before Triton
@@ -31,11 +35,18 @@ SCORE_WARPS = 8     # warps per `score` ("token") program: ptxas (sm_90, Triton 
 CHUNK_WARPS = 2     # warps per `score_chunk` program: the fastest tiling of 64x2/64x4/64x8/32x2/32x4 at 32K,
                     # 128K and 512K on the H200 (benchmarks/results/h200-2026-11-30-sparse-score-s5.json:
                     # 0.130 / 0.340 / 0.950 ms against the token kernel's best 0.174 / 0.521 / 1.554)
-BLOCK_LSE = 256     # tiles per iteration of lse's loop
+BLOCK_LSE = 256     # tiles per iteration of lse_rows' loop
+DOT_WARPS = 4       # warps per `score_dot` program
 BLOCK_SEL = 1024    # tokens per program of sel_count/sel_write/radix_hist
 SEL_TILES = 256     # tile counts sel_write reads per iteration (fixed: no recompile as the cache grows)
-SCORE_KERNEL = "chunk"   # rank's score kernel: "chunk" (the chunk's range factored out) or "token"
-KERNELS = ("token", "chunk")
+SCORE_KERNEL = "dot"     # rank's score kernel: "dot" (tensor cores), "chunk" (the chunk's range factored out) or "token"
+KERNELS = ("token", "chunk", "dot")
+BLOCK_SHARE = 256   # tokens per program of share / share_blocks
+
+
+def triton_pow2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1)."""
+    return 1 << (n - 1).bit_length()
 
 
 def unavailable(device: torch.device, head_dim: int, bits: int) -> str | None:
@@ -53,7 +64,8 @@ def unavailable(device: torch.device, head_dim: int, bits: int) -> str | None:
 
 
 def rank(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tensor, bits: int,
-         with_scores: bool = False, block: int = BLOCK_T, warps: int | None = None, kernel: str = SCORE_KERNEL):
+         with_scores: bool = False, block: int = BLOCK_T, warps: int | None = None, kernel: str = SCORE_KERNEL,
+         blocks: int = 1, how: str = "sum"):
     """The ranking [..., S] float32 of the S sealed tokens (codes [..., S, D*bits/8], summaries lo,
     hi [..., S/chunk, D], queries q [..., G, D]): the log group share (`sparse_sketch.group_share` of
     `sparse_sketch.scores`, summed in another order). CUDA tensors: compiled kernels; CPU tensors: interpreted.
@@ -63,13 +75,23 @@ def rank(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tenso
     `kernel`: "token" rebuilds each token's key k_hat from a [block, D] tile of its chunk's lo and hi
     (`score`); "chunk" (`score_chunk`) loads the chunk's lo, hi once and scores
     q . (lo + step/2) + sum cell (q step), with block cut to the chunk where it is larger (a tile
-    in one chunk; the chunk a power of two, else "token" runs). The two round differently."""
+    in one chunk; the chunk a power of two, else "token" runs); "dot" (`score_dot`) sums the same
+    terms as matrix products on the tensor cores (3xTF32), where the tile and a token's code bytes
+    are at least 16 wide (else "chunk" runs). They round differently.
+    `blocks` > 1: the rank of each whole `blocks`-token block instead ([..., S / blocks]:
+    sparse_sketch.block_share's `how`, "sum" or "max", fused into the share kernel)."""
     lead, (G, D), S = q.shape[:-2], q.shape[-2:], codes.shape[-2]
     C = lo.shape[-2]
     if codes.shape[:-2] != lead or lo.shape[:-2] != lead or hi.shape != lo.shape or lo.shape[-1] != D:
         raise ValueError(f"rank: shapes disagree: q {tuple(q.shape)}, lo {tuple(lo.shape)}, codes {tuple(codes.shape)}")
     if codes.shape[-1] * 8 != D * bits or S == 0 or S % C:
         raise ValueError(f"codes: {tuple(codes.shape)} are not {bits}-bit codes of {C} whole chunks of head_dim {D}")
+    if blocks < 1 or S % blocks or how not in ("sum", "max"):
+        raise ValueError(f"blocks: {blocks}-token blocks ({how}) must divide {S} tokens, ranked by sum or max")
+    if blocks & (blocks - 1):   # share_blocks reshapes a tile into blocks: a power of two only
+        from .sparse_sketch import block_share
+        got = rank(q, lo, hi, codes, bits, with_scores, block, warps, kernel)
+        return ((block_share(got[0], blocks, how), got[1]) if with_scores else block_share(got, blocks, how))
     U, dev = math.prod(lead), q.device
     qf = (q.float() / math.sqrt(D)).reshape(U, G, D).contiguous()      # as sparse_sketch.scores scales it
     lo3, hi3, c3 = lo.reshape(U, C, D), hi.reshape(U, C, D), codes.reshape(U, S, -1)
@@ -77,25 +99,34 @@ def rank(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tenso
         lo3, hi3, c3 = lo3.contiguous(), hi3.contiguous(), c3.contiguous()
     s = torch.empty(U, G, S, dtype=torch.float32, device=dev)
     lse = torch.empty(U, G, dtype=torch.float32, device=dev)
-    out = torch.empty(U, S, dtype=torch.float32, device=dev)
+    out = torch.empty(U, S // blocks, dtype=torch.float32, device=dev)
     if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("rank: CPU tensors run only in Triton's interpreter (TRITON_INTERPRET=1 before importing triton)")
-    from .sparse_triton_kernels import lse as lse_k, score as score_k, score_chunk, share as share_k
+    from .sparse_triton_kernels import lse_rows, score as score_k, score_chunk, score_dot, share, share_blocks
     if kernel not in KERNELS:
         raise ValueError(f"kernel: must be one of {', '.join(KERNELS)}, got {kernel!r}")
     chunk = S // C
-    if kernel == "chunk" and chunk & (chunk - 1) == 0:
+    extra = {}
+    if kernel == "dot" and (chunk & (chunk - 1) or min(block, chunk) < 16 or D * bits // 8 < 16):
+        kernel = "chunk"      # tl.dot needs 16-wide tiles: a small chunk or few code bytes a token
+    if kernel in ("chunk", "dot") and chunk & (chunk - 1) == 0:
         score_k, block, warps = score_chunk, min(block, chunk), warps or CHUNK_WARPS
+        if kernel == "dot":
+            score_k, warps, extra = score_dot, warps or DOT_WARPS, dict(GP=max(16, triton_pow2(G)))
     warps = warps or SCORE_WARPS
     n_tiles = -(-S // block)
     m = torch.empty(U, G, n_tiles, dtype=torch.float32, device=dev)
     lsum = torch.empty_like(m)
     score_k[(U, n_tiles)](qf, lo3, hi3, c3, s, m, lsum, S, n_tiles, lo3.stride(0), lo3.stride(1),
                           hi3.stride(0), hi3.stride(1), c3.stride(0), c3.stride(1),
-                          G=G, D=D, BITS=bits, CHUNK=S // C, BLOCK=block, num_warps=warps)
-    lse_k[(U,)](m, lsum, lse, n_tiles, G=G, BLOCK=BLOCK_LSE)
-    share_k[(U, n_tiles)](s, lse, out, S, G=G, BLOCK=block)
-    out = out.reshape(*lead, S)
+                          G=G, D=D, BITS=bits, CHUNK=S // C, BLOCK=block, num_warps=warps, **extra)
+    lse_rows[(U * G,)](m, lsum, lse, n_tiles, BLOCK=BLOCK_LSE)
+    bs = max(BLOCK_SHARE, blocks)
+    if blocks == 1:
+        share[(U, -(-S // bs))](s, lse, out, S, G=G, BLOCK=bs)
+    else:
+        share_blocks[(U, -(-S // bs))](s, lse, out, S, G=G, BLOCK=bs, GB=blocks, SUM=how == "sum")
+    out = out.reshape(*lead, S // blocks)
     return (out, s.reshape(*lead, G, S)) if with_scores else out
 
 

@@ -69,22 +69,66 @@ def score_chunk(q_ptr, lo_ptr, hi_ptr, codes_ptr, s_ptr, m_ptr, l_ptr, S, n_tile
         tl.store(l_ptr + (u * G + g) * n_tiles + tile, tl.sum(tl.exp(sm - mx), axis=0))
 
 
+@triton.jit(do_not_specialize=["S", "n_tiles"])
+def score_dot(q_ptr, lo_ptr, hi_ptr, codes_ptr, s_ptr, m_ptr, l_ptr, S, n_tiles,
+              slo_u, slo_c, shi_u, shi_c, sc_u, sc_t,
+              G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, CHUNK: tl.constexpr,
+              BLOCK: tl.constexpr):
+    # `score_chunk`'s sum on the tensor cores: the tile's packed codes are loaded once as bytes
+    # [T, D / PER]; the codes at bit offset j * BITS of every byte are channels PER * i + j, so the
+    # tile's scores are sum_j cells_j [T, D/PER] @ W_j [D/PER, GP] with W_j[i, g] = q_g[PER i + j]
+    # step[PER i + j] (GP: the heads padded to a tensor-core width, >= 16): PER matrix products
+    # and no unpacked [T, D] tile. Cells (< 2^BITS) are exact in tf32; W is split in two tf32
+    # parts (3xTF32: ~2^-22 relative per term, against fp32's 2^-24), the products summed in fp32.
+    u = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    t = tile * BLOCK + tl.arange(0, BLOCK)                             # [T] token
+    live = t < S
+    PER: tl.constexpr = 8 // BITS
+    DB: tl.constexpr = D // PER                                        # bytes of one token's codes
+    i = tl.arange(0, DB)                                               # [DB] byte
+    g = tl.arange(0, GP)                                               # [GP] head (padded)
+    hv = g < G
+    c = (tile * BLOCK) // CHUNK                                        # the tile's chunk
+    byte = tl.load(codes_ptr + u * sc_u + t[:, None] * sc_t + i[None, :], mask=live[:, None], other=0).to(tl.int32)
+    acc = tl.zeros([BLOCK, GP], dtype=tl.float32)
+    base = tl.zeros([GP], dtype=tl.float32)
+    for j in tl.static_range(PER):
+        d = i * PER + j                                                # [DB] channel of bits j * BITS
+        lo = tl.load(lo_ptr + u * slo_u + c * slo_c + d).to(tl.float32)
+        hi = tl.load(hi_ptr + u * shi_u + c * shi_c + d).to(tl.float32)
+        step = (hi - lo) / (1 << BITS)
+        qj = tl.load(q_ptr + (u * G + g[None, :]) * D + d[:, None], mask=hv[None, :], other=0.0)   # [DB, GP]
+        w = qj * step[:, None]
+        cell = ((byte >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32)   # [T, DB]
+        acc += tl.dot(cell, w, input_precision="tf32x3")
+        base += tl.sum(qj * (lo + 0.5 * step)[:, None], axis=0)       # q . (lo + step / 2), per head
+    sc = acc + base[None, :]                                           # [T, GP]
+    tl.store(s_ptr + (u * G + g[None, :]) * S + t[:, None], sc, mask=live[:, None] & hv[None, :])
+    sm = tl.where(live[:, None], sc, -float("inf"))
+    mx = tl.max(sm, axis=0)                                            # [GP]
+    tl.store(m_ptr + (u * G + g) * n_tiles + tile, mx, mask=hv)
+    tl.store(l_ptr + (u * G + g) * n_tiles + tile, tl.sum(tl.exp(sm - mx[None, :]), axis=0), mask=hv)
+
+
 @triton.jit(do_not_specialize=["n_tiles"])
-def lse(m_ptr, l_ptr, lse_ptr, n_tiles, G: tl.constexpr, BLOCK: tl.constexpr):
-    u = tl.program_id(0).to(tl.int64)   # 64-bit offsets: units x tokens x bytes can pass 2^31
+def lse_rows(m_ptr, l_ptr, lse_ptr, n_tiles, BLOCK: tl.constexpr):
+    # `lse` with one program per (unit, head) row and one pass: each lane keeps its own running
+    # (max, sum of exp), rescaled when its max grows; the lanes combine at the end
+    row = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK)
-    for g in tl.static_range(G):
-        base = (u * G + g) * n_tiles
-        mx = tl.max(tl.full([BLOCK], -float("inf"), tl.float32), axis=0)
-        for i in range(0, n_tiles, BLOCK):
-            mx = tl.maximum(mx, tl.max(tl.load(m_ptr + base + i + j, mask=i + j < n_tiles, other=-float("inf")), axis=0))
-        tot = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
-        for i in range(0, n_tiles, BLOCK):
-            ok = i + j < n_tiles
-            mm = tl.load(m_ptr + base + i + j, mask=ok, other=0.0)
-            ll = tl.load(l_ptr + base + i + j, mask=ok, other=0.0)
-            tot += tl.sum(tl.where(ok, ll * tl.exp(mm - mx), 0.0), axis=0)
-        tl.store(lse_ptr + u * G + g, mx + tl.log(tot))
+    mx = tl.full([BLOCK], -float("inf"), tl.float32)
+    tot = tl.zeros([BLOCK], tl.float32)
+    for i in range(0, n_tiles, BLOCK):
+        ok = i + j < n_tiles
+        mm = tl.load(m_ptr + row * n_tiles + i + j, mask=ok, other=-float("inf"))
+        ll = tl.load(l_ptr + row * n_tiles + i + j, mask=ok, other=0.0)
+        new = tl.maximum(mx, mm)
+        safe = tl.where(new == -float("inf"), 0.0, new)                # a lane with nothing yet
+        tot = tot * tl.exp(mx - safe) + ll * tl.exp(mm - safe)
+        mx = new
+    top = tl.max(mx, axis=0)
+    tl.store(lse_ptr + row, top + tl.log(tl.sum(tl.where(mx == -float("inf"), 0.0, tot * tl.exp(mx - top)), axis=0)))
 
 
 @triton.jit(do_not_specialize=["S"])
@@ -101,6 +145,30 @@ def share(s_ptr, lse_ptr, r_ptr, S, G: tl.constexpr, BLOCK: tl.constexpr):
         x = tl.load(s_ptr + (u * G + g) * S + t, mask=live, other=0.0) - tl.load(lse_ptr + u * G + g)
         tot += tl.exp(x - mx)
     tl.store(r_ptr + u * S + t, mx + tl.log(tot), mask=live)
+
+
+@triton.jit(do_not_specialize=["S"])
+def share_blocks(s_ptr, lse_ptr, r_ptr, S, G: tl.constexpr, BLOCK: tl.constexpr, GB: tl.constexpr,
+                 SUM: tl.constexpr):
+    # `share` then sparse_sketch.block_share in one kernel: each token's log group share, then per
+    # GB-token block (GB divides BLOCK) the log of its summed share (SUM) or its best token's
+    u = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = t < S
+    mx = tl.full([BLOCK], -float("inf"), tl.float32)
+    for g in tl.static_range(G):
+        x = tl.load(s_ptr + (u * G + g) * S + t, mask=live, other=0.0) - tl.load(lse_ptr + u * G + g)
+        mx = tl.maximum(mx, x)
+    tot = tl.zeros([BLOCK], tl.float32)
+    for g in tl.static_range(G):
+        x = tl.load(s_ptr + (u * G + g) * S + t, mask=live, other=0.0) - tl.load(lse_ptr + u * G + g)
+        tot += tl.exp(x - mx)
+    r = tl.reshape(mx + tl.log(tot), [BLOCK // GB, GB])               # [blocks, GB] token shares
+    top = tl.max(r, axis=1)
+    if SUM:
+        top = top + tl.log(tl.sum(tl.exp(r - top[:, None]), axis=1))
+    b = tl.program_id(1) * (BLOCK // GB) + tl.arange(0, BLOCK // GB)
+    tl.store(r_ptr + u * (S // GB) + b, top, mask=b * GB < S)
 
 
 @triton.jit(do_not_specialize=["sr_u", "prefix", "h0", "h1", "T"])

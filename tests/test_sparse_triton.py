@@ -44,8 +44,10 @@ for U, G, D, C, chunk, bits, qscale, seed in eval(sys.argv[2]):
     q = (torch.randn(U, G, D, generator=g) * qscale).bfloat16()
     for kernel in sparse_triton.KERNELS:
         rank, s = sparse_triton.rank(q, lo[:, :C], hi[:, :C], codes, bits, with_scores=True, kernel=kernel)
+        blocks = {how: sparse_triton.rank(q, lo[:, :C], hi[:, :C], codes, bits, kernel=kernel, blocks=16, how=how)
+                  for how in ("sum", "max")}
         out.append(dict(q=q, lo=lo[:, :C].clone(), hi=hi[:, :C].clone(), codes=codes, bits=bits, rank=rank,
-                        scores=s, kernel=kernel))
+                        scores=s, kernel=kernel, blocks=blocks))
 torch.save(out, sys.argv[1])
 """
 
@@ -76,27 +78,35 @@ def test_triton_kernels_score_and_rank_as_the_float64_reference_in_the_interpret
     # i*bits), a token given its neighbour chunk's range (chunk index t // chunk), the cell's
     # centre missed (+1/2) or 1/sqrt(D) forgotten, a part tile's dead lanes leaking into a head's
     # max or sum of exp (tail tiles: 96 and 160 tokens), the tiles' (max, sum) combined wrongly
-    # into the logsumexp, heads mixed up (G = 1, 3, 4, 8), strides of a sliced summary buffer
-    # ignored. Tolerance: float32 rounding of a D-term sum (D * 2^-24 * sum |terms|, x 4).
+    # into the logsumexp, heads mixed up (G = 1, 3, 4, 8; "dot" pads them to 16 columns: a padded
+    # column stored or a head's column swapped), strides of a sliced summary buffer ignored; in
+    # the fused block rank (share_blocks), a block's tokens taken from the neighbour block, its
+    # sum taken as a max (or the reverse), the logsumexp's max not added back. Tolerance: float32
+    # rounding of a D-term sum (D * 2^-24 * sum |terms|, x 4; "dot" x 16: on the GPU its 3xTF32
+    # products keep ~22 bits of each weight, not 24).
     path = tmp_path / "out.pt"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, "-c", _SCRIPT, str(path), repr(CASES)], env=env, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     got_all = torch.load(path)
-    kernels = ("token", "chunk")
+    kernels = ("token", "chunk", "dot")
     assert [g["kernel"] for g in got_all] == list(kernels) * len(CASES)
     for case, got in zip([c for c in CASES for _ in kernels], got_all):
         s, share, mag, mag_chunk = _reference(got["q"], got["lo"], got["hi"], got["codes"], got["bits"])
         mag = mag if got["kernel"] == "token" else mag_chunk
         D = got["q"].shape[-1]
-        tol = 4 * D * 2.0 ** -24 * mag + 1e-30
+        tol = (16 if got["kernel"] == "dot" else 4) * D * 2.0 ** -24 * mag + 1e-30
         err = (got["scores"].double() - s).abs()
         assert bool((err <= tol).all()), case
         # the share is a difference of logs of sums of exp: its error is at most twice the scores'
         # worst error (as measured), plus the float32 rounding of log and exp near the values
         bound = 2 * err.amax() + 1e-5 * (1 + share.abs())
         assert bool(((got["rank"].double() - share).abs() <= bound).all()), case
+        per = share.reshape(share.shape[0], -1, 16)                      # 16-token blocks, by hand
+        for how, ref in (("sum", torch.logsumexp(per, -1)), ("max", per.amax(-1))):
+            assert got["blocks"][how].shape == ref.shape, (case, how)
+            assert bool(((got["blocks"][how].double() - ref).abs() <= bound.amax() + 1e-5 * (1 + ref.abs())).all()), (case, how)
 
 
 _SELECT_SCRIPT = r"""
