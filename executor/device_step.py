@@ -59,6 +59,10 @@ class ReplayInterpreter(Interpreter):
         self._pending: torch.Tensor | None = None   # [B, 1, hidden] MLP output not yet added
         self.probe_ref: tuple | None = None   # LOSSY sparse: (layer, queries, selection) of a step's first scored layer
         self._side: torch.cuda.Stream | None = None   # LOSSY sparse: see `side`
+        self._sel_events: dict[tuple, list[torch.cuda.Event]] = {}   # (step, layer) -> per unit (_score)
+        # stage id -> the event its consumers on other lanes wait for instead of the stage's end
+        # (DecodeReplay._issue takes it): a consumer that waits finer-grained on its own
+        self.early_end: dict[int, torch.cuda.Event] = {}
 
     def warm_fused(self, positions: torch.Tensor) -> float:
         """Compile and warm the fused pieces before any capture -> seconds; a compile that fails
@@ -165,11 +169,17 @@ class ReplayInterpreter(Interpreter):
         if not self._device_step(s):
             return super()._score(s)
         cur = self._step(s)
-        q_off = cur.q[:, self.store.layout.resident[s.layer] * self.adapter.r:]
-        sel = self.sp.select_static(s.layer, q_off, self.dev.args, self.dev.bucket)
+        n = self.store.layout.resident[s.layer]
+        q_off = cur.q[:, n * self.adapter.r:]
+        # a unit at a time, an event each: the layer's gathers start on the first unit's (the
+        # stage's end as its consumers see it, `early_end`) and each head waits for its own
+        events = [torch.cuda.Event() for _ in range(self.store.layout.kv_heads - n)]
+        sel = self.sp.select_static(s.layer, q_off, self.dev.args, self.dev.bucket, events)
         if self.sparse_probe_due and self.probe_ref is None:   # kept for the probe after the first step
             self.probe_ref = (s.layer, q_off, sel)
         self._sel[(s.step, s.layer)] = sel
+        self._sel_events[(s.step, s.layer)] = events
+        self.early_end[s.id] = events[0]
 
     def _dequant(self, s: Stage) -> None:
         if not self._device_step(s) or self.sp is None:
@@ -177,6 +187,7 @@ class ReplayInterpreter(Interpreter):
         self.q.decode_static(s.layer, s.heads, s.group * self.group[s.phase], s.slot, self.dev.args)
 
     def _mlp(self, s: Stage) -> None:
+        self._sel_events.pop((s.step, s.layer), None)
         if not self._device_step(s) or self.fused is None:
             return super()._mlp(s)
         self._sel.pop((s.step, s.layer), None)
@@ -202,7 +213,12 @@ class ReplayInterpreter(Interpreter):
         self._cur = None
 
     def _fetch(self, s: Stage) -> None:
-        if not self._device_step(s) or self.sp is not None:   # LOSSY sparse: the eager gather of the
-            return super()._fetch(s)                           # selection (n_max rows under replay)
+        if self._device_step(s) and self.sp is not None:   # LOSSY sparse: the eager gather of the selection
+            base = s.group * self.group[s.phase]           # (n_max rows), each head after its unit's select
+            key = (s.step, s.layer)
+            self.moved[s.id] = self.sp.gather(s.layer, s.heads, base, s.slot, self._sel[key], self._sel_events[key])
+            return
+        if not self._device_step(s):
+            return super()._fetch(s)
         base = s.group * self.group[s.phase]
         self.moved[s.id] = self.store.fetch(s.layer, s.heads, base, s.slot, self.dev.copy_len)

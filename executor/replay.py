@@ -199,7 +199,8 @@ class DecodeReplay:
                 self.interp(s)
                 e = torch.cuda.Event()
                 e.record(stream)
-            ev[s.id] = last[s.lane] = e
+            ev[s.id] = self.interp.early_end.pop(s.id, e)   # LOSSY sparse score: its first unit's select
+            last[s.lane] = e
         for lane, e in last.items():
             if lane is not Lane.GPU:
                 gpu.wait_event(e)
@@ -241,6 +242,7 @@ class DecodeReplay:
         torch.cuda.synchronize(self.store.device)
         self._take_kv(0)
         self.interp._sel.clear()
+        self.interp._sel_events.clear()
         if self.interp.probe_ref is not None:
             layer, q_off, sel = self.interp.probe_ref
             self.interp.probe_ref = None

@@ -266,24 +266,40 @@ class SparseHomes:
             rows = at * c + torch.arange(c, device=t.device)
             self.codes[layer].index_copy_(2, rows, sparse_sketch.encode(t, lo, hi, self.bits))
 
-    def select_static(self, layer: int, q: torch.Tensor, a: torch.Tensor, bucket) -> torch.Tensor:
+    def select_static(self, layer: int, q: torch.Tensor, a: torch.Tensor, bucket,
+                      events: list[torch.cuda.Event] | None = None) -> torch.Tensor:
         """`select` with the step's counts on the device (a[TOTAL:N + 1]) and the shapes of
         `bucket` (lossy_replay.Bucket): idx [B, n_off, bucket.n_max], the step's a[N] tokens
-        (blocks) ascending, then zeros."""
+        (blocks) ascending, then zeros. `events` (one per offloaded unit, CUDA): the units are
+        ranked and selected one after another, each unit's event recorded once its row is written,
+        so that its gather (`gather`'s `ready`) starts while the next units are still ranked: the
+        same kernels over one unit's rows compute the same values, so the same selection."""
         B, n_off = self.lo[layer].shape[:2]
         D, g = q.shape[-1], self.block
         qg = q.reshape(B, n_off, -1, D)
         sealed = bucket.sealed * g                                 # tokens sketched and ranked
         C = sealed // self.chunk
-        share = sparse_triton.rank(qg, self.lo[layer][:, :, :C], self.hi[layer][:, :, :C],
-                                   self.codes[layer][:, :, :sealed], self.bits, blocks=g, how=BLOCK_RANK)
-        return sparse_triton.select_static(share, a, bucket.total_max, bucket.h0_min, bucket.h1_max, bucket.n_max)
+        lo, hi, codes = self.lo[layer][:, :, :C], self.hi[layer][:, :, :C], self.codes[layer][:, :, :sealed]
+        fixed = (a, bucket.total_max, bucket.h0_min, bucket.h1_max, bucket.n_max)
+        if events is None:
+            share = sparse_triton.rank(qg, lo, hi, codes, self.bits, blocks=g, how=BLOCK_RANK)
+            return sparse_triton.select_static(share, *fixed)
+        assert B == 1 and len(events) == n_off, (B, len(events), n_off)   # replay runs batch 1
+        out = torch.zeros(B, n_off, bucket.n_max, dtype=torch.int64, device=q.device)
+        for u, ev in enumerate(events):
+            share = sparse_triton.rank(qg[:, u:u + 1], lo[:, u:u + 1], hi[:, u:u + 1], codes[:, u:u + 1], self.bits,
+                                       blocks=g, how=BLOCK_RANK)
+            sparse_triton.select_static(share, *fixed, out=out[0, u:u + 1])
+            ev.record()
+        return out
 
     # ---- h2d lane ----------------------------------------------------------------------------
-    def gather(self, layer: int, heads: tuple[int, ...], base: int, slot: int, idx: torch.Tensor) -> int:
+    def gather(self, layer: int, heads: tuple[int, ...], base: int, slot: int, idx: torch.Tensor,
+               ready: list[torch.cuda.Event] | None = None) -> int:
         """The selected rows idx [B, n_off, N] of offloaded `heads` from their host home into the
         transfer slot, head h at row h - base, rows 0..N-1: tokens [2, D] into the exact slot, or
-        (quantised) blocks' records into the byte slot. Returns bytes moved."""
+        (quantised) blocks' records into the byte slot. `ready` (uva, per offloaded unit): each
+        head's gather first waits for its unit's event (`select_static`'s). Returns bytes moved."""
         lo = self.s.layout
         n, N = lo.resident[layer], idx.shape[-1]
         dst = self.dests[slot]                                 # [B, G, S_cap, 2, D] or [B, G, blocks, record]
@@ -299,5 +315,7 @@ class SparseHomes:
             src = self.views[layer] if self.gather_mode == "uva" else self.homes[layer]   # [B, n_host, rows, ...]
             for b in range(lo.batch):
                 for h in heads:
+                    if ready is not None:
+                        torch.cuda.current_stream(idx.device).wait_event(ready[h - n])
                     torch.index_select(src[b, h - n], 0, idx[b, h - n], out=dst[b, h - base, :N])
         return lo.batch * len(heads) * N * self.row_bytes

@@ -39,7 +39,7 @@ BLOCK_LSE = 256     # tiles per iteration of lse_rows' loop
 DOT_WARPS = 4       # warps per `score_dot` program
 BLOCK_SEL = 1024    # tokens per program of sel_count/sel_write/radix_hist
 SEL_TILES = 256     # tile counts sel_write reads per iteration (fixed: no recompile as the cache grows)
-SCORE_KERNEL = "dot"     # rank's score kernel: "dot" (tensor cores), "chunk" (the chunk's range factored out) or "token"
+SCORE_KERNEL = "chunk"   # rank's score kernel: "chunk" (the chunk's range factored out), "dot" (the same on tensor cores) or "token"
 KERNELS = ("token", "chunk", "dot")
 BLOCK_SHARE = 256   # tokens per program of share / share_blocks
 
@@ -188,20 +188,23 @@ def select(rank: torch.Tensor, prefix: int, budget: int, sink: int, recent: int,
 
 
 def select_static(rank: torch.Tensor, prm: torch.Tensor, prefix_max: int, h0_min: int, h1_max: int,
-                  n_max: int, sel_tiles: int = SEL_TILES) -> torch.Tensor:
+                  n_max: int, sel_tiles: int = SEL_TILES, out: torch.Tensor | None = None) -> torch.Tensor:
     """`select` for a replayed graph: the step's counts are read on the device from prm (int64 [5]:
     prefix, h0, h1, room, n, as sparse_sketch.split gives them; `ranks` must hold), so one capture
     serves every step whose counts lie within the fixed shapes: prefix <= prefix_max, [h0, h1]
     within [h0_min, h1_max], n <= n_max. Returns [..., n_max] int64: the step's n tokens ascending
     (the same ones `select` picks), then zeros (valid rows that a gather may read and nothing
-    attends). Radix threshold only."""
+    attends). Radix threshold only. `out`: where to write them (int64, [U, n_max] with unit rows
+    contiguous, zeroed: a view of a bigger selection), else a new tensor."""
     sealed = rank.shape[-1]
     lead, dev = rank.shape[:-1], rank.device
     _interpretable(dev)
     U = math.prod(lead)
     r2 = rank.reshape(U, sealed).float().contiguous()
     v = threshold(r2, h0_min, h1_max, 0, prm)
-    out = torch.zeros(U, n_max, dtype=torch.int64, device=dev)
+    if out is None:
+        out = torch.zeros(U, n_max, dtype=torch.int64, device=dev)
+    assert out.shape == (U, n_max) and out.stride(1) == 1 and out.dtype == torch.int64, (out.shape, out.stride())
     _compact(r2, v, out, prefix_max, h0_min, h1_max, 0, n_max, prm, sel_tiles)
     return out.reshape(*lead, n_max)
 
