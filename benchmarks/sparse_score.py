@@ -131,10 +131,13 @@ def bench(prefix: int, args, dev: torch.device) -> dict:
                                                   - sparse_triton.rank(q, lo, hi, codes, bits, kernel="chunk")).abs().max())
         row["rank_dot_max_abs_diff"] = float((sparse_triton.rank(q, lo, hi, codes, bits, kernel="dot")
                                               - sparse_triton.rank(q, lo, hi, codes, bits, kernel="chunk")).abs().max())
-        # sparse + int4's ranking: 32-token blocks, the fused block rank, then the selection over blocks
-        nb, bb = prefix // 32, math.ceil(args.fraction * prefix / 32)
-        row["blocks_total_graph_s"] = graph_timed(lambda: sparse_triton.select(
-            sparse_triton.rank(q, lo, hi, codes, bits, blocks=32), nb, bb, 2, 8), args.reps, dev)
+        # as a replayed decode step runs the stage (executor/device_step.py _score): the units one at
+        # a time, each ranked and selected (select_static, counts in a device row) on its own, over
+        # tokens (--sparse) and over int4's 32-token blocks (--sparse with --lossy int4)
+        from kvpipe.pipeline.lossy import LossySpec
+        for name, spec in (("unit_total_graph_s", LossySpec(sparse=args.fraction, sketch=bits)),
+                           ("unit_blocks_graph_s", LossySpec("int4", sparse=args.fraction, sketch=bits))):
+            row[name] = graph_timed(per_unit(q, lo, hi, codes, bits, spec, prefix), args.reps, dev)
         row["triton_select_s"] = timed(lambda: sparse_triton.select(share_new, prefix, budget, sink, recent),
                                        args.reps, dev)
         row["triton_select_topk_s"] = timed(lambda: sparse_triton.select(share_new, prefix, budget, sink, recent,
@@ -156,6 +159,28 @@ def bench(prefix: int, args, dev: torch.device) -> dict:
     return row
 
 
+def per_unit(q, lo, hi, codes, bits: int, spec, prefix: int):
+    """A callable running the replayed score stage's work for `prefix` tokens under `spec`: per
+    unit, the ranking (whole blocks with quantisation, the fused block rank) and select_static
+    with the step's counts in a device row, as SparseHomes.select_static issues it."""
+    from kvpipe.executor import lossy_replay
+    from kvpipe.executor.sparse_homes import BLOCK_RANK
+    U, S = codes.shape[0], codes.shape[1]
+    row = lossy_replay.step_args(spec, prefix)
+    a = torch.tensor(row, dtype=torch.long, device=q.device)
+    g = spec.group if spec.blocks else 1
+    n_max, total = row[lossy_replay.N], row[lossy_replay.TOTAL]
+    h0, h1 = row[lossy_replay.H0], row[lossy_replay.H1]
+
+    def run():
+        out = torch.zeros(1, U, n_max, dtype=torch.int64, device=q.device)
+        for u in range(U):
+            share = sparse_triton.rank(q[u:u + 1], lo[u:u + 1], hi[u:u + 1], codes[u:u + 1], bits, blocks=g, how=BLOCK_RANK)
+            sparse_triton.select_static(share, a, total, h0, h1, n_max, out=out[0, u:u + 1])
+        return out
+    return run
+
+
 def profile_fit(rows: list[dict]) -> dict | None:
     """The profile's [gpu] sparse_score_call_s / sparse_score_bytes_per_s: the new path's whole
     score stage (ranking + selection) against its packed code bytes, `call_s + bytes / rate` in
@@ -164,14 +189,19 @@ def profile_fit(rows: list[dict]) -> dict | None:
     event-timed calls (`timing` "events": host-bound where the kernels are short)."""
     from kvpipe.pipeline.calibration import fit_alpha_beta_relative
     rows = [r for r in rows if "new_total_s" in r]
-    key = "new_total_graph_s" if rows and all(r.get("new_total_graph_s") for r in rows) else "new_total_s"
-    pts = [(r["codes_bytes"], r[key]) for r in rows]
+    if rows and all(r.get("unit_total_graph_s") for r in rows):   # as replayed steps run it: per unit
+        # t = units x call_s + bytes / rate (pipeline/cost.stage_seconds of a unit-pipelined score)
+        pts = [(r["codes_bytes"] / r["units"], r["unit_total_graph_s"] / r["units"]) for r in rows]
+        timing = "graph, one unit at a time"
+    else:
+        key = "new_total_graph_s" if rows and all(r.get("new_total_graph_s") for r in rows) else "new_total_s"
+        pts = [(r["codes_bytes"], r[key]) for r in rows]
+        timing = "graph" if key == "new_total_graph_s" else "events"
     if len({b for b, _ in pts}) < 2:
         return None
     call, rate = fit_alpha_beta_relative([b for b, _ in pts], [t for _, t in pts])
     return {"sparse_score_call_s": call, "sparse_score_bytes_per_s": rate,
-            "max_rel_err": max(abs(call + b / rate - t) / t for b, t in pts),
-            "timing": "graph" if key == "new_total_graph_s" else "events"}
+            "max_rel_err": max(abs(call + b / rate - t) / t for b, t in pts), "timing": timing}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['speedup']:8.2f} {r['old_step_ms']:11.1f} {r['new_step_ms']:11.1f} "
               f"{r.get('agreement_min', float('nan')):6.4f}")
     for r in rows:
+        if r.get("unit_total_graph_s"):
+            print(f"{r['context']:>8} one unit at a time (replayed steps), from a CUDA graph: tokens "
+                  f"{1e3 * r['unit_total_graph_s']:.3f} ms, int4 blocks {1e3 * (r.get('unit_blocks_graph_s') or 0):.3f} ms")
         if r.get("new_total_graph_s"):
             print(f"{r['context']:>8} score stage replayed from a CUDA graph: {1e3 * r['new_total_graph_s']:.3f} ms "
                   f"(event-timed calls {1e3 * r['new_total_s']:.3f} ms)")

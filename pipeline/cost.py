@@ -117,11 +117,38 @@ def replayed_decode_attention_seconds(group: int, kv_bytes: float, mem_bytes: fl
     return call + max(0.0, mem_bytes - kv_bytes) / hw.hbm_eff_bytes_per_s
 
 
+def unit_pipelined(s: Stage, replayed: bool) -> int:
+    """Units a replayed sparse decode `score` stage ranks and selects one at a time (LOSSY,
+    executor/device_step.py `_score`: an event per unit; each head's gather waits for its own
+    unit), else 0. Its consumers on other lanes may start once the first unit is selected
+    (`pipelined_ready`), and a consumer cannot end before the last unit's head is gathered
+    after the stage ends (`pipelined_end`)."""
+    if replayed and s.tag == "score" and s.phase is Phase.DECODE and s.kv_bytes and len(s.heads) > 1:
+        return len(s.heads)
+    return 0
+
+
+def pipelined_ready(dep: Stage, start: float, end: float, seconds: float, replayed: bool) -> float:
+    """When a consumer of `dep` (which ran [start, end], `seconds` long) may start: its end, or for a
+    unit-pipelined score stage the end of its first unit's share (each unit an equal share)."""
+    u = unit_pipelined(dep, replayed)
+    return start + seconds / u if u else end
+
+
+def pipelined_end(s: Stage, dep: Stage, dep_end: float, seconds: float, replayed: bool) -> float:
+    """The earliest end of `s` (`seconds` long) imposed by a unit-pipelined score stage `dep` that
+    ended at `dep_end`: its last unit's gather, one head's share of `s`, comes after it; 0 otherwise."""
+    if not unit_pipelined(dep, replayed):
+        return 0.0
+    return dep_end + seconds / max(1, len(s.heads))
+
+
 def stage_seconds(s: Stage, hw: HardwareProfile, dtype: str, replayed: bool = False) -> float:
     """Device seconds of `s` on its lane; `replayed`: issued inside a CUDA graph (decode replay)."""
     if s.kind is Kind.COMPUTE:
-        if s.tag == "score" and s.kv_bytes and hw.sparse_score_call_s is not None:
-            return hw.sparse_score_call_s + s.kv_bytes / hw.sparse_score_bytes_per_s   # measured whole, selection included
+        if s.tag == "score" and s.kv_bytes and hw.sparse_score_call_s is not None:   # measured whole, selection included:
+            calls = unit_pipelined(s, replayed) or 1   # replayed, one call per unit (each with its fixed cost)
+            return calls * hw.sparse_score_call_s + s.kv_bytes / hw.sparse_score_bytes_per_s
         if s.tag == "score" and s.kv_bytes:   # LOSSY sparse ranking: codes streamed as decode attention streams K/V
             t = replayed_decode_attention_seconds(len(s.heads), s.kv_bytes, s.mem_bytes, hw)
             if t is not None:   # its float32 FLOPs (unpack, rebuild, dot) can bind instead

@@ -19,7 +19,8 @@ from collections import deque
 
 import simpy
 
-from kvpipe.pipeline.cost import host_issue_seconds, host_waits_for, stage_seconds
+from kvpipe.pipeline.cost import (host_issue_seconds, host_waits_for, pipelined_end, stage_seconds,
+                                  unit_pipelined)
 from kvpipe.pipeline.hardware import HardwareProfile
 from kvpipe.pipeline.stage import Graph, Kind, Lane, Phase, Pool
 from kvpipe.pipeline.trace import Span, Trace
@@ -67,6 +68,7 @@ def run_events(graph: Graph, hw: HardwareProfile, replay: bool = False,
     dtype = graph.model.dtype
     stages = graph.stages
     done = [env.event() for _ in stages]
+    ready = {}                           # LOSSY: a unit-pipelined score stage -> its first unit selected
     issued = [env.event() for _ in stages]
     spans: list[Span | None] = [None] * len(stages)
     pools = Pools(graph)
@@ -77,6 +79,14 @@ def run_events(graph: Graph, hw: HardwareProfile, replay: bool = False,
 
     in_graph = [replay and s.phase is Phase.DECODE and s.kind is not Kind.D2H for s in stages]
     seconds = [stage_seconds(s, hw, dtype, in_graph[s.id]) for s in stages]
+    units = [unit_pipelined(s, in_graph[s.id]) for s in stages]
+    for s in stages:
+        if units[s.id]:
+            ready[s.id] = env.event()
+
+    def first_unit(i: int):
+        yield timeout(seconds[i] / units[i])
+        ready[i].succeed()
     timeout = env.timeout
     steps: dict[int, list[int]] = {}     # replayed decode step -> its stage ids
     if replay:
@@ -139,7 +149,7 @@ def run_events(graph: Graph, hw: HardwareProfile, replay: bool = False,
             if s.id in gate and not step_done[gate[s.id]].processed:
                 yield step_done[gate[s.id]]
             for d in s.deps + ((synced[s.id],) if s.id in synced else ()):
-                ev = done[d]
+                ev = ready.get(d, done[d])
                 if not ev.processed:
                     yield ev
             req = None
@@ -149,7 +159,16 @@ def run_events(graph: Graph, hw: HardwareProfile, replay: bool = False,
             start = env.now
             if s.takes:
                 pools.take(s.takes)
+            if s.id in ready:
+                env.process(first_unit(s.id))
             yield timeout(seconds[s.id])
+            for d in s.deps:                 # a unit-pipelined score: its last unit's gather after it
+                if d in ready:
+                    if not done[d].processed:
+                        yield done[d]
+                    floor = pipelined_end(s, stages[d], spans[d].end_s, seconds[s.id], True)
+                    if floor > env.now:
+                        yield timeout(floor - env.now)
             if s.frees:
                 pools.free(s.frees)
             if req is not None:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from kvpipe.pipeline.cost import host_issue_seconds, host_waits_for, stage_seconds
+from kvpipe.pipeline.cost import (host_issue_seconds, host_waits_for, pipelined_end, pipelined_ready, stage_seconds,
+                                  unit_pipelined)
 from kvpipe.pipeline.hardware import HardwareProfile
 from kvpipe.pipeline.stage import Graph, Kind, Phase, Pool
 from kvpipe.pipeline.trace import Span, Trace
@@ -45,6 +46,7 @@ def schedule(graph: Graph, hw: HardwareProfile, replay: bool = False):
         order = sorted({s.step for s in stages if s.phase is Phase.DECODE})
         prev_step = dict(zip(order[1:], order))
     queue_ops = hw.launch_queue_ops
+    seconds_of = lambda s: stage_seconds(s, hw, dtype, in_graph[s.id])
     ahead: deque[tuple[int, int]] = deque()
     queued, host = 0, 0.0
     replayed_from = None                 # id of the first replayed stage, once the host got there
@@ -72,10 +74,19 @@ def schedule(graph: Graph, hw: HardwareProfile, replay: bool = False):
         if gate is not None and step_end[gate] > t:
             t = step_end[gate]
         for d in s.deps:
-            if end[d] > t:
-                t = end[d]
+            ready = pipelined_ready(stages[d], start[d], end[d], seconds_of(stages[d]), in_graph[d])   # LOSSY
+            if ready > t:
+                t = ready
         start[i] = t
-        e = end[i] = t + stage_seconds(s, hw, dtype, in_graph[i])
+        e = t + seconds_of(s)
+        for d in s.deps:   # LOSSY: after a unit-pipelined score, its last unit's gather (the engine's ops)
+            if unit_pipelined(stages[d], in_graph[d]):
+                if end[d] > e:
+                    e = end[d]
+                floor = pipelined_end(s, stages[d], end[d], seconds_of(s), True)
+                if floor > e:
+                    e = e + (floor - e)
+        end[i] = e
         lane_free[lane] = e
         if not in_graph[i] and host_waits_for(s) and e > host:   # the host reads the encode's sizes back
             host = e
