@@ -28,17 +28,21 @@ prefill's full-slot decode). It equals the eager `dequantize` bit for bit: a cod
 times a float16 scale (11 significant bits) is exact in float32, so a fused multiply-add (which the
 compiler may emit) and eager's multiply-then-add round the same sum once; one rounding to the
 model dtype follows. Float32 metadata (fp32 models) has no such guarantee and stays eager, as does
-the CPU. `QuantHomes.paths()` counts the dequantise calls by path (reported in `run --json`
-decode_issue.dequant)."""
+the CPU. The sparse window's decode (`decode_selected`, a replayed step's `decode_static`) runs
+instead the hand-written Triton kernel of executor/quant_triton.py where it can (the same bits;
+inductor's kernel took 285 us a layer at 128K on the H200, ~8x what its HBM traffic needs). `QuantHomes.paths()`
+counts the dequantise calls by path (reported in `run --json` decode_issue.dequant)."""
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 from collections import Counter
 
 import torch
 
+from . import quant_triton
 from .compiling import compile_fn
 from .quant import LEVELS, Quantized, dequant_math, dequantize, quantize
 
@@ -205,18 +209,38 @@ class QuantHomes:
         # blocks', at most `sel_blocks` of them, decoded by a second compiled call over that many
         sparse = lo.sparse
         self.sel_blocks = min(self.blocks, sparse.max_fetched_blocks(lo.capacity)) if sparse is not None else 0
+        # that window decoded by the Triton kernel (quant_triton.decode_window) where it runs, else
+        # by the compiled call; decided here, once
+        self.triton_decode = self.fused and quant_triton.unavailable(c, store.device) is None
+        self.triton_note: str | None = None   # why the Triton kernel was given up, if it was (paths)
         # the dequantise calls by path (`paths`): FULL, WINDOW, EAGER (and why), EMPTY (no full block)
         self.calls: Counter[str] = Counter()
         self.eager_why: Counter[str] = Counter()
         self.max_selected = 0                  # the most records one sparse dequantise decoded
-        self.stage_compiles = self.stage_compile_failures = 0   # in a dequant stage (dynamo_frames)
+        # in a dequant stage (dynamo_frames, and the Triton kernel's variants: compiled_variants)
+        self.stage_compiles = self.stage_compile_failures = 0
         self.open_compiles = 0
         if self.fused:
-            seen = dynamo_frames()
+            seen, seen_t = dynamo_frames(), quant_triton.compiled_variants()
             fused_decode()(c, self.qslots[0], store.slots[0], 0, lo.slot_heads)
-            if self.sel_blocks:
-                fused_decode()(c, self.qslots[0][:, :, :self.sel_blocks * c.record], store.slots[0], 0, lo.slot_heads)
-            self.open_compiles = dynamo_frames()[1] - seen[1]
+            window = self.qslots[0][:, :, :self.sel_blocks * c.record]
+            if self.sel_blocks and self.triton_decode:
+                # both variants, the replayed one with its count a step row's slice (the same
+                # pointer alignment, so the same variant): no compile in a stage or a capture
+                from .lossy_replay import ARGS, N
+                count = torch.zeros(ARGS, dtype=torch.int64, device=store.device)[N:N + 1]
+                try:
+                    quant_triton.decode_window(c, window, store.slots[0], 0, lo.slot_heads)
+                    quant_triton.decode_window(c, window, store.slots[0], 0, lo.slot_heads, count=count)
+                except torch.OutOfMemoryError:
+                    raise
+                except Exception as e:   # Triton: compiler missing, codegen or compile errors
+                    self.triton_decode = False   # the compiled call instead, said once
+                    self.triton_note = f"the Triton dequantise failed ({type(e).__name__}: {str(e)[:200]}); compiled call"
+                    logging.getLogger("kvpipe").warning(self.triton_note)
+            if self.sel_blocks and not self.triton_decode:
+                fused_decode()(c, window, store.slots[0], 0, lo.slot_heads)
+            self.open_compiles = dynamo_frames()[1] - seen[1] + quant_triton.compiled_variants() - seen_t
 
     @property
     def host_bytes(self) -> int:
@@ -388,34 +412,47 @@ class QuantHomes:
         return self.store(layer, heads, rec if full else rec[:, :, :0], position // self.g)
 
     def decode_static(self, layer: int, heads: tuple[int, ...], base: int, slot: int, a: torch.Tensor) -> None:
-        """`decode_selected` for a replayed step: the window's records dequantised (one compiled call,
-        a fixed shape), then the whole exact tail block copied to slot rows a[TAIL_AT] onwards (its
-        rows past the step's tail are not attended; the step's own token overwrites the first)."""
-        from .lossy_replay import TAIL_AT
+        """`decode_selected` for a replayed step: the window's records dequantised (one call, a fixed
+        shape: the Triton kernel, which decodes only the step's a[N] kept blocks, or the compiled
+        call, all of the window's), then the whole exact tail block copied to slot rows a[TAIL_AT]
+        onwards (its rows past the step's tail are not attended; the step's own token overwrites the
+        first)."""
+        from .lossy_replay import N, TAIL_AT
         n = self.s.layout.resident[layer]
         j0, j1 = heads[0] - base, heads[-1] - base + 1      # (not counted in `calls`: captured once, replayed)
-        fused_decode()(self.codec, self.qslots[slot][:, :, :self.sel_blocks * self.rec], self.s.slots[slot], j0, j1)
+        window = self.qslots[slot][:, :, :self.sel_blocks * self.rec]
+        if self.triton_decode:
+            quant_triton.decode_window(self.codec, window, self.s.slots[slot], j0, j1, count=a[N:N + 1])
+        else:
+            fused_decode()(self.codec, window, self.s.slots[slot], j0, j1)
         rows = a[TAIL_AT:TAIL_AT + 1] + torch.arange(self.g, device=self.s.device)
         self.s.slots[slot][:, j0:j1].index_copy_(2, rows, self.tail[layer][:, heads[0] - n:heads[-1] - n + 1])
 
     def paths(self) -> dict:
         """Which path this store's dequantise calls took (reported in `run --json`
         decode_issue.dequant): counts of compiled calls over the whole byte slot (`full`: prefill,
-        decode without sparse) and over the sparse window of `window_blocks` records (`window`),
+        decode without sparse) and of calls over the sparse window of `window_blocks` records
+        (`window`, by the `window_kernel`),
         eager calls with their reasons (`eager_why`), calls with no full block (`empty`); the most
-        records one sparse call decoded; and dynamo's compiles in the store's open and inside
-        dequant stages (a compile in a timed stage, or one that failed and ran eagerly: see
-        `dynamo_frames`; dynamo's silent eager runs past its recompile limit are not seen)."""
+        records one sparse call decoded; which kernel decodes the window (`window_kernel`:
+        "triton", quant_triton's; "compiled", fused_decode's; "eager" where the store is unfused,
+        reason in `eager_why`); and the compiles (dynamo's, and the Triton kernel's variants) in the
+        store's open and inside dequant stages (a compile in a timed stage, or one that failed and
+        ran eagerly: see `dynamo_frames`; dynamo's silent eager runs past its recompile limit are
+        not seen)."""
+        kernel = "triton" if self.triton_decode else "compiled" if self.fused else "eager"
         return {**{k: self.calls[k] for k in (FULL, WINDOW, EAGER, EMPTY)}, "eager_why": dict(self.eager_why),
-                "window_blocks": self.sel_blocks, "max_selected_blocks": self.max_selected,
+                "window_blocks": self.sel_blocks, "window_kernel": kernel, "window_note": self.triton_note,
+                "max_selected_blocks": self.max_selected,
                 "open_compiles": self.open_compiles, "stage_compiles": self.stage_compiles,
                 "stage_compile_failures": self.stage_compile_failures}
 
     def _decode(self, layer: int, heads: tuple[int, ...], base: int, slot: int, nb: int, tail: int,
                 window: torch.Tensor | None, path: str, why: str | None) -> None:
         """The first `nb` records of the byte slot rows of `heads` dequantised into slot tokens
-        [0, nb * group): by one compiled call over `window` (the byte slot's leading records, a
-        fixed shape) where given, counted as `path`, else eagerly in passes of DECODE_VALUES,
+        [0, nb * group): by one call over `window` (the byte slot's leading records, a fixed shape)
+        where given, counted as `path` (the sparse WINDOW by the Triton kernel where it runs, else,
+        and the FULL slot always, compiled), else eagerly in passes of DECODE_VALUES,
         counted with the reason `why`; then `tail` exact tokens from the GPU tail right after them."""
         lo, g = self.s.layout, self.g
         n = lo.resident[layer]
@@ -426,10 +463,13 @@ class QuantHomes:
             self.calls[EMPTY] += 1
         elif window is not None:
             self.calls[path] += 1
-            seen = dynamo_frames()
-            fused_decode()(self.codec, window, self.s.slots[slot], j0, j1)
+            seen, seen_t = dynamo_frames(), quant_triton.compiled_variants()
+            if self.triton_decode and path == WINDOW:
+                quant_triton.decode_window(self.codec, window, self.s.slots[slot], j0, j1)
+            else:
+                fused_decode()(self.codec, window, self.s.slots[slot], j0, j1)
             got = dynamo_frames()
-            self.stage_compiles += got[1] - seen[1]
+            self.stage_compiles += got[1] - seen[1] + quant_triton.compiled_variants() - seen_t
             self.stage_compile_failures += (got[0] - seen[0]) - (got[1] - seen[1])
         else:
             assert why is not None, (path, nb)       # eager only where unfused or past the window
