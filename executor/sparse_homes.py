@@ -50,7 +50,7 @@ import os
 
 import torch
 
-from kvpipe.pipeline.lossy import BLOCK_RANK, LossySpec
+from kvpipe.pipeline.lossy import BLOCK_RANK, PIPE_UNITS, LossySpec
 
 from . import sparse_sketch, sparse_triton
 
@@ -271,9 +271,10 @@ class SparseHomes:
         """`select` with the step's counts on the device (a[TOTAL:N + 1]) and the shapes of
         `bucket` (lossy_replay.Bucket): idx [B, n_off, bucket.n_max], the step's a[N] tokens
         (blocks) ascending, then zeros. `events` (one per offloaded unit, CUDA): the units are
-        ranked and selected one after another, each unit's event recorded once its row is written,
-        so that its gather (`gather`'s `ready`) starts while the next units are still ranked: the
-        same kernels over one unit's rows compute the same values, so the same selection."""
+        ranked and selected PIPE_UNITS at a time, each piece's event recorded once its rows are
+        written (put in its units' places of `events`), so that their gathers (`gather`'s
+        `ready`) start while the next units are still ranked: the same kernels over fewer units'
+        rows compute the same values, so the same selection."""
         B, n_off = self.lo[layer].shape[:2]
         D, g = q.shape[-1], self.block
         qg = q.reshape(B, n_off, -1, D)
@@ -286,11 +287,13 @@ class SparseHomes:
             return sparse_triton.select_static(share, *fixed)
         assert B == 1 and len(events) == n_off, (B, len(events), n_off)   # replay runs batch 1
         out = torch.zeros(B, n_off, bucket.n_max, dtype=torch.int64, device=q.device)
-        for u, ev in enumerate(events):
-            share = sparse_triton.rank(qg[:, u:u + 1], lo[:, u:u + 1], hi[:, u:u + 1], codes[:, u:u + 1], self.bits,
-                                       blocks=g, how=BLOCK_RANK)
-            sparse_triton.select_static(share, *fixed, out=out[0, u:u + 1])
-            ev.record()
+        for u in range(0, n_off, PIPE_UNITS):      # a piece of PIPE_UNITS units, its units' event
+            v = slice(u, min(n_off, u + PIPE_UNITS))
+            share = sparse_triton.rank(qg[:, v], lo[:, v], hi[:, v], codes[:, v], self.bits, blocks=g, how=BLOCK_RANK)
+            sparse_triton.select_static(share, *fixed, out=out[0, v])
+            events[u].record()
+            for w in range(v.start + 1, v.stop):   # the piece's other units wait on the same
+                events[w] = events[u]
         return out
 
     # ---- h2d lane ----------------------------------------------------------------------------

@@ -118,13 +118,15 @@ def replayed_decode_attention_seconds(group: int, kv_bytes: float, mem_bytes: fl
 
 
 def unit_pipelined(s: Stage, replayed: bool) -> int:
-    """Units a replayed sparse decode `score` stage ranks and selects one at a time (LOSSY,
-    executor/device_step.py `_score`: an event per unit; each head's gather waits for its own
-    unit), else 0. Its consumers on other lanes may start once the first unit is selected
-    (`pipelined_ready`), and a consumer cannot end before the last unit's head is gathered
-    after the stage ends (`pipelined_end`)."""
-    if replayed and s.tag == "score" and s.phase is Phase.DECODE and s.kv_bytes and len(s.heads) > 1:
-        return len(s.heads)
+    """Pieces (of PIPE_UNITS units) a replayed sparse decode `score` stage ranks and selects one
+    after another (LOSSY, executor/device_step.py `_score`: an event per piece; each head's gather
+    waits for its own piece's), else 0. Its consumers on other lanes may start once the first
+    piece is selected (`pipelined_ready`), and a consumer cannot end before the last piece's
+    heads are gathered after the stage ends (`pipelined_end`)."""
+    from .lossy import PIPE_UNITS
+    pieces = -(-len(s.heads) // PIPE_UNITS)
+    if replayed and s.tag == "score" and s.phase is Phase.DECODE and s.kv_bytes and pieces > 1:
+        return pieces
     return 0
 
 
@@ -137,17 +139,20 @@ def pipelined_ready(dep: Stage, start: float, end: float, seconds: float, replay
 
 def pipelined_end(s: Stage, dep: Stage, dep_end: float, seconds: float, replayed: bool) -> float:
     """The earliest end of `s` (`seconds` long) imposed by a unit-pipelined score stage `dep` that
-    ended at `dep_end`: its last unit's gather, one head's share of `s`, comes after it; 0 otherwise."""
+    ended at `dep_end`: its last piece's gathers, that many heads' share of `s`, come after it;
+    0 otherwise."""
+    from .lossy import PIPE_UNITS
     if not unit_pipelined(dep, replayed):
         return 0.0
-    return dep_end + seconds / max(1, len(s.heads))
+    last = len(dep.heads) - (-(-len(dep.heads) // PIPE_UNITS) - 1) * PIPE_UNITS   # units of the last piece
+    return dep_end + seconds * min(1.0, last / max(1, len(s.heads)))
 
 
 def stage_seconds(s: Stage, hw: HardwareProfile, dtype: str, replayed: bool = False) -> float:
     """Device seconds of `s` on its lane; `replayed`: issued inside a CUDA graph (decode replay)."""
     if s.kind is Kind.COMPUTE:
         if s.tag == "score" and s.kv_bytes and hw.sparse_score_call_s is not None:   # measured whole, selection included:
-            calls = unit_pipelined(s, replayed) or 1   # replayed, one call per unit (each with its fixed cost)
+            calls = unit_pipelined(s, replayed) or 1   # replayed, one call per piece (each with its fixed cost)
             return calls * hw.sparse_score_call_s + s.kv_bytes / hw.sparse_score_bytes_per_s
         if s.tag == "score" and s.kv_bytes:   # LOSSY sparse ranking: codes streamed as decode attention streams K/V
             t = replayed_decode_attention_seconds(len(s.heads), s.kv_bytes, s.mem_bytes, hw)

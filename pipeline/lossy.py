@@ -51,6 +51,12 @@ QUANT_ENCODE_OPS = 68
 # (benchmarks/lossy_error.py, sparse+int4 rows); see BLOCK_RANK_SOURCE in pipeline/lossy_measured.py.
 BLOCK_RANKS = ("sum", "max")
 BLOCK_RANK = "sum"
+# A replayed sparse step ranks and selects a layer's offloaded units PIPE_UNITS at a time, so the
+# gathers of the first units start while the next are ranked (executor/device_step.py `_score`,
+# pipeline/cost.unit_pipelined). On the H200 (Llama-3-8B, 128K, int4, 4 layers) one unit at a time
+# made the selection, ~133 us a unit of mostly kernel latencies, slower than the 81 us gather it
+# fed; a pair's selection (~110 us) stays under its two gathers (~160 us)
+PIPE_UNITS = 2
 BLOCK_RANK_OPS = 1          # the block ranking's calls: one logsumexp (or amax) over a free reshape
                             # (executor/sparse_sketch.block_share; op_inventory counts 1)
 

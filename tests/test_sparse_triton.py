@@ -292,8 +292,11 @@ def test_the_score_fit_takes_device_time_where_every_row_has_it():
     assert abs(f["sparse_score_call_s"] - 1e-4) < 1e-9 and abs(f["sparse_score_bytes_per_s"] / 1e11 - 1) < 1e-6
     mixed = [graph[0], {**graph[1], "new_total_graph_s": None}]
     assert profile_fit(mixed)["timing"] == "events"
-    # one unit at a time (replayed steps): t = 4 units x 1e-5 s + bytes / 1e11 at 1 MB and 3 MB
-    units = [{**r, "units": 4, "unit_total_graph_s": 4e-5 + r["codes_bytes"] / 1e11} for r in graph]
+    # PIPE_UNITS units at a time (replayed steps): 4 units are 4 / PIPE_UNITS pieces, so
+    # t = pieces x 1e-5 s + bytes / 1e11 at 1 MB and 3 MB
+    from kvpipe.pipeline.lossy import PIPE_UNITS
+    pieces = -(-4 // PIPE_UNITS)
+    units = [{**r, "units": 4, "unit_total_graph_s": pieces * 1e-5 + r["codes_bytes"] / 1e11} for r in graph]
     f = profile_fit(units)
-    assert f["timing"] == "graph, one unit at a time"
+    assert f["timing"] == f"graph, {PIPE_UNITS} units at a time"
     assert abs(f["sparse_score_call_s"] - 1e-5) < 1e-10 and abs(f["sparse_score_bytes_per_s"] / 1e11 - 1) < 1e-6
