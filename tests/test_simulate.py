@@ -227,3 +227,52 @@ def test_one_pass_schedule_is_not_used_where_it_would_differ():
     link (no duplex) queue in SimPy's request order, which the pass does not model."""
     graphs, hw, _ = _schedule_graphs("host-streamed")
     assert not exact_for(graphs[0], dataclasses.replace(hw, pcie_duplex=False))
+
+
+def test_a_replayed_sparse_score_lets_each_gather_start_after_its_first_piece():
+    """Catches the simulator drifting from the executor's pipelined sparse replay
+    (executor/device_step.py `_score`: a layer's offloaded units ranked and selected PIPE_UNITS at
+    a time, each head's gather waiting for its own piece): a layer's kv_fetch that waits for the
+    whole score stage (or for no part of it), one that ends before the last piece's heads could be
+    gathered, eager decode pipelined as well, or a piece count off. Expected times from the
+    stages' own spans and seconds, by hand."""
+    from kvpipe.pipeline.cost import stage_seconds, unit_pipelined
+    from kvpipe.pipeline.lossy import PIPE_UNITS
+    from kvpipe.pipeline.stage import Lane, Phase
+    from kvpipe.sim.onepass import schedule
+    plan = Plan(Method.HEADWISE, PhasePlan(2, 512, 2), PhasePlan(2, 1, 2), 0, 0).with_(lossy=LossySpec("int4", sparse=0.25))
+    work, hw = Workload(2048, 3), load_profile("rtx4060")
+    g = build(SMALL, work, plan)
+    for replay in (True, False):
+        trace, _, _ = schedule(g, hw, replay)
+        spans = {sp.stage: sp for sp in trace.spans}
+        checked = 0
+        for s in g.stages:
+            if s.phase is not Phase.DECODE or s.tag != "score":
+                continue
+            starts = []
+            units = len(s.heads)
+            assert units == SMALL.kv_heads   # nothing resident: every head offloaded
+            pieces = -(-units // PIPE_UNITS)
+            assert unit_pipelined(s, replay) == (pieces if replay else 0)
+            sec = stage_seconds(s, hw, g.model.dtype, replay)
+            first = spans[s.id].start_s + sec / pieces
+            for f in g.stages:
+                if s.id not in f.deps:
+                    continue
+                fs, fe = spans[f.id].start_s, spans[f.id].end_s
+                if f.lane is not Lane.H2D:                # the attention, on the score's own lane
+                    assert fs >= spans[s.id].end_s, f.name
+                    continue
+                if replay:
+                    assert fs >= first - 1e-15, (f.name, fs, first)
+                    starts.append(fs)
+                    last = units - (pieces - 1) * PIPE_UNITS                # units of the last piece
+                    fsec = stage_seconds(f, hw, g.model.dtype, True)
+                    assert fe >= spans[s.id].end_s + fsec * min(1.0, last / len(f.heads)) - 1e-15, f.name
+                else:
+                    assert fs >= spans[s.id].end_s, f.name
+                checked += 1
+            if replay:   # the layer's first gather starts while later pieces are still ranked
+                assert min(starts) < spans[s.id].end_s, (s.name, starts, spans[s.id])
+        assert checked > 0
