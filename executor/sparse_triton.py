@@ -13,7 +13,7 @@ float32 results agree within rounding, not bit for bit), so near-ties may rank t
   lse      grid (unit x head): combines the tiles' (max, sum) into each head's logsumexp over the
            tokens (`lse_rows`, one pass).
   share    grid (unit, token tile): the log group share of each token (sparse_sketch.select then
-           ranks the unforced ones); `share_blocks` goes on to each quantised block's rank
+           ranks the unforced ones), or, with quantised blocks, goes on to each block's rank
            (sparse_sketch.block_share), so sparse + int4 ranks blocks in the same three kernels.
 
 The kernels (executor/sparse_triton_kernels.py) are imported on first use, so CPU CI needs no
@@ -41,7 +41,7 @@ BLOCK_SEL = 1024    # tokens per program of sel_count/sel_write/radix_hist
 SEL_TILES = 256     # tile counts sel_write reads per iteration (fixed: no recompile as the cache grows)
 SCORE_KERNEL = "chunk"   # rank's score kernel: "chunk" (the chunk's range factored out), "dot" (the same on tensor cores) or "token"
 KERNELS = ("token", "chunk", "dot")
-BLOCK_SHARE = 256   # tokens per program of share / share_blocks
+BLOCK_SHARE = 256   # tokens per program of share
 
 
 def triton_pow2(n: int) -> int:
@@ -79,7 +79,7 @@ def rank(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tenso
     terms as matrix products on the tensor cores (3xTF32), where the tile and a token's code bytes
     are at least 16 wide (else "chunk" runs). They round differently.
     `blocks` > 1: the rank of each whole `blocks`-token block instead ([..., S / blocks]:
-    sparse_sketch.block_share's `how`, "sum" or "max", fused into the share kernel)."""
+    sparse_sketch.block_share's `how`, "sum" or "max", in the share kernel)."""
     lead, (G, D), S = q.shape[:-2], q.shape[-2:], codes.shape[-2]
     C = lo.shape[-2]
     if codes.shape[:-2] != lead or lo.shape[:-2] != lead or hi.shape != lo.shape or lo.shape[-1] != D:
@@ -88,7 +88,7 @@ def rank(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tenso
         raise ValueError(f"codes: {tuple(codes.shape)} are not {bits}-bit codes of {C} whole chunks of head_dim {D}")
     if blocks < 1 or S % blocks or how not in ("sum", "max"):
         raise ValueError(f"blocks: {blocks}-token blocks ({how}) must divide {S} tokens, ranked by sum or max")
-    if blocks & (blocks - 1):   # share_blocks reshapes a tile into blocks: a power of two only
+    if blocks & (blocks - 1):   # share reshapes a tile into blocks: a power of two only
         from .sparse_sketch import block_share
         got = rank(q, lo, hi, codes, bits, with_scores, block, warps, kernel)
         return ((block_share(got[0], blocks, how), got[1]) if with_scores else block_share(got, blocks, how))
@@ -102,7 +102,7 @@ def rank(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tenso
     out = torch.empty(U, S // blocks, dtype=torch.float32, device=dev)
     if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("rank: CPU tensors run only in Triton's interpreter (TRITON_INTERPRET=1 before importing triton)")
-    from .sparse_triton_kernels import lse_rows, score as score_k, score_chunk, score_dot, share, share_blocks
+    from .sparse_triton_kernels import lse_rows, score as score_k, score_chunk, score_dot, share
     if kernel not in KERNELS:
         raise ValueError(f"kernel: must be one of {', '.join(KERNELS)}, got {kernel!r}")
     chunk = S // C
@@ -122,10 +122,7 @@ def rank(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tenso
                           G=G, D=D, BITS=bits, CHUNK=S // C, BLOCK=block, num_warps=warps, **extra)
     lse_rows[(U * G,)](m, lsum, lse, n_tiles, BLOCK=BLOCK_LSE)
     bs = max(BLOCK_SHARE, blocks)
-    if blocks == 1:
-        share[(U, -(-S // bs))](s, lse, out, S, G=G, BLOCK=bs)
-    else:
-        share_blocks[(U, -(-S // bs))](s, lse, out, S, G=G, BLOCK=bs, GB=blocks, SUM=how == "sum")
+    share[(U, -(-S // bs))](s, lse, out, S, G=G, BLOCK=bs, GB=blocks, SUM=how == "sum")
     out = out.reshape(*lead, S // blocks)
     return (out, s.reshape(*lead, G, S)) if with_scores else out
 

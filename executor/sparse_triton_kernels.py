@@ -132,7 +132,9 @@ def lse_rows(m_ptr, l_ptr, lse_ptr, n_tiles, BLOCK: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["S"])
-def share(s_ptr, lse_ptr, r_ptr, S, G: tl.constexpr, BLOCK: tl.constexpr):
+def share(s_ptr, lse_ptr, r_ptr, S, G: tl.constexpr, BLOCK: tl.constexpr, GB: tl.constexpr, SUM: tl.constexpr):
+    # each token's log group share; GB > 1 (dividing BLOCK): then sparse_sketch.block_share in the
+    # same kernel, per GB-token block the log of its summed share (SUM) or its best token's
     u = tl.program_id(0).to(tl.int64)   # 64-bit offsets: units x tokens x bytes can pass 2^31
     t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = t < S
@@ -144,31 +146,15 @@ def share(s_ptr, lse_ptr, r_ptr, S, G: tl.constexpr, BLOCK: tl.constexpr):
     for g in tl.static_range(G):
         x = tl.load(s_ptr + (u * G + g) * S + t, mask=live, other=0.0) - tl.load(lse_ptr + u * G + g)
         tot += tl.exp(x - mx)
-    tl.store(r_ptr + u * S + t, mx + tl.log(tot), mask=live)
-
-
-@triton.jit(do_not_specialize=["S"])
-def share_blocks(s_ptr, lse_ptr, r_ptr, S, G: tl.constexpr, BLOCK: tl.constexpr, GB: tl.constexpr,
-                 SUM: tl.constexpr):
-    # `share` then sparse_sketch.block_share in one kernel: each token's log group share, then per
-    # GB-token block (GB divides BLOCK) the log of its summed share (SUM) or its best token's
-    u = tl.program_id(0).to(tl.int64)
-    t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    live = t < S
-    mx = tl.full([BLOCK], -float("inf"), tl.float32)
-    for g in tl.static_range(G):
-        x = tl.load(s_ptr + (u * G + g) * S + t, mask=live, other=0.0) - tl.load(lse_ptr + u * G + g)
-        mx = tl.maximum(mx, x)
-    tot = tl.zeros([BLOCK], tl.float32)
-    for g in tl.static_range(G):
-        x = tl.load(s_ptr + (u * G + g) * S + t, mask=live, other=0.0) - tl.load(lse_ptr + u * G + g)
-        tot += tl.exp(x - mx)
-    r = tl.reshape(mx + tl.log(tot), [BLOCK // GB, GB])               # [blocks, GB] token shares
-    top = tl.max(r, axis=1)
-    if SUM:
-        top = top + tl.log(tl.sum(tl.exp(r - top[:, None]), axis=1))
-    b = tl.program_id(1) * (BLOCK // GB) + tl.arange(0, BLOCK // GB)
-    tl.store(r_ptr + u * (S // GB) + b, top, mask=b * GB < S)
+    if GB == 1:
+        tl.store(r_ptr + u * S + t, mx + tl.log(tot), mask=live)
+    else:
+        r = tl.reshape(mx + tl.log(tot), [BLOCK // GB, GB])           # [blocks, GB] token shares
+        top = tl.max(r, axis=1)
+        if SUM:
+            top = top + tl.log(tl.sum(tl.exp(r - top[:, None]), axis=1))
+        b = tl.program_id(1) * (BLOCK // GB) + tl.arange(0, BLOCK // GB)
+        tl.store(r_ptr + u * (S // GB) + b, top, mask=b * GB < S)
 
 
 @triton.jit(do_not_specialize=["sr_u", "prefix", "h0", "h1", "T"])

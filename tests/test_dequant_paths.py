@@ -124,11 +124,11 @@ def test_the_compiled_decode_reads_and_writes_only_the_window_not_the_whole_slot
 
 
 @pytest.mark.gpu
-def test_a_cuda_sparse_int4_run_dequantises_every_decode_step_by_the_compiled_window(tiny_model):
+def test_a_cuda_sparse_int4_run_dequantises_every_decode_step_by_the_window(tiny_model):
     """Faults, on a GPU: a sparse decode's dequantise falling to the eager passes (the window test
-    failing, the compiled path off for bf16 on CUDA), the prefill's not taking the compiled full
-    slot, and a compile (or a failed one, then eager) inside a timed dequant stage instead of in
-    the store's open."""
+    failing, the window's kernel, Triton's or the compiled one, off for bf16 on CUDA), the
+    prefill's not taking the compiled full slot, and a compile (or a failed one, then eager)
+    inside a timed dequant stage instead of in the store's open."""
     model = tiny_model("llama", **CUDA_TINY)
     graph, paths = _run(model, SPARSE_INT4, decode=4, device="cuda")
     want = _expected(graph, SPARSE_INT4)

@@ -80,7 +80,7 @@ def test_triton_kernels_score_and_rank_as_the_float64_reference_in_the_interpret
     # max or sum of exp (tail tiles: 96 and 160 tokens), the tiles' (max, sum) combined wrongly
     # into the logsumexp, heads mixed up (G = 1, 3, 4, 8; "dot" pads them to 16 columns: a padded
     # column stored or a head's column swapped), strides of a sliced summary buffer ignored; in
-    # the fused block rank (share_blocks), a block's tokens taken from the neighbour block, its
+    # the fused block rank (share with GB > 1), a block's tokens taken from the neighbour block, its
     # sum taken as a max (or the reverse), the logsumexp's max not added back. Tolerance: float32
     # rounding of a D-term sum (D * 2^-24 * sum |terms|, x 4; "dot" x 16: on the GPU its 3xTF32
     # products keep ~22 bits of each weight, not 24).
