@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .codecs import H2D_BLOCK_TOKENS
 from .hardware import HardwareProfile
+from .lossy import PIPE_UNITS
 from .stage import Kind, Phase, Stage
 
 
@@ -123,7 +124,6 @@ def unit_pipelined(s: Stage, replayed: bool) -> int:
     waits for its own piece's), else 0. Its consumers on other lanes may start once the first
     piece is selected (`pipelined_ready`), and a consumer cannot end before the last piece's
     heads are gathered after the stage ends (`pipelined_end`)."""
-    from .lossy import PIPE_UNITS
     pieces = -(-len(s.heads) // PIPE_UNITS)
     if replayed and s.tag == "score" and s.phase is Phase.DECODE and s.kv_bytes and pieces > 1:
         return pieces
@@ -141,7 +141,6 @@ def pipelined_end(s: Stage, dep: Stage, dep_end: float, seconds: float, replayed
     """The earliest end of `s` (`seconds` long) imposed by a unit-pipelined score stage `dep` that
     ended at `dep_end`: its last piece's gathers, that many heads' share of `s`, come after it;
     0 otherwise."""
-    from .lossy import PIPE_UNITS
     if not unit_pipelined(dep, replayed):
         return 0.0
     last = len(dep.heads) - (-(-len(dep.heads) // PIPE_UNITS) - 1) * PIPE_UNITS   # units of the last piece
