@@ -171,15 +171,17 @@ class ReplayInterpreter(Interpreter):
         cur = self._step(s)
         n = self.store.layout.resident[s.layer]
         q_off = cur.q[:, n * self.adapter.r:]
-        # a unit at a time, an event each: the layer's gathers start on the first unit's (the
-        # stage's end as its consumers see it, `early_end`) and each head waits for its own
-        events = [torch.cuda.Event() for _ in range(self.store.layout.kv_heads - n)]
+        # where the graph pipelines the stage (Stage.pieces: int4/int8 blocks), its units PIPE_UNITS
+        # at a time, an event each: the layer's gathers start on the first piece's (the stage's
+        # end as its consumers see it, `early_end`) and each head waits for its own piece's
+        events = [torch.cuda.Event() for _ in range(self.store.layout.kv_heads - n)] if s.pieces > 1 else None
         sel = self.sp.select_static(s.layer, q_off, self.dev.args, self.dev.bucket, events)
         if self.sparse_probe_due and self.probe_ref is None:   # kept for the probe after the first step
             self.probe_ref = (s.layer, q_off, sel)
         self._sel[(s.step, s.layer)] = sel
-        self._sel_events[(s.step, s.layer)] = events
-        self.early_end[s.id] = events[0]
+        if events is not None:
+            self._sel_events[(s.step, s.layer)] = events
+            self.early_end[s.id] = events[0]
 
     def _dequant(self, s: Stage) -> None:
         if not self._device_step(s) or self.sp is None:
@@ -216,7 +218,7 @@ class ReplayInterpreter(Interpreter):
         if self._device_step(s) and self.sp is not None:   # LOSSY sparse: the eager gather of the selection
             base = s.group * self.group[s.phase]           # (n_max rows), each head after its unit's select
             key = (s.step, s.layer)
-            self.moved[s.id] = self.sp.gather(s.layer, s.heads, base, s.slot, self._sel[key], self._sel_events[key])
+            self.moved[s.id] = self.sp.gather(s.layer, s.heads, base, s.slot, self._sel[key], self._sel_events.get(key))
             return
         if not self._device_step(s):
             return super()._fetch(s)

@@ -270,7 +270,8 @@ class SparseHomes:
                       events: list[torch.cuda.Event] | None = None) -> torch.Tensor:
         """`select` with the step's counts on the device (a[TOTAL:N + 1]) and the shapes of
         `bucket` (lossy_replay.Bucket): idx [B, n_off, bucket.n_max], the step's a[N] tokens
-        (blocks) ascending, then zeros. `events` (one per offloaded unit, CUDA): the units are
+        (blocks) ascending, then zeros. `events` (one per offloaded unit, CUDA; given where the
+        graph pipelines the stage, Stage.pieces: quantised blocks): the units are
         ranked and selected PIPE_UNITS at a time, each piece's event recorded once its rows are
         written (put in its units' places of `events`), so that their gathers (`gather`'s
         `ready`) start while the next units are still ranked: the same kernels over fewer units'

@@ -119,14 +119,14 @@ def replayed_decode_attention_seconds(group: int, kv_bytes: float, mem_bytes: fl
 
 
 def unit_pipelined(s: Stage, replayed: bool) -> int:
-    """Pieces (of PIPE_UNITS units) a replayed sparse decode `score` stage ranks and selects one
-    after another (LOSSY, executor/device_step.py `_score`: an event per piece; each head's gather
-    waits for its own piece's), else 0. Its consumers on other lanes may start once the first
-    piece is selected (`pipelined_ready`), and a consumer cannot end before the last piece's
-    heads are gathered after the stage ends (`pipelined_end`)."""
-    pieces = -(-len(s.heads) // PIPE_UNITS)
-    if replayed and s.tag == "score" and s.phase is Phase.DECODE and s.kv_bytes and pieces > 1:
-        return pieces
+    """Pieces (of PIPE_UNITS units, `Stage.pieces`: the builder's, where a step selects quantised
+    blocks) a replayed sparse decode `score` stage ranks and selects one after another (LOSSY,
+    executor/device_step.py `_score`: an event per piece; each head's gather waits for its own
+    piece's), else 0. Its consumers on other lanes may start once the first piece is selected
+    (`pipelined_ready`), and a consumer cannot end before the last piece's heads are gathered
+    after the stage ends (`pipelined_end`)."""
+    if replayed and s.tag == "score" and s.phase is Phase.DECODE and s.kv_bytes and s.pieces > 1:
+        return s.pieces
     return 0
 
 

@@ -55,7 +55,10 @@ BLOCK_RANK = "sum"
 # gathers of the first units start while the next are ranked (executor/device_step.py `_score`,
 # pipeline/cost.unit_pipelined). On the H200 (Llama-3-8B, 128K, int4, 4 layers) one unit at a time
 # made the selection, ~133 us a unit of mostly kernel latencies, slower than the 81 us gather it
-# fed; a pair's selection (~110 us) stays under its two gathers (~160 us)
+# fed; a pair's selection (~110 us) stays under its two gathers (~160 us). Only where a step
+# selects quantised blocks (the builder's Stage.pieces): sparse alone, over tokens, measured no
+# faster pipelined (91.6 ms/token at 128K against 88.7 before; its pieces' score kernels run
+# beside a 4x longer gather)
 PIPE_UNITS = 2
 BLOCK_RANK_OPS = 1          # the block ranking's calls: one logsumexp (or amax) over a free reshape
                             # (executor/sparse_sketch.block_share; op_inventory counts 1)

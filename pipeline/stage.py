@@ -80,6 +80,8 @@ class Stage:
     small_ops: int = 0         # compute: small kernels besides GEMMs and fused attention (layer_ops.py) ...
     small_bytes: float = 0.0   # ... and the bytes they read + write
     kv_bytes: float = 0.0      # attention: the K/V bytes its fused kernel reads (part of mem_bytes)
+    pieces: int = 0            # LOSSY sparse `score`: pieces of PIPE_UNITS units a replayed step selects
+                               # one after another, its gathers following (pipeline/cost.unit_pipelined)
 
     @property
     def lane(self) -> Lane:

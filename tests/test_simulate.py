@@ -234,7 +234,7 @@ def test_a_replayed_sparse_score_lets_each_gather_start_after_its_first_piece():
     (executor/device_step.py `_score`: a layer's offloaded units ranked and selected PIPE_UNITS at
     a time, each head's gather waiting for its own piece): a layer's kv_fetch that waits for the
     whole score stage (or for no part of it), one that ends before the last piece's heads could be
-    gathered, eager decode pipelined as well, or a piece count off. Expected times from the
+    gathered, eager decode (or sparse alone, over tokens) pipelined as well, or a piece count off. Expected times from the
     stages' own spans and seconds, by hand."""
     from kvpipe.pipeline.cost import stage_seconds, unit_pipelined
     from kvpipe.pipeline.lossy import PIPE_UNITS
@@ -276,3 +276,7 @@ def test_a_replayed_sparse_score_lets_each_gather_start_after_its_first_piece():
             if replay:   # the layer's first gather starts while later pieces are still ranked
                 assert min(starts) < spans[s.id].end_s, (s.name, starts, spans[s.id])
         assert checked > 0
+    # sparse alone (a token selection) is not pipelined, replayed or not
+    tokens = build(SMALL, work, plan.with_(lossy=LossySpec(sparse=0.25)))
+    scores = [s for s in tokens.stages if s.tag == "score"]
+    assert scores and all(s.pieces == 0 and not unit_pipelined(s, True) for s in scores)
