@@ -131,8 +131,8 @@ def bench(prefix: int, args, dev: torch.device) -> dict:
                                                   - sparse_triton.rank(q, lo, hi, codes, bits, kernel="chunk")).abs().max())
         row["rank_dot_max_abs_diff"] = float((sparse_triton.rank(q, lo, hi, codes, bits, kernel="dot")
                                               - sparse_triton.rank(q, lo, hi, codes, bits, kernel="chunk")).abs().max())
-        # as a replayed decode step runs the stage (executor/device_step.py _score): the units one at
-        # a time, each ranked and selected (select_static, counts in a device row) on its own, over
+        # as a pipelined replayed step runs the stage (executor/device_step.py _score): the units a
+        # piece at a time, each ranked and selected (select_static, counts in a device row), over
         # tokens (--sparse) and over int4's 32-token blocks (--sparse with --lossy int4)
         from kvpipe.pipeline.lossy import LossySpec
         for name, spec in (("unit_total_graph_s", LossySpec(sparse=args.fraction, sketch=bits)),
@@ -161,26 +161,18 @@ def bench(prefix: int, args, dev: torch.device) -> dict:
 
 def per_unit(q, lo, hi, codes, bits: int, spec, prefix: int):
     """A callable running the replayed score stage's work for `prefix` tokens under `spec`: per
-    piece of PIPE_UNITS units, the ranking (whole blocks with quantisation, the fused block rank) and select_static
-    with the step's counts in a device row, as SparseHomes.select_static issues it."""
+    piece of PIPE_UNITS units, the ranking (whole blocks with quantisation, the fused block rank)
+    and select_static with the step's counts in a device row (sparse_triton.rank_select_static,
+    as SparseHomes.select_static calls it for a pipelined stage)."""
     from kvpipe.executor import lossy_replay
     from kvpipe.executor.sparse_homes import BLOCK_RANK
     from kvpipe.pipeline.lossy import PIPE_UNITS
-    U, S = codes.shape[0], codes.shape[1]
     row = lossy_replay.step_args(spec, prefix)
     a = torch.tensor(row, dtype=torch.long, device=q.device)
     g = spec.group if spec.blocks else 1
-    n_max, total = row[lossy_replay.N], row[lossy_replay.TOTAL]
-    h0, h1 = row[lossy_replay.H0], row[lossy_replay.H1]
-
-    def run():
-        out = torch.zeros(1, U, n_max, dtype=torch.int64, device=q.device)
-        for u in range(0, U, PIPE_UNITS):
-            v = slice(u, min(U, u + PIPE_UNITS))
-            share = sparse_triton.rank(q[v], lo[v], hi[v], codes[v], bits, blocks=g, how=BLOCK_RANK)
-            sparse_triton.select_static(share, a, total, h0, h1, n_max, out=out[0, v])
-        return out
-    return run
+    shapes = (row[lossy_replay.TOTAL], row[lossy_replay.H0], row[lossy_replay.H1], row[lossy_replay.N])
+    return lambda: sparse_triton.rank_select_static(q, lo, hi, codes, bits, a, *shapes, blocks=g, how=BLOCK_RANK,
+                                                    piece=PIPE_UNITS)
 
 
 def profile_fit(rows: list[dict]) -> dict | None:

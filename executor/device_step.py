@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpipe.pipeline.lossy import PIPE_UNITS
 from kvpipe.pipeline.stage import Phase, Stage
 
 from .attention import attend_decode
@@ -174,13 +175,13 @@ class ReplayInterpreter(Interpreter):
         # where the graph pipelines the stage (Stage.pieces: int4/int8 blocks), its units PIPE_UNITS
         # at a time, an event each: the layer's gathers start on the first piece's (the stage's
         # end as its consumers see it, `early_end`) and each head waits for its own piece's
-        events = [torch.cuda.Event() for _ in range(self.store.layout.kv_heads - n)] if s.pieces > 1 else None
+        events = [torch.cuda.Event() for _ in range(s.pieces)] if s.pieces > 1 else None
         sel = self.sp.select_static(s.layer, q_off, self.dev.args, self.dev.bucket, events)
         if self.sparse_probe_due and self.probe_ref is None:   # kept for the probe after the first step
             self.probe_ref = (s.layer, q_off, sel)
         self._sel[(s.step, s.layer)] = sel
-        if events is not None:
-            self._sel_events[(s.step, s.layer)] = events
+        if events is not None:   # each offloaded unit's piece's event, for its head's gather
+            self._sel_events[(s.step, s.layer)] = [events[u // PIPE_UNITS] for u in range(len(s.heads))]
             self.early_end[s.id] = events[0]
 
     def _dequant(self, s: Stage) -> None:

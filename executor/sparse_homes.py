@@ -270,32 +270,21 @@ class SparseHomes:
                       events: list[torch.cuda.Event] | None = None) -> torch.Tensor:
         """`select` with the step's counts on the device (a[TOTAL:N + 1]) and the shapes of
         `bucket` (lossy_replay.Bucket): idx [B, n_off, bucket.n_max], the step's a[N] tokens
-        (blocks) ascending, then zeros. `events` (one per offloaded unit, CUDA; given where the
-        graph pipelines the stage, Stage.pieces: quantised blocks): the units are
-        ranked and selected PIPE_UNITS at a time, each piece's event recorded once its rows are
-        written (put in its units' places of `events`), so that their gathers (`gather`'s
-        `ready`) start while the next units are still ranked: the same kernels over fewer units'
-        rows compute the same values, so the same selection."""
+        (blocks) ascending, then zeros. `events` (one per piece of PIPE_UNITS units, CUDA; given
+        where the graph pipelines the stage, Stage.pieces: quantised blocks): the units are ranked
+        and selected a piece at a time, each piece's event recorded once its rows are written
+        (sparse_triton.rank_select_static), so that their gathers (`gather`'s `ready`) start
+        while the next pieces are still ranked."""
         B, n_off = self.lo[layer].shape[:2]
         D, g = q.shape[-1], self.block
-        qg = q.reshape(B, n_off, -1, D)
         sealed = bucket.sealed * g                                 # tokens sketched and ranked
         C = sealed // self.chunk
-        lo, hi, codes = self.lo[layer][:, :, :C], self.hi[layer][:, :, :C], self.codes[layer][:, :, :sealed]
-        fixed = (a, bucket.total_max, bucket.h0_min, bucket.h1_max, bucket.n_max)
-        if events is None:
-            share = sparse_triton.rank(qg, lo, hi, codes, self.bits, blocks=g, how=BLOCK_RANK)
-            return sparse_triton.select_static(share, *fixed)
-        assert B == 1 and len(events) == n_off, (B, len(events), n_off)   # replay runs batch 1
-        out = torch.zeros(B, n_off, bucket.n_max, dtype=torch.int64, device=q.device)
-        for u in range(0, n_off, PIPE_UNITS):      # a piece of PIPE_UNITS units, its units' event
-            v = slice(u, min(n_off, u + PIPE_UNITS))
-            share = sparse_triton.rank(qg[:, v], lo[:, v], hi[:, v], codes[:, v], self.bits, blocks=g, how=BLOCK_RANK)
-            sparse_triton.select_static(share, *fixed, out=out[0, v])
-            events[u].record()
-            for w in range(v.start + 1, v.stop):   # the piece's other units wait on the same
-                events[w] = events[u]
-        return out
+        assert B == 1, B                                           # replay runs batch 1
+        sel = sparse_triton.rank_select_static(
+            q.reshape(n_off, -1, D), self.lo[layer][0, :, :C], self.hi[layer][0, :, :C],
+            self.codes[layer][0, :, :sealed], self.bits, a, bucket.total_max, bucket.h0_min, bucket.h1_max,
+            bucket.n_max, blocks=g, how=BLOCK_RANK, piece=PIPE_UNITS if events is not None else 0, events=events)
+        return sel[None]
 
     # ---- h2d lane ----------------------------------------------------------------------------
     def gather(self, layer: int, heads: tuple[int, ...], base: int, slot: int, idx: torch.Tensor,

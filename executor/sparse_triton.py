@@ -8,8 +8,8 @@ float32 results agree within rounding, not bit for bit), so near-ties may rank t
 
   score    grid (unit, token tile): reads the tile's packed codes once, rebuilds k_hat, writes the
            G scores per token and, per head, the tile's max and sum of exp (for the softmax);
-           `score_chunk` and `score_dot` (the default: matrix products on the tensor cores) sum
-           the same terms with the chunk's range factored out.
+           `score_chunk` (the default) and `score_dot` (matrix products on the tensor cores:
+           measured no faster on the H200) sum the same terms with the chunk's range factored out.
   lse      grid (unit x head): combines the tiles' (max, sum) into each head's logsumexp over the
            tokens (`lse_rows`, one pass).
   share    grid (unit, token tile): the log group share of each token (sparse_sketch.select then
@@ -204,6 +204,30 @@ def select_static(rank: torch.Tensor, prm: torch.Tensor, prefix_max: int, h0_min
     assert out.shape == (U, n_max) and out.stride(1) == 1 and out.dtype == torch.int64, (out.shape, out.stride())
     _compact(r2, v, out, prefix_max, h0_min, h1_max, 0, n_max, prm, sel_tiles)
     return out.reshape(*lead, n_max)
+
+
+def rank_select_static(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tensor, bits: int,
+                       prm: torch.Tensor, prefix_max: int, h0_min: int, h1_max: int, n_max: int,
+                       blocks: int = 1, how: str = "sum", piece: int = 0,
+                       events: list | None = None) -> torch.Tensor:
+    """`rank` (over `blocks`-token blocks by `how`) then `select_static` of units q [U, G, D], lo,
+    hi [U, C, D], codes [U, S, D*bits/8] -> [U, n_max]. `piece` > 0: the units ranked and selected
+    `piece` at a time, the i-th piece's CUDA event events[i] recorded once its rows are written
+    (ceil(U / piece) of them), so a consumer of a piece's rows may start while the next pieces
+    are ranked: the same kernels over fewer units' rows compute the same values, so the same
+    selection (a replayed step, executor/sparse_homes.select_static)."""
+    fixed = (prm, prefix_max, h0_min, h1_max, n_max)
+    if not piece:
+        return select_static(rank(q, lo, hi, codes, bits, blocks=blocks, how=how), *fixed)
+    U = q.shape[0]
+    assert events is None or len(events) == -(-U // piece), (U, piece, len(events))
+    out = torch.zeros(U, n_max, dtype=torch.int64, device=q.device)
+    for i, u in enumerate(range(0, U, piece)):
+        v = slice(u, min(U, u + piece))
+        select_static(rank(q[v], lo[v], hi[v], codes[v], bits, blocks=blocks, how=how), *fixed, out=out[v])
+        if events is not None:
+            events[i].record()
+    return out
 
 
 def _interpretable(dev: torch.device) -> None:

@@ -132,7 +132,7 @@ def unit_pipelined(s: Stage, replayed: bool) -> int:
 
 def pipelined_ready(dep: Stage, start: float, end: float, seconds: float, replayed: bool) -> float:
     """When a consumer of `dep` (which ran [start, end], `seconds` long) may start: its end, or for a
-    unit-pipelined score stage the end of its first unit's share (each unit an equal share)."""
+    unit-pipelined score stage the end of its first piece's share (each piece an equal share)."""
     u = unit_pipelined(dep, replayed)
     return start + seconds / u if u else end
 
@@ -143,7 +143,7 @@ def pipelined_end(s: Stage, dep: Stage, dep_end: float, seconds: float, replayed
     0 otherwise."""
     if not unit_pipelined(dep, replayed):
         return 0.0
-    last = len(dep.heads) - (-(-len(dep.heads) // PIPE_UNITS) - 1) * PIPE_UNITS   # units of the last piece
+    last = len(dep.heads) - (dep.pieces - 1) * PIPE_UNITS   # units of the last piece
     return dep_end + seconds * min(1.0, last / max(1, len(s.heads)))
 
 

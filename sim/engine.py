@@ -68,7 +68,7 @@ def run_events(graph: Graph, hw: HardwareProfile, replay: bool = False,
     dtype = graph.model.dtype
     stages = graph.stages
     done = [env.event() for _ in stages]
-    ready = {}                           # LOSSY: a unit-pipelined score stage -> its first unit selected
+    ready = {}                           # LOSSY: a unit-pipelined score stage -> its first piece selected
     issued = [env.event() for _ in stages]
     spans: list[Span | None] = [None] * len(stages)
     pools = Pools(graph)
@@ -79,13 +79,13 @@ def run_events(graph: Graph, hw: HardwareProfile, replay: bool = False,
 
     in_graph = [replay and s.phase is Phase.DECODE and s.kind is not Kind.D2H for s in stages]
     seconds = [stage_seconds(s, hw, dtype, in_graph[s.id]) for s in stages]
-    units = [unit_pipelined(s, in_graph[s.id]) for s in stages]
+    pieces = [unit_pipelined(s, in_graph[s.id]) for s in stages]
     for s in stages:
-        if units[s.id]:
+        if pieces[s.id]:
             ready[s.id] = env.event()
 
-    def first_unit(i: int):
-        yield timeout(seconds[i] / units[i])
+    def first_piece(i: int):
+        yield timeout(seconds[i] / pieces[i])
         ready[i].succeed()
     timeout = env.timeout
     steps: dict[int, list[int]] = {}     # replayed decode step -> its stage ids
@@ -160,9 +160,9 @@ def run_events(graph: Graph, hw: HardwareProfile, replay: bool = False,
             if s.takes:
                 pools.take(s.takes)
             if s.id in ready:
-                env.process(first_unit(s.id))
+                env.process(first_piece(s.id))
             yield timeout(seconds[s.id])
-            for d in s.deps:                 # a unit-pipelined score: its last unit's gather after it
+            for d in s.deps:                 # a unit-pipelined score: its last piece's gathers after it
                 if d in ready:
                     if not done[d].processed:
                         yield done[d]

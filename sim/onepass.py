@@ -46,7 +46,7 @@ def schedule(graph: Graph, hw: HardwareProfile, replay: bool = False):
         order = sorted({s.step for s in stages if s.phase is Phase.DECODE})
         prev_step = dict(zip(order[1:], order))
     queue_ops = hw.launch_queue_ops
-    seconds_of = lambda s: stage_seconds(s, hw, dtype, in_graph[s.id])
+    sec = [0.0] * n                      # each stage's seconds, once (its dependencies come before it)
     ahead: deque[tuple[int, int]] = deque()
     queued, host = 0, 0.0
     replayed_from = None                 # id of the first replayed stage, once the host got there
@@ -74,16 +74,17 @@ def schedule(graph: Graph, hw: HardwareProfile, replay: bool = False):
         if gate is not None and step_end[gate] > t:
             t = step_end[gate]
         for d in s.deps:
-            ready = pipelined_ready(stages[d], start[d], end[d], seconds_of(stages[d]), in_graph[d])   # LOSSY
+            ready = pipelined_ready(stages[d], start[d], end[d], sec[d], in_graph[d])   # LOSSY
             if ready > t:
                 t = ready
         start[i] = t
-        e = t + seconds_of(s)
-        for d in s.deps:   # LOSSY: after a unit-pipelined score, its last unit's gather (the engine's ops)
+        sec[i] = stage_seconds(s, hw, dtype, in_graph[i])
+        e = t + sec[i]
+        for d in s.deps:   # LOSSY: after a unit-pipelined score, its last piece's gathers (the engine's ops)
             if unit_pipelined(stages[d], in_graph[d]):
                 if end[d] > e:
                     e = end[d]
-                floor = pipelined_end(s, stages[d], end[d], seconds_of(s), True)
+                floor = pipelined_end(s, stages[d], end[d], sec[i], True)
                 if floor > e:
                     e = e + (floor - e)
         end[i] = e
