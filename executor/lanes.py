@@ -26,6 +26,12 @@ from kvpipe.pipeline.trace import Span
 STREAM_LANES = (Lane.GPU, Lane.H2D, Lane.D2H)
 HOST_LANES = (Lane.DISK, Lane.CPU)   # a worker thread each: disk I/O, CPU codecs
 TURN_YIELDS = (0, 0, 1, 1, 2, 3, 8, 40)   # turns an actor lets pass after a stage, in shuffled mode
+# CUDA stream priority per lane (lower is higher, CUDA's convention; torch maps a value outside the
+# device's range to its nearest end). Priorities order only thread blocks waiting for an SM, so they
+# never change what a kernel computes: they matter where the H2D lane runs kernels beside compute,
+# the UVA gathers of a LOSSY sparse step (executor/sparse_homes.py), which then take freed SM slots
+# before the score kernels queued beside them. Copy-engine copies are not affected.
+LANE_PRIORITY = {Lane.GPU: 0, Lane.H2D: -1, Lane.D2H: 0}
 
 
 def cross_lane_waits(graph: Graph) -> list[tuple[int, ...]]:
@@ -51,8 +57,8 @@ class CudaStreams:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
-    def new_stream(self) -> torch.cuda.Stream:
-        return torch.cuda.Stream(self.device)
+    def new_stream(self, priority: int = 0) -> torch.cuda.Stream:
+        return torch.cuda.Stream(self.device, priority=priority)
 
     def record(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
         ev = torch.cuda.Event(enable_timing=True)
@@ -108,7 +114,7 @@ class Lanes:
 
     def open(self) -> "Lanes":
         if self.ops is not None:
-            self.streams = {lane: self.ops.new_stream() for lane in STREAM_LANES}
+            self.streams = {lane: self.ops.new_stream(LANE_PRIORITY[lane]) for lane in STREAM_LANES}
         return self
 
     def close(self) -> None:

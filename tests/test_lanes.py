@@ -17,7 +17,7 @@ from kvpipe.executor.runner import execute
 from kvpipe.pipeline.builder import build
 from kvpipe.pipeline.model import ModelSpec
 from kvpipe.pipeline.plan import Method, PhasePlan, Plan
-from kvpipe.pipeline.stage import Graph, Kind, Phase, Stage
+from kvpipe.pipeline.stage import Graph, Kind, Lane, Phase, Stage
 from kvpipe.pipeline.workload import Workload
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -90,7 +90,7 @@ class RecordingStreams:
     def __init__(self):
         self.log, self.current, self.streams = [], None, 0
 
-    def new_stream(self):
+    def new_stream(self, priority=0):
         self.streams += 1
         return f"stream{self.streams}"
 
@@ -245,3 +245,15 @@ def test_shuffled_turns_expose_a_missing_dependency(tiny_model, tag, on_tag):
         broken = execute(bad, model, ids, keep_logits=True, turns=random.Random(seed))
         differs.append(not torch.equal(broken.step_logits, ref.step_logits))
     assert any(differs), differs
+
+
+@pytest.mark.gpu
+def test_h2d_lane_stream_outranks_compute():
+    """Fault caught: the lanes' streams made without their priorities (LANE_PRIORITY dropped, or
+    torch's default stream priority taken), so a sparse step's UVA gathers on the H2D lane queue
+    behind the score kernels beside them instead of taking freed SMs first."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    with Lanes(torch.device("cuda")) as lanes:
+        gpu, h2d = lanes.streams[Lane.GPU], lanes.streams[Lane.H2D]
+        assert h2d.priority < gpu.priority   # CUDA: a lower value is the higher priority
