@@ -74,18 +74,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sparse", type=float)
     ap.add_argument("--gpu-mem", default="24GB")
     ap.add_argument("--hw", default="h200-testbox")
+    ap.add_argument("--priority", metavar="G,H,D", help="the lanes' stream priorities (compute, H2D, D2H; "
+                    "CUDA's convention, lower is higher) instead of executor/lanes.LANE_PRIORITY's")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if args.layers < 1:
         ap.error(f"layers: {args.layers} is not a positive count")
+    prio = None
+    if args.priority is not None:
+        try:
+            prio = tuple(int(x) for x in args.priority.split(","))
+        except ValueError:
+            prio = ()
+        if len(prio) != 3:
+            ap.error(f"priority: {args.priority!r} is not three integers G,H,D")
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     import kvpipe
-    from kvpipe.executor import replay
+    from kvpipe.executor import lanes, replay
     if not torch.cuda.is_available():
         print("replay_kernels: needs CUDA (it profiles CUDA-graph replays)", file=sys.stderr)
         return 2
+    if prio is not None:
+        lanes.LANE_PRIORITY.update(zip((lanes.Lane.GPU, lanes.Lane.H2D, lanes.Lane.D2H), prio))
     held = {}
     run_decode = replay.DecodeReplay.run
 
@@ -109,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = per_replay(events)
     row = {"ms_tok": 1e3 * j["measured"]["decode_s_per_token"], "pred": 1e3 * j["predicted"]["decode_s_per_token"],
            "issue": (j.get("decode_issue") or {}).get("mode"), "wall": time.time() - t0, "plan": j["plan"],
+           "priority": {lane.value: p for lane, p in lanes.LANE_PRIORITY.items()}, "digest": j["output_digest"],
            "launches": len(steps), "kernels_per_launch": [len(s) for s in steps],
            "step_span_us": [s[-1]["ts"] + s[-1]["dur"] - s[0]["ts"] if s else None for s in steps],
            "agg_last3": aggregate(steps)}
@@ -124,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(doc, f)
     print(f"wrote {path}")
     print(f"{tag}: {row['ms_tok']:.2f} ms/token (predicted {row['pred']:.2f}), decode {row['issue']}, "
-          f"{len(last)} kernels a step")
+          f"{len(last)} kernels a step, priorities {row['priority']}, output {row['digest'][:12]}")
     for name, stream, calls, us in row["agg_last3"][:25]:
         print(f"  {us:9.1f} us  {calls:6.2f} calls  stream {stream}  {name}")
     return 0

@@ -118,7 +118,7 @@ class Plan:
 
     def with_(self, **kw) -> "Plan":
         """A copy with `kw` changed. A replay choice of True that the copy cannot keep (it gained
-        disk units, lossy KV or an h2d codec) becomes None, as `run --replay auto` would run it;
+        disk units, quantised KV without --sparse or an h2d codec) becomes None, as `run --replay auto` would run it;
         `replay=True` given in `kw` is checked, not dropped."""
         if self.replay and "replay" not in kw:
             out = replace(self, replay=None, **kw)
@@ -162,7 +162,7 @@ class Plan:
         (a whole number is an int, never a string or a bool); errors name the field. A plan of
         schema version this kvpipe does not read, or (given `model`) made for another model, is
         refused. `replay` is true, false or null (absent, as in schema 2 files: null); true is
-        refused where the plan's decode cannot be replayed (disk units, lossy KV, an h2d codec)."""
+        refused where the plan's decode cannot be replayed (disk units, quantised KV without --sparse, an h2d codec)."""
         if isinstance(obj, dict):
             schema = obj.get("schema", 1)
             if schema not in READ_SCHEMAS:
