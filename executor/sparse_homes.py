@@ -113,8 +113,8 @@ class SparseHomes:
         self.s, self.spec = store, spec
         self.chunk, self.bits = spec.chunk, spec.sketch
         B, H, D, cap = lo.batch, lo.kv_heads, lo.head_dim, lo.capacity
-        C = cap // self.chunk + 1   # one chunk past the capacity's whole ones: a replayed step summarises the
-        gpu = dict(device=store.device)   # chunk filling at a device-held index (append_static), even a last part one
+        C = spec.summary_chunks(cap)      # one chunk past the capacity's whole ones: a replayed step summarises
+        gpu = dict(device=store.device)   # the chunk filling at a device-held index (append_static), even a last part one
         off = [H - n for n in lo.resident]
         self.lo = [torch.empty(B, o, C, D, dtype=store.dtype, **gpu) if o else None for o in off]
         self.hi = [torch.empty(B, o, C, D, dtype=store.dtype, **gpu) if o else None for o in off]

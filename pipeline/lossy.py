@@ -205,16 +205,23 @@ class LossySpec:
         n = tokens * head_dim
         return self.stored_bytes(n, dtype_bytes) + self.stored_bytes(n, dtype_bytes, self.v_channels(head_dim))
 
+    def summary_chunks(self, prefix: int) -> int:
+        """Chunks summarised per unit for a `prefix`-token capacity: the whole ones and one past
+        them, which the executor holds even where `prefix` is whole chunks (executor/sparse_homes.py:
+        a replayed step summarises the filling chunk at a device-held index)."""
+        return prefix // self.chunk + 1
+
     def coarse_summary_bytes(self, prefix: int, head_dim: int, dtype_bytes: int) -> int:
         """Per-channel key min and max of every `chunk`-token chunk of one unit (kept on the GPU)."""
-        return 0 if self.sparse is None else math.ceil(prefix / self.chunk) * 2 * head_dim * dtype_bytes
+        return 0 if self.sparse is None else self.summary_chunks(prefix) * 2 * head_dim * dtype_bytes
 
     def sketch_bytes(self, prefix: int, head_dim: int, dtype_bytes: int) -> int:
-        """The token sketch of one unit's `prefix` tokens (`sketch` bits a channel) plus the K of its
-        unsealed tail chunk, exact (kept on the GPU); 0 without the sketch."""
+        """The token sketch of one unit's summarised chunks (`sketch` bits a channel) plus the K of
+        its unsealed tail chunk, exact (kept on the GPU); 0 without the sketch."""
         if self.sparse is None or self.sketch is None:
             return 0
-        return math.ceil(prefix * head_dim * self.sketch / 8) + self.chunk * head_dim * dtype_bytes
+        tokens = self.summary_chunks(prefix) * self.chunk
+        return math.ceil(tokens * head_dim * self.sketch / 8) + self.chunk * head_dim * dtype_bytes
 
     def gpu_summary_bytes(self, prefix: int, head_dim: int, dtype_bytes: int) -> int:
         """Everything the selection keeps on the GPU for one unit: chunk summaries and the sketch."""

@@ -60,7 +60,9 @@ def test_byte_formulas_by_hand():
     # 32 bytes a token), the 64-token chunks' min and max (2 * 128 * 2 bytes) and a tail chunk's K
     n = 131072
     assert s.fetch_bytes(n, 128, 2) == math.ceil(0.2 * n) * 512
-    assert s.gpu_summary_bytes(n, 128, 2) == n * 32 + (n // 64) * 512 + 64 * 128 * 2
+    # (n // 64 + 1 chunks: one past the whole ones, as the executor holds; then a capacity of part chunks)
+    assert s.gpu_summary_bytes(n, 128, 2) == (n + 64) * 32 + (n // 64 + 1) * 512 + 64 * 128 * 2
+    assert s.gpu_summary_bytes(n + 10, 128, 2) == (n + 64) * 32 + (n // 64 + 1) * 512 + 64 * 128 * 2
     # scoring 4 query heads of 3 units (executor/sparse_triton.py): every token's key rebuilt (2
     # FLOPs a channel) and dotted with each head (2 a channel); it reads the 32 code bytes of a
     # token once (kv_bytes: charged as decode attention's K/V) and the chunks' min/max, writes and
@@ -134,9 +136,10 @@ def test_memory_counts_quantised_homes_and_summaries():
     cap, units = w.kv_capacity, M.units
     spec = LossySpec("int4", sparse=0.2)
     # default 2-bit sketch: host homes hold only the quantised KV; the GPU holds per unit the
-    # sketch (32 bytes a token), the 64-token chunks' min/max and a 64-token tail chunk's K
+    # sketch (32 bytes a token of the 1025 chunks held: 1024 whole ones and the one filling), the
+    # chunks' min/max and a 64-token tail chunk's K
     assert q.host_kv == units * spec.unit_bytes(cap, 128, 2)
-    assert q.gpu_kv - e.gpu_kv == units * (cap * 32 + math.ceil(cap / 64) * 2 * 128 * 2 + 64 * 128 * 2)
+    assert q.gpu_kv - e.gpu_kv == units * (1025 * 64 * 32 + 1025 * 2 * 128 * 2 + 64 * 128 * 2)
     # sketch=None, fine summaries: one per int4 group of 32 tokens (not 8: a fetch moves whole
     # groups), 1-byte codes, in host RAM
     old = breakdown(M, w, _plan(LossySpec("int4", sparse=0.2, sketch=None)))

@@ -213,3 +213,23 @@ def test_the_plan_counts_the_tokens_the_executor_fetches(P, frac, sink, recent, 
     assert sparse_sketch.count(P, sealed, n, sink, recent) == n
     share = torch.zeros(1, sealed)
     assert sparse_sketch.select(share, P, n, sink, recent).shape[-1] == n
+
+
+@pytest.mark.parametrize("context", [300, 316])   # capacities of 304 (part chunks) and 320 (whole ones)
+def test_the_plan_counts_the_gpu_bytes_the_selection_holds(tiny_model, context):
+    # Fault caught: the memory model (LossySpec.gpu_summary_bytes, which the planner's GPU budget
+    # adds per offloaded unit) counting fewer bytes than the selection's GPU tensors take: the
+    # chunk past a capacity of whole chunks, which a replayed step summarises, left out (it was,
+    # ~0.6 MB at 128K for Llama-3-8B), or the tail chunk's K. The reference is the tensors' own
+    # sizes in an opened store, not the spec's arithmetic.
+    model = tiny_model("llama", kv_heads=2, q_heads=8, head_dim=16, layers=2)
+    spec = HFAdapter(model).spec()
+    w = Workload(context, 4)
+    graph = build(spec, w, plan_of(SPARSE))
+    layout = KVLayout.of(graph)
+    with torch.inference_mode(), KVStore(layout, torch.device("cpu"), HFAdapter(model).dtype) as store:
+        sp = store.sparse
+        held = sum(t.numel() * t.element_size() for ts in (sp.lo, sp.hi, sp.codes, sp.tail) for t in ts if t is not None)
+    offloaded = sum(layout.kv_heads - n for n in layout.resident)
+    assert offloaded > 0
+    assert held == offloaded * w.batch * SPARSE.gpu_summary_bytes(w.kv_capacity, spec.head_dim, spec.dtype_bytes)
