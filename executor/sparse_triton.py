@@ -100,8 +100,7 @@ def rank(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tenso
     s = torch.empty(U, G, S, dtype=torch.float32, device=dev)
     lse = torch.empty(U, G, dtype=torch.float32, device=dev)
     out = torch.empty(U, S // blocks, dtype=torch.float32, device=dev)
-    if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("rank: CPU tensors run only in Triton's interpreter (TRITON_INTERPRET=1 before importing triton)")
+    _interpretable(dev, "rank")
     from .sparse_triton_kernels import lse_rows, score as score_k, score_chunk, score_dot, share
     if kernel not in KERNELS:
         raise ValueError(f"kernel: must be one of {', '.join(KERNELS)}, got {kernel!r}")
@@ -172,7 +171,7 @@ def select(rank: torch.Tensor, prefix: int, budget: int, sink: int, recent: int,
         return sparse_sketch.select(rank, prefix, budget, sink, recent)    # forced only, or F = 1
     n, room, h0, h1 = sparse_sketch.split(prefix, sealed, budget, sink, recent)
     lead, dev = rank.shape[:-1], rank.device
-    _interpretable(dev)
+    _interpretable(dev, "select")
     U = math.prod(lead)
     r2 = rank.reshape(U, sealed).float().contiguous()
     if radix:
@@ -195,7 +194,7 @@ def select_static(rank: torch.Tensor, prm: torch.Tensor, prefix_max: int, h0_min
     contiguous, zeroed: a view of a bigger selection), else a new tensor."""
     sealed = rank.shape[-1]
     lead, dev = rank.shape[:-1], rank.device
-    _interpretable(dev)
+    _interpretable(dev, "select")
     U = math.prod(lead)
     r2 = rank.reshape(U, sealed).float().contiguous()
     v = threshold(r2, h0_min, h1_max, 0, prm)
@@ -230,9 +229,9 @@ def rank_select_static(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, code
     return out
 
 
-def _interpretable(dev: torch.device) -> None:
+def _interpretable(dev: torch.device, who: str) -> None:
     if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("select: CPU tensors run only in Triton's interpreter (TRITON_INTERPRET=1 before importing triton)")
+        raise ValueError(f"{who}: CPU tensors run only in Triton's interpreter (TRITON_INTERPRET=1 before importing triton)")
 
 
 def _compact(r2, v, out, prefix, h0, h1, room, n, prm, sel_tiles) -> None:

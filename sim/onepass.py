@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from kvpipe.pipeline.cost import (host_issue_seconds, host_waits_for, pipelined_end, pipelined_ready, stage_seconds,
-                                  unit_pipelined)
+from kvpipe.pipeline.cost import host_issue_seconds, host_waits_for, pipelined_end, pipelined_ready, stage_seconds
 from kvpipe.pipeline.hardware import HardwareProfile
 from kvpipe.pipeline.stage import Graph, Kind, Phase, Pool
 from kvpipe.pipeline.trace import Span, Trace
@@ -81,12 +80,7 @@ def schedule(graph: Graph, hw: HardwareProfile, replay: bool = False):
         sec[i] = stage_seconds(s, hw, dtype, in_graph[i])
         e = t + sec[i]
         for d in s.deps:   # LOSSY: after a unit-pipelined score, its last piece's gathers (the engine's ops)
-            if unit_pipelined(stages[d], in_graph[d]):
-                if end[d] > e:
-                    e = end[d]
-                floor = pipelined_end(s, stages[d], end[d], sec[i], True)
-                if floor > e:
-                    e = e + (floor - e)
+            e = max(e, pipelined_end(s, stages[d], end[d], sec[i], in_graph[d]))   # 0 for other deps
         end[i] = e
         lane_free[lane] = e
         if not in_graph[i] and host_waits_for(s) and e > host:   # the host reads the encode's sizes back

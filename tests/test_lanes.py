@@ -89,9 +89,11 @@ class RecordingStreams:
 
     def __init__(self):
         self.log, self.current, self.streams = [], None, 0
+        self.priority = {}   # stream -> the priority it was made with
 
     def new_stream(self, priority=0):
         self.streams += 1
+        self.priority[f"stream{self.streams}"] = priority
         return f"stream{self.streams}"
 
     def record(self, stream):
@@ -245,6 +247,17 @@ def test_shuffled_turns_expose_a_missing_dependency(tiny_model, tag, on_tag):
         broken = execute(bad, model, ids, keep_logits=True, turns=random.Random(seed))
         differs.append(not torch.equal(broken.step_logits, ref.step_logits))
     assert any(differs), differs
+
+
+def test_lanes_make_their_streams_with_the_lane_priorities():
+    """Fault caught: Lanes.open making its streams without LANE_PRIORITY (every stream at the
+    default), or with another lane's, so the H2D lane's UVA gathers do not outrank compute and
+    compute does not outrank the upkeep stream (priority 0). The GPU test below checks that torch
+    applies them."""
+    rec = RecordingStreams()
+    with Lanes(torch.device("cpu"), streams=rec) as lanes:
+        got = {lane: rec.priority[lanes.streams[lane]] for lane in STREAM_LANES}
+    assert got[Lane.H2D] < got[Lane.GPU] < 0   # CUDA: a lower value is the higher priority
 
 
 @pytest.mark.gpu
