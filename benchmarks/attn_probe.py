@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kvpipe.executor.attention import attend_chunk, attend_part
-from kvpipe.executor.calibrate import cuda_median_s
+from kvpipe.executor.layers.attention import attend_chunk, attend_part
+from kvpipe.executor.calibrate.machine import cuda_median_s
 
 S, D, HQ, HKV = 131072, 128, 32, 8
 FLOPS = 4 * D * HQ * S * S / 2

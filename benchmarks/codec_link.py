@@ -6,7 +6,7 @@ and encode/decode rates, and sets them beside what the simulator and planner say
   python -m benchmarks.codec_link --device cpu --tokens 2048 --sample-mib 8     # smoke test of the CPU parts
 
 K/V: a prefill of `--tokens` through `--layers` Llama-3-8B-shaped layers with seeded random bf16
-weights (executor.loader.random_model). Random weights give K/V whose statistics differ from a
+weights (executor.layers.loader.random_model). Random weights give K/V whose statistics differ from a
 trained model's: every ratio here is on random-weight K/V and says so.
 
 Codecs: zstd-planes (the project's disk codec, CPU, 1 and N threads over 1 MiB blocks), zstd
@@ -22,7 +22,7 @@ raw bytes / GPU decode rate, other lanes), from the simulator's per-lane busy se
 estimate, not a simulation, of the codec in isolation; `planner_h2d` shows the planner's h2d
 candidates on the `h200` profile (the measured `[codec.nvcomp-ans-planes]` rates live in
 `h200-testbox`). The codec in the stage graph and in a run (gpu_compress / gpu_decompress on the
-gpu lane, executor/cstore.py) is measured by benchmarks/codec_run.py.
+gpu lane, executor/codecs/h2d_store.py) is measured by benchmarks/codec_run.py.
 JSON to benchmarks/results/codec-link.json (or --out); a short table is printed last."""
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, interm
 
 def prefill_kv(tokens: int, layers: int, device: str, seed: int) -> torch.Tensor:
     """The K and V of every layer after a prefill of `tokens` random ids, flat bf16 bytes (uint8)."""
-    from kvpipe.executor.loader import random_model
+    from kvpipe.executor.layers.loader import random_model
     model = random_model({**LLAMA3_8B, "num_hidden_layers": layers}, device, torch.bfloat16, seed)
     ids = torch.randint(0, LLAMA3_8B["vocab_size"], (1, tokens), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():   # the base model: no lm_head (128K x 128K-vocab logits would not fit)

@@ -1,5 +1,5 @@
 """Issue 9 §2, lossless on PCIe, measured in a run: the same head-wise plan (everything streamed)
-executed raw and with the GPU codec `nvcomp-ans-planes` on h2d (executor/cstore.py), in ONE
+executed raw and with the GPU codec `nvcomp-ans-planes` on h2d (executor/codecs/h2d_store.py), in ONE
 process with one random-weight model: decode s/token of each, the raw-PCIe floor (raw K/V bytes
 one decode step fetches / the pinned H2D rate measured in this process), the ratio measured on
 the run's own K/V, the simulator's prediction beside each measurement, and whether the output
@@ -43,7 +43,7 @@ def h2d_rate(device, nbytes: int = 1 << 30, reps: int = 5) -> float:
 def run_row(codec: str, spec, work, hw, hf, ids, dev, budget: int, args) -> dict:
     import torch
 
-    from kvpipe.executor.session import run_graph
+    from kvpipe.executor.engine.session import run_graph
     from kvpipe.pipeline.builder import build
     from kvpipe.pipeline.memory import breakdown
     from kvpipe.pipeline.plan import Method, PhasePlan, Plan
@@ -56,7 +56,7 @@ def run_row(codec: str, spec, work, hw, hf, ids, dev, budget: int, args) -> dict
     t0 = time.time()
     try:
         if codec != "none":
-            from kvpipe.executor.nvcomp_codec import check_available
+            from kvpipe.executor.codecs.nvcomp_ans_planes import check_available
             check_available(codec, dev)
         mem = breakdown(spec, work, plan)
         if mem.gpu > budget:
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     import torch
 
-    from kvpipe.executor.session import TORCH_DTYPES, load_hf_model, prompt_tensor, resolve_device
+    from kvpipe.executor.engine.session import TORCH_DTYPES, load_hf_model, prompt_tensor, resolve_device
     from kvpipe.hw_profiles import load_profile
     from kvpipe.inputs import budget
     from kvpipe.pipeline.model import load_model

@@ -1,4 +1,4 @@
-"""The executor's dequantise alone (executor/qstore.py) at a run's real slot shape, on CUDA: the
+"""The executor's dequantise alone (executor/quant/store.py) at a run's real slot shape, on CUDA: the
 compiled call over the whole byte slot (prefill, decode without --sparse), over the sparse window
 of selected records (QuantHomes.decode_selected), and the eager passes, for int4 (group 32, V
 groups of 64 channels) and int8 (group 64); with the pre-fix compiled call (the whole exact slot
@@ -36,7 +36,7 @@ CODECS = (("int4", 4, 32, 64), ("int8", 8, 64, None))   # name, bits, group, V-g
 
 
 def whole_slot_decode(codec, qslot: torch.Tensor, slot: torch.Tensor, j0: int, j1: int) -> None:
-    """The pre-fix compiled region (executor/qstore.py before the fix): slot_decode with the
+    """The pre-fix compiled region (executor/quant/store.py before the fix): slot_decode with the
     slicing and the two half copies (`halves_decode`) inside it, so the whole exact slot is an
     input it writes."""
     B, J, nb = qslot.shape[0], j1 - j0, qslot.shape[2] // codec.record
@@ -48,7 +48,7 @@ def whole_slot_decode(codec, qslot: torch.Tensor, slot: torch.Tensor, j0: int, j
 def halves_decode(codec, rec: torch.Tensor, out: torch.Tensor) -> None:
     """records_decode with K and V written as two copies into out's halves (compiled: a
     select_scatter over the window, which reads its old rows) instead of one stacked copy."""
-    from kvpipe.executor.quant import dequant_math
+    from kvpipe.executor.quant.quantize import dequant_math
     kc, ks, kz, vc, vs, vz = codec.fields(rec)
     k = dequant_math(kc, ks, kz, codec.bits, torch.float32, out.dtype)
     out[..., 0, :].copy_(k.flatten(-2).transpose(-1, -2))
@@ -58,7 +58,7 @@ def halves_decode(codec, rec: torch.Tensor, out: torch.Tensor) -> None:
 
 def eager_decode(codec, qslot: torch.Tensor, slot: torch.Tensor, heads: int) -> None:
     """QuantHomes._decode's eager passes (BlockCodec.decode in passes of DECODE_VALUES)."""
-    from kvpipe.executor.qstore import DECODE_VALUES
+    from kvpipe.executor.quant.store import DECODE_VALUES
     nb, g = qslot.shape[2] // codec.record, codec.group
     rec = qslot.view(1, heads, nb, codec.record)
     out = slot[:, :, :nb * g].view(1, heads, nb, g, 2, codec.D)
@@ -122,7 +122,7 @@ def measure(name: str, fn, slot: torch.Tensor, ref: torch.Tensor, tokens: int, m
         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         return row
     if dev.type == "cuda":
-        from kvpipe.executor.calibrate import graph_median_s
+        from kvpipe.executor.calibrate.machine import graph_median_s
         try:
             row["graph_s"] = graph_median_s(fn, reps)
         except Exception as e:   # e.g. a capture the compiled call does not allow: event_s stands
@@ -137,7 +137,7 @@ def measure(name: str, fn, slot: torch.Tensor, ref: torch.Tensor, tokens: int, m
 def codec_rows(bits: int, group: int, vgroup: int | None, capacity: int, fraction: float, reps: int,
                rates: dict, dev: torch.device) -> tuple[dict, list[dict]]:
     """The rows of one codec (module docstring), and its shapes."""
-    from kvpipe.executor.qstore import BlockCodec, fused_decode, slot_decode
+    from kvpipe.executor.quant.store import BlockCodec, fused_decode, slot_decode
     from kvpipe.pipeline.lossy import LossySpec
     quant = {4: "int4", 8: "int8"}[bits]
     spec = LossySpec(quant, group=group, vgroup=vgroup, sparse=fraction)

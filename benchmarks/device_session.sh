@@ -15,7 +15,7 @@ fi
 mkdir -p /tmp/bp && ln -sfn "$R/benchmarks" /tmp/bp/benchmarks
 export PYTHONPATH=/tmp/bp:/tmp/site PYTHONUNBUFFERED=1
 cd /tmp
-python3 -c "import torch, transformers, simpy, kvpipe.executor.replay; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cudnn', torch.backends.cudnn.version())"
+python3 -c "import torch, transformers, simpy, kvpipe.executor.replay.capture; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cudnn', torch.backends.cudnn.version())"
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$OUT/nvidia-smi.txt"
 poll1m() {   # poll the detached 1M run every 15 s until it ends or $1 seconds pass; copy its files to $OUT
   local end=$((SECONDS + $1))

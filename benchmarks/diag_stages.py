@@ -94,8 +94,8 @@ def measure_row(name: str, hf, ids_all, spec, device, hw) -> dict:
     issue seconds and predicted device seconds, and the allocator's counters over the run."""
     import torch
 
-    from kvpipe.executor.runner import execute
-    from kvpipe.executor.session import warm_up
+    from kvpipe.executor.engine.runner import execute
+    from kvpipe.executor.engine.session import warm_up
     from kvpipe.pipeline.builder import build
     from kvpipe.pipeline.cost import stage_seconds
     from kvpipe.pipeline.report import timing_from_trace
@@ -126,7 +126,7 @@ def measure_row(name: str, hf, ids_all, spec, device, hw) -> dict:
 
 def profile_row(name: str, row: dict, hf, ids_all, spec, device) -> None:
     """Passes B and C of row `name` under one profiler session: each stage's kernels into `row`."""
-    from kvpipe.executor.runner import execute
+    from kvpipe.executor.engine.runner import execute
     from kvpipe.pipeline.builder import build
     from kvpipe.pipeline.workload import Workload
     context = sim_check.ROWS[name][0]
@@ -186,7 +186,7 @@ def stage_trace(names: list[str], out: dict, save) -> None:
     """Trace `names` (sim_check rows) into `out[name]`, calling `save()` after each row."""
     import torch
 
-    from kvpipe.executor import session
+    from kvpipe.executor.engine import session
     from kvpipe.hw_profiles import load_profile
     from kvpipe.pipeline.model import load_model
     t0 = time.perf_counter()

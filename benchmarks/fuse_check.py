@@ -1,4 +1,4 @@
-"""Fused decode at its default (`--fuse auto`) against `--fuse off` (executor/fused.py), issue 8's
+"""Fused decode at its default (`--fuse auto`) against `--fuse off` (executor/layers/fused.py), issue 8's
 rows: Llama-3-8B shapes, random bf16 weights, group 8, decode steps replayed as CUDA graphs,
 kvpipe's allocator capped at 24 GB: 8K and 32K with every head resident (against the HBM floor:
 weights + the KV attended, over the HBM read rate measured in this process) and 64K and 128K
@@ -36,8 +36,8 @@ SETTINGS = ("auto", "off")
 
 def cold_compile_s(torch, hf) -> float:
     """Seconds to compile and warm the fused pieces the first time in this process."""
-    from kvpipe.executor.adapter import HFAdapter
-    from kvpipe.executor.fused import FusedDecode
+    from kvpipe.executor.layers.adapter import HFAdapter
+    from kvpipe.executor.layers.fused import FusedDecode
     with torch.inference_mode():
         return FusedDecode(HFAdapter(hf)).warm(torch.zeros(1, dtype=torch.long, device=hf.device))
 
@@ -47,7 +47,7 @@ def triton_kernels(torch, spec) -> dict:
     inductor emits, beside the count layer_ops' fused form gives (the simulator's)."""
     import torch._inductor.metrics as metrics
 
-    from kvpipe.executor import fused
+    from kvpipe.executor.layers import fused
     from kvpipe.pipeline import layer_ops
     r = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
     m, D = spec, spec.head_dim

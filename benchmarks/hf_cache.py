@@ -53,7 +53,7 @@ def worker(args) -> None:
     from transformers.generation.streamers import BaseStreamer
 
     import kvpipe
-    from kvpipe.executor import session
+    from kvpipe.executor.engine import session
     from kvpipe.pipeline.model import load_model
     from kvpipe.pipeline.plan import Plan
     from kvpipe.pipeline.units import parse_bytes

@@ -34,7 +34,7 @@ def probe_small_ops(record: dict) -> dict[tuple, float]:
     """Mean small kernels per (phase, tag, kind, ops) group of the probe's graphs (as calibrate ran
     them before the per-phase probe (fifth session): 2-layer Llama-3-8B-shaped model, the record's context, chunk 512, 8
     decode steps, the four probe plans)."""
-    from kvpipe.executor.issue_probe import PROBE_CONFIG, PROBE_PLANS
+    from kvpipe.executor.calibrate.host_issue import PROBE_CONFIG, PROBE_PLANS
     from kvpipe.pipeline.builder import build
     from kvpipe.pipeline.model import from_hf_config
     from kvpipe.pipeline.plan import Method, PhasePlan, Plan
@@ -66,7 +66,7 @@ def eager_decode_check(extra: dict, rec: dict) -> list[dict]:
     groups, its copy pair, and its run gap per stage; the stage probe is a different run) and the
     profile's decode-step fit (host.issue_s_per_stage / per_op: FITTED on these very steps, so it
     has the advantage)."""
-    from kvpipe.executor.issue_probe import PROBE_CONFIG
+    from kvpipe.executor.calibrate.host_issue import PROBE_CONFIG
     from kvpipe.pipeline.builder import build
     from kvpipe.pipeline.calibration import compute_issue_fit, copy_issue_fit, run_gap_fit
     from kvpipe.pipeline.model import from_hf_config

@@ -78,7 +78,7 @@ def decode_stage_sum(graph, rec: dict) -> float:
 def measure(model, graph, ids, reps: int) -> dict:
     """The fastest prefill seconds and decode seconds per token of `reps` runs after a warm one
     (each the least disturbed by other processes on a shared machine), with every run's figures."""
-    from kvpipe.executor.runner import execute
+    from kvpipe.executor.engine.runner import execute
     from kvpipe.pipeline.report import timing_from_trace
     execute(graph, model, ids, "cpu")
     got = [timing_from_trace(execute(graph, model, ids, "cpu").trace) for _ in range(reps)]
@@ -94,8 +94,8 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from kvpipe.executor.adapter import HFAdapter
-    from kvpipe.executor.issue_probe import fit, probe_model, stage_costs
+    from kvpipe.executor.layers.adapter import HFAdapter
+    from kvpipe.executor.calibrate.host_issue import fit, probe_model, stage_costs
     from kvpipe.pipeline.builder import build
     from kvpipe.pipeline.calibration import host_issue_fields
     from kvpipe.pipeline.plan import Method, PhasePlan, Plan

@@ -22,7 +22,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from kvpipe.executor.issue_probe import fit, graph_node_s, run_plans
+from kvpipe.executor.calibrate.host_issue import fit, graph_node_s, run_plans
 
 
 def main() -> None:

@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 
 from kvpipe.analysis.needles import NeedleSpec, cases, concentration, errors, exact
-from kvpipe.executor.quant import dequantize, quantize
-from kvpipe.executor import sparse_sketch
-from kvpipe.executor.sparse import (RANGE_ALPHA, chunk_scores, even_bounds, pack_fine, select, select_refined,
+from kvpipe.executor.quant.quantize import dequantize, quantize
+from kvpipe.executor.sparse import sketch as sparse_sketch
+from kvpipe.executor.sparse.chunks import (RANGE_ALPHA, chunk_scores, even_bounds, pack_fine, select, select_refined,
                                     summarise, unpack_fine)
 from kvpipe.pipeline.lossy import BLOCK_RANK, HOT_FACTOR, LossySpec
 from kvpipe.pipeline.units import parse_tokens
@@ -104,7 +104,7 @@ def quantised(quant: str, k_axis: int = 0, group: int | None = None):
 
 
 def blocks(quant: str, group: int | None = None, v_per_channel: bool = False, v_group: int | None = None):
-    """kvpipe --lossy QUANT as the executor stores it (executor/qstore.py BlockCodec): whole
+    """kvpipe --lossy QUANT as the executor stores it (executor/quant/store.py BlockCodec): whole
     `group`-token blocks, K per channel (groups along the block's tokens), V per token (groups of
     gcd(group, D) channels), the tokens of the last partial block exact; attended in float64.
     `v_per_channel`: V grouped along tokens like K (a variant); `v_group`: V per token in groups of
@@ -119,7 +119,7 @@ def blocks(quant: str, group: int | None = None, v_per_channel: bool = False, v_
 def block_kv(k: torch.Tensor, v: torch.Tensor, spec: LossySpec, v_per_channel: bool = False,
              v_group: int | None = None):
     """k, v [S, D] -> the K/V a lossy run reads back (full blocks dequantised, tail exact)."""
-    from kvpipe.executor.qstore import BlockCodec
+    from kvpipe.executor.quant.store import BlockCodec
     S, D = k.shape
     g = spec.group
     nb = S // g
@@ -138,7 +138,7 @@ def block_kv(k: torch.Tensor, v: torch.Tensor, spec: LossySpec, v_per_channel: b
 
 
 def probe_cases(n: int, tokens: int, seed: int):
-    """The random-weights probe of a `kvpipe run` (executor/lossy_probe.py) rebuilt offline at
+    """The random-weights probe of a `kvpipe run` (executor/quant/probe.py) rebuilt offline at
     Llama-3-8B shapes: layer-0 inputs are RMS-normalised embeddings (unit-variance entries),
     W_q, W_k, W_v drawn as HF initialises them (normal, std 0.02 = initializer_range), RoPE
     (theta 500000), one KV head and its 4 query heads; the last token's queries attend every key.
@@ -245,10 +245,10 @@ def sparse(fraction: float, chunk: int = 64, adaptive: bool = False, quant: str 
 
 
 def sketched(fraction: float, bits: int = 2):
-    """kvpipe --sparse F (the default, executor/sparse_homes.py): every sealed token scored from its
+    """kvpipe --sparse F (the default, executor/sparse/homes.py): every sealed token scored from its
     `bits`-bit key sketch within its 64-token chunk's min/max (both GPU-resident), ranked by the
     group's estimated attention share; sink 64 + recent 256 + the best tokens, F of the tokens in
-    all. The very functions the executor runs (executor/sparse_sketch.py, float32)."""
+    all. The very functions the executor runs (executor/sparse/sketch.py, float32)."""
     spec = LossySpec(sparse=fraction, sketch=bits)
 
     def method(case, ref_w):
@@ -259,7 +259,7 @@ def sketched(fraction: float, bits: int = 2):
 
 
 def sketch_keep(q: torch.Tensor, k: torch.Tensor, spec: LossySpec) -> torch.Tensor:
-    """The tokens kvpipe run's sparse decode fetches (executor/sparse_homes.py on the torch path)
+    """The tokens kvpipe run's sparse decode fetches (executor/sparse/homes.py on the torch path)
     for queries q [T, G, D] over keys k [S, D]: the sealed 64-token chunks summarised, their keys
     sketched, every sealed token ranked by the group's estimated share and sparse_sketch.select's
     pick (sink, recent window, unsealed tail, best tokens): keep [T, S] bool."""
@@ -274,7 +274,7 @@ def sketch_keep(q: torch.Tensor, k: torch.Tensor, spec: LossySpec) -> torch.Tens
 
 
 def sketched_blocks(fraction: float, quant: str = "int4", group: int = 32, how: str = BLOCK_RANK):
-    """kvpipe --sparse F --lossy QUANT (executor/sparse_homes.py over executor/qstore.py): whole
+    """kvpipe --sparse F --lossy QUANT (executor/sparse/homes.py over executor/quant/store.py): whole
     `group`-token blocks selected by their tokens' sketch ranks (`how`: sum or max), the selected
     blocks read back dequantised and the exact tail attended (`block_keep`, `block_kv`)."""
     spec = LossySpec(quant, group=group, sparse=fraction, sketch=2)
@@ -287,7 +287,7 @@ def sketched_blocks(fraction: float, quant: str = "int4", group: int = 32, how: 
 
 
 def block_keep(q: torch.Tensor, k: torch.Tensor, spec: LossySpec, how: str = BLOCK_RANK) -> torch.Tensor:
-    """The tokens kvpipe run's sparse decode over quantised blocks attends (executor/sparse_homes.py
+    """The tokens kvpipe run's sparse decode over quantised blocks attends (executor/sparse/homes.py
     on the torch path) for queries q [T, G, D] over keys k [S, D]: the sketch's token ranks as in
     `sketch_keep`, a rank per `spec.group`-token block (sparse_sketch.block_share), sparse_sketch.select
     over blocks with LossySpec.block_args, every token of the chosen blocks and the exact tail:
@@ -378,8 +378,8 @@ def tiny_init_rows(context: int, decode: int, seed: int, init: float, fraction: 
     unit offloaded) per lossy option against the exact run of the same graph: logits KL(exact ||
     lossy) per step (prefill's last and every decode step: mean, max) and greedy-token agreement
     (free-running: once a token differs, the inputs differ). Random weights: not an accuracy."""
-    from kvpipe.executor.loader import random_model
-    from kvpipe.executor.runner import execute
+    from kvpipe.executor.layers.loader import random_model
+    from kvpipe.executor.engine.runner import execute
     from kvpipe.pipeline.builder import build
     from kvpipe.pipeline.model import from_hf_config
     from kvpipe.pipeline.plan import Method, PhasePlan, Plan

@@ -6,8 +6,8 @@ process, the same machine state): the same plan knobs, run once per variant, who
   python -m benchmarks.lossy_run --model tiny.json --context 512 --chunk 128 --device cpu \
       --gpu-mem 4GB --decode-tokens 2                     # CPU smoke test of the code path
 
-Variants: `exact` (no --lossy), `int8`, `int4` (--lossy; executor/qstore.py); `--sparse F` adds a
-`sparse` row (kvpipe run --sparse F: executor/sparse_homes.py), e.g.
+Variants: `exact` (no --lossy), `int8`, `int4` (--lossy; executor/quant/store.py); `--sparse F` adds a
+`sparse` row (kvpipe run --sparse F: executor/sparse/homes.py), e.g.
   python -m benchmarks.lossy_run --context 128K --sparse 0.2 --variants exact
 and `sparse-int4` (a variant to name; it needs --sparse F) runs --sparse F with --lossy int4 (whole
 int4 blocks selected, their records gathered and dequantised), e.g. issue 11's 8x row:

@@ -20,7 +20,7 @@ share of a step is ~4 ms of the exact step's ~310 ms at 128K, see benchmarks/REA
                their packed summaries (uint8 within the coarse range) are gathered from host RAM
                and scored, and the best 8-token chunks gathered (kvpipe's default sparse method)
   sparse+int4  the 64-token selection over the int4 cache, dequantised after the gather
-`--dequant` instead times the executor's dequantise alone (executor/qstore.py: the fused
+`--dequant` instead times the executor's dequantise alone (executor/quant/store.py: the fused
 compiled decode of a whole byte slot, and the eager decode it replaced) at each context, for
 int8 (group 64) and int4 (group 32): GB/s of exact KV written, the figure the simulator's
 `dequant` stage needs (it costs it as an elementwise kernel: bytes / (hbm_eff_bytes_per_s x
@@ -44,8 +44,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.timing import median_seconds
-from kvpipe.executor.quant import Quantized, dequantize, quantize
-from kvpipe.executor.sparse import RANGE_ALPHA, chunk_scores, even_bounds, pack_fine, summarise
+from kvpipe.executor.quant.quantize import Quantized, dequantize, quantize
+from kvpipe.executor.sparse.chunks import RANGE_ALPHA, chunk_scores, even_bounds, pack_fine, summarise
 from kvpipe.pipeline.lossy import HOT_FACTOR
 from kvpipe.pipeline.units import parse_tokens
 
@@ -258,7 +258,7 @@ def dequant_rate(device: torch.device, bits: int, group: int, tokens: int, fused
     """Seconds (median of `reps` after a warm-up, CUDA events on CUDA) to dequantise one layer's
     `heads` x `tokens` KV from a byte slot into the exact slot as the executor does, and the rates:
     exact bytes written per second, and read + written bytes per second."""
-    from kvpipe.executor.qstore import DECODE_VALUES, BlockCodec, fused_decode
+    from kvpipe.executor.quant.store import DECODE_VALUES, BlockCodec, fused_decode
     from kvpipe.pipeline.lossy import DEFAULT_VGROUP
     codec = BlockCodec(bits, group, D, torch.bfloat16, DEFAULT_VGROUP.get({8: "int8", 4: "int4"}[bits]))
     nb = tokens // group

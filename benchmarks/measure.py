@@ -117,7 +117,7 @@ class Bench:
         default_alloc_conf()   # before torch starts CUDA; the user's own setting wins
         import torch
 
-        from kvpipe.executor import session
+        from kvpipe.executor.engine import session
         from kvpipe.pipeline.model import load_model
         t0 = time.perf_counter()
         self.spec = load_model(self.model)
@@ -182,7 +182,7 @@ class Bench:
 
         import torch
 
-        from kvpipe.executor import session
+        from kvpipe.executor.engine import session
         from kvpipe.pipeline.builder import build
         from kvpipe.pipeline.report import timing_from_trace
         if repeats < 1:
@@ -259,7 +259,7 @@ class Bench:
         return None if us is None else us / 1e6
 
     def _release_pinned(self) -> None:
-        from kvpipe.executor.pinned import release_cached_pinned
+        from kvpipe.executor.kv.pinned import release_cached_pinned
         if self.cuda:
             release_cached_pinned()
 

@@ -13,7 +13,7 @@ mkdir -p /tmp/bp && ln -sfn "$R/benchmarks" /tmp/bp/benchmarks
 cd /tmp
 export PYTHONPATH=/tmp/bp
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv > "$OUT/nvidia-smi.txt" 2>&1
-python3 -c "import torch, transformers, kvpipe.executor.replay as r; print(torch.__version__, transformers.__version__, torch.backends.cudnn.version(), r.__file__)"
+python3 -c "import torch, transformers, kvpipe.executor.replay.capture as r; print(torch.__version__, transformers.__version__, torch.backends.cudnn.version(), r.__file__)"
 T="python3 -m pytest -q -m gpu -p no:cacheprovider --rootdir $R"
 if [ "$mode" = quick ]; then
   timeout 150 $T $R/tests/test_replay.py -x 2>&1 | tail -25 | tee "$OUT/gpu-tests-replay.log"

@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     import kvpipe
-    from kvpipe.executor import lanes, replay
+    from kvpipe.executor.engine import lanes
+from kvpipe.executor.replay.capture import capture as replay
     if not torch.cuda.is_available():
         print("replay_kernels: needs CUDA (it profiles CUDA-graph replays)", file=sys.stderr)
         return 2

@@ -1,7 +1,7 @@
 """The `score` stage of sparse decode (LOSSY, `--sparse F`) in isolation, per layer: the old path
-(torch scores, group_share, selection by a stable full sort: executor/sparse_sketch.py as of
+(torch scores, group_share, selection by a stable full sort: executor/sparse/sketch.py as of
 cb04d41, kept below as `old_select`) against the new one (the Triton ranking of
-executor/sparse_triton.py, then its sort-free select), on one layer's offloaded units (default
+executor/sparse/rank_triton.py, then its sort-free select), on one layer's offloaded units (default
 8 units, GQA 4 query heads, D 128, 2-bit sketch, 20% of tokens), CUDA events, median of --reps
 calls after a warm-up. Also times the pieces, so the gain splits into ranking and selection
 (columns: rank = the Triton ranking, select = the Triton selection (radix select; JSON also
@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.timing import median_seconds
-from kvpipe.executor import sparse_sketch, sparse_triton
+from kvpipe.executor.sparse import sketch as sparse_sketch
+from kvpipe.executor.sparse import rank_triton as sparse_triton
 from kvpipe.pipeline.units import parse_tokens
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -70,7 +71,7 @@ def graph_timed(fn, reps: int, dev: torch.device) -> float | None:
     issued call). None off CUDA or where the capture fails."""
     if dev.type != "cuda":
         return None
-    from kvpipe.executor.calibrate import graph_median_s
+    from kvpipe.executor.calibrate.machine import graph_median_s
     try:
         return graph_median_s(fn, reps)
     except RuntimeError:
@@ -131,7 +132,7 @@ def bench(prefix: int, args, dev: torch.device) -> dict:
                                                   - sparse_triton.rank(q, lo, hi, codes, bits, kernel="chunk")).abs().max())
         row["rank_dot_max_abs_diff"] = float((sparse_triton.rank(q, lo, hi, codes, bits, kernel="dot")
                                               - sparse_triton.rank(q, lo, hi, codes, bits, kernel="chunk")).abs().max())
-        # as a pipelined replayed step runs the stage (executor/device_step.py _score): the units a
+        # as a pipelined replayed step runs the stage (executor/replay/device_step.py _score): the units a
         # piece at a time, each ranked and selected (select_static, counts in a device row), over
         # tokens (--sparse) and over int4's 32-token blocks (--sparse with --lossy int4)
         from kvpipe.pipeline.lossy import LossySpec
@@ -164,8 +165,8 @@ def per_unit(q, lo, hi, codes, bits: int, spec, prefix: int):
     piece of PIPE_UNITS units, the ranking (whole blocks with quantisation, the fused block rank)
     and select_static with the step's counts in a device row (sparse_triton.rank_select_static,
     as SparseHomes.select_static calls it for a pipelined stage)."""
-    from kvpipe.executor import lossy_replay
-    from kvpipe.executor.sparse_homes import BLOCK_RANK
+    from kvpipe.executor.replay import sparse_step as lossy_replay
+    from kvpipe.executor.sparse.homes import BLOCK_RANK
     from kvpipe.pipeline.lossy import PIPE_UNITS
     row = lossy_replay.step_args(spec, prefix)
     a = torch.tensor(row, dtype=torch.long, device=q.device)

@@ -35,7 +35,7 @@ RANDOM_KV = "ratio on K/V of a random-weight model (a trained model's K/V has ot
 def probe_disk(kv_dir: str, gib: float, threads: int = 8, request: int = 8 << 20) -> dict:
     """O_DIRECT rates of the disk under `kv_dir`: a pre-allocated file written and read back in
     `request`-byte requests by `threads` threads (no checksums: the device's rate)."""
-    from kvpipe.executor.pinned import HostArena
+    from kvpipe.executor.kv.pinned import HostArena
     n = int(gib * 2**30) // request
     path = os.path.join(kv_dir, f"kvpipe-probe-{os.getpid()}.bin")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)

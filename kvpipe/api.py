@@ -335,9 +335,9 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
     else 32K; `hw` to the bundled profile of this GPU; `disk` and `codec` as for `plan`. The
     plan is refused before anything is allocated when it does not fit. Unless PYTORCH_CUDA_ALLOC_CONF
     is set, it is set to expandable_segments:True before CUDA starts. LOSSY opt-in: `lossy`
-    "int8"/"int4" stores the offloaded KV quantised (executor/qstore.py); `sparse` F fetches a
+    "int8"/"int4" stores the offloaded KV quantised (executor/quant/store.py); `sparse` F fetches a
     fraction F of each decode step's offloaded tokens, chosen by a key sketch kept on the GPU
-    (executor/sparse_homes.py; with `lossy` too it selects whole quantised blocks; not over disk
+    (executor/sparse/homes.py; with `lossy` too it selects whole quantised blocks; not over disk
     units yet). `max_error` as
     for `plan`. `fuse` auto|on|off (None: KVPIPE_FUSE, else auto): replayed decode steps with fused
     elementwise work where it can run; a compile that fails under auto runs unfused with one
@@ -352,10 +352,10 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
         default_alloc_conf()
     try:
         import torch  # noqa: F401
-        from kvpipe.executor import session
+        from kvpipe.executor.engine import session
     except ImportError as e:
         raise ValueError(f"run: needs torch and transformers ({e.name} missing): pip install 'kvpipe[run]'") from None
-    from kvpipe.executor.attention import kernel_label
+    from kvpipe.executor.layers.attention import kernel_label
     from kvpipe.hw_profiles import load_profile
     from kvpipe.pipeline.builder import build
     from kvpipe.pipeline.report import timing_from_trace
@@ -371,7 +371,7 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
         more = "exceed" if len(prompt) > work.context else "fall short of"
         raise ValueError(f"prompt-file: its {len(prompt)} tokens {more} the context {work.context}; "
                          "omit --context to use the prompt's length")
-    from kvpipe.executor.replay import resolve_mode   # `replay` refused before anything is loaded
+    from kvpipe.executor.replay.capture import resolve_mode   # `replay` refused before anything is loaded
     issue = resolve_mode(replay, dev, session.TORCH_DTYPES[spec.dtype], work.batch, spec.head_dim)
     from kvpipe.pipeline.fusion import fuse_mode, refuse_unfusable   # a bad --fuse or KVPIPE_FUSE too
     fuse = fuse_mode(fuse)
@@ -386,14 +386,14 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
         from .inputs import read_plan
         plan = read_plan(plan, spec)
         if plan.replay and replay == "auto" and issue == "eager" and work.decode_tokens:
-            from kvpipe.executor.replay import replay_supported
+            from kvpipe.executor.replay.capture import replay_supported
             why = replay_supported(dev, session.TORCH_DTYPES[spec.dtype], work.batch, spec.head_dim)
             raise ValueError(f"plan.replay: true, but decode replay {why} ({dev}); set it to false or null "
                              "in the plan file, or give --replay off")
     # The search scores what this run can execute: both where it replays decode (--replay auto on
     # CUDA), else the pin (on; off, or a device or dtype that cannot replay: eager).
     pin = True if replay == "on" else None if replay == "auto" and issue == "graph" else False
-    from kvpipe.executor.nvcomp_codec import check_available
+    from kvpipe.executor.codecs.nvcomp_ans_planes import check_available
     from kvpipe.pipeline.codecs import parse_codec
     for link, name in (parse_codec(c) for c in codec_args(codec)):
         if link == "h2d" and name not in ("none", "auto"):
@@ -435,7 +435,7 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
     if chosen.lossy is not None and any(p.codec("disk") != "none" for p in (chosen.prefill, chosen.decode)):
         raise ValueError("codec: a disk codec cannot run with --lossy (quantised records go to disk as they are)")
     h2d = chosen.decode.codec("h2d")
-    if h2d != "none":   # a GPU codec on h2d (a plan file's): nvCOMP on a CUDA GPU (executor/nvcomp_codec.py)
+    if h2d != "none":   # a GPU codec on h2d (a plan file's): nvCOMP on a CUDA GPU (executor/codecs/nvcomp_ans_planes.py)
         check_available(h2d, dev)
     if chosen.replay_blocker and issue != "eager":   # no CUDA graph for these
         if replay != "auto":

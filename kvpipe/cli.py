@@ -185,7 +185,7 @@ def cmd_calibrate(args) -> int:
         import torch  # noqa: F401
     except ImportError:
         raise ValueError("calibrate: needs torch with CUDA: pip install -e '.[run]'") from None
-    from kvpipe.executor.calibrate import calibrate
+    from kvpipe.executor.calibrate.machine import calibrate
     cal = calibrate(base, args.name, args.kv_dir, args.quick, progress=lambda s: print(s, file=sys.stderr))
     with open(args.out, "w") as f:
         f.write(to_toml(cal))

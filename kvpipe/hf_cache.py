@@ -9,7 +9,7 @@ streamed to the device group by group, and attention is kvpipe's exact chunked a
 
 Only public transformers extension points are used: `Cache`/`CacheLayerMixin` for the cache, and
 an attention implementation registered with `AttentionInterface` (`kvpipe_headwise`, see
-`kvpipe.executor.hf_attention`). The constructor switches the model to that implementation with
+`kvpipe.executor.hf.attention`). The constructor switches the model to that implementation with
 `model.set_attn_implementation`; `close()` (or leaving a `with` block) frees the KV buffers and
 switches the model back."""
 from __future__ import annotations
@@ -19,10 +19,10 @@ from dataclasses import replace
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvpipe.executor.adapter import HFAdapter
-from kvpipe.executor.headstream import HeadStream
-from kvpipe.executor.hf_attention import IMPLEMENTATION, PendingKV, register
-from kvpipe.executor.kvstore import KVLayout
+from kvpipe.executor.layers.adapter import HFAdapter
+from kvpipe.executor.hf.headstream import HeadStream
+from kvpipe.executor.hf.attention import IMPLEMENTATION, PendingKV, register
+from kvpipe.executor.kv.store import KVLayout
 from kvpipe.pipeline.memory import allocator_allowance, breakdown, gpu_usable
 from kvpipe.pipeline.model import ModelSpec
 from kvpipe.pipeline.plan import Method, Plan, Tier, placement
@@ -168,7 +168,7 @@ class HeadwiseLayer(CacheLayerMixin):
 
 
 def _budgets(device: torch.device, gpu_mem: int | None, host_mem: int | None) -> dict[str, int]:
-    from kvpipe.executor.session import device_budget, host_ram_bytes
+    from kvpipe.executor.engine.session import device_budget, host_ram_bytes
 
     for name, v in (("gpu_mem", gpu_mem), ("host_mem", host_mem)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):

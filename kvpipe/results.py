@@ -153,7 +153,7 @@ class RunResult:
                                        #  "fused": ran fused, "compile_s": s, "fuse_note": why unfused or None}
     disk: dict | None = None   # the disk tier's I/O: bytes, seconds, checksum cost, notes (None: no disk units)
     search: object = None  # sim.planner.PlannerResult when the planner chose the plan
-    lossy_error: dict | None = None   # LOSSY runs: the error measured in the run (executor/lossy_probe.py)
+    lossy_error: dict | None = None   # LOSSY runs: the error measured in the run (executor/quant/probe.py)
     lossy_choice: str | None = None   # --max-error: the options, their measured errors and the pick
 
     @property

@@ -152,7 +152,7 @@ class _Builder:
 
     def dequant_work(self, lossy, sparse: bool, start: int, n_off: int, unit_fetch: int, deq: int) -> dict:
         """Cost inputs of one `dequant` stage. bf16/fp16 models on CUDA run it as ONE compiled call
-        (executor/qstore.py fused_decode: a K and a V kernel) over the whole byte slot, i.e. every
+        (executor/quant/store.py fused_decode: a K and a V kernel) over the whole byte slot, i.e. every
         full block of the KV capacity: an elementwise stream of its records read and its exact
         K/V written, costed at the profile's elementwise rate (small kernels); with sparse decode
         over the blocks (LossySpec.blocks), over the most selected records a step has

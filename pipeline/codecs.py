@@ -1,6 +1,6 @@
 """What the planner knows of each codec, torch-free: its name, whether it is lossless, the lane
 it runs on and the links it may serve. The implementations live in `executor/codecs/` (CPU frame
-codecs, one file each) and `executor/nvcomp_codec.py` (the GPU codec of the h2d link); rates and
+codecs, one file each) and `executor/codecs/nvcomp_ans_planes.py` (the GPU codec of the h2d link); rates and
 ratios live in the hardware profile (`[codec.<name>]`).
 
 A GPU codec on h2d stores each offloaded host unit compressed: its tokens in blocks of

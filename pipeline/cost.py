@@ -33,7 +33,7 @@ def small_seconds(kernels: int, nbytes: float, hw: HardwareProfile, replayed: bo
 
 def stage_small_seconds(s: Stage, hw: HardwareProfile, replayed: bool = False) -> float:
     """Small kernels of compute stage `s`. A replayed decode attention attends prefix and token in
-    one call (executor/device_step.py): no repeat, no LSE merge; its output copy remains, and with a
+    one call (executor/replay/device_step.py): no repeat, no LSE merge; its output copy remains, and with a
     transfer slot the new token's write into the slot."""
     if replayed and s.tag == "attn":
         return small_seconds(1 + (s.slot is not None), 0.0, hw, True)
@@ -42,7 +42,7 @@ def stage_small_seconds(s: Stage, hw: HardwareProfile, replayed: bool = False) -
 
 def split_kv_attention(s: Stage) -> bool:
     """A decode step's attention: one query token per head, the keys split across the SMs (FA2's
-    split-KV, executor/attention.py). `small_shape_half_flops` is the rate curve of a GEMM with few
+    split-KV, executor/layers/attention.py). `small_shape_half_flops` is the rate curve of a GEMM with few
     rows (fitted on [T, 4096] x [4096, 14336]: idle tiles); this kernel has no such rows, its time is
     its KV read at the HBM rate and its launches, so it pays no `half` (it was charged ~46 us a
     group on h200-testbox: group-1 decode predicted 1.85x the measurement)."""
@@ -121,7 +121,7 @@ def replayed_decode_attention_seconds(group: int, kv_bytes: float, mem_bytes: fl
 def unit_pipelined(s: Stage, replayed: bool) -> int:
     """Pieces (of PIPE_UNITS units, `Stage.pieces`: the builder's, where a step selects quantised
     blocks) a replayed sparse decode `score` stage ranks and selects one after another (LOSSY,
-    executor/device_step.py `_score`: an event per piece; each head's gather waits for its own
+    executor/replay/device_step.py `_score`: an event per piece; each head's gather waits for its own
     piece's), else 0. Its consumers on other lanes may start once the first piece is selected
     (`pipelined_ready`), and a consumer cannot end before the last piece's heads are gathered
     after the stage ends (`pipelined_end`)."""
@@ -189,14 +189,14 @@ def host_waits_for(s: Stage) -> bool:
     """Whether the executor's host waits for `s` to end before it issues anything more: a GPU
     codec's encode reads the compressed sizes back (executor/nvcomp_codec.AnsBlocks.encode, one
     stream sync per batch of filled blocks). A prefill chunk's compress fills blocks; a decode
-    step's only when its token completes a block of H2D_BLOCK_TOKENS (executor/cstore.py)."""
+    step's only when its token completes a block of H2D_BLOCK_TOKENS (executor/codecs/h2d_store.py)."""
     if s.kind is not Kind.GPU_COMPRESS:
         return False
     return s.phase is Phase.PREFILL or s.tokens[1] % H2D_BLOCK_TOKENS == 0
 
 
 def gpu_codec_calls(s: Stage) -> float:
-    """Codec calls (batches) a GPU codec stage makes (executor/cstore.py): a decompress decodes
+    """Codec calls (batches) a GPU codec stage makes (executor/codecs/h2d_store.py): a decompress decodes
     its fetch's blocks in one call; a compress encodes the blocks a step fills in one call, i.e.
     once per prefill chunk, and in decode once per H2D_BLOCK_TOKENS steps (charged spread over them)."""
     if s.kind is Kind.GPU_DECOMPRESS or s.phase is Phase.PREFILL:

@@ -38,7 +38,7 @@ def fuse_mode(value: str | None = None, env: Mapping[str, str] | None = None) ->
 def decode_fused(mode: str, replayed: bool) -> bool:
     """Whether decode steps run (and the simulator models) the fused pieces: only replayed decode
     steps run them, under `auto` or `on`. Assumes the model's activation has a fused form (SiLU,
-    every supported family's; executor/fused.py runs others unfused) and that compile works."""
+    every supported family's; executor/layers/fused.py runs others unfused) and that compile works."""
     if mode not in MODES:
         raise ValueError(f"fuse: expected one of {', '.join(MODES)}, got {mode!r}")
     return mode != "off" and replayed

@@ -166,10 +166,10 @@ class HardwareProfile:
     host_prefill_issue_s_per_stage: float | None = None
     host_prefill_issue_s_per_launch: float | None = None
     host_prefill_issue_gap_s: float | None = None
-    # Host seconds to compile the fused decode pieces (executor/fused.py) once per process; a
+    # Host seconds to compile the fused decode pieces (executor/layers/fused.py) once per process; a
     # one-time cost the prediction reports beside total_s. None: the profile does not say.
     compile_s: float | None = None
-    # LOSSY sparse decode's score stage (executor/sparse_triton.py ranking + selection over the
+    # LOSSY sparse decode's score stage (executor/sparse/rank_triton.py ranking + selection over the
     # sealed tokens' packed sketch codes), measured whole as `call_s + code bytes / bytes_per_s`
     # (benchmarks/sparse_score.py). None: the stage is costed from its bytes at the
     # decode-attention rate (9x too fast on the H200: 0.056 ms predicted, 0.558 measured at 128K).

@@ -4,13 +4,13 @@ the exact LSE merge of a chunk's two attention parts), as a kernel count and the
 kernels read plus write. Closed forms of the executor's code path for the Llama family (Llama,
 Mistral, Qwen2, Qwen3), counted op by op; tests/test_layer_ops.py holds every form against the
 aten ops that the real HF modules and the executor's attention dispatch on CPU
-(executor/op_inventory.py), which are the ops they launch on the GPU.
+(executor/calibrate/op_inventory.py), which are the ops they launch on the GPU.
 
 Each form returns `SmallOps(kernels, bytes)` for one stage of `tokens` query tokens (batch
 included); pipeline/cost.py turns them into seconds (bytes at the elementwise HBM rate, each
 kernel at least the profile's per-kernel floor).
 
-The `fused_*` forms count a replayed decode step with fused elementwise work (executor/fused.py,
+The `fused_*` forms count a replayed decode step with fused elementwise work (executor/layers/fused.py,
 the default where it runs): each compiled function is the kernels inductor emits for it with
 Triton, a fused kernel reading its inputs and writing its outputs once (intermediates stay in
 registers). The counts follow the fused code's structure (stated per function below; a row-wise
@@ -132,7 +132,7 @@ def head(m: ModelSpec, batch: int) -> SmallOps:
     return rms_norm(batch, m.hidden, m.dtype_bytes) + _head_tail(m, batch)
 
 
-# ---- fused decode (executor/fused.py) ---------------------------------------------------------------
+# ---- fused decode (executor/layers/fused.py) ---------------------------------------------------------------
 # One function each, as compiled: (rows or tokens) -> SmallOps of its Triton kernels.
 def fused_norm(rows: float, width: int, e: int) -> SmallOps:
     """fused.rms_norm: one persistent-reduction kernel; reads x, writes the normed row, reads the
@@ -163,7 +163,7 @@ def fused_act_mul(m: ModelSpec, tokens: float) -> SmallOps:
     return SmallOps(1, tokens * 3 * m.dtype_bytes * m.intermediate)
 
 
-FUSED_FUNCTIONS = ("norm", "add_norm", "rope", "act_mul")   # executor/fused.py's compiled functions
+FUSED_FUNCTIONS = ("norm", "add_norm", "rope", "act_mul")   # executor/layers/fused.py's compiled functions
 
 
 def fused_function(name: str, m: ModelSpec, tokens: float) -> SmallOps:

@@ -1,10 +1,10 @@
 """Lossy options, opt-in and labelled: group-wise int8/int4 quantisation of offloaded KV and sparse
 decode (each step fetches a fraction of the offloaded tokens, chosen by chunk key summaries).
 This module holds the spec and the byte-size formulas the builder and the simulator use; the
-tensor code is in executor/quant.py, executor/sparse.py and executor/sparse_sketch.py; `kvpipe run`
-executes quantisation (executor/qstore.py: whole `group`-token blocks are stored quantised, the
+tensor code is in executor/quant/quantize.py, executor/sparse/chunks.py and executor/sparse/sketch.py; `kvpipe run`
+executes quantisation (executor/quant/store.py: whole `group`-token blocks are stored quantised, the
 block still filling stays exact on the GPU), sparse decode by the token sketch
-(executor/sparse_homes.py), and both at once: then a step selects whole quantised blocks (a record
+(executor/sparse/homes.py), and both at once: then a step selects whole quantised blocks (a record
 holds a block of `group` tokens), ranked by their tokens' sketch shares (`block_args`). Torch-free."""
 from __future__ import annotations
 
@@ -27,12 +27,12 @@ DEFAULT_GROUP = {"int8": 64, "int4": 32}
 DEFAULT_VGROUP = {"int4": 64}
 META_BYTES = 2     # scale and zero-point (the group minimum) are float16 each
 FINE_CODE_BYTES = 1   # a fine summary's min/max: a uint8 code within its coarse chunk's range
-# Sparse refinement (executor/sparse.py select_refined) splits the coarse chunks holding the best
+# Sparse refinement (executor/sparse/chunks.py select_refined) splits the coarse chunks holding the best
 # HOT_FACTOR x budget tokens; their fine summaries cross the link. Factors 2 to 4 lost faint needles
 # that the 64-token summaries ranked low (benchmarks/lossy_error.py: at 20%, hot 2 hit 84% and hot 4
 # 98.4% of the needles; 5, i.e. every chunk at 20%, hit all), see the JSON of 2026-11-30.
 HOT_FACTOR = 5
-SKETCH_BITS = (2, 4, 8)   # bits per key channel of the GPU token sketch (executor/sparse_sketch.py)
+SKETCH_BITS = (2, 4, 8)   # bits per key channel of the GPU token sketch (executor/sparse/sketch.py)
 # The score stage with the sketch on CUDA: the three Triton calls of executor/sparse_triton.rank,
 # then sparse_triton.select: the threshold by a radix select (2 zeroed buffers and a fill, then 4
 # passes of 2 kernels) and two compaction kernels (count per tile, write in token order). Bytes a
@@ -41,7 +41,7 @@ SKETCH_BITS = (2, 4, 8)   # bits per key channel of the GPU token sketch (execut
 SCORE_CALLS = 3
 SELECT_KERNELS = 3 + 4 * 2 + 2
 SELECT_BYTES_PER_TOKEN = 4 * 4 + 2 * 4 + 8
-# Kernels the executor's `quant` stage issues per layer (executor/qstore.py QuantHomes.encode): the
+# Kernels the executor's `quant` stage issues per layer (executor/quant/store.py QuantHomes.encode): the
 # new K/V joins the exact tail (a cat and a copy), and where a block fills, BlockCodec.encode
 # quantises it (68 small kernels, counted by executor/op_inventory.Recorder on CPU, torch 2.13).
 QUANT_TAIL_OPS = 2
@@ -52,7 +52,7 @@ QUANT_ENCODE_OPS = 68
 BLOCK_RANKS = ("sum", "max")
 BLOCK_RANK = "sum"
 # A replayed sparse step ranks and selects a layer's offloaded units PIPE_UNITS at a time, so the
-# gathers of the first units start while the next are ranked (executor/device_step.py `_score`,
+# gathers of the first units start while the next are ranked (executor/replay/device_step.py `_score`,
 # pipeline/cost.unit_pipelined). On the H200 (Llama-3-8B, 128K, int4, 4 layers) one unit at a time
 # made the selection, ~133 us a unit of mostly kernel latencies, slower than the 81 us gather it
 # fed; a pair's selection (~110 us) stays under its two gathers (~160 us). Only where a step
@@ -70,10 +70,10 @@ class LossySpec:
     elements). `sparse`: None or the fraction of each decode step's offloaded tokens fetched, in
     (0, 1], chosen by key summaries (per-channel min/max) of `chunk`-token chunks, `sink` first
     tokens and the `recent` last tokens always included; with `leaf`, the chunks holding the best
-    HOT_FACTOR x budget are refined into `leaf`-token chunks each step (executor/sparse.py select_refined),
+    HOT_FACTOR x budget are refined into `leaf`-token chunks each step (executor/sparse/chunks.py select_refined),
     whose summaries live in host RAM beside the KV and cross the link with it. `sketch` (default 2;
     it supersedes `leaf`): bits per key channel of a token-level key sketch kept on the GPU beside
-    the chunk summaries (executor/sparse_sketch.py); each step scores every token from it and
+    the chunk summaries (executor/sparse/sketch.py); each step scores every token from it and
     fetches the best tokens, so nothing of the selection crosses the link. None: the chunk
     selection above. `error` is a measured error to report (e.g. {"attn_rel_err": ...}), or None
     where nothing was measured."""
@@ -184,7 +184,7 @@ class LossySpec:
     def fetched_tokens(self, prefix: int) -> int:
         """Tokens of a `prefix`-token cache one sparse decode step fetches (all without `sparse`):
         the budget ceil(sparse * prefix), never below sink + recent (with the sketch: the sink,
-        the recent window and the unsealed tail chunk, as executor/sparse_sketch.py forces them),
+        the recent window and the unsealed tail chunk, as executor/sparse/sketch.py forces them),
         never above the prefix. With quantisation (`blocks`): the tokens the step attends, its
         fetched blocks' and the exact tail's."""
         if self.sparse is None:
@@ -207,7 +207,7 @@ class LossySpec:
 
     def summary_chunks(self, prefix: int) -> int:
         """Chunks summarised per unit for a `prefix`-token capacity: the whole ones and one past
-        them, which the executor holds even where `prefix` is whole chunks (executor/sparse_homes.py:
+        them, which the executor holds even where `prefix` is whole chunks (executor/sparse/homes.py:
         a replayed step summarises the filling chunk at a device-held index)."""
         return prefix // self.chunk + 1
 
@@ -229,7 +229,7 @@ class LossySpec:
 
     def fine_summary_bytes(self, prefix: int, head_dim: int, dtype_bytes: int) -> int:
         """The same per `leaf`-token chunk, as one-byte codes within the coarse chunk's range
-        (executor/sparse.py pack_fine; kept in host RAM beside the KV)."""
+        (executor/sparse/chunks.py pack_fine; kept in host RAM beside the KV)."""
         if self.sparse is None or self.fine is None:
             return 0
         return math.ceil(prefix / self.fine) * 2 * head_dim * FINE_CODE_BYTES
@@ -251,7 +251,7 @@ class LossySpec:
         packed codes, streamed like a decode attention's K/V: pipeline/cost.py charges them at
         the profile's decode-attention rate plus its per-call term) and the selection's
         `small_ops`/`small_bytes` (pipeline/cost.small_seconds).
-        Sketch (executor/sparse_triton.py, then sparse_sketch.select): the score kernel reads every
+        Sketch (executor/sparse/rank_triton.py, then sparse_sketch.select): the score kernel reads every
         sealed token's codes once and its chunk's min/max, rebuilds k_hat (2 FLOPs a channel) and
         dots it with each query head (2 a channel and head), writing float32 scores that the share
         kernel reads back and turns into a float32 rank; the selection then makes

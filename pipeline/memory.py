@@ -165,7 +165,7 @@ def breakdown(m: ModelSpec, work: Workload, plan: Plan) -> MemoryBreakdown:
         home = work.batch * (plan.lossy.unit_bytes(cap, m.head_dim, m.dtype_bytes)
                              + plan.lossy.fine_summary_bytes(cap, m.head_dim, m.dtype_bytes))
         gpu_kv += off * work.batch * plan.lossy.gpu_summary_bytes(cap, m.head_dim, m.dtype_bytes)
-    if slots and plan.decode.codec("h2d") != "none":   # GPU codec on h2d: executor/cstore.py's buffers
+    if slots and plan.decode.codec("h2d") != "none":   # GPU codec on h2d: executor/codecs/h2d_store.py's buffers
         slots += h2d_codec_bytes(m, work, plan, count[Tier.HOST])
     host_kv = count[Tier.HOST] * home
     # Replayed decode (no disk units, lossy KV or codec): torch pins the homes, carved from blocks.
@@ -177,7 +177,7 @@ def breakdown(m: ModelSpec, work: Workload, plan: Plan) -> MemoryBreakdown:
 
 def pinned_homes_bytes(m: ModelSpec, work: Workload, resident: int) -> int:
     """Host bytes torch pins for the KV homes of a plan with `resident` units and none on disk,
-    as the executor takes them where decode is replayed (executor/kvstore.py, pinned.HostArena):
+    as the executor takes them where decode is replayed (executor/kv/store.py, pinned.HostArena):
     one home per layer that keeps heads on the host (its heads not resident, `placement`'s split),
     all carved in one call out of power-of-two blocks (pinned_blocks.carve), slack included."""
     L, H = m.layers, m.kv_heads
@@ -188,7 +188,7 @@ def pinned_homes_bytes(m: ModelSpec, work: Workload, resident: int) -> int:
 
 
 def h2d_codec_bytes(m: ModelSpec, work: Workload, plan: Plan, host_units: int) -> int:
-    """GPU bytes of a GPU codec on h2d (executor/cstore.py): the decoded high plane and the low
+    """GPU bytes of a GPU codec on h2d (executor/codecs/h2d_store.py): the decoded high plane and the low
     plane of one slot's group (shared by the slots: decoding runs on the gpu lane in order), and
     the exact tail of every host unit (a block not yet full)."""
     from .codecs import H2D_BLOCK_TOKENS

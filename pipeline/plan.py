@@ -81,9 +81,9 @@ class Plan:
 
     @property
     def replay_blocker(self) -> str | None:
-        """Why no CUDA graph can hold this plan's decode steps (executor/replay.py), or None: disk
+        """Why no CUDA graph can hold this plan's decode steps (executor/replay/capture.py), or None: disk
         reads, quantised KV without sparse decode and an h2d codec's decode are issued eagerly.
-        Sparse decode (LOSSY, the token sketch) replays (executor/lossy_replay.py); the executor
+        Sparse decode (LOSSY, the token sketch) replays (executor/replay/sparse_step.py); the executor
         may still find a reason at run time (e.g. a decode group of resident and offloaded heads,
         or steps whose forced tokens fill their budget) and then issues the steps eagerly."""
         if self.disk:
@@ -235,7 +235,7 @@ class Tier(str, enum.Enum):
 
 def replays_decode(model: ModelSpec, work: Workload) -> bool:
     """Whether `kvpipe run --replay auto` replays this workload's decode steps on a CUDA GPU
-    (mirrors executor.replay.replay_supported: bf16/fp16 FA2 varlen, batch 1)."""
+    (mirrors executor.replay.capture.replay_supported: bf16/fp16 FA2 varlen, batch 1)."""
     return model.dtype in ("bf16", "fp16") and work.batch == 1 and model.head_dim % 8 == 0 \
         and model.head_dim <= 256 and work.decode_tokens > 0
 
@@ -244,7 +244,7 @@ def decode_replayed(model: ModelSpec, work: Workload, plan: Plan) -> bool:
     """Whether `kvpipe run --replay auto` on a CUDA GPU replays `plan`'s decode steps: as its
     replay choice says, else (None) where the workload and the plan allow (`replays_decode`, no
     `replay_blocker`); never without decode tokens. Where it does, the executor's KV homes are
-    pinned by torch (executor/kvstore.py), carved out of power-of-two blocks (pipeline/memory.py
+    pinned by torch (executor/kv/store.py), carved out of power-of-two blocks (pipeline/memory.py
     counts them)."""
     if not work.decode_tokens:
         return False

@@ -3,7 +3,7 @@ codec's decode starts only after the host -> device copies issued before it (on 
 have ended (`[codec.<name>] decompress_waits_h2d`, measured by `kvpipe calibrate`), each of its
 `gpu_decompress` stages waits for the last `kv_fetch` the executor has issued by then.
 
-Which fetch that is follows from how the executor issues (executor/lanes.py): each lane's actor
+Which fetch that is follows from how the executor issues (executor/engine/lanes.py): each lane's actor
 issues its stages in order, a stage as soon as its dependencies are issued, and the actors take
 turns stage by stage. So when the gpu lane issues a decompress, the h2d lane has issued every
 fetch whose dependencies (on the gpu lane: stages before the decompress) are issued: with

@@ -6,7 +6,7 @@ The host is a resource too: one process issues the stages in graph order, each c
 `host_issue_seconds`; it waits for the GPU only when `launch_queue_ops` launches are in flight
 (CUDA's launch queue is full), so where the GPU's share of a stage is smaller
 than its issue cost the host binds. With `replay` the decode steps are CUDA-graph replays (as
-executor/replay.py runs them): the host synchronises after the prefill, captures (one eager
+executor/replay/capture.py runs them): the host synchronises after the prefill, captures (one eager
 issue of a step), then per step pays `graph_replay_s` and issues the step's write-backs eagerly;
 on the device each replayed kernel costs `graph_node_s` instead of a launch, and a step starts
 only when the previous one (its write-backs included) is done.

@@ -4,7 +4,7 @@ plan with each quantisation, and the same plan with each sparse-decode fraction 
 and the best on the objective that fits wins; ties go to exact, then to the smaller error. Sparse
 with quantisation at once (whole quantised blocks selected) is a candidate too, by its own measured
 error; sparse is not a candidate where the run could not execute it: disk units or a codec on a
-link (executor/sparse_homes.py).
+link (executor/sparse/homes.py).
 Without a budget nothing here runs and no plan is ever lossy unless the user opts in with --lossy
 or --sparse. A pick carries its basis (budget, figures, sources), so it is labelled LOSSY wherever
 --lossy would be."""
@@ -79,7 +79,7 @@ def options() -> list[Option]:
 def excluded(plan: Plan, option: Option | None = None) -> str | None:
     """Why `option` (any lossy option if None) cannot run over `plan`, or None: quantised records
     and sparse gathers cross the links as they are (no codec on a link), and sparse decode reads
-    every offloaded unit from host RAM (no disk units; executor/sparse_homes.py)."""
+    every offloaded unit from host RAM (no disk units; executor/sparse/homes.py)."""
     if any(name != "none" for pp in (plan.prefill, plan.decode) for _, name in pp.codecs):
         return "not with a codec on a link"
     if option is not None and option.sparse is not None and plan.disk:

@@ -92,7 +92,7 @@ def schedule(graph: Graph, hw: HardwareProfile, replay: bool = False):
 
 
 def _replay_issue(stages, first: int, in_graph, end, host: float, hw, issue) -> float:
-    """Issue times of the replayed decode stages (ids from `first` on), as `executor/replay.py`
+    """Issue times of the replayed decode stages (ids from `first` on), as `executor/replay/capture.py`
     runs them: sync with every eagerly issued stage, capture one step, then per step one replay
     and the write-backs issued eagerly after it. Returns the host's clock after the last."""
     for j in range(first):

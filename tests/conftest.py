@@ -56,12 +56,12 @@ def _lift_cuda_cap():
 def tiny_model():
     """Factory of tiny seeded random HF causal LMs, cached for the session:
     tiny_model(family, kv_heads=2, q_heads=8, head_dim=16, layers=2, dtype=torch.float32,
-    device="cpu", **config_overrides). Built with executor.loader.random_model."""
+    device="cpu", **config_overrides). Built with executor.layers.loader.random_model."""
     import zlib
 
     import torch
 
-    from kvpipe.executor.loader import random_model
+    from kvpipe.executor.layers.loader import random_model
 
     built = {}
 

@@ -1,6 +1,6 @@
 """Independent reference for attention tests: dense causal attention in float64 written out here
 (scores, max-shifted exp, normalise, weighted sum), with its own GQA mapping. It shares no code
-with executor/attention.py, so a bug there cannot hide in the reference."""
+with executor/layers/attention.py, so a bug there cannot hide in the reference."""
 import torch
 
 

@@ -2,8 +2,8 @@
 tiny models they build, their plan, and the check that F = 1 is the base run bit for bit."""
 import torch
 
-from kvpipe.executor.adapter import HFAdapter
-from kvpipe.executor.runner import execute
+from kvpipe.executor.layers.adapter import HFAdapter
+from kvpipe.executor.engine.runner import execute
 from kvpipe.pipeline.builder import build
 from kvpipe.pipeline.plan import Method, PhasePlan, Plan
 from kvpipe.pipeline.workload import Workload

@@ -1,4 +1,4 @@
-"""Property tests for executor/attention.py: chunked equals full, placement changes no bit, decode.
+"""Property tests for executor/layers/attention.py: chunked equals full, placement changes no bit, decode.
 The reference is tests/reference.py (float64 softmax written out, its own GQA mapping), never a
 helper of the module under test."""
 
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kvpipe.executor.attention import (CUDNN_MIN_ROWS, attend_chunk, attend_part, canonical_unit_strides,
+from kvpipe.executor.layers.attention import (CUDNN_MIN_ROWS, attend_chunk, attend_part, canonical_unit_strides,
                                        cuda_kernel_setting, kernel_label)
 from reference import dense_causal_attention
 

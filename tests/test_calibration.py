@@ -73,7 +73,7 @@ def test_calibrate_needs_cuda():
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    from kvpipe.executor.calibrate import calibrate
+    from kvpipe.executor.calibrate.machine import calibrate
     with pytest.raises(ValueError, match="calibrate: needs a CUDA GPU"):
         calibrate(load_profile("h200"), "x")
 
@@ -158,7 +158,7 @@ def test_calibrate_decode_attention_and_copy_series_on_the_gpu():
     # (its K/V bytes must be G * L * 2 * D * 2 by hand, and a call over 4x the keys must not be
     # faster), or the back-to-back copy series reporting more per copy than an isolated copy.
     torch = pytest.importorskip("torch")
-    from kvpipe.executor.calibrate import MiB, copy_series, cuda_median_s, decode_attention_point
+    from kvpipe.executor.calibrate.machine import MiB, copy_series, cuda_median_s, decode_attention_point
     b1, t1, calls = decode_attention_point(1, 8192)
     b4, t4, _ = decode_attention_point(1, 32768)
     assert b1 == 1 * 8192 * 2 * 128 * 2 and calls >= 32 and 0 < t1 <= t4 * 1.05
@@ -204,7 +204,7 @@ def test_optional_copy_issue_fields_load_and_are_checked(tmp_path):
 def test_a_failing_optional_step_leaves_its_table_out_and_says_so(capsys):
     """Fault caught: the codec step (nvCOMP, GPU only) failing aborts `kvpipe calibrate`, or leaves
     a half-written [codec.*] table the planner would then trust."""
-    from kvpipe.executor.calibrate import _optional
+    from kvpipe.executor.calibrate.machine import _optional
     from kvpipe.pipeline.calibration import Calibration, to_toml
     cal = Calibration("t", "d", "s")
 

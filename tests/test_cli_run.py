@@ -100,7 +100,7 @@ def test_unknown_device_is_one_line_exit_2(tiny_config, capsys, device):
 def test_device_names_ignore_case():
     # Fault caught (issue 7): `--device CPU` ended in a traceback; names are case-insensitive.
     import torch
-    from kvpipe.executor.session import resolve_device
+    from kvpipe.executor.engine.session import resolve_device
     assert resolve_device("CPU") == resolve_device(" cpu ") == torch.device("cpu")
 
 
@@ -166,7 +166,7 @@ def test_executing_line_comes_before_the_progress_bar(tiny_model, monkeypatch):
     # that says it is a terminal makes tqdm draw as it would there.
     import io
     import torch
-    from kvpipe.executor.session import run_graph
+    from kvpipe.executor.engine.session import run_graph
     from kvpipe.pipeline.builder import build
     from kvpipe.pipeline.model import from_hf_config
     from kvpipe.pipeline.plan import Method, PhasePlan, Plan
@@ -221,7 +221,7 @@ def test_local_hf_directory_and_plot(tmp_path, capsys):
     """Weights from a local HF directory (safetensors, nothing downloaded) match the same model
     run through --random-weights from its config (same seed), and --plot draws sim and real."""
     import torch
-    from kvpipe.executor.loader import random_model
+    from kvpipe.executor.layers.loader import random_model
     model = random_model(dict(TINY), "cpu", torch.float32, seed=5)
     model.save_pretrained(tmp_path / "tiny", safe_serialization=True)
     assert list((tmp_path / "tiny").glob("*.safetensors"))

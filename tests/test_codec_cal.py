@@ -1,4 +1,4 @@
-"""Codec calibration (executor/codec_probe.py) and how the model uses it: the per-call fit of a
+"""Codec calibration (executor/calibrate/codecs.py) and how the model uses it: the per-call fit of a
 GPU codec, profiles with and without the new [codec.*] fields, the cost of a GPU codec stage, the
 simulated wait of a decode for the fetches issued before it (sim/codec_sync.py), and the CPU codec
 of the disk link measured on K/V of a tiny random model. Expected values are computed by hand."""
@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from kvpipe.executor import codec_probe as cp
+from kvpipe.executor.calibrate import codecs as cp
 from kvpipe.hw_profiles import ProfileError, load_profile
 from kvpipe.pipeline.builder import build
 from kvpipe.pipeline.calibration import Calibration, to_toml
@@ -170,7 +170,7 @@ def test_the_waiting_decode_slows_the_simulated_codec_step():
 @pytest.fixture(scope="module")
 def tiny_kv():
     """K/V [units, 2048, 2, 16] bf16 of a prefill through a tiny random-weight Llama (CPU)."""
-    from kvpipe.executor.loader import random_model
+    from kvpipe.executor.layers.loader import random_model
     cfg = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
                tie_word_embeddings=False, attn_implementation="sdpa")

@@ -13,11 +13,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpipe.executor.adapter import HFAdapter
+from kvpipe.executor.layers.adapter import HFAdapter
 from kvpipe.executor.codecs import IMPLEMENTATIONS, load
-from kvpipe.executor.disk import DiskError
-from kvpipe.executor.kvstore import DiskOptions
-from kvpipe.executor.runner import execute
+from kvpipe.executor.disk.tier import DiskError
+from kvpipe.executor.kv.store import DiskOptions
+from kvpipe.executor.engine.runner import execute
 from kvpipe.hw_profiles import load_profile
 from kvpipe.pipeline.builder import build
 from kvpipe.pipeline.codecs import REGISTRY
@@ -88,8 +88,8 @@ def test_registry_lines_and_implementations_agree(capsys):
         assert ("lossless" if info.lossless else "LOSSY") in ln and f"runs on {info.lane}" in ln
         if info.lane == "cpu":
             assert info.name in IMPLEMENTATIONS
-        if info.lane == "gpu":   # the GPU codec of h2d (executor/nvcomp_codec.py) refuses only what it cannot run
-            from kvpipe.executor.nvcomp_codec import check_available
+        if info.lane == "gpu":   # the GPU codec of h2d (executor/codecs/nvcomp_ans_planes.py) refuses only what it cannot run
+            from kvpipe.executor.codecs.nvcomp_ans_planes import check_available
             with pytest.raises(ValueError, match="CUDA GPU"):
                 check_available(info.name, torch.device("cpu"))
     assert main(["plan", "--codec", "h2d=zstd-planes"]) == 2      # it serves the disk link only

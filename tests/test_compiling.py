@@ -1,11 +1,13 @@
-"""kvpipe's compiled functions compile in the calling process (executor/compiling.py): inductor's
+"""kvpipe's compiled functions compile in the calling process (executor/engine/compiling.py): inductor's
 worker pool (16 processes importing torch on a 16-core host) must not start under a run."""
 import pytest
 import torch
 import torch._inductor.config as inductor_config
 
 from benchmarks.measure import child_pids
-from kvpipe.executor import compiling, fused, qstore
+from kvpipe.executor.engine import compiling
+from kvpipe.executor.layers import fused
+from kvpipe.executor.quant import store as qstore
 
 
 @pytest.fixture

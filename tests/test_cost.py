@@ -236,8 +236,8 @@ def test_cost_mirrors_the_executor_constants():
     """Fault caught: the cost model's copies of the executor's warm-up length and cuDNN row
     threshold drifting from the executor (pipeline/ cannot import torch-side modules)."""
     pytest.importorskip("torch")
-    from kvpipe.executor.attention import CUDNN_MIN_ROWS
-    from kvpipe.executor.session import WARMUP_MAX_TOKENS
+    from kvpipe.executor.layers.attention import CUDNN_MIN_ROWS
+    from kvpipe.executor.engine.session import WARMUP_MAX_TOKENS
     from kvpipe.pipeline import cost
     assert (cost.WARMUP_TOKENS, cost.CUDNN_MIN_ROWS) == (WARMUP_MAX_TOKENS, CUDNN_MIN_ROWS)
 

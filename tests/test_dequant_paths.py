@@ -1,4 +1,4 @@
-"""The dequantise's paths (executor/qstore.py, LOSSY `--lossy int4|int8`, with `--sparse F` too):
+"""The dequantise's paths (executor/quant/store.py, LOSSY `--lossy int4|int8`, with `--sparse F` too):
 which calls ran compiled (over the whole byte slot, or over the sparse window of selected records)
 and which eagerly, and why (`QuantHomes.paths`, `run --json` decode_issue.dequant); and that the
 compiled decode moves only the records it decodes and the slot rows they fill. Tiny random models
@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpipe.executor.adapter import HFAdapter
-from kvpipe.executor.kvstore import KVLayout, KVStore
-from kvpipe.executor.qstore import BlockCodec, fused_decode
-from kvpipe.executor.runner import execute
+from kvpipe.executor.layers.adapter import HFAdapter
+from kvpipe.executor.kv.store import KVLayout, KVStore
+from kvpipe.executor.quant.store import BlockCodec, fused_decode
+from kvpipe.executor.engine.runner import execute
 from kvpipe.pipeline.builder import build
 from kvpipe.pipeline.lossy import LossySpec
 from kvpipe.pipeline.stage import Phase

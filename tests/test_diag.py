@@ -64,8 +64,8 @@ def test_stage_ranges_tie_every_kernel_of_a_run_to_its_stage(tiny_model):
     import tempfile
 
     from benchmarks.diag_stages import StageRanges
-    from kvpipe.executor.adapter import HFAdapter
-    from kvpipe.executor.runner import execute
+    from kvpipe.executor.layers.adapter import HFAdapter
+    from kvpipe.executor.engine.runner import execute
     from kvpipe.pipeline.builder import build
     from kvpipe.pipeline.plan import Method, PhasePlan, Plan
     from kvpipe.pipeline.workload import Workload

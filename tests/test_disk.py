@@ -12,10 +12,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpipe.executor.adapter import HFAdapter
-from kvpipe.executor.disk import ALIGN, DiskError, DiskFile, aligned_buffer
-from kvpipe.executor.kvstore import DiskOptions
-from kvpipe.executor.runner import execute
+from kvpipe.executor.layers.adapter import HFAdapter
+from kvpipe.executor.disk.tier import ALIGN, DiskError, DiskFile, aligned_buffer
+from kvpipe.executor.kv.store import DiskOptions
+from kvpipe.executor.engine.runner import execute
 from kvpipe.pipeline.builder import build
 from kvpipe.pipeline.plan import Method, PhasePlan, Plan
 from kvpipe.pipeline.stage import Kind, Lane
@@ -177,7 +177,7 @@ def test_disk_units_give_the_same_bits_as_host_units_on_cuda(tiny_model, tmp_pat
 def test_registered_host_buffers_are_pinned_and_copy_back_exactly():
     """Catches host tiers left pageable (non_blocking copies would serialise with compute) and
     a registration that is not undone (the next registration of the pages would fail)."""
-    from kvpipe.executor.pinned import HostArena
+    from kvpipe.executor.kv.pinned import HostArena
     from gpu_checks import is_registered
     for _ in range(2):
         with HostArena(pin=True) as arena:

@@ -1,4 +1,4 @@
-"""The disk tier's I/O backends (executor.disk_io): which one a run gets, and that the bytes a
+"""The disk tier's I/O backends (executor.disk.io): which one a run gets, and that the bytes a
 backend writes are where the posix path reads them (kvikio on CUDA only: its I/O loads the CUDA
 driver even for host buffers)."""
 
@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from kvpipe.executor.disk import ALIGN, DiskFile, aligned_buffer
-from kvpipe.executor.disk_io import ENV, kvikio_usable, resolve
+from kvpipe.executor.disk.tier import ALIGN, DiskFile, aligned_buffer
+from kvpipe.executor.disk.io import ENV, kvikio_usable, resolve
 
 
 def test_auto_is_posix_without_cuda_or_kvikio_and_kvikio_on_demand_is_refused_by_name(monkeypatch):
@@ -76,9 +76,9 @@ def test_disk_units_through_kvikio_give_the_same_bits_as_host_units(tiny_model, 
     """Catches kvikio I/O changing a bit of the output in a real run on CUDA (bf16, pinned
     staging, deep prefetch): logits and tokens equal the plan with those units in host RAM."""
     pytest.importorskip("kvikio")
-    from kvpipe.executor.adapter import HFAdapter
-    from kvpipe.executor.kvstore import DiskOptions
-    from kvpipe.executor.runner import execute
+    from kvpipe.executor.layers.adapter import HFAdapter
+    from kvpipe.executor.kv.store import DiskOptions
+    from kvpipe.executor.engine.runner import execute
     from kvpipe.pipeline.builder import build
     from kvpipe.pipeline.plan import Method, PhasePlan, Plan
     from kvpipe.pipeline.workload import Workload

@@ -6,9 +6,9 @@ import inspect
 import pytest
 import torch
 
-from kvpipe.executor.adapter import HFAdapter
-from kvpipe.executor.loader import load_pretrained, random_model
-from kvpipe.executor.runner import execute
+from kvpipe.executor.layers.adapter import HFAdapter
+from kvpipe.executor.layers.loader import load_pretrained, random_model
+from kvpipe.executor.engine.runner import execute
 from kvpipe.pipeline.builder import build
 from kvpipe.pipeline.plan import Method, PhasePlan, Plan
 from kvpipe.pipeline.report import timing_from_trace

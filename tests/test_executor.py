@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpipe.executor.adapter import HFAdapter
-from kvpipe.executor.lanes import Lanes, cross_lane_waits
-from kvpipe.executor.runner import execute
+from kvpipe.executor.layers.adapter import HFAdapter
+from kvpipe.executor.engine.lanes import Lanes, cross_lane_waits
+from kvpipe.executor.engine.runner import execute
 from kvpipe.pipeline.builder import build
 from kvpipe.pipeline.model import ModelSpec
 from kvpipe.pipeline.plan import Method, PhasePlan, Plan
@@ -227,7 +227,7 @@ def test_warm_up_runs_one_chunk_and_leaves_the_run_unchanged(tiny_model):
     """`kvpipe run`'s warm-up: the plan's first prefill chunk (plus a short second one where the
     run attends to a prefix with cuDNN) and one decode step (a `standard` plan's whole-prompt
     chunk capped), with no effect on the bits of the run that follows."""
-    from kvpipe.executor.session import WARMUP_MAX_TOKENS, warm_up
+    from kvpipe.executor.engine.session import WARMUP_MAX_TOKENS, warm_up
     model = tiny_model("llama", kv_heads=2, layers=2, max_position_embeddings=16384)
     spec = HFAdapter(model).spec()
     ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(2))
@@ -242,7 +242,7 @@ def test_warm_up_runs_one_chunk_and_leaves_the_run_unchanged(tiny_model):
     # Fault caught: a warm-up that never attends to a prefix with cuDNN (chunks >= CUDNN_MIN_ROWS),
     # leaving the first prefix attention's one-time ~0.8 s to the timed run: a second chunk of
     # CUDNN_MIN_ROWS tokens follows the first; none where the run's prefix chunks are too short.
-    from kvpipe.executor.attention import CUDNN_MIN_ROWS
+    from kvpipe.executor.layers.attention import CUDNN_MIN_ROWS
     chunked = build(spec, Workload(1024, 1, 1), headwise(1, 512, 2, 1))
     assert warm_up(chunked, model, long_ids[:, :1024], torch.device("cpu")) == 512 + CUDNN_MIN_ROWS
     short_tail = build(spec, Workload(512 + CUDNN_MIN_ROWS - 1, 1, 1), headwise(1, 512, 2, 1))
@@ -256,7 +256,7 @@ def test_warm_up_collects_its_garbage_before_the_timed_run(tiny_model):
     import gc
     import weakref
 
-    from kvpipe.executor.session import warm_up
+    from kvpipe.executor.engine.session import warm_up
 
     class Node:
         pass

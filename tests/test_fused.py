@@ -1,4 +1,4 @@
-"""Fused decode pieces (executor/fused.py) and the fuse setting (pipeline/fusion.py): on CPU, each
+"""Fused decode pieces (executor/layers/fused.py) and the fuse setting (pipeline/fusion.py): on CPU, each
 piece against the HF modules it replaces (float64 uncompiled: the same math; bf16 compiled by
 inductor: within bf16 rounding), the setting's parsing and refusals, `--fuse` on plan and run, and
 auto's fallback when torch.compile fails (a real failing compiler); on CUDA, fused decode replay:
@@ -16,10 +16,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpipe.executor.adapter import HFAdapter
-from kvpipe.executor.fused import FUSE_ENV, FusedDecode, make_fused
+from kvpipe.executor.layers.adapter import HFAdapter
+from kvpipe.executor.layers.fused import FUSE_ENV, FusedDecode, make_fused
 from kvpipe.pipeline.fusion import decode_fused, fuse_mode, refuse_unfusable
-from kvpipe.executor.loader import random_model
+from kvpipe.executor.layers.loader import random_model
 from test_replay import cases, cuda_model, headwise, run
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -150,8 +150,8 @@ def test_setting_and_refusals():
 
 _FAILING_COMPILE = """
 import json, sys, torch
-from kvpipe.executor.adapter import HFAdapter
-from kvpipe.executor.fused import FusedDecode, warm_or_fall_back
+from kvpipe.executor.layers.adapter import HFAdapter
+from kvpipe.executor.layers.fused import FusedDecode, warm_or_fall_back
 from test_fused import tiny
 f = FusedDecode(HFAdapter(tiny("llama", torch.bfloat16)), compile=True)
 with torch.inference_mode():
@@ -228,7 +228,7 @@ def fused_run(model, case, replay, fuse, plan=None):
 def test_auto_fuses_replayed_decode_by_default(tiny_model, monkeypatch):
     """Fault caught: the default (no --fuse, no KVPIPE_FUSE) not fusing a replayed CUDA decode, or
     fusing an eager one; KVPIPE_FUSE=0 not turning it off."""
-    from kvpipe.executor.runner import execute
+    from kvpipe.executor.engine.runner import execute
     from kvpipe.pipeline.builder import build
     from kvpipe.pipeline.workload import Workload
     from test_replay import headwise

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpipe.executor.nvcomp_codec import interleave, split_planes
+from kvpipe.executor.codecs.nvcomp_ans_planes import interleave, split_planes
 from kvpipe.hw_profiles import load_profile
 from kvpipe.pipeline.builder import build
 from kvpipe.pipeline.codecs import REGISTRY, installed
@@ -69,12 +69,12 @@ def test_interleave_writes_in_place_into_a_strided_slot_view():
 
 @pytest.mark.parametrize("chunk,resident", [(16, (1, 0)), (10, (0, 2))])
 def test_the_compressed_store_gives_back_every_prefix_exactly(chunk, resident):
-    """Catches, in executor/cstore.py's layout: a block at a wrong offset of its unit's log, a low
+    """Catches, in executor/codecs/h2d_store.py's layout: a block at a wrong offset of its unit's log, a low
     plane out of step with its high plane, a raw (incompressible) block decoded as coded, a tail
     token lost or taken twice, a fetch into the wrong slot row. The prefix each fetch + decode puts
     in the slot must equal the K/V written, bit for bit (NaN payloads, -0, random bit patterns)."""
-    from kvpipe.executor.cstore import CompressedHomes
-    from kvpipe.executor.kvstore import KVLayout, KVStore
+    from kvpipe.executor.codecs.h2d_store import CompressedHomes
+    from kvpipe.executor.kv.store import KVLayout, KVStore
     B, H, D, cap = 2, 4, 8, 120
     lo = KVLayout(B, H, D, cap, resident, slots=2, slot_heads=2, write_tokens=chunk)
     gen = torch.Generator().manual_seed(chunk)
@@ -243,8 +243,8 @@ def test_a_run_with_the_h2d_codec_keeps_every_bit(tiny_model, layout, chunk):
     the same plan without it (all streamed, mixed groups; chunks that fill blocks exactly and that
     leave a tail). Catches a block stored at a wrong offset, a low plane out of step with its high
     plane, a tail token lost or taken twice, a decode racing its fetch."""
-    from kvpipe.executor.runner import execute
-    from kvpipe.executor.session import output_digest
+    from kvpipe.executor.engine.runner import execute
+    from kvpipe.executor.engine.session import output_digest
     from kvpipe.pipeline.model import from_hf_config
     hf = tiny_model("llama", kv_heads=2, q_heads=8, head_dim=16, layers=2, dtype=torch.bfloat16, device="cuda")
     spec = from_hf_config(hf.config.to_dict(), "tiny")
@@ -265,7 +265,7 @@ def test_ans_blocks_round_trip_on_the_gpu():
     """Catches an nvCOMP batch carved at wrong offsets, a decode into the wrong entry of `out`,
     or sizes read before the encode finished: blocks of bf16 high planes (specials included) and
     of random bytes come back bit for bit."""
-    from kvpipe.executor.nvcomp_codec import AnsBlocks
+    from kvpipe.executor.codecs.nvcomp_ans_planes import AnsBlocks
     dev = torch.device("cuda", torch.cuda.current_device())
     stream = torch.cuda.Stream(dev)
     with torch.cuda.stream(stream):

@@ -1,6 +1,6 @@
 """HeadwiseCache: Hugging Face's own `generate()` with kvpipe's head-wise KV placement. References
 are independent: HF's `DynamicCache` with the model's own (SDPA) attention, and `kvpipe run`'s
-executor (`executor.runner.execute`) on the same plan."""
+executor (`executor.engine.runner.execute`) on the same plan."""
 
 from dataclasses import replace
 
@@ -10,9 +10,9 @@ from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 import kvpipe
-from kvpipe.executor.adapter import HFAdapter
-from kvpipe.executor.hf_attention import IMPLEMENTATION
-from kvpipe.executor.runner import execute
+from kvpipe.executor.layers.adapter import HFAdapter
+from kvpipe.executor.hf.attention import IMPLEMENTATION
+from kvpipe.executor.engine.runner import execute
 from kvpipe.pipeline.builder import build
 from kvpipe.pipeline.workload import Workload
 

@@ -229,7 +229,7 @@ def test_stage_cost_probe_records_groups_and_phase_walls_on_cpu():
     seconds (the stamps taken after the issue instead of before it), decode walls recorded for a
     replayed decode (its stages have no issue of their own)."""
     import torch
-    from kvpipe.executor.issue_probe import probe_model, stage_costs
+    from kvpipe.executor.calibrate.host_issue import probe_model, stage_costs
     torch.manual_seed(0)
     model = probe_model("cpu", layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=8, intermediate_size=64)
@@ -297,7 +297,7 @@ def test_calibrate_sets_the_prefill_host_fields_on_the_gpu():
     attention, pinned copies). Faults caught: the probe failing on CUDA (stream hook, replay off),
     a fit that cannot run on its record, the fields not set or a gap below zero, a phase wall
     shorter than its stages' issue seconds."""
-    from kvpipe.executor.calibrate import host_stage_costs
+    from kvpipe.executor.calibrate.machine import host_stage_costs
     from kvpipe.pipeline.calibration import Calibration
     cal = Calibration("t", "t", "t")
     host_stage_costs(cal)

@@ -5,9 +5,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kvpipe.executor.adapter import HFAdapter
-from kvpipe.executor.kvstore import KVLayout, KVStore, k_of, v_of
-from kvpipe.executor.runner import execute
+from kvpipe.executor.layers.adapter import HFAdapter
+from kvpipe.executor.kv.store import KVLayout, KVStore, k_of, v_of
+from kvpipe.executor.engine.runner import execute
 from kvpipe.pipeline.builder import build
 from kvpipe.pipeline.memory import breakdown
 from kvpipe.pipeline.model import ModelSpec

@@ -1,4 +1,4 @@
-"""executor/lanes.py on CPU: which cross-lane waits a stage needs, that every stream wait targets
+"""executor/engine/lanes.py on CPU: which cross-lane waits a stage needs, that every stream wait targets
 the dependency's END event (checked with recording fake streams and events: they record calls,
 they do not stand in for anything measured), and the shuffled turn order that lets the CPU
 executor explore many interleavings, with a proof that it catches a missing dependency."""
@@ -11,9 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpipe.executor.adapter import HFAdapter
-from kvpipe.executor.lanes import STREAM_LANES, Lanes, cross_lane_waits
-from kvpipe.executor.runner import execute
+from kvpipe.executor.layers.adapter import HFAdapter
+from kvpipe.executor.engine.lanes import STREAM_LANES, Lanes, cross_lane_waits
+from kvpipe.executor.engine.runner import execute
 from kvpipe.pipeline.builder import build
 from kvpipe.pipeline.model import ModelSpec
 from kvpipe.pipeline.plan import Method, PhasePlan, Plan

@@ -1,10 +1,10 @@
 """pipeline/layer_ops.py (the simulator's count of small kernels and their bytes per stage) against
 the aten ops that real HF modules and the executor's attention dispatch on CPU, counted by
-executor/op_inventory.py. Faults caught: a form that misses or invents a kernel (a norm's casts,
+executor/calibrate/op_inventory.py. Faults caught: a form that misses or invents a kernel (a norm's casts,
 RoPE's rotate_half, q's contiguous copy, the LSE merge), bytes off by a factor (dtype size, fp32
 intermediates, head counts, GQA repeat), a form that does not follow Qwen3's q/k norms or fp32
 models, and a transformers upgrade that changes HF's op sequence (the count then differs). The
-fused decode forms are held against the kernels inductor emits for executor/fused.py's functions."""
+fused decode forms are held against the kernels inductor emits for executor/layers/fused.py's functions."""
 from __future__ import annotations
 
 import functools
@@ -14,9 +14,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvpipe.executor.adapter import HFAdapter
-from kvpipe.executor.loader import random_model
-from kvpipe.executor.op_inventory import record, tensor_bytes
+from kvpipe.executor.layers.adapter import HFAdapter
+from kvpipe.executor.layers.loader import random_model
+from kvpipe.executor.calibrate.op_inventory import record, tensor_bytes
 from kvpipe.pipeline import layer_ops
 from kvpipe.pipeline.model import load_model
 
@@ -97,7 +97,7 @@ def test_calibration_layer_replays_the_kernels_the_simulator_counts():
     kernels (the floor and rate would then be per the wrong count), and a calibration layer that
     is not the layer the simulator costs (qkv with every head resident + one group's attention
     over a prefix + mlp, as layer_ops counts them)."""
-    from kvpipe.executor.calibrate import layer_small_ops, replayer
+    from kvpipe.executor.calibrate.machine import layer_small_ops, replayer
     a, m = _setup("llama", "bf16")
     T, P = 6, 9
     inv = layer_small_ops(a, T, P)
@@ -109,7 +109,7 @@ def test_calibration_layer_replays_the_kernels_the_simulator_counts():
     _check(form, inv, 1, 2 * lse_copy[0])
 
 
-# ---- fused decode (executor/fused.py) ----------------------------------------------------------------
+# ---- fused decode (executor/layers/fused.py) ----------------------------------------------------------------
 # Inductor on CPU does not fuse a row reduction's pointwise epilogue into the reduction (two loop
 # nests); Triton does (one persistent-reduction kernel). So on CPU each norm emits one kernel more
 # than the GPU form counts. `force_pointwise_cat` is the lowering CUDA uses for cat/stack (inductor
@@ -132,7 +132,7 @@ def _fused_args(name: str, m, dt):
 @pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
                     reason="inductor on CPU compiles C++: no C++ compiler on this machine")
 def test_fused_forms_match_the_kernels_inductor_emits(single_thread):
-    """layer_ops' fused forms against executor/fused.py's functions as inductor compiles them.
+    """layer_ops' fused forms against executor/layers/fused.py's functions as inductor compiles them.
     Faults caught: a fused function that no longer compiles to the kernels the simulator counts (an
     op inductor cannot fuse, a graph break or an aten fallback adds kernels; a form that invents or
     misses one), and bytes off (dtype size, head counts, an input or output forgotten): a fused
@@ -140,7 +140,7 @@ def test_fused_forms_match_the_kernels_inductor_emits(single_thread):
     (rope's two kernels each read cos and sin)."""
     import torch._inductor.metrics as metrics
 
-    from kvpipe.executor import fused
+    from kvpipe.executor.layers import fused
     m = load_model("llama-3-8b")    # the real shapes: q and K/V of unequal sizes, as Triton sees them
     try:
         for name in layer_ops.FUSED_FUNCTIONS:
@@ -167,7 +167,7 @@ def test_fused_decode_step_forms_sum_to_the_calls_the_executor_makes():
     are the same). Faults caught: the deferred residual add mis-attributed (its bytes dropped or
     counted twice, its norm counted as an extra kernel), a stage form missing a call (rope, the
     act*up), or layer 0's and the head's norms counted unlike the executor runs them."""
-    from kvpipe.executor import fused
+    from kvpipe.executor.layers import fused
     L = 3
     model = random_model(dict(CFG, model_type="llama", num_hidden_layers=L), "cpu", torch.bfloat16, 0)
     a = HFAdapter(model)
@@ -215,7 +215,7 @@ def test_fused_forms_match_the_triton_kernels(qk_norm):
     assumption on CPU), and the bytes of the real tensors moved."""
     import torch._inductor.metrics as metrics
 
-    from kvpipe.executor import fused
+    from kvpipe.executor.layers import fused
     m = replace(load_model("llama-3-8b"), qk_norm=qk_norm)   # Llama-3-8B's shapes; Qwen3's q/k norms
     try:
         for name in layer_ops.FUSED_FUNCTIONS:

@@ -129,7 +129,7 @@ def test_a_real_budget_below_twenty_percents_error_never_gives_it(forced):
 
 def test_a_sparse_pick_is_predicted_replayed_as_run_executes_it():
     # Fault caught: sparse candidates predicted eagerly (their exact plan's replay choice kept)
-    # while `kvpipe run` replays sparse decode as CUDA graphs (executor/lossy_replay.py; 88.7
+    # while `kvpipe run` replays sparse decode as CUDA graphs (executor/replay/sparse_step.py; 88.7
     # ms/token at 128K on the H200, replayed): the choice would then weigh sparse against the
     # others on a pessimistic, host-bound figure.
     from kvpipe.sim.simulate import simulate

@@ -48,7 +48,7 @@ def test_byte_formulas_by_hand():
     assert LossySpec("int4").ratio(2) == 152 / 512
     assert LossySpec("int4", vgroup=32).ratio(2) == 160 / 512
     assert LossySpec("int4").unit_bytes(32, 16, 2) == 32 * 16 // 2 * 2 + 2 * 2 * 16 + 2 * 2 * 32   # D 16: V groups of 16
-    from kvpipe.executor.qstore import BlockCodec                  # the executor's record, the same bytes
+    from kvpipe.executor.quant.store import BlockCodec                  # the executor's record, the same bytes
     import torch
     assert BlockCodec(4, 32, 128, torch.bfloat16, 64).record == 152 * 32
     assert BlockCodec(4, 32, 128, torch.bfloat16, 32).record == 160 * 32
@@ -63,7 +63,7 @@ def test_byte_formulas_by_hand():
     # (n // 64 + 1 chunks: one past the whole ones, as the executor holds; then a capacity of part chunks)
     assert s.gpu_summary_bytes(n, 128, 2) == (n + 64) * 32 + (n // 64 + 1) * 512 + 64 * 128 * 2
     assert s.gpu_summary_bytes(n + 10, 128, 2) == (n + 64) * 32 + (n // 64 + 1) * 512 + 64 * 128 * 2
-    # scoring 4 query heads of 3 units (executor/sparse_triton.py): every token's key rebuilt (2
+    # scoring 4 query heads of 3 units (executor/sparse/rank_triton.py): every token's key rebuilt (2
     # FLOPs a channel) and dotted with each head (2 a channel); it reads the 32 code bytes of a
     # token once (kv_bytes: charged as decode attention's K/V) and the chunks' min/max, writes and
     # reads back 4 float32 scores and writes one float32 rank; the selection's passes are small ops
@@ -203,7 +203,7 @@ def test_run_refuses_a_sparse_int4_plan_file_with_disk_units(tmp_path, capsys):
 def test_dequant_stage_is_one_fused_call_over_the_whole_byte_slot():
     # Fault caught: the simulator costing the dequantise as the eager per-head ops (16 host issues
     # a fetch at 62 us each: int4 at 128K predicted 116 ms) while the executor runs one compiled
-    # call (executor/qstore.py fused_decode) that streams every block of the slot's capacity.
+    # call (executor/quant/store.py fused_decode) that streams every block of the slot's capacity.
     w = Workload(8192, 3, 1)
     spec = LossySpec("int4")
     g = build(M, w, _plan(spec))

@@ -1,4 +1,4 @@
-"""LOSSY sparse decode replayed as CUDA graphs (executor/lossy_replay.py): a step's counts come from
+"""LOSSY sparse decode replayed as CUDA graphs (executor/replay/sparse_step.py): a step's counts come from
 a device row, the selection has a fixed width, the sketch chunk and the quantisation block are
 rebuilt at device-held places. CPU: the rows against hand-computed figures, the buckets, the plan's
 replay rule. CUDA: the device-row selection against the test's own stable top-k, and whole runs:
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from kvpipe.executor import lossy_replay as lr
+from kvpipe.executor.replay import sparse_step as lr
 from kvpipe.pipeline.lossy import LossySpec
 from kvpipe.pipeline.plan import Method, PhasePlan, Plan
 
@@ -80,7 +80,7 @@ def _top(rank: torch.Tensor, prefix: int, h0: int, h1: int, room: int) -> torch.
 def test_device_row_selection_takes_exactly_the_top_tokens_for_every_step_of_a_bucket():
     """Fault caught: a kernel reading a stale host count (the capture's) instead of the row's, the
     output's row stride taken from n, or ties not broken to the lower index."""
-    from kvpipe.executor import sparse_triton
+    from kvpipe.executor.sparse import rank_triton as sparse_triton
     spec = LossySpec(sparse=0.2, sink=16, recent=64)
     g = torch.Generator().manual_seed(0)
     for units in (1, 3):
@@ -100,8 +100,8 @@ def test_device_row_selection_takes_exactly_the_top_tokens_for_every_step_of_a_b
 
 
 def _run(tiny_model, lossy, replay, resident=0, decode=140, layers=2):
-    from kvpipe.executor.adapter import HFAdapter
-    from kvpipe.executor.runner import execute
+    from kvpipe.executor.layers.adapter import HFAdapter
+    from kvpipe.executor.engine.runner import execute
     from kvpipe.pipeline.builder import build
     from kvpipe.pipeline.workload import Workload
     model = tiny_model("llama", kv_heads=2, q_heads=8, head_dim=64, layers=layers, dtype=torch.bfloat16, device="cuda",

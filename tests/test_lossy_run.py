@@ -1,5 +1,5 @@
 """`kvpipe run --lossy int8|int4` executes (LOSSY, opt-in): offloaded units stored, moved and read
-back quantised (executor/qstore.py), resident units exact. CPU, tiny random models built here.
+back quantised (executor/quant/store.py), resident units exact. CPU, tiny random models built here.
 The figures checked are of tiny random models: never an accuracy on real tasks."""
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ def _greedy_kl(tiny_model, bits):
     """Executor run of a tiny random model, exact vs lossy, same graph otherwise."""
     from dataclasses import replace
 
-    from kvpipe.executor.runner import execute
+    from kvpipe.executor.engine.runner import execute
     from kvpipe.pipeline.builder import build
     from kvpipe.pipeline.lossy import LossySpec
     from kvpipe.pipeline.model import from_hf_config
@@ -145,9 +145,9 @@ def _lossy_run(model, device, bits, resident, disk, kv_dir, hook=None, turns=Non
     import random
     from dataclasses import replace
 
-    from kvpipe.executor.adapter import HFAdapter
-    from kvpipe.executor.kvstore import DiskOptions
-    from kvpipe.executor.runner import execute
+    from kvpipe.executor.layers.adapter import HFAdapter
+    from kvpipe.executor.kv.store import DiskOptions
+    from kvpipe.executor.engine.runner import execute
     from kvpipe.pipeline.builder import build
     from kvpipe.pipeline.lossy import LossySpec
     from kvpipe.pipeline.plan import Method, PhasePlan, Plan

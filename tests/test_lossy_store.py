@@ -1,12 +1,12 @@
-"""The block records of executor/qstore.py (LOSSY storage of offloaded KV): one `group`-token block
+"""The block records of executor/quant/store.py (LOSSY storage of offloaded KV): one `group`-token block
 of K and V encoded on store, decoded after the fetch. The bounds are computed here in float64 from
-the data, independently of executor/quant.py."""
+the data, independently of executor/quant/quantize.py."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvpipe.executor.qstore import BlockCodec
+from kvpipe.executor.quant.store import BlockCodec
 
 
 @pytest.mark.parametrize("bits,group,dtype,vgroup", [(8, 64, torch.float32, None), (4, 32, torch.float32, None),
@@ -71,7 +71,7 @@ def _slot_case(bits: int, group: int, dtype: torch.dtype, device: str, heads: in
 
 
 def _assert_fused_equals_eager(bits, group, dtype, device, vgroup=None):
-    from kvpipe.executor.qstore import fused_decode
+    from kvpipe.executor.quant.store import fused_decode
     codec, rec, slot = _slot_case(bits, group, dtype, device, vgroup=vgroup)
     j0, j1 = 1, 5                                             # a group of rows inside the slot
     fused_decode()(codec, rec, slot, j0, j1)

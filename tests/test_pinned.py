@@ -1,4 +1,4 @@
-"""executor/pinned.py: torch-pinned KV homes (decode replay) carved out of power-of-two blocks,
+"""executor/kv/pinned.py: torch-pinned KV homes (decode replay) carved out of power-of-two blocks,
 so that torch's rounding of each pinned allocation to a power of two costs a few percent of the
 host tier, not up to twice it."""
 import pytest
@@ -6,8 +6,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpipe.executor.kvstore import KVLayout, KVStore
-from kvpipe.executor.pinned import ALIGN, HostArena, carve, pow2_ceil, release_cached_pinned
+from kvpipe.executor.kv.store import KVLayout, KVStore
+from kvpipe.executor.kv.pinned import ALIGN, HostArena, carve, pow2_ceil, release_cached_pinned
 from kvpipe.pipeline.builder import build
 from kvpipe.pipeline.memory import breakdown
 from kvpipe.pipeline.model import preset

@@ -1,4 +1,4 @@
-"""Group-wise int8/int4 quantisation (executor/quant.py) against a float64 reference written here,
+"""Group-wise int8/int4 quantisation (executor/quant/quantize.py) against a float64 reference written here,
 and its error on the synthetic needle set against exact float64 attention."""
 import math
 
@@ -7,7 +7,7 @@ import torch
 from hypothesis import example, given, strategies as st
 
 from kvpipe.analysis.needles import NeedleSpec, exact, make_case
-from kvpipe.executor.quant import dequantize, quantize
+from kvpipe.executor.quant.quantize import dequantize, quantize
 from kvpipe.pipeline.lossy import LossySpec
 
 
@@ -98,9 +98,9 @@ def needle_cases():
 def test_attention_output_error_on_the_needle_set_meets_the_target(needle_cases, quant, target):
     # Fault caught: a quantiser (or default grouping) whose error misses the issue's targets on the
     # synthetic needle set: mean relative error of the attention output over steps and heads.
-    # Quantised as the executor stores it (executor/qstore.py): whole blocks of `group` tokens, K
+    # Quantised as the executor stores it (executor/quant/store.py): whole blocks of `group` tokens, K
     # per channel, V per token; the last partial block stays exact.
-    from kvpipe.executor.qstore import BlockCodec
+    from kvpipe.executor.quant.store import BlockCodec
     spec = LossySpec(quant)
     errs = []
     for case, ref_out in needle_cases:

@@ -1,4 +1,4 @@
-"""The Triton dequantise of executor/quant_triton.py (LOSSY `--lossy int4|int8`, the sparse window's
+"""The Triton dequantise of executor/quant/dequant_triton.py (LOSSY `--lossy int4|int8`, the sparse window's
 and a replayed step's decode): its slot rows equal the eager `BlockCodec.decode` bit for bit (on
 CPU in Triton's interpreter, in a subprocess: TRITON_INTERPRET must be set before Triton is
 imported, and must not leak into this process's compiled kernels; on CUDA compiled, against the
@@ -14,8 +14,8 @@ import sys
 import pytest
 import torch
 
-from kvpipe.executor import quant_triton
-from kvpipe.executor.qstore import BlockCodec, fused_decode
+from kvpipe.executor.quant import dequant_triton as quant_triton
+from kvpipe.executor.quant.store import BlockCodec, fused_decode
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 SENTINEL = -3.0           # every slot value the decode must not write
@@ -69,7 +69,7 @@ _SCRIPT = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[3])
 from test_quant_triton import J0, J1, _inputs
-from kvpipe.executor import quant_triton
+from kvpipe.executor.quant import dequant_triton as quant_triton
 out = []
 for i, case in enumerate(eval(sys.argv[2])):
     codec, qslot, slot, count = _inputs(case, i)

@@ -1,4 +1,4 @@
-"""Graph replay of decode steps (executor/replay.py): the decode kernel reads its length on the
+"""Graph replay of decode steps (executor/replay/capture.py): the decode kernel reads its length on the
 device; a replayed run equals the same step code issued without a graph bit for bit, offloaded
 equals resident bit for bit under replay, and replay agrees with the eager path within bf16
 rounding. CPU tests cover the mode rules; the rest needs CUDA."""
@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpipe.executor.adapter import HFAdapter
-from kvpipe.executor.replay import BUCKET_TOKENS, bucket_len, resolve_mode
-from kvpipe.executor.runner import execute
+from kvpipe.executor.layers.adapter import HFAdapter
+from kvpipe.executor.replay.capture import BUCKET_TOKENS, bucket_len, resolve_mode
+from kvpipe.executor.engine.runner import execute
 from kvpipe.pipeline.builder import build
 from kvpipe.pipeline.plan import Method, PhasePlan, Plan
 from kvpipe.pipeline.workload import Workload
@@ -178,7 +178,7 @@ def test_decode_kernel_reads_its_length_on_the_device(g, r, d, cap, seed):
     """Fault caught: attend_decode attending keys past `lens` (poisoned with 1e4 here), reading a
     strided interleaved buffer wrongly, or a captured launch keeping the length it was captured
     with: one graph is replayed for three lengths, each checked against float64 attention."""
-    from kvpipe.executor.attention import attend_decode
+    from kvpipe.executor.layers.attention import attend_decode
     gen = torch.Generator().manual_seed(seed)
     kv = (torch.randn(1, g + 1, cap, 2, d, generator=gen)).to("cuda", torch.bfloat16)[:, 1:]  # a view, like a slot
     q = torch.randn(1, g * r, 1, d, generator=gen).to("cuda", torch.bfloat16)

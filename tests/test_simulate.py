@@ -231,7 +231,7 @@ def test_one_pass_schedule_is_not_used_where_it_would_differ():
 
 def test_a_replayed_sparse_score_lets_each_gather_start_after_its_first_piece():
     """Catches the simulator drifting from the executor's pipelined sparse replay
-    (executor/device_step.py `_score`: a layer's offloaded units ranked and selected PIPE_UNITS at
+    (executor/replay/device_step.py `_score`: a layer's offloaded units ranked and selected PIPE_UNITS at
     a time, each head's gather waiting for its own piece): a layer's kv_fetch that waits for the
     whole score stage (or for no part of it), one that ends before the last piece's heads could be
     gathered, eager decode (or sparse alone, over tokens) pipelined as well, or a piece count off. Expected times from the

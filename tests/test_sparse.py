@@ -1,4 +1,4 @@
-"""Chunk key summaries and sparse selection (executor/sparse.py): the summary bound is proved
+"""Chunk key summaries and sparse selection (executor/sparse/chunks.py): the summary bound is proved
 against exact rational arithmetic, the selection against the budget, sink and recent window."""
 from fractions import Fraction
 
@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from kvpipe.analysis.needles import NeedleSpec, exact, make_case
-from kvpipe.executor.sparse import (chunk_scores, even_bounds, pack_fine, select, select_refined,
+from kvpipe.executor.sparse.chunks import (chunk_scores, even_bounds, pack_fine, select, select_refined,
                                     shrunk_score, summarise, unpack_fine, upper_bound)
 
 

@@ -1,5 +1,5 @@
 """Sparse decode over int4 KV in the executor (LOSSY twice, `--sparse F --lossy int4`;
-executor/sparse_homes.py, qstore.py): a step selects whole quantised blocks, gathers their records,
+executor/sparse/homes.py, qstore.py): a step selects whole quantised blocks, gathers their records,
 dequantises only those, and attends them with the exact tail. CPU, tiny random models built here
 (no task accuracy); one GPU test of the zero-copy record gather."""
 from __future__ import annotations
@@ -11,12 +11,12 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from kvpipe.executor import sparse_sketch
-from kvpipe.executor.adapter import HFAdapter
-from kvpipe.executor.interpreter import Interpreter
-from kvpipe.executor.kvstore import KVLayout, KVStore
-from kvpipe.executor.lanes import Lanes
-from kvpipe.executor.runner import execute
+from kvpipe.executor.sparse import sketch as sparse_sketch
+from kvpipe.executor.layers.adapter import HFAdapter
+from kvpipe.executor.engine.interpreter import Interpreter
+from kvpipe.executor.kv.store import KVLayout, KVStore
+from kvpipe.executor.engine.lanes import Lanes
+from kvpipe.executor.engine.runner import execute
 from kvpipe.pipeline.builder import build
 from kvpipe.pipeline.lossy import LossySpec
 from kvpipe.pipeline.plan import Method, PhasePlan, Plan

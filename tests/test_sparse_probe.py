@@ -4,7 +4,7 @@ here. The probe reads the prefix in blocks of tokens (a whole unit in float64 is
 and ran a 24 GB run out of memory on the H200); the blocks must not change the figures."""
 import torch
 
-from kvpipe.executor import sparse_probe
+from kvpipe.executor.sparse import probe as sparse_probe
 
 
 def _reference(q, prefix, sel, scale):

@@ -1,4 +1,4 @@
-"""Sparse decode in the executor (LOSSY, `--sparse F`; executor/sparse_homes.py, sparse_sketch.py):
+"""Sparse decode in the executor (LOSSY, `--sparse F`; executor/sparse/homes.py, sparse_sketch.py):
 the step's offloaded heads attend exactly the tokens the selection named, resident heads their
 whole prefix; F = 1 is the exact run. CPU, tiny random models built here (no task accuracy)."""
 from __future__ import annotations
@@ -10,12 +10,12 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from kvpipe.executor import sparse_sketch
-from kvpipe.executor.adapter import HFAdapter
-from kvpipe.executor.interpreter import Interpreter
-from kvpipe.executor.kvstore import KVLayout, KVStore
-from kvpipe.executor.lanes import Lanes
-from kvpipe.executor.runner import execute
+from kvpipe.executor.sparse import sketch as sparse_sketch
+from kvpipe.executor.layers.adapter import HFAdapter
+from kvpipe.executor.engine.interpreter import Interpreter
+from kvpipe.executor.kv.store import KVLayout, KVStore
+from kvpipe.executor.engine.lanes import Lanes
+from kvpipe.executor.engine.runner import execute
 from kvpipe.pipeline.builder import build
 from kvpipe.pipeline.lossy import LossySpec
 from kvpipe.pipeline.stage import Phase

@@ -1,5 +1,5 @@
 """The fast ranking and selection of sparse decode (LOSSY, `--sparse F`): the Triton kernels of
-executor/sparse_triton.py against a float64 reference written here from the unpacked codes (on
+executor/sparse/rank_triton.py against a float64 reference written here from the unpacked codes (on
 CPU in Triton's interpreter, in a subprocess: TRITON_INTERPRET must be set before Triton is
 imported, and must not leak into this process's compiled kernels), the sort-free selection of
 executor/sparse_sketch.select against the top tokens the test ranks itself, and, on CUDA, the
@@ -16,8 +16,8 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from kvpipe.executor import sparse_sketch
-from kvpipe.executor.sparse_homes import SCORE_ENV, score_path
+from kvpipe.executor.sparse import sketch as sparse_sketch
+from kvpipe.executor.sparse.homes import SCORE_ENV, score_path
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -30,7 +30,8 @@ CASES = [(2, 4, 128, 3, 64, 2, 3.0, 0), (3, 3, 64, 5, 32, 4, 3.0, 1), (1, 8, 128
 
 _SCRIPT = r"""
 import sys, torch
-from kvpipe.executor import sparse_sketch, sparse_triton
+from kvpipe.executor.sparse import sketch as sparse_sketch
+from kvpipe.executor.sparse import rank_triton as sparse_triton
 out = []
 for U, G, D, C, chunk, bits, qscale, seed in eval(sys.argv[2]):
     g = torch.Generator().manual_seed(seed)
@@ -111,7 +112,7 @@ def test_triton_kernels_score_and_rank_as_the_float64_reference_in_the_interpret
 
 _SELECT_SCRIPT = r"""
 import sys, random, torch
-from kvpipe.executor import sparse_triton
+from kvpipe.executor.sparse import rank_triton as sparse_triton
 random.seed(0)
 g = torch.Generator().manual_seed(0)
 out = []
@@ -206,7 +207,7 @@ def test_triton_ranking_matches_the_torch_path_on_cuda():
     # the compiled selection kernels picking other tokens than sparse_sketch.select for the same
     # ranking, and a selection that then differs other than at near-ties of the threshold. 8 units x 32K
     # tokens, 2-bit codes, GQA 4, D 128, as one layer of Llama-3-8B shapes.
-    from kvpipe.executor import sparse_triton
+    from kvpipe.executor.sparse import rank_triton as sparse_triton
     dev = torch.device("cuda")
     if sparse_triton.unavailable(dev, 128, 2):
         pytest.skip(sparse_triton.unavailable(dev, 128, 2))
@@ -304,7 +305,9 @@ def test_the_score_fit_takes_device_time_where_every_row_has_it():
 
 _PIECES_SCRIPT = r"""
 import sys, torch
-from kvpipe.executor import lossy_replay, sparse_sketch, sparse_triton
+from kvpipe.executor.replay import sparse_step as lossy_replay
+from kvpipe.executor.sparse import sketch as sparse_sketch
+from kvpipe.executor.sparse import rank_triton as sparse_triton
 from kvpipe.pipeline.lossy import LossySpec
 g = torch.Generator().manual_seed(3)
 out = []

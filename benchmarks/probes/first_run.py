@@ -15,7 +15,7 @@ from kvpipe.api import default_alloc_conf
 default_alloc_conf()
 from kvpipe.pipeline.workload import Workload
 import torch
-import kvpipe.executor.session as session
+import kvpipe.executor.engine.session as session
 out = {}
 names = ["4k-g1-all-c2k", "16k-g1-all-c16k", "8k-g2-some-c2k", "16k-g8-none-c4k"]
 with Bench(MODEL, "cuda", GPU_BUDGET, 16384) as b:

@@ -8,8 +8,8 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kvpipe.executor.adapter import HFAdapter
-from kvpipe.executor.runner import execute
+from kvpipe.executor.layers.adapter import HFAdapter
+from kvpipe.executor.engine.runner import execute
 from kvpipe.pipeline.builder import build
 from kvpipe.pipeline.plan import Method, PhasePlan, Plan
 from kvpipe.pipeline.workload import Workload

@@ -2,7 +2,7 @@
 2-bit sketch: scores (unpack + einsum), group_share, select (stable sort); and candidate cheaper
 forms: bf16 bmm scores, topk selection, one compiled scores+share over the whole capacity."""
 import json, os, math, torch
-from kvpipe.executor import sparse_sketch as ss
+from kvpipe.executor.sparse import sketch as ss
 dev = "cuda"; B, U, G, D, S, chunk, bits = 1, 8, 4, 128, 131072, 64, 2
 C = S // chunk
 torch.manual_seed(0)

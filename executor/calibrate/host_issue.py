@@ -1,0 +1,170 @@
+"""Host issue cost and graph replay cost, probed on small runs where the host binds: a 2-layer
+model with Llama-3-8B layer shapes decodes under four plans (groups 1 and 8, all resident or none),
+whose GPU work per step is a fraction of a millisecond, so a step takes the host's time. Least
+squares of step seconds = a * stages + b * ops gives the per-stage and per-launch issue costs;
+the same runs replayed give the host's cost of one replayed step; a captured graph of tiny kernels
+gives the GPU cost of one graph node. `stage_costs` times every stage's own issue (`Span.host_s`)
+and each phase's host wall in prefill and eager decode, the record the profile's per-phase
+compute pair, copy pair and prefill gap are fitted from (pipeline/calibration.host_issue_fields).
+Used by `kvpipe calibrate`, benchmarks/sim_check.py (same-session probe), benchmarks/issue_cost.py
+and benchmarks/host_model_cpu.py."""
+from __future__ import annotations
+
+import statistics
+import sys
+
+import torch
+
+
+def step_counts(graph) -> tuple[float, float]:
+    """Stages and ops of one decode step (the mean over the graph's decode steps)."""
+    from kvpipe.pipeline.stage import Phase
+    dec = [s for s in graph.stages if s.phase is Phase.DECODE]
+    n = len({s.step for s in dec})
+    return len(dec) / n, sum(s.ops for s in dec) / n
+
+
+def run_plans(replay: str, log=lambda s: print(s, file=sys.stderr, flush=True)) -> list[dict]:
+    from kvpipe.executor.layers.adapter import HFAdapter
+    from kvpipe.executor.layers.loader import random_model
+    from kvpipe.executor.engine.runner import execute
+    from kvpipe.pipeline.builder import build
+    from kvpipe.pipeline.plan import Method, PhasePlan, Plan
+    from kvpipe.pipeline.report import timing_from_trace
+    from kvpipe.pipeline.stage import Phase
+    from kvpipe.pipeline.workload import Workload
+    cfg = dict(model_type="llama", vocab_size=1024, hidden_size=4096, intermediate_size=14336,
+               num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+               max_position_embeddings=8192, tie_word_embeddings=False)
+    model = random_model(cfg, "cuda", torch.bfloat16, 0)
+    spec = HFAdapter(model).spec()
+    work = Workload(1024, 16, 1)
+    ids = torch.randint(0, 1024, (1, 1024), generator=torch.Generator().manual_seed(0))
+    rows = []
+    for group, resident in ((1, spec.units), (8, spec.units), (1, 0), (8, 0)):
+        plan = Plan(Method.HEADWISE, PhasePlan(group, 1024, 2), PhasePlan(group, 1, 2), resident, 0)
+        graph = build(spec, work, plan)
+        execute(graph, model, ids, "cuda", replay=replay)   # warm
+        res = execute(graph, model, ids, "cuda", replay=replay)
+        t = timing_from_trace(res.trace)
+        stages, ops = step_counts(graph)
+        heads = [sp.host_s for sp in res.trace.spans
+                 if graph.stages[sp.stage].phase is Phase.DECODE and graph.stages[sp.stage].tag == "head"]
+        rows.append({"group": group, "resident": resident, "stages_per_step": stages, "ops_per_step": ops,
+                     "decode_s_per_token": t.decode_s_per_token, "decode_issue": res.decode_issue,
+                     "host_s_per_step": statistics.median(heads[1:]) if res.decode_issue == "graph" else None})
+        log(rows[-1])
+    return rows
+
+
+def fit(rows: list[dict]) -> tuple[float, float]:
+    """Least squares of t = a * stages + b * ops (2x2 normal equations)."""
+    xs = [(r["stages_per_step"], r["ops_per_step"], r["decode_s_per_token"]) for r in rows]
+    saa = sum(s * s for s, _, _ in xs); sab = sum(s * o for s, o, _ in xs); sbb = sum(o * o for _, o, _ in xs)
+    sat = sum(s * t for s, _, t in xs); sbt = sum(o * t for _, o, t in xs)
+    det = saa * sbb - sab * sab
+    return (sat * sbb - sbt * sab) / det, (saa * sbt - sab * sat) / det
+
+
+def graph_node_s(nodes: int = 2000) -> float:
+    x = torch.zeros(1, device="cuda")
+    for _ in range(3):
+        x.add_(1)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(nodes):
+            x.add_(1)
+    times = []
+    for _ in range(6):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / nodes)
+    return statistics.median(times[1:])
+
+
+# The stage-cost probe's model: Llama-3-8B layer shapes, 2 layers (few layers: its GPU work stays small).
+PROBE_CONFIG = dict(model_type="llama", vocab_size=1024, hidden_size=4096, intermediate_size=14336,
+                    num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                    tie_word_embeddings=False)
+# (KV heads per group, resident units as a fraction of all): the plans cover every stage kind.
+PROBE_PLANS = ((1, 1.0), (2, 0.5), (8, 0.0), (1, 0.0))
+
+
+def stage_costs(model, device: str, context: int = 2048, chunk: int = 512, decode: int = 8,
+                plans=PROBE_PLANS, replay: str = "off") -> dict:
+    """Host seconds the executor spends issuing each stage of `model` (an HF model on `device`):
+    per plan (group, resident fraction) one warm run, then one timed run whose `stage_hook` stamps
+    the host clock at each stage's issue (after its dependency waits). Returns the
+    `host_stage_costs` record: `per_kind`, the median `Span.host_s` per (phase, tag, kind, ops,
+    small_ops) group; `runs`, per plan the whole run's wall and summed host seconds and, per phase,
+    its host wall (first issue to the end of the last), its stages' summed host seconds and count;
+    `fits`, least squares of host_s = a + b * ops over each phase's stages (kept as before)."""
+    import time
+
+    from kvpipe.executor.layers.adapter import HFAdapter
+    from kvpipe.executor.engine.runner import execute
+    from kvpipe.pipeline.builder import build
+    from kvpipe.pipeline.plan import Method, PhasePlan, Plan
+    from kvpipe.pipeline.workload import Workload
+    spec = HFAdapter(model).spec()
+    work = Workload(context, decode, 1)
+    ids = torch.randint(0, spec.vocab, (1, context), generator=torch.Generator().manual_seed(0))
+    cuda = torch.device(device).type == "cuda"
+    per: dict[tuple, list[float]] = {}
+    runs = []
+    for group, frac in plans:
+        resident = round(spec.units * frac)
+        plan = Plan(Method.HEADWISE, PhasePlan(group, chunk, 2), PhasePlan(group, 1, 2), resident, 0)
+        graph = build(spec, work, plan)
+        execute(graph, model, ids, device, replay=replay)            # warm: kernels, plans, allocator
+        if cuda:
+            torch.cuda.synchronize()
+        stamps = [0.0] * len(graph.stages)
+
+        def hook(s, stamps=stamps) -> None:
+            stamps[s.id] = time.perf_counter()
+        t0 = time.perf_counter()
+        res = execute(graph, model, ids, device, stage_hook=hook, replay=replay)
+        wall = time.perf_counter() - t0
+        run = {"group": group, "resident": resident, "stages": len(graph.stages),
+               "ops": sum(st.ops for st in graph.stages), "wall_s": wall,
+               "host_s_sum": sum(sp.host_s for sp in res.trace.spans), "decode_issue": res.decode_issue}
+        for phase in ("prefill", "decode"):
+            ids_ = [sp for sp in res.trace.spans if graph.stages[sp.stage].phase.value == phase
+                    and (phase == "prefill" or res.decode_issue == "eager")]
+            if ids_:
+                first = min(stamps[sp.stage] for sp in ids_)
+                last = max(stamps[sp.stage] + sp.host_s for sp in ids_)
+                run[f"{phase}_wall_s"] = last - first
+                run[f"{phase}_host_s"] = sum(sp.host_s for sp in ids_)
+                run[f"{phase}_stages"] = len(ids_)
+                run[f"{phase}_ops"] = sum(graph.stages[sp.stage].ops for sp in ids_)
+                run[f"{phase}_steps"] = len({graph.stages[sp.stage].step for sp in ids_})
+            for sp in ids_:
+                st = graph.stages[sp.stage]
+                per.setdefault((phase, st.tag, st.kind.value, st.ops, st.small_ops), []).append(sp.host_s)
+        runs.append(run)
+    fits = {}
+    for phase in ("prefill", "decode"):
+        pts = [(k[3], h) for k, v in per.items() if k[0] == phase for h in v]
+        if len({o for o, _ in pts}) >= 2:
+            n = len(pts)
+            mx, my = sum(o for o, _ in pts) / n, sum(h for _, h in pts) / n
+            b = sum((o - mx) * (h - my) for o, h in pts) / sum((o - mx) ** 2 for o, _ in pts)
+            fits[phase] = {"per_stage_s": my - b * mx, "per_op_s": b, "points": n}
+    per_kind = [{"phase": k[0], "tag": k[1], "kind": k[2], "ops": k[3], "small_ops": k[4], "n": len(v),
+                 "median_s": statistics.median(v)} for k, v in sorted(per.items())]
+    return {"per_kind": per_kind, "fits": fits, "runs": runs, "context": context, "chunk": chunk,
+            "decode_tokens": decode, "device": str(device)}
+
+
+def probe_model(device: str = "cuda", layers: int = 2, **overrides):
+    """The probe's random bf16 model (PROBE_CONFIG with `layers` and any `overrides`) on `device`."""
+    from kvpipe.executor.layers.loader import random_model
+    cfg = dict(PROBE_CONFIG, num_hidden_layers=layers, **overrides)
+    cfg.setdefault("max_position_embeddings", 8192)
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return random_model(cfg, device, dtype, 0)

@@ -1,0 +1,162 @@
+"""Runs a stage graph for real: checks that the graph suits the model and the prompt, allocates
+every buffer the plan needs before the first token, lets the lane actors issue the stages, and
+returns the measured trace with the logits and greedy tokens."""
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvpipe.pipeline.stage import Graph, Lane, Phase, Stage
+from kvpipe.pipeline.trace import Trace
+
+from kvpipe.executor.layers.adapter import HFAdapter
+from kvpipe.executor.engine.interrupts import sigterm_raises
+from kvpipe.executor.engine.interpreter import Interpreter
+from kvpipe.executor.kv.store import DiskOptions, KVLayout, KVStore
+from kvpipe.executor.engine.lanes import HOST_LANES, Lanes
+from kvpipe.executor.replay.capture import DecodeReplay, ReplayInterpreter, lossy_blocker, resolve_mode
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What a run measured and produced. Tensors stay on the run's device.
+
+    `trace`: one span per stage, seconds from the run start (CUDA events on a GPU, the host clock
+    on CPU), `host_s` the host time spent issuing it. `last_logits` [B, vocab] fp32 of the last
+    step; `tokens` [B, decode steps + 1] greedy ids (the first from the prefill). `peak_gpu_bytes`
+    torch.cuda.max_memory_allocated over the run (0 on CPU); `host_pinned_bytes` the host KV tier
+    (pinned on CUDA). `moved_bytes[i]` bytes stage i copied over its lane (0 for compute).
+    `step_logits` [decode steps + 1, B, vocab] fp32, only when asked for. `disk_bytes` the size
+    of the disk tier's file (0 without disk units) and `disk` what its I/O did (DiskStats.to_json)."""
+
+    trace: Trace
+    last_logits: torch.Tensor
+    tokens: torch.Tensor
+    peak_gpu_bytes: int
+    host_pinned_bytes: int
+    moved_bytes: tuple[int, ...]
+    step_logits: torch.Tensor | None = None
+    decode_issue: str = "eager"   # "graph": decode steps replayed as CUDA graphs; "issue": the same
+                                  # step code without a graph; "eager": stage by stage
+    graphs: int = 0               # CUDA graphs captured
+    capture_s: float = 0.0        # host seconds spent capturing them (before the first decode step)
+    fused: bool = False           # decode steps ran the fused pieces (--fuse, executor/layers/fused.py)
+    compile_s: float = 0.0        # host seconds compiling them (before the first capture)
+    fuse_note: str | None = None  # why a fusing setting (auto) ran unfused, e.g. a failed compile
+    disk_bytes: int = 0
+    disk: dict | None = None
+    lossy_error: dict | None = None   # LOSSY runs: errors measured in the run (executor/quant/probe.py)
+    h2d_codec: dict | None = None     # h2d codec runs: what it stored (executor/codecs/h2d_store.py `stats`)
+    sparse_paths: dict | None = None  # LOSSY sparse runs: gather / ranking paths taken (SparseHomes.paths)
+    dequant_paths: dict | None = None  # LOSSY quantised runs: the dequantise calls by path (QuantHomes.paths)
+    replay_note: str | None = None     # why replay (auto) issued a sparse run's steps eagerly after all
+
+
+def decode_steps(graph: Graph) -> int:
+    """Decode steps in the graph; ValueError unless it is a whole run (prefill, steps 0..n-1)."""
+    phases = {s.phase for s in graph.stages}
+    if Phase.PREFILL not in phases:
+        raise ValueError("graph: has no prefill; the executor runs whole workloads "
+                         "(build(..., prefill=True))")
+    steps = sorted({s.step for s in graph.stages if s.phase is Phase.DECODE})
+    if steps != list(range(len(steps))):
+        raise ValueError(f"graph: decode steps must be 0..n-1, got {steps[:3]}..")
+    return len(steps)
+
+
+def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
+            device: str | torch.device | None = None, *, keep_logits: bool = False,
+            stage_hook: Callable[[Stage], None] | None = None, turns: random.Random | None = None,
+            replay: str = "off", disk: DiskOptions | None = None, fuse: str | None = None) -> RunResult:
+    """Run `graph` with `hf_model` (already on `device`, default: the model's) on `prompt_ids`
+    [B, context]. Greedy decoding; bitwise independent of where the KV cache lives.
+    `stage_hook(stage)` is called on the stage's lane (its stream current) after the stage's
+    dependency waits, outside its span: a progress bar, or a test delaying streams at random.
+    `turns` (seeded) randomises the lane actors' turn order (tests: many interleavings on CPU).
+    `replay` (auto|on|off, see executor/replay/capture.py): decode steps as CUDA-graph replays; `on`
+    raises a ValueError where that is not supported (CPU, fp32, batch > 1, disk units). `fuse`
+    (auto|on|off, None: pipeline/fusion.fuse_mode()): replayed decode steps with fused elementwise
+    work (executor/layers/fused.py); eager decode is never fused.
+    `disk` says where the disk units' file goes (default: the system temp dir); it is removed
+    when the run ends, however it ends."""
+    adapter = HFAdapter(hf_model)
+    device = adapter.device if device is None else torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if adapter.device != device:
+        raise ValueError(f"device: the model is on {adapter.device}, the run asks for {device}")
+    w = graph.workload
+    n_decode = decode_steps(graph)
+    adapter.check(graph.model, w.kv_capacity)
+    if tuple(prompt_ids.shape) != (w.batch, w.context):
+        raise ValueError(f"prompt_ids: shape {tuple(prompt_ids.shape)}, the workload needs "
+                         f"[batch, context] = [{w.batch}, {w.context}]")
+    cuda = device.type == "cuda"
+    with torch.inference_mode():
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        prompt = prompt_ids.to(device=device, dtype=torch.long)
+        # every column is written by a head stage (the prefill's column 0, decode step k's k + 1);
+        # empty, not zeros: a fill kernel here ran outside every stage (tests/test_diag.py's range check)
+        tokens = torch.empty(w.batch, n_decode + 1, dtype=torch.long, device=device)
+        step_logits = (torch.empty(n_decode + 1, w.batch, graph.model.vocab, device=device)
+                       if keep_logits else None)
+        issue = resolve_mode(replay, device, adapter.dtype, w.batch, adapter.head_dim) if n_decode else "eager"
+        why = graph.plan.replay_blocker or ("decode replay cannot run disk or CPU codec stages"
+                                            if any(s.lane in HOST_LANES for s in graph.stages) else None)
+        if issue != "eager" and why:
+            if replay != "auto":
+                raise ValueError(f"replay: {why}; use --replay off")
+            issue = "eager"
+        replayed = issue != "eager"
+        extra = {}
+        with sigterm_raises(), KVStore(KVLayout.of(graph), device, adapter.dtype, disk, replay=replayed) as store, \
+                Lanes(device, turns=turns) as lanes:
+            why = lossy_blocker(graph, store) if replayed else None   # LOSSY sparse: known once the store is open
+            if why and replay != "auto":
+                raise ValueError(f"replay: {why}; use --replay off")
+            if why:
+                replayed, extra = False, dict(replay_note=why)
+            if not replayed:
+                interp = Interpreter(graph, adapter, store, lanes, prompt, tokens, step_logits)
+                spans = lanes.run(graph, interp, before=stage_hook)
+            else:
+                interp = ReplayInterpreter(graph, adapter, store, lanes, prompt, tokens, step_logits, fuse=fuse)
+                spans, extra = _prefill_then_replay(graph, interp, lanes, tokens, step_logits, stage_hook,
+                                                    capture=issue == "graph")
+            peak = torch.cuda.max_memory_allocated(device) if cuda else 0
+            host, disk_bytes = store.host_bytes, store.disk_bytes
+            disk_stats = store.disk.stats.to_json() if store.disk is not None else None
+            codec_stats = store.coded.stats() if store.coded is not None else None
+            sparse_paths = store.sparse.paths() if store.sparse is not None else None
+            dequant_paths = store.q.paths() if store.q is not None else None
+    note = "measured with CUDA events" if cuda else "measured with the host clock (CPU, no overlap)"
+    if replayed:
+        note += (f"; decode steps issued as {'CUDA-graph replays' if issue == 'graph' else 'device steps'}: "
+                 "one span per step on its head stage, the step's other compute/h2d stages empty at its end")
+    trace = Trace(graph, "real", spans, note=note)
+    return RunResult(trace, interp.last_logits, tokens, peak, host, tuple(interp.moved), step_logits,
+                     disk_bytes=disk_bytes, disk=disk_stats, lossy_error=interp.lossy_error, h2d_codec=codec_stats,
+                     sparse_paths=sparse_paths, dequant_paths=dequant_paths, **extra)
+
+
+def _prefill_then_replay(graph: Graph, interp: ReplayInterpreter, lanes: Lanes, tokens: torch.Tensor,
+                         step_logits: torch.Tensor | None, hook, capture: bool) -> tuple[list, dict]:
+    """The prefill issued stage by stage, then every decode step replayed; spans from one base."""
+    m = next(i for i, s in enumerate(graph.stages) if s.phase is Phase.DECODE)
+    assert all(s.phase is Phase.DECODE for s in graph.stages[m:]), "prefill stages come first"
+    prefill = Graph(graph.model, graph.workload, graph.plan, graph.stages[:m], graph.static)
+    base = torch.cuda.Event(enable_timing=True)
+    base.record(lanes.streams[Lane.GPU])   # the lanes' own base mark follows at once on this stream
+    spans = lanes.run(prefill, interp, before=hook)
+    with DecodeReplay(graph, interp, lanes, tokens, step_logits, capture=capture) as rep:
+        spans = spans + rep.run(base, before=hook)
+        extra = dict(decode_issue="graph" if capture else "issue", graphs=len(rep.captured),
+                     capture_s=rep.capture_s, fused=interp.fused is not None, compile_s=rep.compile_s,
+                     fuse_note=interp.fuse_note)
+    assert [sp.stage for sp in spans] == list(range(len(graph.stages)))
+    return spans, extra
+

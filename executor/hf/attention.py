@@ -1,0 +1,77 @@
+"""kvpipe's attention as a transformers attention implementation, `kvpipe_headwise`, registered
+through transformers' public `AttentionInterface` and `AttentionMaskInterface`.
+
+HF's attention modules call `cache.update(k, v, layer)` and hand whatever it returns to the
+attention function as `key`/`value`. A kvpipe cache returns a `PendingKV` there (the layer's new
+K/V and the stream that holds the prefix), and `headwise_attention` attends head group by head
+group through that stream. Given plain tensors instead (no cache, or HF's own caches), it runs
+the same exact chunked attention over them: the last T keys are the chunk, the rest its prefix.
+No mask is ever materialised: attention is causal by construction, and `headwise_mask` refuses
+what it cannot express (padding, custom or packed masks) with a ValueError."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpipe.executor.layers.attention import attend_chunk
+from kvpipe.executor.hf.headstream import HeadStream
+
+IMPLEMENTATION = "kvpipe_headwise"
+
+
+@dataclass(frozen=True)
+class PendingKV:
+    """A layer's new K/V, kv [B, H, T, 2, D] (k roped), already written to `stream` at `layer`."""
+
+    stream: HeadStream
+    layer: int
+    kv: torch.Tensor
+
+
+def headwise_attention(module: torch.nn.Module, query: torch.Tensor, key, value, attention_mask,
+                       dropout: float = 0.0, scaling: float | None = None,
+                       sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """query [B, Hq, T, D] -> ([B, T, Hq, D], None), as transformers' attention functions return."""
+    if module.training or dropout:
+        raise ValueError(f"{IMPLEMENTATION}: inference only (dropout={dropout}, training={module.training})")
+    if attention_mask is not None:
+        raise ValueError(f"{IMPLEMENTATION}: attention_mask: a prepared mask was passed; only "
+                         "causal attention over un-padded sequences is supported")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if isinstance(key, PendingKV):
+        assert key is value, "update() returns the same PendingKV as key and value"
+        return key.stream.attend(key.layer, query, key.kv, scale), None
+    T, S = query.shape[2], key.shape[2]          # plain tensors: key, value [B, Hkv, S, D]
+    if sliding_window is not None and sliding_window < S:
+        raise ValueError(f"sliding_window: {sliding_window} < {S} keys; not supported")
+    if S < T:
+        raise ValueError(f"{IMPLEMENTATION}: {S} keys for {T} queries")
+    q = query.contiguous()
+    k, v = key.contiguous(), value.contiguous()
+    out = attend_chunk(q, k[:, :, :S - T], v[:, :, :S - T], k[:, :, S - T:], v[:, :, S - T:], scale)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def headwise_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
+                  mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs) -> None:
+    """The mask for `kvpipe_headwise`: none (causal is built in). Refuses padding and custom masks."""
+    from transformers.masking_utils import causal_mask_function
+
+    if mask_function is not None and mask_function is not causal_mask_function:
+        raise ValueError(f"{IMPLEMENTATION}: only the plain causal mask is supported (got a custom, "
+                         "packed or sliding-window mask function)")
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError(f"{IMPLEMENTATION}: attention_mask: padded sequences are not supported; "
+                         "pass un-padded prompts of one length")
+    return None
+
+
+def register() -> str:
+    """Register the implementation with transformers (idempotent); returns its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(IMPLEMENTATION, headwise_attention)
+    AttentionMaskInterface.register(IMPLEMENTATION, headwise_mask)
+    return IMPLEMENTATION

@@ -1,0 +1,386 @@
+"""The KV store: every (layer, KV head) unit's K/V in the tier `placement()` gave it (GPU, pinned
+host RAM or the disk file of `executor.disk.tier`), plus the ring of GPU transfer slots that offloaded
+head groups are fetched into, and for disk units the host staging they pass through.
+
+Layout, per layer, K and V interleaved per token so that one head's prefix is ONE contiguous
+copy per sequence (the builder's `ops = batch * heads`):
+  gpu[layer]   [B, n_res, S_cap, 2, D]  resident heads 0 .. n_res-1 (lowest indices first)
+  host[layer]  [B, n_host, S_cap, 2, D] host heads n_res .. n_res+n_host-1, pinned on CUDA
+  disk rows    one row per (layer, sequence, disk head), heads n_res+n_host .. H-1 (the top ones)
+  wstage[layer] [B, n_disk, W, 2, D]   new K/V of disk heads on their way to disk (W: chunk)
+  rstage[i]    [B, G_max, row]         disk heads' prefixes read for slot i (page-aligned rows)
+  slots[i]     [B, G_max, S_cap, 2, D]  group head j at slot row j
+Every buffer is allocated once (uninitialised: only written tokens are ever read), in `open()`,
+for the whole workload; `close()` frees it all.
+Copies are issued on the caller's current stream; ordering is the caller's business (the
+graph's deps)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpipe.pipeline.lossy import LossySpec
+from kvpipe.pipeline.plan import Tier, placement
+from kvpipe.pipeline.stage import Graph
+
+from kvpipe.executor.disk.tier import ALIGN, DiskFile, aligned_buffer, default_kv_dir
+from kvpipe.executor.disk.frames import FramedDiskFile
+from kvpipe.executor.kv.pinned import HostArena
+
+MAX_BLOCK = 1 << 20   # checksummed disk block: large enough for full-speed requests, small for the tail
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shapes of every KV buffer of one run. `resident[layer]` is the layer's count of GPU heads;
+    `capacity` tokens per sequence (S_cap); `slots` x `slot_heads` is the transfer ring;
+    `disk[layer]` the layer's count of disk heads (its top heads); `write_tokens` the most
+    tokens one step writes (the prefill chunk)."""
+
+    batch: int
+    kv_heads: int
+    head_dim: int
+    capacity: int
+    resident: tuple[int, ...]
+    slots: int
+    slot_heads: int
+    disk: tuple[int, ...] = ()
+    write_tokens: int = 1
+    disk_codec: str = "none"
+    quant_bits: int = 0        # LOSSY (--lossy): offloaded units stored quantised (executor/quant/store.py)
+    quant_group: int = 0
+    quant_vgroup: int = 0      # channels per V group (LossySpec.vgroup; the codec takes its gcd with head_dim)
+    h2d_codec: str = "none"    # lossless GPU codec of the h2d link: host units stored compressed (cstore.py)
+    sparse: LossySpec | None = None   # LOSSY (--sparse): the selection's GPU state (executor/sparse/homes.py)
+
+    def __post_init__(self) -> None:
+        for f in ("batch", "kv_heads", "head_dim", "capacity"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"{f}: must be positive, got {getattr(self, f)!r}")
+        if any(not 0 <= n <= self.kv_heads for n in self.resident):
+            raise ValueError(f"resident: counts must lie in 0..{self.kv_heads}, got {self.resident}")
+        if self.disk and (len(self.disk) != len(self.resident)
+                          or any(d < 0 or r + d > self.kv_heads for r, d in zip(self.resident, self.disk))):
+            raise ValueError(f"disk: counts must lie in 0..kv_heads - resident per layer, got {self.disk}")
+
+    @classmethod
+    def of(cls, graph: Graph) -> "KVLayout":
+        m, w, plan = graph.model, graph.workload, graph.plan
+        tiers = placement(m, plan)
+        count = lambda t, layer: sum(tiers[(layer, h)] is t for h in range(m.kv_heads))
+        resident = tuple(count(Tier.GPU, layer) for layer in range(m.layers))
+        disk = tuple(count(Tier.DISK, layer) for layer in range(m.layers))
+        for layer, (n, d) in enumerate(zip(resident, disk)):   # resident heads first, disk heads last
+            assert all(tiers[(layer, h)] is (Tier.GPU if h < n else Tier.DISK if h >= m.kv_heads - d
+                                             else Tier.HOST) for h in range(m.kv_heads))
+        phases = [plan.prefill] + ([plan.decode] if w.decode_tokens else [])
+        offloaded = any(n < m.kv_heads for n in resident)
+        codecs = {p.codec("disk") for p in phases}
+        if len(codecs) > 1:
+            raise ValueError(f"codec: the disk link needs one codec for both phases, got {sorted(codecs)}")
+        quant = plan.lossy.bits if plan.lossy is not None and plan.lossy.quant else 0
+        if quant and any(disk) and codecs != {"none"}:
+            raise ValueError("codec: a disk codec cannot run with lossy KV (its records go to disk as they are)")
+        h2d = plan.decode.codec("h2d") if offloaded else "none"   # Plan.check: one for both phases, host units only
+        return cls(w.batch, m.kv_heads, m.head_dim, w.kv_capacity, resident,
+                   max(p.depth for p in phases) if offloaded else 0, max(p.group for p in phases),
+                   disk, min(plan.prefill.chunk, w.context), codecs.pop() if any(disk) else "none",
+                   quant, plan.lossy.group if quant else 0, plan.lossy.vgroup if quant else 0, h2d,
+                   plan.lossy if plan.lossy is not None and plan.lossy.sparse is not None and offloaded else None)
+
+    @property
+    def layers(self) -> int:
+        return len(self.resident)
+
+    def unit_elems(self) -> int:
+        """Elements of one unit's K/V for the whole capacity, all sequences."""
+        return self.batch * self.capacity * 2 * self.head_dim
+
+    def n_disk(self, layer: int) -> int:
+        return self.disk[layer] if self.disk else 0
+
+    def first_disk(self, layer: int) -> int:
+        """Index of the layer's first disk head (kv_heads when it has none)."""
+        return self.kv_heads - self.n_disk(layer)
+
+
+@dataclass(frozen=True)
+class DiskOptions:
+    """Where and how the disk tier runs: the directory of its file, the checksummed block size
+    and the I/O threads (queue depth)."""
+
+    kv_dir: str | None = None          # None: the system temp dir
+    block_bytes: int | None = None     # None: the step's write, as a power of two in [ALIGN, 1 MiB]
+    threads: int = 8
+
+    def __post_init__(self) -> None:
+        if self.block_bytes is not None and (self.block_bytes <= 0 or self.block_bytes % ALIGN):
+            raise ValueError(f"block_bytes: must be a positive multiple of {ALIGN}, got {self.block_bytes}")
+        if self.threads <= 0:
+            raise ValueError(f"threads: must be positive, got {self.threads}")
+
+
+class KVStore:
+    """The KV buffers of one run on `device` in `dtype`; a context manager (allocates on enter)."""
+
+    def __init__(self, layout: KVLayout, device: torch.device, dtype: torch.dtype,
+                 disk: DiskOptions | None = None, replay: bool = False) -> None:
+        """`replay`: decode steps will be captured as CUDA graphs (the KV homes are then pinned
+        by torch's allocator, which graph capture requires; see pinned.HostArena)."""
+        self.layout, self.device, self.dtype = layout, torch.device(device), dtype
+        self.cuda = self.device.type == "cuda"
+        self.disk_opts = disk or DiskOptions()
+        self.gpu: list[torch.Tensor | None] = []
+        self.host: list[torch.Tensor | None] = []
+        self.slots: list[torch.Tensor] = []
+        self.disk: DiskFile | None = None
+        self.wstage: list[torch.Tensor | None] = []
+        self.rstage: torch.Tensor | None = None
+        self.cstage: torch.Tensor | None = None
+        self.row_base: list[int] = []
+        self.q = None   # LOSSY: the quantised homes (executor/quant/store.py) when layout.quant_bits
+        self.coded = None   # the compressed homes (executor/codecs/h2d_store.py) with an h2d codec
+        self.sparse = None   # LOSSY: the sparse selection's state (executor/sparse/homes.py) when layout.sparse
+        self.arena = HostArena(self.cuda, torch_pinned=replay)
+
+    # ---- lifetime ----------------------------------------------------------------------
+    def open(self) -> "KVStore":
+        lo = self.layout
+        B, S, D, H = lo.batch, lo.capacity, lo.head_dim, lo.kv_heads
+        gpu = dict(dtype=self.dtype, device=self.device)
+        self.gpu = [torch.empty(B, n, S, 2, D, **gpu) if n else None for n in lo.resident]
+        homed = [i for i, n in enumerate(lo.resident)
+                 if n + lo.n_disk(i) < H and not lo.quant_bits and lo.h2d_codec == "none"]
+        homes = self.arena.empties([(B, H - lo.resident[i] - lo.n_disk(i), S, 2, D) for i in homed], self.dtype)
+        self.host = [None] * lo.layers
+        for i, t in zip(homed, homes):   # one call: torch-pinned homes share power-of-two blocks
+            self.host[i] = t
+        self.slots = [torch.empty(B, lo.slot_heads, S, 2, D, **gpu) for _ in range(lo.slots)]
+        try:
+            if any(lo.disk):
+                self._open_disk()
+            if lo.quant_bits:
+                from kvpipe.executor.quant.store import QuantHomes
+                self.q = QuantHomes(self, lo.quant_bits, lo.quant_group, lo.quant_vgroup)
+            if lo.h2d_codec != "none":
+                from kvpipe.executor.codecs.h2d_store import CompressedHomes
+                self.coded = CompressedHomes(self, lo.h2d_codec)
+            if lo.sparse is not None:
+                from kvpipe.executor.sparse.homes import SparseHomes
+                self.sparse = SparseHomes(self, lo.sparse)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token of one unit (K and V)."""
+        return 2 * self.layout.head_dim * self.dtype.itemsize
+
+    @property
+    def row_stride(self) -> int:
+        return -(-self.layout.capacity * self.token_bytes // ALIGN) * ALIGN
+
+    def _open_disk(self) -> None:
+        lo, opts = self.layout, self.disk_opts
+        B, D, W = lo.batch, lo.head_dim, lo.write_tokens
+        self.row_base = [B * sum(lo.disk[:i]) for i in range(lo.layers)]
+        self.wstage = [self.arena.empty((B, d, W, 2, D), self.dtype) if d and not lo.quant_bits else None
+                       for d in lo.disk]
+        self.rstage = self.arena.bytes(lo.slots * B * lo.slot_heads * self.row_stride)
+        codec = None
+        if lo.disk_codec != "none":
+            from kvpipe.executor.codecs import load
+            codec = load(lo.disk_codec)
+            self.cstage = aligned_buffer(self.rstage.numel(), pin=False)   # stored frames, as read
+        wbytes = W * self.token_bytes
+        if lo.quant_bits:   # LOSSY: a step writes quantised records (executor/quant/store.py)
+            from kvpipe.executor.quant.store import BlockCodec
+            wbytes = max(1, W // lo.quant_group) * BlockCodec(lo.quant_bits, lo.quant_group, D, self.dtype,
+                                                              lo.quant_vgroup).record
+        block = opts.block_bytes or min(max(1 << (wbytes - 1).bit_length(), ALIGN), MAX_BLOCK)
+        args = (opts.kv_dir or default_kv_dir(), B * sum(lo.disk), lo.capacity * self.token_bytes, block,
+                opts.threads, self.cuda)
+        self.disk = DiskFile(*args) if codec is None else FramedDiskFile(*args, codec, self.dtype.itemsize)
+        self.disk.open()
+
+    def close(self) -> None:
+        try:
+            if self.cuda:
+                torch.cuda.synchronize(self.device)  # no copy may still read or write a buffer
+            if self.coded is not None:
+                self.coded.close()
+        finally:
+            if self.disk is not None:
+                self.disk.close()      # removes the file, whatever ended the run
+            self.arena.close()   # unregisters (CUDA) and drops the carved blocks
+        self.gpu, self.host, self.slots, self.wstage, self.rstage, self.cstage = [], [], [], [], None, None
+        self.q = self.coded = self.sparse = None
+
+    def __enter__(self) -> "KVStore":
+        return self.open()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def host_bytes(self) -> int:
+        """Host buffers of the run: the host KV tier and, with disk units, their staging and tails."""
+        bufs = [t for t in self.host + self.wstage if t is not None]
+        if self.rstage is not None:
+            bufs += [self.rstage, self.disk.tails] + ([self.cstage] if self.cstage is not None else [])
+        return (sum(t.numel() * t.element_size() for t in bufs) + (self.q.host_bytes if self.q else 0)
+                + (self.coded.host_bytes if self.coded else 0))
+
+    @property
+    def host_reserved_bytes(self) -> int:
+        """Host bytes the run's arena pinned or carved: its share of `host_bytes` plus the slack of
+        the power-of-two blocks that torch-pinned homes are carved from (pinned.carve); 0 where it
+        made plain allocations (CPU runs)."""
+        return self.arena.reserved_bytes
+
+    @property
+    def disk_bytes(self) -> int:
+        return self.disk.file_bytes if self.disk is not None else 0
+
+    @property
+    def gpu_bytes(self) -> int:
+        bufs = [t for t in self.gpu if t is not None] + self.slots
+        return sum(t.numel() * t.element_size() for t in bufs) + (self.sparse.gpu_bytes if self.sparse else 0)
+
+    def data_ptrs(self) -> tuple[int, ...]:
+        """Addresses of every buffer (a test checks they never change during a run)."""
+        bufs = [t for t in self.gpu + self.host if t is not None] + self.slots
+        return tuple(t.data_ptr() for t in bufs)
+
+    # ---- compute-side access -----------------------------------------------------------
+    def write_resident(self, layer: int, kv: torch.Tensor, start: int) -> None:
+        """New K/V of a step, kv [B, H, T, 2, D]: the resident heads' part goes to their GPU home."""
+        n, buf = self.layout.resident[layer], self.gpu[layer]
+        T = kv.shape[2]
+        assert kv.shape == (self.layout.batch, self.layout.kv_heads, T, 2, self.layout.head_dim), kv.shape
+        assert start + T <= self.layout.capacity, (start, T, self.layout.capacity)
+        if n:
+            buf[:, :, start:start + T].copy_(kv[:, :n])
+
+    def resident_prefix(self, layer: int, heads: tuple[int, ...], length: int) -> torch.Tensor:
+        """[B, G, P, 2, D] view of resident heads' first `length` tokens, in place."""
+        assert heads and heads[-1] < self.layout.resident[layer], (layer, heads)
+        assert heads == tuple(range(heads[0], heads[0] + len(heads))), heads
+        return self.gpu[layer][:, heads[0]:heads[-1] + 1, :length]
+
+    def slot_prefix(self, slot: int, size: int, length: int) -> torch.Tensor:
+        """[B, size, P, 2, D] view of a transfer slot holding a group of `size` heads."""
+        assert size <= self.layout.slot_heads, (size, self.layout.slot_heads)
+        return self.slots[slot][:, :size, :length]
+
+    def fill_resident(self, layer: int, heads: tuple[int, ...], slot: int, length: int) -> None:
+        """Mixed group: copy its resident heads' prefix into the slot (device to device)."""
+        n = self.layout.resident[layer]
+        res = [h for h in heads if h < n]
+        if res:
+            j0 = res[0] - heads[0]
+            self.slots[slot][:, j0:j0 + len(res), :length].copy_(self.gpu[layer][:, res[0]:res[-1] + 1, :length])
+
+    # ---- transfers (h2d / d2h lanes) ---------------------------------------------------
+    def fetch(self, layer: int, heads: tuple[int, ...], base: int, slot: int, length: int) -> int:
+        """Copy the prefix [0, length) of offloaded `heads` from pinned host into the slot, head h
+        at slot row h - base. One contiguous copy per (sequence, head); returns bytes moved."""
+        n, host, dst = self.layout.resident[layer], self.host[layer], self.slots[slot]
+        first_disk = self.layout.first_disk(layer)
+        assert heads and heads[0] >= n and length <= self.layout.capacity, (layer, heads, n, length)
+        moved = 0
+        for b in range(self.layout.batch):
+            for h in heads:
+                src = (host[b, h - n, :length] if h < first_disk     # [P, 2, D], contiguous
+                       else self._rstage_row(slot, b, h - base, length))
+                dst[b, h - base, :length].copy_(src, non_blocking=self.cuda)
+                moved += src.numel() * src.element_size()
+        return moved
+
+    def store(self, layer: int, heads: tuple[int, ...], kv: torch.Tensor, start: int) -> int:
+        """Copy the new K/V, kv [B, H, T, 2, D] (contiguous, on the GPU), of offloaded `heads` to
+        their pinned home at [start, start+T). One copy per (sequence, head); returns bytes."""
+        n, host = self.layout.resident[layer], self.host[layer]
+        first_disk = self.layout.first_disk(layer)
+        T = kv.shape[2]
+        assert heads and heads[0] >= n and start + T <= self.layout.capacity, (layer, heads, n, start, T)
+        assert kv.is_contiguous(), "new K/V must be contiguous for one copy per (sequence, head)"
+        moved = 0
+        for b in range(self.layout.batch):
+            for h in heads:
+                src = kv[b, h]  # [T, 2, D], contiguous
+                dst = (host[b, h - n, start:start + T] if h < first_disk
+                       else self.wstage[layer][b, h - first_disk, :T])   # staged for kv_write
+                dst.copy_(src, non_blocking=self.cuda)
+                moved += src.numel() * src.element_size()
+        return moved
+
+
+    # ---- disk lane -----------------------------------------------------------------------
+    def _rstage_row(self, slot: int, b: int, j: int, length: int) -> torch.Tensor:
+        """[P, 2, D] view of the read staging row of slot `slot`, sequence b, group row j."""
+        lo = self.layout
+        at = ((slot * lo.batch + b) * lo.slot_heads + j) * self.row_stride
+        return self.rstage[at:at + length * self.token_bytes].view(self.dtype).view(length, 2, lo.head_dim)
+
+    def _row(self, layer: int, b: int, h: int) -> int:
+        return self.row_base[layer] + b * self.layout.n_disk(layer) + h - self.layout.first_disk(layer)
+
+    def _read_items(self, layer, heads, base, slot, length):
+        """(row, staging bytes) of each disk head's prefix, and the rows' frame staging."""
+        assert heads and heads[0] >= self.layout.first_disk(layer), (layer, heads)
+        items, frames = [], []
+        for b in range(self.layout.batch):
+            for h in heads:
+                dst = self._rstage_row(slot, b, h - base, length).view(torch.uint8).reshape(-1)
+                items.append((self._row(layer, b, h), memoryview(dst.numpy())))
+                if self.cstage is not None:
+                    at = dst.data_ptr() - self.rstage.data_ptr()     # same place in the frame staging
+                    frames.append(memoryview(self.cstage[at:at + self.row_stride].numpy()))
+        return items, frames
+
+    def disk_read(self, layer: int, heads: tuple[int, ...], base: int, slot: int, length: int) -> int:
+        """Read the prefix [0, length) of disk `heads` into the read staging of `slot` (head h at
+        group row h - base), verifying every block (with a codec: their frames, for
+        `disk_decode`); returns bytes read from the file (raw: bytes delivered)."""
+        items, frames = self._read_items(layer, heads, base, slot, length)
+        if frames:
+            return self.disk.read(items, frames)
+        self.disk.read(items)
+        return sum(len(mv) for _, mv in items)
+
+    def disk_decode(self, layer: int, heads: tuple[int, ...], base: int, slot: int, length: int) -> int:
+        """Decode the frames `disk_read` fetched into the read staging of `slot`; returns raw bytes."""
+        items, frames = self._read_items(layer, heads, base, slot, length)
+        self.disk.decode(items, frames)
+        return sum(len(mv) for _, mv in items)
+
+    def disk_flush(self, layer: int, heads: tuple[int, ...]) -> int:
+        """Write the frames `disk_write` encoded (with a codec); returns bytes written."""
+        return self.disk.flush([self._row(layer, b, h) for b in range(self.layout.batch) for h in heads])
+
+    def disk_write(self, layer: int, heads: tuple[int, ...], start: int, tokens: int) -> int:
+        """Append the staged new K/V [start, start+tokens) of disk `heads` to their rows."""
+        fd = self.layout.first_disk(layer)
+        assert heads and heads[0] >= fd, (layer, heads)
+        items = []
+        for b in range(self.layout.batch):
+            for h in heads:
+                row = self._row(layer, b, h)
+                assert self.disk.fill[row] == start * self.token_bytes, (layer, h, start, self.disk.fill[row])
+                src = self.wstage[layer][b, h - fd, :tokens]
+                items.append((row, memoryview(src.view(torch.uint8).reshape(-1).numpy())))
+        self.disk.append(items)
+        return sum(len(mv) for _, mv in items)
+
+
+def k_of(buf: torch.Tensor) -> torch.Tensor:
+    """K of an interleaved [..., P, 2, D] buffer: a strided [..., P, D] view."""
+    return buf[..., 0, :]
+
+
+def v_of(buf: torch.Tensor) -> torch.Tensor:
+    return buf[..., 1, :]
