@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import kvpipe
     from kvpipe.executor.engine import lanes
-from kvpipe.executor.replay.capture import capture as replay
+    from kvpipe.executor.replay import capture as replay
     if not torch.cuda.is_available():
         print("replay_kernels: needs CUDA (it profiles CUDA-graph replays)", file=sys.stderr)
         return 2
