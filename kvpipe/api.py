@@ -418,10 +418,9 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
     if mode != replay:
         issue = resolve_mode(mode, dev, session.TORCH_DTYPES[spec.dtype], work.batch, spec.head_dim)
     sp = chosen.lossy
-    if sp is not None and sp.sparse is not None and (chosen.disk or sp.sketch is None
-                                                     or chosen.decode.codec("h2d") != "none"):
-        raise ValueError("sparse: kvpipe run executes --sparse over host-RAM units (the token sketch): "
-                         "not with disk units, an h2d codec or a plan with sketch null")
+    if sp is not None and sp.sparse is not None and (chosen.disk or chosen.decode.codec("h2d") != "none"):
+        raise ValueError("sparse: kvpipe run executes --sparse over host-RAM units: "
+                         "not with disk units or an h2d codec")
     choice = None
     if max_error is not None:   # LOSSY only from the explicit budget, by measured error
         from kvpipe.sim.lossy_choice import choose_lossy

@@ -1,7 +1,7 @@
 """Lossy options, opt-in and labelled: group-wise int8/int4 quantisation of offloaded KV and sparse
-decode (each step fetches a fraction of the offloaded tokens, chosen by chunk key summaries).
-This module holds the spec and the byte-size formulas the builder and the simulator use; the
-tensor code is in executor/quant/quantize.py, executor/sparse/chunks.py and executor/sparse/sketch.py; `kvpipe run`
+decode (each step fetches a fraction of the offloaded tokens, chosen by a low-bit key sketch on
+the GPU). This module holds the spec and the byte-size formulas the builder and the simulator use;
+the tensor code is in executor/quant/quantize.py and executor/sparse/sketch.py; `kvpipe run`
 executes quantisation (executor/quant/store.py: whole `group`-token blocks are stored quantised, the
 block still filling stays exact on the GPU), sparse decode by the token sketch
 (executor/sparse/homes.py), and both at once: then a step selects whole quantised blocks (a record
@@ -26,12 +26,6 @@ DEFAULT_GROUP = {"int8": 64, "int4": 32}
 # its command inside). Elsewhere the group.
 DEFAULT_VGROUP = {"int4": 64}
 META_BYTES = 2     # scale and zero-point (the group minimum) are float16 each
-FINE_CODE_BYTES = 1   # a fine summary's min/max: a uint8 code within its coarse chunk's range
-# Sparse refinement (executor/sparse/chunks.py select_refined) splits the coarse chunks holding the best
-# HOT_FACTOR x budget tokens; their fine summaries cross the link. Factors 2 to 4 lost faint needles
-# that the 64-token summaries ranked low (benchmarks/lossy_error.py: at 20%, hot 2 hit 84% and hot 4
-# 98.4% of the needles; 5, i.e. every chunk at 20%, hit all), see the JSON of 2026-11-30.
-HOT_FACTOR = 5
 SKETCH_BITS = (2, 4, 8)   # bits per key channel of the GPU token sketch (executor/sparse/sketch.py)
 # The score stage with the sketch on CUDA: the three Triton calls of executor/sparse_triton.rank,
 # then sparse_triton.select: the threshold by a radix select (2 zeroed buffers and a fill, then 4
@@ -68,15 +62,12 @@ BLOCK_RANK_OPS = 1          # the block ranking's calls: one logsumexp (or amax)
 class LossySpec:
     """`quant`: None, "int8" or "int4" (asymmetric min-max, one scale and zero-point per `group`
     elements). `sparse`: None or the fraction of each decode step's offloaded tokens fetched, in
-    (0, 1], chosen by key summaries (per-channel min/max) of `chunk`-token chunks, `sink` first
-    tokens and the `recent` last tokens always included; with `leaf`, the chunks holding the best
-    HOT_FACTOR x budget are refined into `leaf`-token chunks each step (executor/sparse/chunks.py select_refined),
-    whose summaries live in host RAM beside the KV and cross the link with it. `sketch` (default 2;
-    it supersedes `leaf`): bits per key channel of a token-level key sketch kept on the GPU beside
-    the chunk summaries (executor/sparse/sketch.py); each step scores every token from it and
-    fetches the best tokens, so nothing of the selection crosses the link. None: the chunk
-    selection above. `error` is a measured error to report (e.g. {"attn_rel_err": ...}), or None
-    where nothing was measured."""
+    (0, 1], `sink` first tokens and the `recent` last tokens always included. `sketch`: bits per
+    key channel of a token-level key sketch kept on the GPU within the per-channel min/max of
+    `chunk`-token chunks (executor/sparse/sketch.py); each step scores every token from it and
+    fetches the best tokens, so nothing of the selection crosses the link. `leaf` is read by no
+    code: it stays only as a field of the plan JSON. `error` is a measured error to report (e.g.
+    {"attn_rel_err": ...}), or None where nothing was measured."""
 
     quant: str | None = None
     group: int | None = None
@@ -86,7 +77,7 @@ class LossySpec:
     sink: int = 64
     recent: int = 256
     leaf: int | None = 8
-    sketch: int | None = 2
+    sketch: int = 2
     error: tuple[tuple[str, float], ...] | None = None
     basis: str | None = None     # why the planner picked it (--max-error: the budget, the measured
                                  # error and its source); None when the user opted in (--lossy)
@@ -106,8 +97,8 @@ class LossySpec:
                 raise ValueError(f"{f}: must be a positive even integer, got {v!r}")
         if self.leaf is not None and (not isinstance(self.leaf, int) or self.leaf <= 0 or self.chunk % self.leaf):
             raise ValueError(f"leaf: must divide chunk {self.chunk}, got {self.leaf!r}")
-        if self.sketch is not None and self.sketch not in SKETCH_BITS:
-            raise ValueError(f"sketch: bits must be one of {SKETCH_BITS} or None, got {self.sketch!r}")
+        if self.sketch not in SKETCH_BITS:
+            raise ValueError(f"sketch: bits must be one of {SKETCH_BITS}, got {self.sketch!r}")
         for f in ("sink", "recent"):
             v = getattr(self, f)
             if not isinstance(v, int) or v < 0:
@@ -116,14 +107,6 @@ class LossySpec:
             raise ValueError("lossy: a lossy spec needs quant or sparse (exact runs have no spec)")
         if self.basis is not None and not isinstance(self.basis, str):
             raise ValueError(f"basis: must be a sentence or None, got {self.basis!r}")
-
-    @property
-    def fine(self) -> int | None:
-        """Tokens of a refined chunk: `leaf`, but never below a quantisation group (a fetch moves
-        whole groups of tokens, so finer selection would not move fewer bytes)."""
-        if self.leaf is None or self.sketch is not None:
-            return None
-        return max(self.leaf, self.group) if self.quant else self.leaf
 
     @property
     def bits(self) -> int | None:
@@ -148,8 +131,8 @@ class LossySpec:
 
     @property
     def blocks(self) -> bool:
-        """Whether a sparse step selects whole quantised blocks (sparse with quant and the sketch)."""
-        return self.sparse is not None and self.quant is not None and self.sketch is not None
+        """Whether a sparse step selects whole quantised blocks (sparse with quant)."""
+        return self.sparse is not None and self.quant is not None
 
     def block_args(self, prefix: int) -> tuple[int, int, int, int, int]:
         """Sparse with quantisation: the selection over `group`-token blocks of a `prefix`-token
@@ -183,18 +166,17 @@ class LossySpec:
 
     def fetched_tokens(self, prefix: int) -> int:
         """Tokens of a `prefix`-token cache one sparse decode step fetches (all without `sparse`):
-        the budget ceil(sparse * prefix), never below sink + recent (with the sketch: the sink,
-        the recent window and the unsealed tail chunk, as executor/sparse/sketch.py forces them),
+        the budget ceil(sparse * prefix), never below the tokens every step fetches (the sink, the
+        recent window and the unsealed tail chunk, as executor/sparse/sketch.py forces them),
         never above the prefix. With quantisation (`blocks`): the tokens the step attends, its
         fetched blocks' and the exact tail's."""
         if self.sparse is None:
             return prefix
         if self.blocks:
             return self.fetched_blocks(prefix) * self.group + prefix % self.group
-        floor = self.sink + self.recent
-        if self.sketch is not None:   # the unsealed tail chunk has no sketch: fetched too
-            head, tail = min(self.sink, prefix), min(max(0, prefix - self.recent), prefix // self.chunk * self.chunk)
-            floor = head + prefix - max(head, tail)
+        # the unsealed tail chunk has no sketch: fetched too
+        head, tail = min(self.sink, prefix), min(max(0, prefix - self.recent), prefix // self.chunk * self.chunk)
+        floor = head + prefix - max(head, tail)
         return min(prefix, max(math.ceil(self.sparse * prefix), floor))
 
     def unit_bytes(self, tokens: int, head_dim: int, dtype_bytes: int) -> int:
@@ -217,8 +199,8 @@ class LossySpec:
 
     def sketch_bytes(self, prefix: int, head_dim: int, dtype_bytes: int) -> int:
         """The token sketch of one unit's summarised chunks (`sketch` bits a channel) plus the K of
-        its unsealed tail chunk, exact (kept on the GPU); 0 without the sketch."""
-        if self.sparse is None or self.sketch is None:
+        its unsealed tail chunk, exact (kept on the GPU); 0 without sparse decode."""
+        if self.sparse is None:
             return 0
         tokens = self.summary_chunks(prefix) * self.chunk
         return math.ceil(tokens * head_dim * self.sketch / 8) + self.chunk * head_dim * dtype_bytes
@@ -227,63 +209,49 @@ class LossySpec:
         """Everything the selection keeps on the GPU for one unit: chunk summaries and the sketch."""
         return self.coarse_summary_bytes(prefix, head_dim, dtype_bytes) + self.sketch_bytes(prefix, head_dim, dtype_bytes)
 
-    def fine_summary_bytes(self, prefix: int, head_dim: int, dtype_bytes: int) -> int:
-        """The same per `leaf`-token chunk, as one-byte codes within the coarse chunk's range
-        (executor/sparse/chunks.py pack_fine; kept in host RAM beside the KV)."""
-        if self.sparse is None or self.fine is None:
-            return 0
-        return math.ceil(prefix / self.fine) * 2 * head_dim * FINE_CODE_BYTES
-
     def fetch_bytes(self, prefix: int, head_dim: int, dtype_bytes: int) -> int:
         """Bytes one decode step moves for one unit with a `prefix`-token cache: the selected tokens
-        (quantised or not) plus the fine summaries of the hot chunks (HOT_FACTOR x the budget)."""
+        (quantised or not); nothing of the selection crosses the link."""
         if self.blocks:   # the selected blocks' records; the exact tail stays on the GPU
             return self.unit_bytes(self.fetched_blocks(prefix) * self.group, head_dim, dtype_bytes)
-        tokens = self.fetched_tokens(prefix)
-        fine = 0 if self.sparse is None or self.fine is None else \
-            self.fine_summary_bytes(min(prefix, HOT_FACTOR * tokens), head_dim, dtype_bytes)
-        return self.unit_bytes(tokens, head_dim, dtype_bytes) + fine
+        return self.unit_bytes(self.fetched_tokens(prefix), head_dim, dtype_bytes)
 
     def score_cost(self, prefix: int, q_heads: int, head_dim: int, dtype_bytes: int, units: int = 1) -> dict:
         """Cost inputs of one decode step's `score` stage over `units` (sequence, offloaded unit)
         pairs with `prefix`-token caches and `q_heads` query heads per unit: the stage's own
-        `flops`, `mem_bytes`, `ops` (issued calls), and, with the token sketch, `kv_bytes` (the
+        `flops`, `mem_bytes`, `ops` (issued calls), `kv_bytes` (the sketch's
         packed codes, streamed like a decode attention's K/V: pipeline/cost.py charges them at
         the profile's decode-attention rate plus its per-call term) and the selection's
         `small_ops`/`small_bytes` (pipeline/cost.small_seconds).
-        Sketch (executor/sparse/rank_triton.py, then sparse_sketch.select): the score kernel reads every
+        The score (executor/sparse/rank_triton.py, then sketch.select): its kernel reads every
         sealed token's codes once and its chunk's min/max, rebuilds k_hat (2 FLOPs a channel) and
         dots it with each query head (2 a channel and head), writing float32 scores that the share
         kernel reads back and turns into a float32 rank; the selection then makes
         SELECT_KERNELS passes over the rank, SELECT_BYTES_PER_TOKEN bytes a token (its topk and
-        prefix sums; see the constants). Nothing when the step ranks nothing (F = 1, or the
-        forced tokens fill the count). Chunk summaries (sketch None): every coarse summary plus
-        the fine summaries of the hot chunks (3 FLOPs per channel and bound)."""
-        summaries = math.ceil(prefix / self.chunk)
-        if self.sparse is not None and self.sketch is not None:
-            sealed = prefix // self.chunk * self.chunk
-            if self.blocks:   # the selection runs over blocks: after the ranking, a block rank
-                nb, sb, _, sink, recent = self.block_args(prefix)
-                n, head = self.fetched_blocks(prefix), min(sink, nb)
-                total, floor = nb, head + nb - max(head, min(max(0, nb - recent), sb))
-                extra_ops, extra_bytes, ranked = BLOCK_RANK_OPS, units * (sealed * 4 + 2 * sb * 4), sb
-            else:
-                n, total, ranked, extra_ops, extra_bytes = self.fetched_tokens(prefix), prefix, sealed, 0, 0
-                floor = min(self.sink, prefix) + prefix - max(min(self.sink, prefix),
-                                                               min(max(0, prefix - self.recent), sealed))
-            if n >= total or n <= floor:
-                return {"flops": 0, "mem_bytes": 0, "ops": 0}
-            codes = math.ceil(sealed * head_dim * self.sketch / 8)
-            return {"flops": units * (2 + 2 * q_heads) * head_dim * sealed,
-                    "mem_bytes": units * (codes + sealed // self.chunk * 2 * head_dim * dtype_bytes
-                                          + sealed * (2 * 4 * q_heads + 4)),
-                    "kv_bytes": units * codes, "ops": SCORE_CALLS + extra_ops,
-                    "small_ops": SELECT_KERNELS + extra_ops,
-                    "small_bytes": units * ranked * SELECT_BYTES_PER_TOKEN + extra_bytes}
-        if self.fine is not None:
-            summaries += math.ceil(min(prefix, HOT_FACTOR * self.fetched_tokens(prefix)) / self.fine)
-        return {"flops": units * 3 * 2 * head_dim * q_heads * summaries,
-                "mem_bytes": units * summaries * 2 * head_dim * dtype_bytes, "ops": 3}
+        prefix sums; see the constants). Nothing when the step ranks nothing (no sparse decode,
+        F = 1, or the forced tokens fill the count)."""
+        nothing = {"flops": 0, "mem_bytes": 0, "ops": 0}
+        if self.sparse is None:
+            return nothing
+        sealed = prefix // self.chunk * self.chunk
+        if self.blocks:   # the selection runs over blocks: after the ranking, a block rank
+            nb, sb, _, sink, recent = self.block_args(prefix)
+            n, head = self.fetched_blocks(prefix), min(sink, nb)
+            total, floor = nb, head + nb - max(head, min(max(0, nb - recent), sb))
+            extra_ops, extra_bytes, ranked = BLOCK_RANK_OPS, units * (sealed * 4 + 2 * sb * 4), sb
+        else:
+            n, total, ranked, extra_ops, extra_bytes = self.fetched_tokens(prefix), prefix, sealed, 0, 0
+            floor = min(self.sink, prefix) + prefix - max(min(self.sink, prefix),
+                                                           min(max(0, prefix - self.recent), sealed))
+        if n >= total or n <= floor:
+            return nothing
+        codes = math.ceil(sealed * head_dim * self.sketch / 8)
+        return {"flops": units * (2 + 2 * q_heads) * head_dim * sealed,
+                "mem_bytes": units * (codes + sealed // self.chunk * 2 * head_dim * dtype_bytes
+                                      + sealed * (2 * 4 * q_heads + 4)),
+                "kv_bytes": units * codes, "ops": SCORE_CALLS + extra_ops,
+                "small_ops": SELECT_KERNELS + extra_ops,
+                "small_bytes": units * ranked * SELECT_BYTES_PER_TOKEN + extra_bytes}
 
     def describe(self) -> str:
         parts = []
@@ -293,8 +261,7 @@ class LossySpec:
         if self.sparse is not None:
             parts.append(f"sparse decode {self.sparse:.0%} of tokens (chunks {self.chunk}"
                          + (f", whole {self.group}-token blocks by {BLOCK_RANK} of token shares" if self.blocks else "")
-                         + (f", {self.sketch}-bit token sketch" if self.sketch else "")
-                         + (f" refined to {self.fine}" if self.fine else "")
+                         + f", {self.sketch}-bit token sketch"
                          + f", sink {self.sink}, recent {self.recent})")
         if self.basis:
             parts.append(self.basis)
@@ -317,6 +284,8 @@ class LossySpec:
             return None
         keep = {k: obj[k] for k in ("quant", "group", "vgroup", "sparse", "chunk", "sink", "recent", "leaf", "sketch",
                                     "basis")
-                if k in obj and (obj[k] is not None or k in ("leaf", "sketch"))}
+                # a null sketch on a sparse plan is passed on, so the spec refuses it by name
+                if k in obj and (obj[k] is not None or k == "leaf"
+                                 or (k == "sketch" and obj.get("sparse") is not None))}
         err = obj.get("measured_error")
         return cls(**keep, error=tuple(sorted(err.items())) if err else None)

@@ -159,11 +159,10 @@ def breakdown(m: ModelSpec, work: Workload, plan: Plan) -> MemoryBreakdown:
     if work.decode_tokens:
         act = max(act, step_act_bytes(m, work.batch, 1, plan.decode.group, True))
     gpu_kv, home = count[Tier.GPU] * unit, unit
-    if plan.lossy is not None:   # LOSSY: offloaded homes hold quantised KV and fine key summaries,
-        cap = work.kv_capacity   # the GPU the coarse summaries of every offloaded unit
+    if plan.lossy is not None:   # LOSSY: offloaded homes hold the KV as stored (quantised or not),
+        cap = work.kv_capacity   # the GPU the sparse selection's summaries and sketch of every offloaded unit
         off = count[Tier.HOST] + count[Tier.DISK]
-        home = work.batch * (plan.lossy.unit_bytes(cap, m.head_dim, m.dtype_bytes)
-                             + plan.lossy.fine_summary_bytes(cap, m.head_dim, m.dtype_bytes))
+        home = work.batch * plan.lossy.unit_bytes(cap, m.head_dim, m.dtype_bytes)
         gpu_kv += off * work.batch * plan.lossy.gpu_summary_bytes(cap, m.head_dim, m.dtype_bytes)
     if slots and plan.decode.codec("h2d") != "none":   # GPU codec on h2d: executor/codecs/h2d_store.py's buffers
         slots += h2d_codec_bytes(m, work, plan, count[Tier.HOST])

@@ -88,9 +88,8 @@ class Plan:
         or steps whose forced tokens fill their budget) and then issues the steps eagerly."""
         if self.disk:
             return f"decode replay cannot run disk units (this plan has {self.disk})"
-        if self.lossy is not None and (self.lossy.sparse is None or self.lossy.sketch is None):
-            return ("decode replay cannot run quantised KV without --sparse" if self.lossy.sparse is None
-                    else "decode replay cannot run the chunk-summary selection (sketch null)")
+        if self.lossy is not None and self.lossy.sparse is None:
+            return "decode replay cannot run quantised KV without --sparse"
         if self.decode.codec("h2d") != "none":
             return f"decode replay cannot run an h2d codec ({self.decode.codec('h2d')})"
         return None

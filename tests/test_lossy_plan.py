@@ -30,12 +30,24 @@ def _plan(lossy=None, resident=0, group=8, chunk=2048):
 @pytest.mark.parametrize("kw,field", [({"quant": "int3"}, "lossy"), ({"sparse": 0.0}, "sparse"),
                                       ({"sparse": 1.5}, "sparse"), ({"quant": "int8", "group": 3}, "group"),
                                       ({"sparse": 0.2, "leaf": 7}, "leaf"), ({}, "lossy"),
-                                      ({"sparse": 0.2, "sink": -1}, "sink")])
+                                      ({"sparse": 0.2, "sink": -1}, "sink"),
+                                      ({"sparse": 0.2, "sketch": None}, "sketch")])
 def test_bad_specs_raise_naming_the_field(kw, field):
     # Fault caught: a spec that silently accepts nonsense (int3, fractions outside (0, 1], a leaf
-    # that does not nest in the chunk) or an empty "lossy" spec that is in fact exact.
+    # that does not nest in the chunk, a sparse selection without the sketch the executor runs) or
+    # an empty "lossy" spec that is in fact exact.
     with pytest.raises(ValueError, match=field):
         LossySpec(**kw)
+
+
+def test_a_plan_file_with_a_null_sketch_is_refused_and_a_non_sparse_one_reads_back():
+    # Fault caught: from_json dropping a sparse plan's null sketch (a file that asked for a
+    # selection the executor cannot run would silently run the sketch), or refusing the null
+    # sketch that every non-sparse spec writes.
+    with pytest.raises(ValueError, match="sketch"):
+        LossySpec.from_json({"quant": None, "sparse": 0.2, "sketch": None})
+    spec = LossySpec("int4")
+    assert LossySpec.from_json(json.loads(json.dumps(spec.to_json()))).to_json() == spec.to_json()
 
 
 def test_byte_formulas_by_hand():
@@ -74,10 +86,6 @@ def test_byte_formulas_by_hand():
     assert cost["small_bytes"] == 3 * n * SELECT_BYTES_PER_TOKEN and cost["small_ops"] == SELECT_KERNELS
     # F = 1 ranks nothing (every token is fetched in order): no cost
     assert LossySpec(sparse=1.0).score_cost(n, 4, 128, 2)["mem_bytes"] == 0
-    # sketch=None: + fine summaries of the hot 5 x 20% (HOT_FACTOR: all), 8-token chunks, min and
-    # max of 128 channels at one byte each
-    s = LossySpec(sparse=0.2, sketch=None)
-    assert s.fetch_bytes(n, 128, 2) == math.ceil(0.2 * n) * 512 + math.ceil(n / 8) * 256
 
 
 def test_exact_plans_have_no_lossy_stages_and_lossy_ones_label_themselves():
@@ -140,12 +148,6 @@ def test_memory_counts_quantised_homes_and_summaries():
     # chunks' min/max and a 64-token tail chunk's K
     assert q.host_kv == units * spec.unit_bytes(cap, 128, 2)
     assert q.gpu_kv - e.gpu_kv == units * (1025 * 64 * 32 + 1025 * 2 * 128 * 2 + 64 * 128 * 2)
-    # sketch=None, fine summaries: one per int4 group of 32 tokens (not 8: a fetch moves whole
-    # groups), 1-byte codes, in host RAM
-    old = breakdown(M, w, _plan(LossySpec("int4", sparse=0.2, sketch=None)))
-    assert old.host_kv == units * (spec.unit_bytes(cap, 128, 2) + math.ceil(cap / 32) * 2 * 128)
-    assert old.gpu_kv - e.gpu_kv == units * math.ceil(cap / 64) * 2 * 128 * 2
-    assert old.host_kv < 0.33 * e.host_kv          # 0.3125 int4 + 1/64 fine summaries
 
 
 def test_simulated_decode_gets_faster_with_fewer_bytes_on_a_pcie_bound_plan():

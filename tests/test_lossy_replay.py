@@ -63,7 +63,6 @@ def test_the_plan_replays_sparse_decode_and_not_quantised_decode_alone():
     plan = lambda lossy: Plan(Method.HEADWISE, PhasePlan(8, 4096), PhasePlan(8, 1), 0, lossy=lossy)  # noqa: E731
     assert plan(SPARSE).replay_blocker is None and plan(SPARSE_INT4).replay_blocker is None
     assert "without --sparse" in plan(LossySpec("int4")).replay_blocker
-    assert "sketch null" in plan(LossySpec(sparse=0.2, sketch=None)).replay_blocker
 
 
 # ---- CUDA ----------------------------------------------------------------------------------------

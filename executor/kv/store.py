@@ -93,10 +93,6 @@ class KVLayout:
     def layers(self) -> int:
         return len(self.resident)
 
-    def unit_elems(self) -> int:
-        """Elements of one unit's K/V for the whole capacity, all sequences."""
-        return self.batch * self.capacity * 2 * self.head_dim
-
     def n_disk(self, layer: int) -> int:
         return self.disk[layer] if self.disk else 0
 

@@ -101,8 +101,8 @@ class SparseHomes:
 
     def __init__(self, store, spec: LossySpec) -> None:
         lo = store.layout
-        if spec.sparse is None or spec.sketch is None:
-            raise ValueError("sparse: the executor runs the token-sketch selection only (sketch bits, not None)")
+        if spec.sparse is None:
+            raise ValueError("sparse: SparseHomes needs a spec with sparse decode")
         if lo.quant_bits and spec.chunk % lo.quant_group:
             raise ValueError(f"sparse: with --lossy the quantisation group ({lo.quant_group} tokens) must divide "
                              f"the sketch's chunk ({spec.chunk} tokens)")

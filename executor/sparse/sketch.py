@@ -1,6 +1,6 @@
 """Token-level sparse selection by a low-bit key sketch (LOSSY, `--sparse F`): every key of an
 offloaded unit is kept on the GPU as `bits`-bit codes (default 2) within its 64-token chunk's
-per-channel [min, max] (the chunk summary of executor/sparse/chunks.py, also on the GPU), so no per-token
+per-channel [min, max] (the chunk summary, also on the GPU), so no per-token
 scale is stored: a sketch costs D * bits / 8 bytes a token, 1/16 of the exact K+V at 2 bits (bf16),
 plus the chunk summaries' 1/64. A decode step scores EVERY sealed token of the unit from its sketch
 (the key rebuilt at its cell's centre) for the step's query group, ranks tokens by their estimated
