@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvpipe.executor.layers.attention import attend_chunk, attend_part
-from kvpipe.executor.calibrate.machine import cuda_median_s
+from kvpipe.executor.calibrate.timing import cuda_median_s
 
 S, D, HQ, HKV = 131072, 128, 32, 8
 FLOPS = 4 * D * HQ * S * S / 2

@@ -58,7 +58,7 @@ def halves_decode(codec, rec: torch.Tensor, out: torch.Tensor) -> None:
 
 def eager_decode(codec, qslot: torch.Tensor, slot: torch.Tensor, heads: int) -> None:
     """QuantHomes._decode's eager passes (BlockCodec.decode in passes of DECODE_VALUES)."""
-    from kvpipe.executor.quant.store import DECODE_VALUES
+    from kvpipe.executor.quant.dequant import DECODE_VALUES
     nb, g = qslot.shape[2] // codec.record, codec.group
     rec = qslot.view(1, heads, nb, codec.record)
     out = slot[:, :, :nb * g].view(1, heads, nb, g, 2, codec.D)
@@ -122,7 +122,7 @@ def measure(name: str, fn, slot: torch.Tensor, ref: torch.Tensor, tokens: int, m
         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         return row
     if dev.type == "cuda":
-        from kvpipe.executor.calibrate.machine import graph_median_s
+        from kvpipe.executor.calibrate.timing import graph_median_s
         try:
             row["graph_s"] = graph_median_s(fn, reps)
         except Exception as e:   # e.g. a capture the compiled call does not allow: event_s stands
@@ -137,7 +137,7 @@ def measure(name: str, fn, slot: torch.Tensor, ref: torch.Tensor, tokens: int, m
 def codec_rows(bits: int, group: int, vgroup: int | None, capacity: int, fraction: float, reps: int,
                rates: dict, dev: torch.device) -> tuple[dict, list[dict]]:
     """The rows of one codec (module docstring), and its shapes."""
-    from kvpipe.executor.quant.store import BlockCodec, fused_decode, slot_decode
+    from kvpipe.executor.quant.blocks import BlockCodec, fused_decode, slot_decode
     from kvpipe.pipeline.lossy import LossySpec
     quant = {4: "int4", 8: "int8"}[bits]
     spec = LossySpec(quant, group=group, vgroup=vgroup, sparse=fraction)

@@ -119,7 +119,7 @@ def blocks(quant: str, group: int | None = None, v_per_channel: bool = False, v_
 def block_kv(k: torch.Tensor, v: torch.Tensor, spec: LossySpec, v_per_channel: bool = False,
              v_group: int | None = None):
     """k, v [S, D] -> the K/V a lossy run reads back (full blocks dequantised, tail exact)."""
-    from kvpipe.executor.quant.store import BlockCodec
+    from kvpipe.executor.quant.blocks import BlockCodec
     S, D = k.shape
     g = spec.group
     nb = S // g

@@ -258,7 +258,8 @@ def dequant_rate(device: torch.device, bits: int, group: int, tokens: int, fused
     """Seconds (median of `reps` after a warm-up, CUDA events on CUDA) to dequantise one layer's
     `heads` x `tokens` KV from a byte slot into the exact slot as the executor does, and the rates:
     exact bytes written per second, and read + written bytes per second."""
-    from kvpipe.executor.quant.store import DECODE_VALUES, BlockCodec, fused_decode
+    from kvpipe.executor.quant.blocks import BlockCodec, fused_decode
+    from kvpipe.executor.quant.dequant import DECODE_VALUES
     from kvpipe.pipeline.lossy import DEFAULT_VGROUP
     codec = BlockCodec(bits, group, D, torch.bfloat16, DEFAULT_VGROUP.get({8: "int8", 4: "int4"}[bits]))
     nb = tokens // group

@@ -224,7 +224,7 @@ def measure(out: Path, names: list[str], decode: int, warm_row: str | None = Non
            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "gpu_budget": GPU_BUDGET,
            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "rows": {}}
     t_start = time.perf_counter()
-    from kvpipe.executor.calibrate.machine import hbm, small_kernels
+    from kvpipe.executor.calibrate.gpu import hbm, small_kernels
     from kvpipe.pipeline.calibration import Calibration
     cal = Calibration("session", "sim_check", "sim_check")
     hbm(cal)
@@ -236,7 +236,7 @@ def measure(out: Path, names: list[str], decode: int, warm_row: str | None = Non
                           "inventory": cal.extra["small_kernels"]}
     res["calibration"]["host_stage_costs"] = host_probe()
     if torch.cuda.get_device_capability() >= (9, 0):   # cuDNN prefill attention: its plan build is host time too
-        from kvpipe.executor.calibrate.machine import attention_plan
+        from kvpipe.executor.calibrate.attention import attention_plan
         attention_plan(cal)
         res["calibration"]["attention_plan_s"] = cal.values["gpu.attention_plan_s"]
         res["calibration"]["attention_plan_points"] = cal.extra["attention_plan_points"]

@@ -71,7 +71,7 @@ def graph_timed(fn, reps: int, dev: torch.device) -> float | None:
     issued call). None off CUDA or where the capture fails."""
     if dev.type != "cuda":
         return None
-    from kvpipe.executor.calibrate.machine import graph_median_s
+    from kvpipe.executor.calibrate.timing import graph_median_s
     try:
         return graph_median_s(fn, reps)
     except RuntimeError:

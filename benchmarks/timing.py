@@ -10,7 +10,7 @@ def median_seconds(fn, reps: int, device: torch.device) -> float:
     calibrate's (executor/calibrate.cuda_median_s on CUDA, executor/codec_probe.perf_timer on the
     host clock elsewhere), so benchmarks and profiles time alike."""
     if device.type == "cuda":
-        from kvpipe.executor.calibrate.machine import cuda_median_s
+        from kvpipe.executor.calibrate.timing import cuda_median_s
         return cuda_median_s(fn, reps, warmups=0)
     from kvpipe.executor.calibrate.codecs import perf_timer
     return perf_timer(fn, reps, warmups=0)

@@ -22,7 +22,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvpipe.executor.layers.adapter import HFAdapter
 from kvpipe.executor.hf.headstream import HeadStream
 from kvpipe.executor.hf.attention import IMPLEMENTATION, PendingKV, register
-from kvpipe.executor.kv.store import KVLayout
+from kvpipe.executor.kv.layout import KVLayout
 from kvpipe.pipeline.memory import allocator_allowance, breakdown, gpu_usable
 from kvpipe.pipeline.model import ModelSpec
 from kvpipe.pipeline.plan import Method, Plan, Tier, placement

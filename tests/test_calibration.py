@@ -158,7 +158,9 @@ def test_calibrate_decode_attention_and_copy_series_on_the_gpu():
     # (its K/V bytes must be G * L * 2 * D * 2 by hand, and a call over 4x the keys must not be
     # faster), or the back-to-back copy series reporting more per copy than an isolated copy.
     torch = pytest.importorskip("torch")
-    from kvpipe.executor.calibrate.machine import MiB, copy_series, cuda_median_s, decode_attention_point
+    from kvpipe.executor.calibrate.attention import decode_attention_point
+    from kvpipe.executor.calibrate.links import copy_series
+    from kvpipe.executor.calibrate.timing import MiB, cuda_median_s
     b1, t1, calls = decode_attention_point(1, 8192)
     b4, t4, _ = decode_attention_point(1, 32768)
     assert b1 == 1 * 8192 * 2 * 128 * 2 and calls >= 32 and 0 < t1 <= t4 * 1.05

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from kvpipe.executor.layers.adapter import HFAdapter
 from kvpipe.executor.codecs import IMPLEMENTATIONS, load
 from kvpipe.executor.disk.tier import DiskError
-from kvpipe.executor.kv.store import DiskOptions
+from kvpipe.executor.kv.layout import DiskOptions
 from kvpipe.executor.engine.runner import execute
 from kvpipe.hw_profiles import load_profile
 from kvpipe.pipeline.builder import build

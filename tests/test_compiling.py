@@ -7,7 +7,7 @@ import torch._inductor.config as inductor_config
 from benchmarks.measure import child_pids
 from kvpipe.executor.engine import compiling
 from kvpipe.executor.layers import fused
-from kvpipe.executor.quant import store as qstore
+from kvpipe.executor.quant import blocks
 
 
 @pytest.fixture
@@ -17,11 +17,11 @@ def pool_default(monkeypatch):
     old = inductor_config.compile_threads   # a ConfigModule: monkeypatch's undo would delete the entry
     inductor_config.compile_threads = 16
     fused.compiled.cache_clear()
-    qstore.compiled_records.cache_clear()
+    blocks.compiled_records.cache_clear()
     yield
     inductor_config.compile_threads = old
     fused.compiled.cache_clear()
-    qstore.compiled_records.cache_clear()
+    blocks.compiled_records.cache_clear()
 
 
 def test_fused_pieces_compile_in_process(pool_default):
@@ -31,8 +31,8 @@ def test_fused_pieces_compile_in_process(pool_default):
 
 
 def test_dequantise_compiles_in_process(pool_default):
-    """Catches: qstore.compiled_records calling torch.compile directly."""
-    qstore.compiled_records()
+    """Catches: blocks.compiled_records calling torch.compile directly."""
+    blocks.compiled_records()
     assert inductor_config.compile_threads == 1
 
 

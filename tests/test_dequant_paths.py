@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from kvpipe.executor.layers.adapter import HFAdapter
-from kvpipe.executor.kv.store import KVLayout, KVStore
-from kvpipe.executor.quant.store import BlockCodec, fused_decode
+from kvpipe.executor.kv.layout import KVLayout
+from kvpipe.executor.kv.store import KVStore
+from kvpipe.executor.quant.blocks import BlockCodec, fused_decode
 from kvpipe.executor.engine.runner import execute
 from kvpipe.pipeline.builder import build
 from kvpipe.pipeline.lossy import LossySpec

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from kvpipe.executor.layers.adapter import HFAdapter
 from kvpipe.executor.disk.tier import ALIGN, DiskError, DiskFile, aligned_buffer
-from kvpipe.executor.kv.store import DiskOptions
+from kvpipe.executor.kv.layout import DiskOptions
 from kvpipe.executor.engine.runner import execute
 from kvpipe.pipeline.builder import build
 from kvpipe.pipeline.plan import Method, PhasePlan, Plan

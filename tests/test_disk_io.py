@@ -77,7 +77,7 @@ def test_disk_units_through_kvikio_give_the_same_bits_as_host_units(tiny_model, 
     staging, deep prefetch): logits and tokens equal the plan with those units in host RAM."""
     pytest.importorskip("kvikio")
     from kvpipe.executor.layers.adapter import HFAdapter
-    from kvpipe.executor.kv.store import DiskOptions
+    from kvpipe.executor.kv.layout import DiskOptions
     from kvpipe.executor.engine.runner import execute
     from kvpipe.pipeline.builder import build
     from kvpipe.pipeline.plan import Method, PhasePlan, Plan

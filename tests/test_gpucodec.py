@@ -74,7 +74,8 @@ def test_the_compressed_store_gives_back_every_prefix_exactly(chunk, resident):
     token lost or taken twice, a fetch into the wrong slot row. The prefix each fetch + decode puts
     in the slot must equal the K/V written, bit for bit (NaN payloads, -0, random bit patterns)."""
     from kvpipe.executor.codecs.h2d_store import CompressedHomes
-    from kvpipe.executor.kv.store import KVLayout, KVStore
+    from kvpipe.executor.kv.layout import KVLayout
+    from kvpipe.executor.kv.store import KVStore
     B, H, D, cap = 2, 4, 8, 120
     lo = KVLayout(B, H, D, cap, resident, slots=2, slot_heads=2, write_tokens=chunk)
     gen = torch.Generator().manual_seed(chunk)

@@ -297,7 +297,7 @@ def test_calibrate_sets_the_prefill_host_fields_on_the_gpu():
     attention, pinned copies). Faults caught: the probe failing on CUDA (stream hook, replay off),
     a fit that cannot run on its record, the fields not set or a gap below zero, a phase wall
     shorter than its stages' issue seconds."""
-    from kvpipe.executor.calibrate.machine import host_stage_costs
+    from kvpipe.executor.calibrate.host_issue import host_stage_costs
     from kvpipe.pipeline.calibration import Calibration
     cal = Calibration("t", "t", "t")
     host_stage_costs(cal)

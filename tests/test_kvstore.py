@@ -6,7 +6,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvpipe.executor.layers.adapter import HFAdapter
-from kvpipe.executor.kv.store import KVLayout, KVStore, k_of, v_of
+from kvpipe.executor.kv.layout import KVLayout
+from kvpipe.executor.kv.store import KVStore, k_of, v_of
 from kvpipe.executor.engine.runner import execute
 from kvpipe.pipeline.builder import build
 from kvpipe.pipeline.memory import breakdown

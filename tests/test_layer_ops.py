@@ -97,7 +97,7 @@ def test_calibration_layer_replays_the_kernels_the_simulator_counts():
     kernels (the floor and rate would then be per the wrong count), and a calibration layer that
     is not the layer the simulator costs (qkv with every head resident + one group's attention
     over a prefix + mlp, as layer_ops counts them)."""
-    from kvpipe.executor.calibrate.machine import layer_small_ops, replayer
+    from kvpipe.executor.calibrate.gpu import layer_small_ops, replayer
     a, m = _setup("llama", "bf16")
     T, P = 6, 9
     inv = layer_small_ops(a, T, P)

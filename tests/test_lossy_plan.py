@@ -60,7 +60,7 @@ def test_byte_formulas_by_hand():
     assert LossySpec("int4").ratio(2) == 152 / 512
     assert LossySpec("int4", vgroup=32).ratio(2) == 160 / 512
     assert LossySpec("int4").unit_bytes(32, 16, 2) == 32 * 16 // 2 * 2 + 2 * 2 * 16 + 2 * 2 * 32   # D 16: V groups of 16
-    from kvpipe.executor.quant.store import BlockCodec                  # the executor's record, the same bytes
+    from kvpipe.executor.quant.blocks import BlockCodec                 # the executor's record, the same bytes
     import torch
     assert BlockCodec(4, 32, 128, torch.bfloat16, 64).record == 152 * 32
     assert BlockCodec(4, 32, 128, torch.bfloat16, 32).record == 160 * 32

@@ -146,7 +146,7 @@ def _lossy_run(model, device, bits, resident, disk, kv_dir, hook=None, turns=Non
     from dataclasses import replace
 
     from kvpipe.executor.layers.adapter import HFAdapter
-    from kvpipe.executor.kv.store import DiskOptions
+    from kvpipe.executor.kv.layout import DiskOptions
     from kvpipe.executor.engine.runner import execute
     from kvpipe.pipeline.builder import build
     from kvpipe.pipeline.lossy import LossySpec

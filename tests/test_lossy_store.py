@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpipe.executor.quant.store import BlockCodec
+from kvpipe.executor.quant.blocks import BlockCodec
 
 
 @pytest.mark.parametrize("bits,group,dtype,vgroup", [(8, 64, torch.float32, None), (4, 32, torch.float32, None),
@@ -71,7 +71,7 @@ def _slot_case(bits: int, group: int, dtype: torch.dtype, device: str, heads: in
 
 
 def _assert_fused_equals_eager(bits, group, dtype, device, vgroup=None):
-    from kvpipe.executor.quant.store import fused_decode
+    from kvpipe.executor.quant.blocks import fused_decode
     codec, rec, slot = _slot_case(bits, group, dtype, device, vgroup=vgroup)
     j0, j1 = 1, 5                                             # a group of rows inside the slot
     fused_decode()(codec, rec, slot, j0, j1)

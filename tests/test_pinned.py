@@ -6,7 +6,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpipe.executor.kv.store import KVLayout, KVStore
+from kvpipe.executor.kv.layout import KVLayout
+from kvpipe.executor.kv.store import KVStore
 from kvpipe.executor.kv.pinned import ALIGN, HostArena, carve, pow2_ceil, release_cached_pinned
 from kvpipe.pipeline.builder import build
 from kvpipe.pipeline.memory import breakdown

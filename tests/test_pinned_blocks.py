@@ -104,7 +104,8 @@ def test_executor_host_reserved_bytes_equal_the_pipeline_figure():
     same way) reserve exactly what the memory model counts for the replayed plan: 2 resident units
     of 3 x 4 leave homes of 3, 3 and 4 heads (not 4, 4, 4: placement gives layers 0 and 1 one each)."""
     torch = pytest.importorskip("torch")
-    from kvpipe.executor.kv.store import KVLayout, KVStore
+    from kvpipe.executor.kv.layout import KVLayout
+    from kvpipe.executor.kv.store import KVStore
     spec = ModelSpec("tiny", "llama", layers=3, hidden=64, q_heads=8, kv_heads=4, head_dim=16,
                      intermediate=32, vocab=50, dtype="bf16")
     work = Workload(1030, 4, 1)

@@ -100,7 +100,7 @@ def test_attention_output_error_on_the_needle_set_meets_the_target(needle_cases,
     # synthetic needle set: mean relative error of the attention output over steps and heads.
     # Quantised as the executor stores it (executor/quant/store.py): whole blocks of `group` tokens, K
     # per channel, V per token; the last partial block stays exact.
-    from kvpipe.executor.quant.store import BlockCodec
+    from kvpipe.executor.quant.blocks import BlockCodec
     spec = LossySpec(quant)
     errs = []
     for case, ref_out in needle_cases:

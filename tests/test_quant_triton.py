@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvpipe.executor.quant import dequant_triton as quant_triton
-from kvpipe.executor.quant.store import BlockCodec, fused_decode
+from kvpipe.executor.quant.blocks import BlockCodec, fused_decode
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 SENTINEL = -3.0           # every slot value the decode must not write

@@ -13,7 +13,8 @@ from hypothesis import given, strategies as st
 from kvpipe.executor.sparse import sketch as sparse_sketch
 from kvpipe.executor.layers.adapter import HFAdapter
 from kvpipe.executor.engine.interpreter import Interpreter
-from kvpipe.executor.kv.store import KVLayout, KVStore
+from kvpipe.executor.kv.layout import KVLayout
+from kvpipe.executor.kv.store import KVStore
 from kvpipe.executor.engine.lanes import Lanes
 from kvpipe.executor.engine.runner import execute
 from kvpipe.pipeline.builder import build

@@ -123,7 +123,7 @@ def gpu_codec_points(blocks: torch.Tensor, coder, timer, batches=BATCHES,
         low_src = low.view(n, -1)                 # the low planes as fetched: the back half of the rows
 
         # this batch's buffers bound now: the kept pair is called after the loop has moved on
-        # (late-bound names made the wait probe decode 512 offsets against 128 sizes on the H200)
+        # (late-bound names would decode a later batch's offsets against this one's sizes)
         def decode(enc=enc, offsets=offsets, sizes=sizes, back=back, outs=outs) -> None:
             coder.decode(enc.view(-1), offsets, sizes, back.view(-1), outs)
 

@@ -6,14 +6,15 @@ the same runs replayed give the host's cost of one replayed step; a captured gra
 gives the GPU cost of one graph node. `stage_costs` times every stage's own issue (`Span.host_s`)
 and each phase's host wall in prefill and eager decode, the record the profile's per-phase
 compute pair, copy pair and prefill gap are fitted from (pipeline/calibration.host_issue_fields).
-Used by `kvpipe calibrate`, benchmarks/sim_check.py (same-session probe), benchmarks/issue_cost.py
-and benchmarks/host_model_cpu.py."""
+`host_issue` and `host_stage_costs` are `kvpipe calibrate`'s steps over them."""
 from __future__ import annotations
 
 import statistics
 import sys
 
 import torch
+
+from kvpipe.pipeline.calibration import Calibration, host_issue_fields
 
 
 def step_counts(graph) -> tuple[float, float]:
@@ -133,32 +134,41 @@ def stage_costs(model, device: str, context: int = 2048, chunk: int = 512, decod
                "ops": sum(st.ops for st in graph.stages), "wall_s": wall,
                "host_s_sum": sum(sp.host_s for sp in res.trace.spans), "decode_issue": res.decode_issue}
         for phase in ("prefill", "decode"):
-            ids_ = [sp for sp in res.trace.spans if graph.stages[sp.stage].phase.value == phase
-                    and (phase == "prefill" or res.decode_issue == "eager")]
-            if ids_:
-                first = min(stamps[sp.stage] for sp in ids_)
-                last = max(stamps[sp.stage] + sp.host_s for sp in ids_)
-                run[f"{phase}_wall_s"] = last - first
-                run[f"{phase}_host_s"] = sum(sp.host_s for sp in ids_)
-                run[f"{phase}_stages"] = len(ids_)
-                run[f"{phase}_ops"] = sum(graph.stages[sp.stage].ops for sp in ids_)
-                run[f"{phase}_steps"] = len({graph.stages[sp.stage].step for sp in ids_})
-            for sp in ids_:
+            spans = [sp for sp in res.trace.spans if graph.stages[sp.stage].phase.value == phase
+                     and (phase == "prefill" or res.decode_issue == "eager")]
+            run.update(_phase_record(phase, spans, stamps, graph))
+            for sp in spans:
                 st = graph.stages[sp.stage]
                 per.setdefault((phase, st.tag, st.kind.value, st.ops, st.small_ops), []).append(sp.host_s)
         runs.append(run)
-    fits = {}
-    for phase in ("prefill", "decode"):
-        pts = [(k[3], h) for k, v in per.items() if k[0] == phase for h in v]
-        if len({o for o, _ in pts}) >= 2:
-            n = len(pts)
-            mx, my = sum(o for o, _ in pts) / n, sum(h for _, h in pts) / n
-            b = sum((o - mx) * (h - my) for o, h in pts) / sum((o - mx) ** 2 for o, _ in pts)
-            fits[phase] = {"per_stage_s": my - b * mx, "per_op_s": b, "points": n}
+    fits = {phase: f for phase in ("prefill", "decode")
+            if (f := _ops_fit([(k[3], h) for k, v in per.items() if k[0] == phase for h in v])) is not None}
     per_kind = [{"phase": k[0], "tag": k[1], "kind": k[2], "ops": k[3], "small_ops": k[4], "n": len(v),
                  "median_s": statistics.median(v)} for k, v in sorted(per.items())]
     return {"per_kind": per_kind, "fits": fits, "runs": runs, "context": context, "chunk": chunk,
             "decode_tokens": decode, "device": str(device)}
+
+
+def _phase_record(phase: str, spans, stamps: list[float], graph) -> dict:
+    """One phase's part of a `stage_costs` run: its host wall (first issue to the end of the last),
+    its stages' summed host seconds, and its stages, ops and steps; {} where it issued none."""
+    if not spans:
+        return {}
+    first = min(stamps[sp.stage] for sp in spans)
+    last = max(stamps[sp.stage] + sp.host_s for sp in spans)
+    return {f"{phase}_wall_s": last - first, f"{phase}_host_s": sum(sp.host_s for sp in spans),
+            f"{phase}_stages": len(spans), f"{phase}_ops": sum(graph.stages[sp.stage].ops for sp in spans),
+            f"{phase}_steps": len({graph.stages[sp.stage].step for sp in spans})}
+
+
+def _ops_fit(pts: list[tuple[int, float]]) -> dict | None:
+    """Least squares of host_s = a + b * ops over (ops, host_s) points; None with fewer than two op counts."""
+    if len({o for o, _ in pts}) < 2:
+        return None
+    n = len(pts)
+    mx, my = sum(o for o, _ in pts) / n, sum(h for _, h in pts) / n
+    b = sum((o - mx) * (h - my) for o, h in pts) / sum((o - mx) ** 2 for o, _ in pts)
+    return {"per_stage_s": my - b * mx, "per_op_s": b, "points": n}
 
 
 def probe_model(device: str = "cuda", layers: int = 2, **overrides):
@@ -168,3 +178,42 @@ def probe_model(device: str = "cuda", layers: int = 2, **overrides):
     cfg.setdefault("max_position_embeddings", 8192)
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     return random_model(cfg, device, dtype, 0)
+
+
+def host_issue(cal: Calibration) -> None:
+    """Per-stage and per-launch host issue cost of the executor, host cost of a replayed decode
+    step, GPU cost of a graph node (`run_plans`, `graph_node_s`: small runs where the host binds)."""
+    eager = run_plans("off", log=lambda s: None)
+    per_stage, per_op = fit(eager)
+    how = "least squares of decode step time = a*stages + b*ops over 4 eager plans of a 2-layer Llama-3-8B-shaped model"
+    cal.set("host.issue_s_per_stage", max(0.0, per_stage), how + " (a)")
+    cal.set("host.issue_s_per_op", max(0.0, per_op), how + " (b)")
+    cal.set("gpu.graph_node_s", graph_node_s(), "a captured graph of 2000 tiny kernels replayed, GPU time per node")
+    replay = run_plans("on", log=lambda s: None)
+    cal.set("host.graph_replay_s", statistics.median(r["host_s_per_step"] for r in replay if r["resident"]),
+            "host seconds of one replayed decode step (same model, resident plans), median")
+    cal.extra["issue_probe"] = {"eager": eager, "replay": replay}
+
+
+def host_stage_costs(cal: Calibration, context: int = 2048, chunk: int = 512) -> None:
+    """Host seconds the executor spends issuing each stage (the lane actor's perf_counter around
+    the stage's issue, `Span.host_s`), prefill and eager decode, for a 2-layer Llama-3-8B-shaped
+    model under plans that cover the stage kinds (groups 1 / 2 / 8; all resident, half, none),
+    with each phase's host wall (executor/calibrate/host_issue.stage_costs; the JSON record's
+    `host_stage_costs`). Sets the copy pair, the prefill compute pair (per stage + per kernel
+    launch) and the prefill gap between issues (pipeline/calibration.host_issue_fields)."""
+    rec = stage_costs(probe_model("cuda"), "cuda", context, chunk)
+    cal.extra["host_stage_costs"] = rec
+    fields = host_issue_fields(rec)
+    how = ("host seconds of the executor's {what} issued one by one (Span.host_s) in a 2-layer Llama-3-8B-shaped "
+           "model's prefill and eager decode under 4 plans (executor/calibrate/host_issue.stage_costs); least squares "
+           "of the median per group = a + b * {x} (pipeline/calibration.{fit})")
+    copy = how.format(what="h2d / d2h stages", x="copy calls", fit="copy_issue_fit")
+    cal.set("host.copy_s_per_stage", fields["host_copy_s_per_stage"], copy + " (a)")
+    cal.set("host.copy_s_per_op", fields["host_copy_s_per_op"], copy + " (b)")
+    pre = how.format(what="prefill compute stages", x="kernel launches (ops + small_ops)", fit="compute_issue_fit")
+    cal.set("host.prefill_issue_s_per_stage", fields["host_prefill_issue_s_per_stage"], pre + " (a)")
+    cal.set("host.prefill_issue_s_per_launch", fields["host_prefill_issue_s_per_launch"], pre + " (b)")
+    cal.set("host.prefill_issue_gap_s", fields["host_prefill_issue_gap_s"],
+            "the same runs: each prefill's host wall (first issue to the end of the last) minus its stages' "
+            "summed issue seconds, per stage, pooled over the 4 plans (pipeline/calibration.issue_gap)")

@@ -6,7 +6,7 @@ writes (each tensor's distinct elements: a broadcast operand counts once). The i
 same code on CPU and GPU (dispatch happens before the device's kernel is chosen), so counting on
 CPU gives the GPU's kernel count and traffic. `pipeline/layer_ops.py` is the closed form the
 simulator uses; tests/test_layer_ops.py holds it against this count on real HF modules, and
-`kvpipe calibrate` replays the counted ops to time them (executor/calibrate/machine.py)."""
+`kvpipe calibrate` replays the counted ops to time them (executor/calibrate/gpu.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

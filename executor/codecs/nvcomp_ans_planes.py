@@ -1,11 +1,11 @@
 """The GPU codec of the h2d link, `nvcomp-ans-planes` (lossless): the two bytes of every bf16/fp16
 value are split into planes, the high plane (sign and exponent: few distinct values) is coded with
-nvCOMP's ANS, the low plane (mantissa: near random) is kept raw. Measured on the H200 with nvCOMP
-6.0.0 (benchmarks/results/h200-2026-11-30-codec-link-nvcomp.json, random-weight K/V): ratio 1.465.
+nvCOMP's ANS, the low plane (mantissa: near random) is kept raw (its ratio on random-weight K/V:
+docs/PERFORMANCE.md).
 
 `split_planes` / `interleave` are pure torch (they run and are tested on CPU). `AnsBlocks` drives
 nvCOMP's batch API on ONE non-default torch stream, handed to the Codec and to every
-`as_arrays`, as benchmarks/nvcomp_isolated.py does: a batch of equal-size blocks is carved out of
+`as_arrays`: a batch of equal-size blocks is carved out of
 one contiguous torch buffer by an offset table (encode: into a torch-owned output, decode: into a
 torch-owned output via `out=`), and every nvCOMP wrapper is held until an event recorded after
 the call has passed (`_held`), so no wrapper dies while a queued kernel reads its memory. Encode

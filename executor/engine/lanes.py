@@ -31,10 +31,8 @@ TURN_YIELDS = (0, 0, 1, 1, 2, 3, 8, 40)   # turns an actor lets pass after a sta
 # never change what a kernel computes: they matter where the H2D lane runs kernels beside compute,
 # the UVA gathers of a LOSSY sparse step (executor/sparse/homes.py), which then take freed SM slots
 # before the score kernels queued beside them; compute in turn outranks the sparse step's upkeep
-# stream (device_step.side, priority 0). Copy-engine copies are not affected. On the H200 the
-# effect was within run-to-run noise (benchmarks/README.md, tenth session: a 4-layer sparse + int4
-# profile 3% faster in one machine's A/B, 7% slower in the next's); these are the priorities the
-# tenth session's lossy_run figures ran with, and output bits were the same under either.
+# stream (device_step.side, priority 0). Copy-engine copies are not affected, and output bits are
+# the same under any priorities (their measured effect: docs/PERFORMANCE.md).
 LANE_PRIORITY = {Lane.GPU: -1, Lane.H2D: -2, Lane.D2H: 0}
 
 

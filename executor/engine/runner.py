@@ -15,7 +15,8 @@ from kvpipe.pipeline.trace import Trace
 from kvpipe.executor.layers.adapter import HFAdapter
 from kvpipe.executor.engine.interrupts import sigterm_raises
 from kvpipe.executor.engine.interpreter import Interpreter
-from kvpipe.executor.kv.store import DiskOptions, KVLayout, KVStore
+from kvpipe.executor.kv.layout import DiskOptions, KVLayout
+from kvpipe.executor.kv.store import KVStore
 from kvpipe.executor.engine.lanes import HOST_LANES, Lanes
 from kvpipe.executor.replay.capture import DecodeReplay, ReplayInterpreter, lossy_blocker, resolve_mode
 

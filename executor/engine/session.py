@@ -18,7 +18,7 @@ from kvpipe.pipeline.stage import Graph, Phase, Stage
 from kvpipe.pipeline.workload import Workload
 
 from kvpipe.executor.layers.attention import CUDNN_MIN_ROWS
-from kvpipe.executor.kv.store import DiskOptions
+from kvpipe.executor.kv.layout import DiskOptions
 from kvpipe.executor.kv.pinned import release_cached_pinned
 from kvpipe.executor.engine.runner import RunResult, execute
 

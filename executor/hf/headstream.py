@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from kvpipe.executor.layers.attention import attend_chunk
-from kvpipe.executor.kv.store import KVLayout, KVStore, k_of, v_of
+from kvpipe.executor.kv.layout import KVLayout
+from kvpipe.executor.kv.store import KVStore, k_of, v_of
 
 
 class HeadStream:

@@ -6,8 +6,7 @@ A `HostArena` owns what it registered and unregisters it on `close()`.
 Where torch must pin (decode replay, see `HostArena`), the arena asks it only for power-of-two
 blocks, which torch does not round, and carves the buffers out of them (pipeline/pinned_blocks.carve,
 the law the memory model counts too): Llama-3-8B at 512K + 4 tokens, 32 layer homes of 2 GiB +
-16 KiB, pins 68 GiB, not the 128 GiB of one torch block per home that killed the exact 512K run on
-a 125 GiB H200 machine."""
+16 KiB, pins 68 GiB, not the 128 GiB that one torch block per home would pin."""
 from __future__ import annotations
 
 import math

@@ -5,7 +5,7 @@ merged exactly by log-sum-exp; no T x (P+T) score or mask matrix is ever materia
 Kernels (chosen by device, dtype and shape, never by where the bytes live):
   CPU  float32 / float64 / bfloat16 / float16  aten._scaled_dot_product_flash_attention_for_cpu
   CUDA bfloat16 / float16, sm90+ (Hopper on),   aten._scaled_dot_product_cudnn_attention (cuDNN >= 9;
-       >= CUDNN_MIN_ROWS query rows (prefill)   1.7x FA2 on the H200 at 128K, see benchmarks/)
+       >= CUDNN_MIN_ROWS query rows (prefill)   faster than FA2 there: docs/PERFORMANCE.md)
   CUDA bfloat16 / float16, otherwise (decode,   aten._scaled_dot_product_flash_attention (FA2)
        small chunks, Ampere/Ada)
   CUDA float32                                aten._scaled_dot_product_efficient_attention
@@ -46,8 +46,8 @@ def cuda_kernel_setting() -> str:
 @functools.lru_cache(maxsize=None)
 def _cudnn_support(device_index: int) -> tuple[bool, bool]:
     """(usable, preferred by `auto`) for cuDNN fused attention on this GPU, looked up once: usable
-    needs cuDNN 9 and sm80+; preferred needs sm90+ (Hopper on), where it was measured at 1.7x FA2;
-    on Ampere/Ada `auto` keeps FA2 (cuDNN unmeasured there)."""
+    needs cuDNN 9 and sm80+; preferred needs sm90+ (Hopper on), where it was measured faster than
+    FA2; on Ampere/Ada `auto` keeps FA2 (cuDNN unmeasured there)."""
     if not torch.backends.cudnn.is_available() or (torch.backends.cudnn.version() or 0) < 90000:
         return False, False
     cap = torch.cuda.get_device_capability(device_index)
@@ -130,7 +130,7 @@ def canonical_unit_strides(x: torch.Tensor) -> torch.Tensor:
     """The same view with the strides of size-1 batch/head dims set from the dims inside them.
     torch caches one cuDNN execution plan per (shape, strides); a stride over a dim of size 1 never
     addresses anything, but it differs between the KV store's buffers (a layer's resident heads vs
-    a transfer slot), and every distinct one would cost a plan build (~60 ms on the H200)."""
+    a transfer slot), and every distinct one would cost a plan build (gpu.attention_plan_s)."""
     B, H = x.shape[:2]
     if B != 1 and H != 1:
         return x

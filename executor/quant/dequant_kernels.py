@@ -1,5 +1,5 @@
 """The Triton kernel of executor/quant/dequant_triton.py (which documents it). Imported only where Triton
-is installed (by quant_triton, on first use); under TRITON_INTERPRET=1 (set before Triton is
+is installed (by dequant_triton, on first use); under TRITON_INTERPRET=1 (set before Triton is
 imported) it runs in Triton's interpreter on CPU tensors, which is how the CPU tests run it.
 Shapes: records q [B, J, nb * REC] uint8 (REC bytes a record, the record's bytes contiguous);
 the exact slot rows o [B, J, S_cap, 2, D] in the model dtype, any strides. No integer argument
@@ -15,8 +15,8 @@ def _round(x, dtype: tl.constexpr, INT_ROUND: tl.constexpr):
     """float32 -> `dtype`, rounded to nearest, ties to even (as torch's casts). Compiled, a cast
     (cvt.rn); in Triton's interpreter (INT_ROUND), bfloat16 by integer ops on the bits, as its cast
     to bfloat16 truncates (and its "rtne" rounds ties up, without the carry into the exponent).
-    Finite x (a decoded value always is). The integer way on the GPU too would take 727 SASS
-    instructions a program against 535 (sm_90, int4 group 32, D 128: counted in ptxas output)."""
+    Finite x (a decoded value always is). Compiled, the integer way would cost a third more
+    instructions a program than the cast."""
     if INT_ROUND and dtype == tl.bfloat16:
         u = x.to(tl.uint32, bitcast=True)
         u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16

@@ -1,12 +1,11 @@
-"""LOSSY (`--lossy int8|int4`): the dequantise of executor/quant/store.py's block records as one
+"""LOSSY (`--lossy int8|int4`): the dequantise of executor/quant/blocks.py's block records as one
 hand-written Triton kernel, the CUDA path of the sparse window's decode (QuantHomes.decode_selected)
 and of a replayed step's (decode_static). It writes the same bits as the eager
-`BlockCodec.decode`: code * scale + zero in float32 (one fma; the product is exact, qstore.py's
+`BlockCodec.decode`: code * scale + zero in float32 (one fma; the product is exact, quant/blocks.py's
 module docstring), rounded once to the model dtype.
 
-Why not the compiled `records_decode`: inductor's kernel for the window took 285 us a layer on
-the H200 at 128K (8 heads x ~820 records of 4864 B, int4 group 32) against ~35 us of HBM traffic
-(the records read, the [group, 2, D] rows written).
+Why not the compiled `records_decode` for the window: inductor's kernel for it runs several times
+longer than its HBM traffic (the records read, the [group, 2, D] rows written) needs.
 
   decode_records  grid (block, head row, sequence): one program per record. It reads the
                   record's fields as contiguous tiles (K and V codes as [D, G/PER] and
@@ -17,11 +16,9 @@ the H200 at 128K (8 heads x ~820 records of 4864 B, int4 group 32) against ~35 u
                   programs of blocks at or past it return at once (a replayed graph's kept
                   blocks; the grid stays sized for the window).
 
-Compiled offline for sm_90 (Triton 3.9; int4, group 32, D 128, bf16), a program is 4 warps, 40
-registers, no spills: per thread one 16-byte load of each code field, one 2-byte load of each
-metadata field, 8 16-byte stores, and the K transpose and the V reshape through shared memory.
-Not yet timed on a GPU: the floor at 128K is ~140 MB a layer (~35 us at the H200's HBM rate),
-and its ~14M warp instructions (6560 programs) should issue well within that.
+A program is 4 warps with no register spills (int4, group 32, D 128, bf16): per thread one
+16-byte load of each code field, one 2-byte load of each metadata field, 8 16-byte stores, and
+the K transpose and the V reshape through shared memory.
 
 The kernel (executor/quant/dequant_kernels.py) is imported on first use, so CPU CI needs no
 Triton; on CPU tensors it runs only in Triton's interpreter (TRITON_INTERPRET=1 set before Triton
@@ -43,7 +40,7 @@ def _interpreted() -> bool:
 
 
 def unavailable(codec, device: torch.device) -> str | None:
-    """Why the Triton dequantise cannot run for `codec` (a qstore.BlockCodec) on `device`, or None."""
+    """Why the Triton dequantise cannot run for `codec` (a blocks.BlockCodec) on `device`, or None."""
     device = torch.device(device)
     if device.type != "cuda" and not _interpreted():
         return "the Triton dequantise runs on CUDA only (or in Triton's interpreter, TRITON_INTERPRET=1)"
@@ -66,7 +63,7 @@ def unavailable(codec, device: torch.device) -> str | None:
 
 def decode_window(codec, qslot: torch.Tensor, slot: torch.Tensor, j0: int, j1: int,
                   count: torch.Tensor | None = None) -> None:
-    """`qstore.slot_decode(codec, qslot, slot, j0, j1)` by the kernel: EVERY record of rows
+    """`blocks.slot_decode(codec, qslot, slot, j0, j1)` by the kernel: EVERY record of rows
     [j0, j1) of the byte slot qslot [B, heads, nb * record] decoded into slot tokens
     [0, nb * group) of rows [j0, j1) of the exact slot [B, heads, S_cap, 2, D] (views: any strides,
     but a record's bytes contiguous). `count`: an int64 tensor of one element on the slot's device
@@ -108,7 +105,7 @@ def compiled_variants() -> int:
     before its first call, where Triton is missing, or where this Triton keeps its JIT cache
     elsewhere): a change across a call means the call compiled one (QuantHomes.paths)."""
     import sys
-    mod = sys.modules.get(f"{__package__}.quant_triton_kernels")
+    mod = sys.modules.get(f"{__package__}.dequant_kernels")
     caches = getattr(getattr(mod, "decode_records", None), "device_caches", None)
     try:
         return sum(len(c[0]) for c in caches.values()) if caches is not None else 0

@@ -107,7 +107,7 @@ class ReplayInterpreter(Interpreter):
         n = lo.resident[s.layer]
         if n:
             self.store.gpu[s.layer].index_copy_(2, self.dev.pos, kv[:, :n])  # at the device-held position
-        if self.sp is not None:           # LOSSY: the sketch's unsealed chunk (lossy_replay.py)
+        if self.sp is not None:           # LOSSY: the sketch's unsealed chunk (replay/sparse_step.py)
             self.sp.append_static(s.layer, kv, self.dev.args, self.side())
         B, Hq, T, D = q.shape
         cur.q, cur.out = q, None if self.fused is not None else q.new_empty(B, T, Hq, D)

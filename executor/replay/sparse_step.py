@@ -5,10 +5,10 @@ the tokens fetched), so each step's counts live in a device row (`ARGS` fields, 
 step, `step_args` computes them on the host before the decode) that the host copies into the
 graph's static buffer before each replay; the kernels read them there:
 
-- the selection (executor/sparse_triton.select_static): the radix threshold and the compaction
+- the selection (rank_triton.select_static): the radix threshold and the compaction
   read (prefix, h0, h1, room, n) from the row; the output has a fixed width `n_max` (the most
   tokens, or blocks, a step of the graph's bucket fetches), zeros past n;
-- the gather (sparse_homes.gather) moves `n_max` rows (the last n_max - n rows are token 0's,
+- the gather (SparseHomes.gather) moves `n_max` rows (the last n_max - n rows are token 0's,
   never attended: at most 1 + F x BUCKET_TOKENS extra rows a step);
 - the sketch and the quantisation tail: a step's new key (K/V) is written at its device-held
   place in the unit's unsealed chunk (block), and that chunk's summary and sketch (block's
@@ -22,13 +22,13 @@ graph's static buffer before each replay; the kernels read them there:
 A graph serves the steps of one sealed-chunk bucket (the prefix's chunk index: the ranked tokens
 are fixed within it), so a run captures ceil(steps / chunk) + 1 graphs at most. The eager sparse
 step and the replayed one select the same tokens for the same queries; their attention rounds
-differently (one varlen call against a merge of two), as on the exact path (benchmarks/REPLAY.md).
+differently (one varlen call against a merge of two), as on the exact path.
 The host-side counts only; the device ops are SparseHomes' and QuantHomes' `*_static` methods."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# fields of a step's device row (int64): the selection's counts (sparse_sketch.split: total
+# fields of a step's device row (int64): the selection's counts (sketch.split: total
 # tokens or blocks, the unforced range [h0, h1), how many are ranked in, how many are kept), the
 # rows the offloaded heads attend (besides their own token), where the exact quantisation tail
 # lands in the slot, the new key's place in its sketch chunk and the chunk's index, the new K/V's
@@ -53,14 +53,14 @@ class Bucket:
 def step_args(spec, prefix: int) -> list[int]:
     """The ARGS row of a decode step over a `prefix`-token cache (its new token at position
     `prefix`) under LossySpec `spec` (sparse, with the sketch; blocks with quantisation)."""
-    from kvpipe.executor.sparse import sketch as sparse_sketch
+    from kvpipe.executor.sparse import sketch
     c = spec.chunk
     if spec.blocks:
         total, ranked, budget, sink, recent = spec.block_args(prefix)
     else:
         total, ranked, budget, sink, recent = (prefix, prefix // c * c, spec.fetched_tokens(prefix),
                                                spec.sink, spec.recent)
-    n, room, h0, h1 = sparse_sketch.split(total, ranked, budget, sink, recent)
+    n, room, h0, h1 = sketch.split(total, ranked, budget, sink, recent)
     g = spec.group if spec.blocks else 1
     tail = prefix % g
     row = [0] * ARGS
@@ -89,7 +89,7 @@ def bucket_of(spec, rows: list[list[int]], prefixes: list[int]) -> Bucket:
 def blocker(spec, prefixes: list[int], capacity: int, window_blocks: int) -> str | None:
     """Why these decode steps cannot be replayed under `spec`, or None: every step must rank (its
     forced tokens do not fill its count and not every token is kept), and the slot must hold a
-    step's widest fetch, its exact tail and its own token (sparse_sketch.ranks' rule, read off the
+    step's widest fetch, its exact tail and its own token (sketch.ranks' rule, read off the
     step's row: room > 0 and n < total)."""
     g = spec.group if spec.blocks else 1
     for p in prefixes:

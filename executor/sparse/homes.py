@@ -9,37 +9,24 @@ the K of the chunk still filling (exact; it is sealed when full, so a key is ske
 units for the step's queries and selects, per unit, the sink, the recent window, the unsealed
 tail and the best tokens: `idx` [B, n_off, N] on the GPU, N the same for every unit. Each group's
 `kv_fetch` (h2d lane) then gathers exactly those tokens' K/V into its transfer slot, rows 0..N-1
-in token order, and the attention reads them as the group's prefix. Resident units stay exact and
-whole (a mixed group attends its resident heads over their whole prefix, apart). With F = 1 every
-token is selected in order: the slot holds the exact prefix and the step is the exact one.
+in token order (executor/sparse/gather.py), and the attention reads them as the group's prefix.
+Resident units stay exact and whole (a mixed group attends its resident heads over their whole
+prefix, apart). With F = 1 every token is selected in order: the slot holds the exact prefix and
+the step is the exact one.
 
-The gather, and its cost (the choice is made once, at `open`, by a probe, and reported):
-  uva     (CUDA) the layer's pinned host home is wrapped as a CUDA tensor over the same address
-          (__cuda_array_interface__; UVA: registered pinned memory is addressable from the GPU), and
-          `index_select` on the h2d lane's stream reads the selected rows over PCIe straight into
-          the slot. No host sync: selection and gather stay on the GPU, so the h2d lane only waits
-          on the score's CUDA event. Cost: one gather kernel per (sequence, head), reading N rows
-          of 4 D bytes (512 B for D = 128, bf16) as zero-copy PCIe reads, and SM time beside the
-          compute stream. Measured on the H200 (benchmarks/README.md, third session): 2 KiB rows,
-          20% of 512 MiB, at 48.3 GB/s, 0.88x a plain H2D copy; 512 B rows not yet measured.
-  staged  (CUDA, where the probe fails) the indices are copied to the host (a sync of the h2d
-          lane's thread on the score, once per (layer, group)), the rows gathered on the CPU into a
-          pinned staging slot, and sent in one H2D copy per (layer, group): PCIe at full rate but
-          the host-side sync and CPU gather remain on the critical path.
-  cpu     (CPU runs: CI) index_select from the host home into the slot.
-The `score` stage runs on CUDA as Triton kernels (executor/sparse/rank_triton.py: the ranking reads the
-packed codes once per token tile; the selection's compaction is two kernels after a torch.topk),
-and as torch ops elsewhere or where Triton cannot run or fails (`score_path`, `score_note`); both
-select the same tokens for the same ranking (sparse_sketch.select's rule).
+The `score` stage runs on CUDA as Triton kernels (executor/sparse/rank_triton.py: the ranking reads
+the packed codes once per token tile; the selection's compaction is two kernels after a
+torch.topk), and as torch ops elsewhere or where Triton cannot run or fails (`score_path`,
+`score_note`); both select the same tokens for the same ranking (sketch.select's rule).
 With --lossy int8/int4 too (LOSSY twice) a step selects whole quantised blocks, since a record
-holds a block of `group` tokens (executor/quant/store.py; `group` must divide the sketch's chunk): each
-block ranks by its tokens' ranks (sparse_sketch.block_share, LossySpec's BLOCK_RANK), the selection
-runs sparse_sketch.select's rule over blocks (LossySpec.block_args: the budget less the exact
-tail, the blocks holding sink or recent tokens and the blocks not yet sketched forced), `gather`
-moves the selected blocks' records (rows of `record` bytes) from the pinned record home into the
-byte slot by the same gather modes, and the `dequant` stage decodes only those records
+holds a block of `group` tokens (executor/quant/store.py; `group` must divide the sketch's chunk):
+each block ranks by its tokens' ranks (sketch.block_share, LossySpec's BLOCK_RANK), the selection
+runs sketch.select's rule over blocks (LossySpec.block_args: the budget less the exact tail, the
+blocks holding sink or recent tokens and the blocks not yet sketched forced), `gather` moves the
+selected blocks' records (rows of `record` bytes) from the pinned record home into the byte slot
+by the same gather modes, and the `dequant` stage decodes only those records
 (QuantHomes.decode_selected) into slot rows in token order, the exact tail after them.
-Refused for now: disk units (their rows are read whole) and an h2d codec (compressed homes).
+Refused: disk units (their rows are read whole) and an h2d codec (compressed homes).
 Replayed decode (CUDA graphs, executor/replay/sparse_step.py) runs the `*_static` methods: the same
 selection with the step's counts read on the device, a fixed-width gather."""
 from __future__ import annotations
@@ -52,34 +39,10 @@ import torch
 
 from kvpipe.pipeline.lossy import BLOCK_RANK, PIPE_UNITS, LossySpec
 
-from kvpipe.executor.sparse import sketch as sparse_sketch
-from kvpipe.executor.sparse import rank_triton as sparse_triton
+from kvpipe.executor.sparse import rank_triton, sketch
+from kvpipe.executor.sparse.gather import RowGather
 
 SCORE_ENV = "KVPIPE_SPARSE_SCORE"   # auto (default) | triton | torch: which path ranks the tokens
-
-
-class _Interface:
-    """__cuda_array_interface__ (v3) of a host buffer's bytes, for torch.as_tensor on the GPU."""
-
-    def __init__(self, host: torch.Tensor) -> None:
-        self.host = host        # kept alive by the CUDA tensor that wraps it
-        self.__cuda_array_interface__ = {"shape": (host.numel(),), "typestr": "|u1", "version": 3,
-                                         "data": (host.data_ptr(), False), "strides": None}
-
-
-def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor | None:
-    """A CUDA tensor over the same bytes as the pinned contiguous host tensor `host` (same shape
-    and dtype), or None where the GPU cannot address it (then the gather is staged). Probed once:
-    a gather through the view must return the bytes a plain copy returns."""
-    try:
-        flat = torch.as_tensor(_Interface(host.reshape(-1).view(torch.uint8)), device=device)
-        n = min(flat.numel(), 4096)
-        got = flat.index_select(0, torch.arange(n, device=device)).cpu()
-        if not torch.equal(got, host.reshape(-1).view(torch.uint8)[:n]):
-            return None
-        return flat.view(host.dtype).view(host.shape)
-    except (RuntimeError, TypeError, ValueError):
-        return None
 
 
 def score_path(device: torch.device, head_dim: int, bits: int) -> tuple[str, str | None]:
@@ -90,7 +53,7 @@ def score_path(device: torch.device, head_dim: int, bits: int) -> tuple[str, str
         raise ValueError(f"{SCORE_ENV}: must be auto, triton or torch, got {want!r}")
     if want == "torch":
         return "torch", f"{SCORE_ENV}=torch"
-    why = sparse_triton.unavailable(device, head_dim, bits)
+    why = rank_triton.unavailable(device, head_dim, bits)
     if why is not None and want == "triton":
         raise ValueError(f"{SCORE_ENV}: triton cannot run here: {why}")
     return ("torch", why) if why else ("triton", None)
@@ -124,26 +87,22 @@ class SparseHomes:
         self.tail = [torch.empty(B, o, self.chunk, D, dtype=store.dtype, **gpu) if o else None for o in off]
         self.score_path, self.score_note = score_path(store.device, D, self.bits)
         self.radix = True   # the selection's threshold by the Triton radix select (else torch.topk)
-        self.gather_mode = "cpu"
         # the rows a gather moves: tokens [2, D] of the exact homes, or (quantised) records of a block,
         # read as 8-byte words (a record is a multiple of 16 bytes): a gather thread loads 8 bytes
         q = store.q if lo.quant_bits else None
         self.block = q.g if q is not None else 1
-        words = lambda t, heads: t.view(torch.int64).view(B, heads, q.blocks, q.rec // 8)
-        self.homes = ([None if h is None else words(h, h.shape[1]) for h in q.host]
-                      if q is not None else list(store.host))
-        self.dests = ([words(t, lo.slot_heads) for t in q.qslots] if q is not None else list(store.slots))
-        self.row_bytes = q.rec if q is not None else store.token_bytes
-        self.views: list[torch.Tensor | None] = [None] * lo.layers
-        self.stage: list[torch.Tensor] = []
-        if store.cuda:
-            self.views = [device_view(h, store.device) if h is not None else None for h in self.homes]
-            self.gather_mode = "uva" if all(v is not None for v, h in zip(self.views, self.homes) if h is not None) \
-                else "staged"
-            if self.gather_mode == "staged":
-                n_max = spec.max_fetched_blocks(cap) if q is not None else spec.fetched_tokens(cap)
-                self.stage = [store.arena.empty((B, lo.slot_heads, n_max, *self.dests[0].shape[3:]),
-                                                self.dests[0].dtype) for _ in range(lo.slots)]
+        if q is not None:
+            words = lambda t, heads: t.view(torch.int64).view(B, heads, q.blocks, q.rec // 8)
+            self.rows = RowGather(store, [None if h is None else words(h, h.shape[1]) for h in q.host],
+                                  [words(t, lo.slot_heads) for t in q.qslots], q.rec, spec.max_fetched_blocks(cap))
+        else:
+            self.rows = RowGather(store, list(store.host), list(store.slots), store.token_bytes,
+                                  spec.fetched_tokens(cap))
+
+    @property
+    def gather_mode(self) -> str:
+        """How `gather` moves the selected rows: uva | staged | cpu (executor/sparse/gather.py)."""
+        return self.rows.mode
 
     def paths(self) -> dict:
         """Which paths this run's sparse decode took (reported in `run --json` decode_issue.sparse):
@@ -174,7 +133,7 @@ class SparseHomes:
             c0 = start // c
             self.lo[layer][:, :, c0:c0 + nb] = lo
             self.hi[layer][:, :, c0:c0 + nb] = hi
-            self.codes[layer][:, :, c0 * c:(c0 + nb) * c] = sparse_sketch.encode(full, lo, hi, self.bits)
+            self.codes[layer][:, :, c0 * c:(c0 + nb) * c] = sketch.encode(full, lo, hi, self.bits)
         left = seq.shape[2] - nb * c
         self.tail[layer][:, :, :left] = seq[:, :, nb * c:]
 
@@ -209,13 +168,13 @@ class SparseHomes:
             total, ranked, budget, sink, recent = sp.block_args(prefix)
         else:
             total, ranked, budget, sink, recent = prefix, sealed, sp.fetched_tokens(prefix), sp.sink, sp.recent
-        if not sparse_sketch.ranks(total, ranked, budget, sink, recent):   # forced tokens / F = 1
-            return sparse_sketch.select(torch.empty(B, n_off, ranked, device=q.device), total, budget, sink, recent)
+        if not sketch.ranks(total, ranked, budget, sink, recent):   # forced tokens / F = 1
+            return sketch.select(torch.empty(B, n_off, ranked, device=q.device), total, budget, sink, recent)
         lo, hi, codes = self.lo[layer][:, :, :C], self.hi[layer][:, :, :C], self.codes[layer][:, :, :sealed]
         while self.score_path == "triton":
             try:
-                share = sparse_triton.rank(qg, lo, hi, codes, self.bits, blocks=g, how=BLOCK_RANK)   # [B, n_off, ranked]
-                return sparse_triton.select(share, total, budget, sink, recent, self.radix)
+                share = rank_triton.rank(qg, lo, hi, codes, self.bits, blocks=g, how=BLOCK_RANK)   # [B, n_off, ranked]
+                return rank_triton.select(share, total, budget, sink, recent, self.radix)
             except torch.OutOfMemoryError:
                 raise
             except Exception as e:   # Triton: compiler missing, codegen or compile errors
@@ -225,10 +184,10 @@ class SparseHomes:
                 else:
                     self.score_path, self.score_note = "torch", f"sparse: the Triton ranking failed ({first}); torch path"
                 logging.getLogger("kvpipe").warning(self.score_note)   # once each: the store keeps the slower path
-        share = sparse_sketch.group_share(sparse_sketch.scores(qg, lo, hi, codes, self.bits))
+        share = sketch.group_share(sketch.scores(qg, lo, hi, codes, self.bits))
         if g > 1:
-            share = sparse_sketch.block_share(share, g, BLOCK_RANK)
-        return sparse_sketch.select(share, total, budget, sink, recent)
+            share = sketch.block_share(share, g, BLOCK_RANK)
+        return sketch.select(share, total, budget, sink, recent)
 
     # ---- replayed steps (executor/replay/sparse_step.py: a step's counts in the device row `a`) ------
     def replay_blocker(self) -> str | None:
@@ -265,23 +224,23 @@ class SparseHomes:
             self.lo[layer].index_copy_(2, at, lo)
             self.hi[layer].index_copy_(2, at, hi)
             rows = at * c + torch.arange(c, device=t.device)
-            self.codes[layer].index_copy_(2, rows, sparse_sketch.encode(t, lo, hi, self.bits))
+            self.codes[layer].index_copy_(2, rows, sketch.encode(t, lo, hi, self.bits))
 
     def select_static(self, layer: int, q: torch.Tensor, a: torch.Tensor, bucket,
                       events: list[torch.cuda.Event] | None = None) -> torch.Tensor:
         """`select` with the step's counts on the device (a[TOTAL:N + 1]) and the shapes of
-        `bucket` (lossy_replay.Bucket): idx [B, n_off, bucket.n_max], the step's a[N] tokens
+        `bucket` (sparse_step.Bucket): idx [B, n_off, bucket.n_max], the step's a[N] tokens
         (blocks) ascending, then zeros. `events` (one per piece of PIPE_UNITS units, CUDA; given
         where the graph pipelines the stage, Stage.pieces: quantised blocks): the units are ranked
         and selected a piece at a time, each piece's event recorded once its rows are written
-        (sparse_triton.rank_select_static), so that their gathers (`gather`'s `ready`) start
+        (rank_triton.rank_select_static), so that their gathers (`gather`'s `ready`) start
         while the next pieces are still ranked."""
         B, n_off = self.lo[layer].shape[:2]
         D, g = q.shape[-1], self.block
         sealed = bucket.sealed * g                                 # tokens sketched and ranked
         C = sealed // self.chunk
         assert B == 1, B                                           # replay runs batch 1
-        sel = sparse_triton.rank_select_static(
+        sel = rank_triton.rank_select_static(
             q.reshape(n_off, -1, D), self.lo[layer][0, :, :C], self.hi[layer][0, :, :C],
             self.codes[layer][0, :, :sealed], self.bits, a, bucket.total_max, bucket.h0_min, bucket.h1_max,
             bucket.n_max, blocks=g, how=BLOCK_RANK, piece=PIPE_UNITS if events is not None else 0, events=events)
@@ -290,26 +249,6 @@ class SparseHomes:
     # ---- h2d lane ----------------------------------------------------------------------------
     def gather(self, layer: int, heads: tuple[int, ...], base: int, slot: int, idx: torch.Tensor,
                ready: list[torch.cuda.Event] | None = None) -> int:
-        """The selected rows idx [B, n_off, N] of offloaded `heads` from their host home into the
-        transfer slot, head h at row h - base, rows 0..N-1: tokens [2, D] into the exact slot, or
-        (quantised) blocks' records into the byte slot. `ready` (uva, per offloaded unit): each
-        head's gather first waits for its unit's event (`select_static`'s). Returns bytes moved."""
-        lo = self.s.layout
-        n, N = lo.resident[layer], idx.shape[-1]
-        dst = self.dests[slot]                                 # [B, G, S_cap, 2, D] or [B, G, blocks, record]
-        if self.gather_mode == "staged":
-            cpu = idx.cpu()                                                      # syncs on the score
-            stage = self.stage[slot]
-            for b in range(lo.batch):
-                for h in heads:
-                    torch.index_select(self.homes[layer][b, h - n], 0, cpu[b, h - n], out=stage[b, h - base, :N])
-            j0, j1 = heads[0] - base, heads[-1] - base + 1
-            dst[:, j0:j1, :N].copy_(stage[:, j0:j1, :N], non_blocking=True)
-        else:
-            src = self.views[layer] if self.gather_mode == "uva" else self.homes[layer]   # [B, n_host, rows, ...]
-            for b in range(lo.batch):
-                for h in heads:
-                    if ready is not None:
-                        torch.cuda.current_stream(idx.device).wait_event(ready[h - n])
-                    torch.index_select(src[b, h - n], 0, idx[b, h - n], out=dst[b, h - base, :N])
-        return lo.batch * len(heads) * N * self.row_bytes
+        """The selected rows idx [B, n_off, N] of offloaded `heads` into the transfer slot
+        (RowGather.gather); returns bytes moved."""
+        return self.rows.gather(layer, heads, base, slot, idx, ready)

@@ -1,5 +1,5 @@
 """The Triton kernels of executor/sparse/rank_triton.py (which documents them). Imported only where
-Triton is installed (by sparse_triton, on first use); under TRITON_INTERPRET=1 (set before Triton
+Triton is installed (by rank_triton, on first use); under TRITON_INTERPRET=1 (set before Triton
 is imported) they run in Triton's interpreter on CPU tensors, which is how the CPU tests run them. Shapes: q [U, G, D] float32; lo, hi [U, C, D]; codes [U, S, D*BITS/8]
 uint8; scores [U, G, S]; per-tile max/sum [U, G, n_tiles]; lse [U, G]; rank [U, S].
 The integer arguments that change from step to step (token counts, tile counts, the rank's row
@@ -54,8 +54,8 @@ def score_chunk(q_ptr, lo_ptr, hi_ptr, codes_ptr, s_ptr, m_ptr, l_ptr, S, n_tile
     hi = tl.load(hi_ptr + u * shi_u + c * shi_c + d).to(tl.float32)
     step = (hi - lo) / (1 << BITS)
     base = lo + 0.5 * step                                             # the centre of cell 0
-    # each channel loads its byte (read by its 8/BITS channels; the reads coalesce). Loading each
-    # byte once and splitting it by shifts ([T, D/per, per] reshaped) measured 1.9x slower.
+    # each channel loads its byte (read by its 8/BITS channels; the reads coalesce): faster than
+    # loading each byte once and splitting it by shifts ([T, D/per, per] reshaped)
     PER: tl.constexpr = 8 // BITS
     byte = tl.load(codes_ptr + u * sc_u + t[:, None] * sc_t + (d // PER)[None, :], mask=live[:, None], other=0)
     cell = ((byte.to(tl.int32) >> ((d % PER) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)   # [T, D]
@@ -133,7 +133,7 @@ def lse_rows(m_ptr, l_ptr, lse_ptr, n_tiles, BLOCK: tl.constexpr):
 
 @triton.jit(do_not_specialize=["S"])
 def share(s_ptr, lse_ptr, r_ptr, S, G: tl.constexpr, BLOCK: tl.constexpr, GB: tl.constexpr, SUM: tl.constexpr):
-    # each token's log group share; GB > 1 (dividing BLOCK): then sparse_sketch.block_share in the
+    # each token's log group share; GB > 1 (dividing BLOCK): then sketch.block_share in the
     # same kernel, per GB-token block the log of its summed share (SUM) or its best token's
     u = tl.program_id(0).to(tl.int64)   # 64-bit offsets: units x tokens x bytes can pass 2^31
     t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

@@ -1,5 +1,5 @@
 """LOSSY (`--sparse F`): the token ranking of executor/sparse/sketch.py as three Triton kernels, for
-the CUDA path. The same arithmetic as the torch path (`sparse_sketch.scores` then `group_share`):
+the CUDA path. The same arithmetic as the torch path (`sketch.scores` then `group_share`):
 each sealed token's key is rebuilt per channel from its code, k_hat = lo + (cell + 1/2) step with
 step = (hi - lo) / 2^bits of the token's chunk, scored s = (q / sqrt(D)) . k_hat in float32 for
 every query head of the unit's group, and ranked by the log of its share of the group's attention,
@@ -8,13 +8,13 @@ float32 results agree within rounding, not bit for bit), so near-ties may rank t
 
   score    grid (unit, token tile): reads the tile's packed codes once, rebuilds k_hat, writes the
            G scores per token and, per head, the tile's max and sum of exp (for the softmax);
-           `score_chunk` (the default) and `score_dot` (matrix products on the tensor cores:
-           measured no faster on the H200) sum the same terms with the chunk's range factored out.
+           `score_chunk` (the default) and `score_dot` (matrix products on the tensor cores, no
+           faster) sum the same terms with the chunk's range factored out.
   lse      grid (unit x head): combines the tiles' (max, sum) into each head's logsumexp over the
            tokens (`lse_rows`, one pass).
-  share    grid (unit, token tile): the log group share of each token (sparse_sketch.select then
+  share    grid (unit, token tile): the log group share of each token (sketch.select then
            ranks the unforced ones), or, with quantised blocks, goes on to each block's rank
-           (sparse_sketch.block_share), so sparse + int4 ranks blocks in the same three kernels.
+           (sketch.block_share), so sparse + int4 ranks blocks in the same three kernels.
 
 The kernels (executor/sparse/rank_kernels.py) are imported on first use, so CPU CI needs no
 Triton; on CPU tensors they run only in Triton's interpreter (TRITON_INTERPRET=1 set before Triton
@@ -30,11 +30,8 @@ import os
 import torch
 
 BLOCK_T = 64        # tokens per program of score/share: a [64, D] float32 key tile in registers
-SCORE_WARPS = 8     # warps per `score` ("token") program: ptxas (sm_90, Triton 3.9) gives 142 registers, no
-                    # spills, at D 128 (194 with 4 warps); benchmarks/sparse_score.py times other tilings
-CHUNK_WARPS = 2     # warps per `score_chunk` program: the fastest tiling of 64x2/64x4/64x8/32x2/32x4 at 32K,
-                    # 128K and 512K on the H200 (benchmarks/results/h200-2026-11-30-sparse-score-s5.json:
-                    # 0.130 / 0.340 / 0.950 ms against the token kernel's best 0.174 / 0.521 / 1.554)
+SCORE_WARPS = 8     # warps per `score` ("token") program: no register spills at D 128 (4 warps spill)
+CHUNK_WARPS = 2     # warps per `score_chunk` program: the fastest of the tilings timed (docs/PERFORMANCE.md)
 BLOCK_LSE = 256     # tiles per iteration of lse_rows' loop
 DOT_WARPS = 4       # warps per `score_dot` program
 BLOCK_SEL = 1024    # tokens per program of sel_count/sel_write/radix_hist
@@ -67,11 +64,11 @@ def rank(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tenso
          with_scores: bool = False, block: int = BLOCK_T, warps: int | None = None, kernel: str = SCORE_KERNEL,
          blocks: int = 1, how: str = "sum"):
     """The ranking [..., S] float32 of the S sealed tokens (codes [..., S, D*bits/8], summaries lo,
-    hi [..., S/chunk, D], queries q [..., G, D]): the log group share (`sparse_sketch.group_share` of
-    `sparse_sketch.scores`, summed in another order). CUDA tensors: compiled kernels; CPU tensors: interpreted.
+    hi [..., S/chunk, D], queries q [..., G, D]): the log group share (`sketch.group_share` of
+    `sketch.scores`, summed in another order). CUDA tensors: compiled kernels; CPU tensors: interpreted.
     `with_scores`: also the float32 scores [..., G, S] (for the tests); `block`, `warps`: the score
-    kernel's tokens per program (a power of two) and warps (None: the kernel's default; for
-    benchmarks/sparse_score.py);
+    kernel's tokens per program (a power of two) and warps (None: the kernel's default; other
+    values time other tilings);
     `kernel`: "token" rebuilds each token's key k_hat from a [block, D] tile of its chunk's lo and hi
     (`score`); "chunk" (`score_chunk`) loads the chunk's lo, hi once and scores
     q . (lo + step/2) + sum cell (q step), with block cut to the chunk where it is larger (a tile
@@ -79,7 +76,7 @@ def rank(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tenso
     terms as matrix products on the tensor cores (3xTF32), where the tile and a token's code bytes
     are at least 16 wide (else "chunk" runs). They round differently.
     `blocks` > 1: the rank of each whole `blocks`-token block instead ([..., S / blocks]:
-    sparse_sketch.block_share's `how`, "sum" or "max", in the share kernel)."""
+    sketch.block_share's `how`, "sum" or "max", in the share kernel)."""
     lead, (G, D), S = q.shape[:-2], q.shape[-2:], codes.shape[-2]
     C = lo.shape[-2]
     if codes.shape[:-2] != lead or lo.shape[:-2] != lead or hi.shape != lo.shape or lo.shape[-1] != D:
@@ -93,7 +90,7 @@ def rank(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tenso
         got = rank(q, lo, hi, codes, bits, with_scores, block, warps, kernel)
         return ((block_share(got[0], blocks, how), got[1]) if with_scores else block_share(got, blocks, how))
     U, dev = math.prod(lead), q.device
-    qf = (q.float() / math.sqrt(D)).reshape(U, G, D).contiguous()      # as sparse_sketch.scores scales it
+    qf = (q.float() / math.sqrt(D)).reshape(U, G, D).contiguous()      # as sketch.scores scales it
     lo3, hi3, c3 = lo.reshape(U, C, D), hi.reshape(U, C, D), codes.reshape(U, S, -1)
     if lo3.stride(-1) != 1 or hi3.stride(-1) != 1 or c3.stride(-1) != 1:
         lo3, hi3, c3 = lo3.contiguous(), hi3.contiguous(), c3.contiguous()
@@ -132,8 +129,8 @@ def threshold(rank: torch.Tensor, h0: int, h1: int, room: int, prm: torch.Tensor
     pass from the top of the float's order-preserving 32-bit key: per pass, radix_hist counts the
     next digit of the tokens whose higher digits match the ones decided (a histogram per 1024-token
     tile, added atomically per row), radix_pick takes the digit where the `room`-th largest falls.
-    Four passes of 2 kernels plus a zeroed histogram, against torch.topk's multi-pass select (0.11 ms
-    at 128K x 8 on the H200). `prm` (int64 [5] on the device: prefix, h0, h1, room, n): the kernels
+    Four passes of 2 kernels plus a zeroed histogram, fewer launches than torch.topk's multi-pass
+    select. `prm` (int64 [5] on the device: prefix, h0, h1, room, n): the kernels
     read h0, h1 and room from it (a replayed graph's step) and the host's h0, h1 only size the grid
     (their range must be at least as wide as the device's)."""
     from kvpipe.executor.sparse.rank_kernels import radix_hist, radix_pick
@@ -156,7 +153,7 @@ def threshold(rank: torch.Tensor, h0: int, h1: int, room: int, prm: torch.Tensor
 
 def select(rank: torch.Tensor, prefix: int, budget: int, sink: int, recent: int, radix: bool = True,
            sel_tiles: int = SEL_TILES) -> torch.Tensor:
-    """`sparse_sketch.select` (the same tokens: forced ones, then the best-ranked, ties to the
+    """`sketch.select` (the same tokens: forced ones, then the best-ranked, ties to the
     lower index, [..., N] int64 ascending) without torch's sort or topk and with its compaction in
     two Triton kernels instead of ~17 torch ops: `threshold` gives the threshold v; sel_count counts, per 1024-token tile, the
     tokens ranked above v, tied with v, and forced; sel_write turns the counts into each tile's
@@ -165,11 +162,11 @@ def select(rank: torch.Tensor, prefix: int, budget: int, sink: int, recent: int,
     sync) and writes the kept tokens there in token order. rank [..., sealed] float32 contiguous, CUDA (or CPU
     under TRITON_INTERPRET=1). `radix` False: the threshold from torch.topk instead;
     `sel_tiles` (a power of two): tile counts per iteration of sel_write's loop (tests shrink it)."""
-    from kvpipe.executor.sparse import sketch as sparse_sketch
+    from kvpipe.executor.sparse import sketch
     sealed = rank.shape[-1]
-    if not sparse_sketch.ranks(prefix, sealed, budget, sink, recent):
-        return sparse_sketch.select(rank, prefix, budget, sink, recent)    # forced only, or F = 1
-    n, room, h0, h1 = sparse_sketch.split(prefix, sealed, budget, sink, recent)
+    if not sketch.ranks(prefix, sealed, budget, sink, recent):
+        return sketch.select(rank, prefix, budget, sink, recent)    # forced only, or F = 1
+    n, room, h0, h1 = sketch.split(prefix, sealed, budget, sink, recent)
     lead, dev = rank.shape[:-1], rank.device
     _interpretable(dev, "select")
     U = math.prod(lead)
@@ -186,7 +183,7 @@ def select(rank: torch.Tensor, prefix: int, budget: int, sink: int, recent: int,
 def select_static(rank: torch.Tensor, prm: torch.Tensor, prefix_max: int, h0_min: int, h1_max: int,
                   n_max: int, sel_tiles: int = SEL_TILES, out: torch.Tensor | None = None) -> torch.Tensor:
     """`select` for a replayed graph: the step's counts are read on the device from prm (int64 [5]:
-    prefix, h0, h1, room, n, as sparse_sketch.split gives them; `ranks` must hold), so one capture
+    prefix, h0, h1, room, n, as sketch.split gives them; `ranks` must hold), so one capture
     serves every step whose counts lie within the fixed shapes: prefix <= prefix_max, [h0, h1]
     within [h0_min, h1_max], n <= n_max. Returns [..., n_max] int64: the step's n tokens ascending
     (the same ones `select` picks), then zeros (valid rows that a gather may read and nothing
@@ -214,7 +211,7 @@ def rank_select_static(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, code
     `piece` at a time, the i-th piece's CUDA event events[i] recorded once its rows are written
     (ceil(U / piece) of them), so a consumer of a piece's rows may start while the next pieces
     are ranked: the same kernels over fewer units' rows compute the same values, so the same
-    selection (a replayed step, executor/sparse_homes.select_static)."""
+    selection (a replayed step, SparseHomes.select_static)."""
     fixed = (prm, prefix_max, h0_min, h1_max, n_max)
     if not piece:
         return select_static(rank(q, lo, hi, codes, bits, blocks=blocks, how=how), *fixed)

@@ -9,7 +9,7 @@ HEURISTIC, not a bound), and fetches the sink, the recent window, the unsealed t
 best-ranked tokens, `budget` tokens in all. Nothing of the selection crosses PCIe: the sketch is
 made on the GPU from K the GPU already holds when the token is stored, so a step moves exactly the
 selected tokens' K/V. Why token level: on the needle set even an oracle over 8-token chunks recalls
-only 0.932 of the attention mass at 20% of tokens, the token oracle 0.963 (benchmarks/lossy_error.py).
+less of the attention mass at a given fraction of tokens than the token oracle (docs/PERFORMANCE.md).
 
 Tensors: keys [..., S, D]; chunk summaries lo, hi [..., C, D] (C = S / chunk, S a whole number of
 chunks); codes [..., S, D * bits / 8] uint8 (channel 4i+j of a byte's 2-bit codes at bits 2j);
