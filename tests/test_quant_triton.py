@@ -210,3 +210,16 @@ def test_a_cuda_sparse_int4_store_decodes_its_window_by_the_triton_kernel(tiny_m
     assert paths["window_kernel"] == "triton"
     assert paths["window"] == want["window"] > 0 and paths["eager"] == 0
     assert paths["stage_compiles"] == paths["stage_compile_failures"] == 0
+
+
+def test_compiled_variants_reads_the_kernels_module_it_imports(monkeypatch):
+    # Fault caught: compiled_variants looking up the kernels module under another name than the one
+    # decode_window imports (it then counts 0 forever and a compile inside a dequant stage goes unseen).
+    name = f"{quant_triton.__package__}.dequant_kernels"
+    assert importlib.util.find_spec(name) is not None
+
+    class Kernel:
+        device_caches = {0: ({"a": 1, "b": 2},)}
+    monkeypatch.setitem(sys.modules, name, type(sys)("fake"))
+    sys.modules[name].decode_records = Kernel()
+    assert quant_triton.compiled_variants() == 2
