@@ -12,23 +12,17 @@ import math
 from dataclasses import dataclass
 
 QUANT_BITS = {"int8": 8, "int4": 4}
-# Default values per scale/zero-point. int4: group 32 is the largest group within 1e-1 mean
-# attention-output error on the needle set (benchmarks/results/lossy-error-2026-11-30-quant.json,
-# executor layout with V groups as wide as the group: 16 -> 0.072, 32 -> 0.085, 64 -> 0.102,
-# 128 -> 0.122). The random-weights probe misses 1e-1 at every group >= 16 (0.105 at 16, 0.125 at
-# 32 in that layout; 0.129 at 32 with V groups of 64): its scores spread ~1.6 logits, which
-# multiplies K's error; int4 cannot meet it.
+# Default values per scale/zero-point. int4: group 32, the largest group within 1e-1 mean
+# attention-output error on the needle set (figures: docs/PERFORMANCE.md).
 DEFAULT_GROUP = {"int8": 64, "int4": 32}
 # Channels per V group (V is grouped along its channels, per token; K along the block's tokens, per
-# channel). int4: 64, where V's scale bytes halve (152 bytes a token and head against 160: the
-# ceiling at the PCIe floor goes from 3.20x to 3.37x) and the needle-set error stays within 1e-1:
-# V groups of 32 channels 0.0846, 64 -> 0.0953, 128 -> 0.106 (benchmarks/results/lossy-error-2026-11-30-vgroup.json,
-# its command inside). Elsewhere the group.
+# channel). int4: 64, where V's scale bytes halve (152 bytes a token and head against 160) and the
+# needle-set error stays within 1e-1. Elsewhere the group.
 DEFAULT_VGROUP = {"int4": 64}
 META_BYTES = 2     # scale and zero-point (the group minimum) are float16 each
 SKETCH_BITS = (2, 4, 8)   # bits per key channel of the GPU token sketch (executor/sparse/sketch.py)
-# The score stage with the sketch on CUDA: the three Triton calls of executor/sparse_triton.rank,
-# then sparse_triton.select: the threshold by a radix select (2 zeroed buffers and a fill, then 4
+# The score stage with the sketch on CUDA: the three Triton calls of executor/sparse/rank_triton.rank,
+# then rank_triton.select: the threshold by a radix select (2 zeroed buffers and a fill, then 4
 # passes of 2 kernels) and two compaction kernels (count per tile, write in token order). Bytes a
 # sealed token, per unit: the radix passes read its float32 rank 4 times, the two compaction
 # kernels twice more, and at most one int64 index is written. Counted from the code, not fitted.
@@ -37,25 +31,23 @@ SELECT_KERNELS = 3 + 4 * 2 + 2
 SELECT_BYTES_PER_TOKEN = 4 * 4 + 2 * 4 + 8
 # Kernels the executor's `quant` stage issues per layer (executor/quant/store.py QuantHomes.encode): the
 # new K/V joins the exact tail (a cat and a copy), and where a block fills, BlockCodec.encode
-# quantises it (68 small kernels, counted by executor/op_inventory.Recorder on CPU, torch 2.13).
+# quantises it (small kernels counted by executor/calibrate/op_inventory.py's recorder on CPU).
 QUANT_TAIL_OPS = 2
 QUANT_ENCODE_OPS = 68
 # Sparse with quantisation: a block's rank from its tokens' log shares, "sum" (logsumexp: the block's
-# estimated share of the group's attention) or "max" (its best token). Measured on the needle set
-# (benchmarks/lossy_error.py, sparse+int4 rows); see BLOCK_RANK_SOURCE in pipeline/lossy_measured.py.
+# estimated share of the group's attention) or "max" (its best token); "sum" has the lower
+# needle-set error (pipeline/lossy_measured.py SPARSE_QUANT_MEASURED).
 BLOCK_RANKS = ("sum", "max")
 BLOCK_RANK = "sum"
 # A replayed sparse step ranks and selects a layer's offloaded units PIPE_UNITS at a time, so the
 # gathers of the first units start while the next are ranked (executor/replay/device_step.py `_score`,
-# pipeline/cost.unit_pipelined). On the H200 (Llama-3-8B, 128K, int4, 4 layers) one unit at a time
-# made the selection, ~133 us a unit of mostly kernel latencies, slower than the 81 us gather it
-# fed; a pair's selection (~110 us) stays under its two gathers (~160 us). Only where a step
-# selects quantised blocks (the builder's Stage.pieces): sparse alone, over tokens, measured no
-# faster pipelined (91.6 ms/token at 128K against 88.7 before; its pieces' score kernels run
-# beside a 4x longer gather)
+# pipeline/cost.unit_pipelined): one unit at a time, the selection (mostly kernel latencies) is
+# slower than the gather it feeds; a pair's stays under its two gathers. Only where a step selects
+# quantised blocks (the builder's Stage.pieces): sparse alone, over tokens, is no faster pipelined
+# (its pieces' score kernels run beside a longer gather).
 PIPE_UNITS = 2
 BLOCK_RANK_OPS = 1          # the block ranking's calls: one logsumexp (or amax) over a free reshape
-                            # (executor/sparse_sketch.block_share; op_inventory counts 1)
+                            # (executor/sparse/sketch.block_share; op_inventory counts 1)
 
 
 @dataclass(frozen=True)
@@ -136,7 +128,7 @@ class LossySpec:
 
     def block_args(self, prefix: int) -> tuple[int, int, int, int, int]:
         """Sparse with quantisation: the selection over `group`-token blocks of a `prefix`-token
-        cache as (blocks, sealed, budget, sink, recent), all in blocks, for sparse_sketch.select's
+        cache as (blocks, sealed, budget, sink, recent), all in blocks, for sketch.select's
         rule: the full blocks (stored as records; the tokens past them are the exact tail, on the
         GPU, always attended), those whose tokens are all sketched (the rest are forced), the
         budget (the token budget ceil(sparse * prefix) less the tail, in blocks, rounded up), and
@@ -149,7 +141,7 @@ class LossySpec:
         return nb, sealed, budget, -(-self.sink // g), recent
 
     def fetched_blocks(self, prefix: int) -> int:
-        """Sparse with quantisation: the blocks (records) one step fetches, sparse_sketch.count's
+        """Sparse with quantisation: the blocks (records) one step fetches, sketch.count's
         rule over `block_args`: the budget, or the forced blocks where they alone are more."""
         nb, sealed, budget, sink, recent = self.block_args(prefix)
         head, tail = min(sink, nb), min(max(0, nb - recent), sealed)

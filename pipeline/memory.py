@@ -16,15 +16,10 @@ from .workload import Workload
 FP32 = 4
 
 # The CUDA caching allocator's allowance: GPU bytes a plan must leave unused under the budget, so
-# that it "fits" only with headroom for the allocator's fragmentation and the memory model's error.
-# Derived from the H200 runs at a 24.0 GB cap (benchmarks/README.md): sim_check's
-# 128k-g2-some-c16k, predicted at 23.98 GB (20 MB under the cap), ran out of memory with 110 MiB
-# reserved by the allocator but unallocated (results/h200-2026-11-30-sim_check-s4.json and -s5),
-# and the regret rows' measured peaks were within 0.12% of their predictions (28 MiB at 24 GB).
-# A plan so needs about 110 MiB + 0.12% of the budget, 138 MiB at 24 GB: the floor is about twice
-# that; the percentage, which takes over above a 25 GiB budget (1.4 GiB of the h200 profile's
-# 140.4 GiB), is eight times the model's error, so the allowance grows with the budget (an
-# assumption: no run above a 24 GB cap has measured the allocator's slack).
+# that it "fits" only with headroom for the allocator's fragmentation and the memory model's error:
+# the floor is about twice the fragmentation plus model error measured at a 24 GB cap; the
+# percentage, which takes over above a 25 GiB budget, is eight times the model's error, so the
+# allowance grows with the budget (an assumption above 24 GB; evidence: docs/PERFORMANCE.md).
 ALLOCATOR_FLOOR_BYTES = 256 * 2**20
 ALLOCATOR_PERCENT = 1
 
@@ -192,5 +187,5 @@ def h2d_codec_bytes(m: ModelSpec, work: Workload, plan: Plan, host_units: int) -
     the exact tail of every host unit (a block not yet full)."""
     from .codecs import H2D_BLOCK_TOKENS
     group = max(plan.prefill.group, plan.decode.group)
-    tail = min(H2D_BLOCK_TOKENS, plan.prefill.chunk, work.context, work.kv_capacity)   # cstore's block
+    tail = min(H2D_BLOCK_TOKENS, plan.prefill.chunk, work.context, work.kv_capacity)   # h2d_store's block
     return slot_bytes(m, work, group) + host_units * work.batch * tail * m.kv_unit_bytes_per_token

@@ -102,7 +102,7 @@ def stage_costs(model, device: str, context: int = 2048, chunk: int = 512, decod
     `host_stage_costs` record: `per_kind`, the median `Span.host_s` per (phase, tag, kind, ops,
     small_ops) group; `runs`, per plan the whole run's wall and summed host seconds and, per phase,
     its host wall (first issue to the end of the last), its stages' summed host seconds and count;
-    `fits`, least squares of host_s = a + b * ops over each phase's stages (kept as before)."""
+    `fits`, least squares of host_s = a + b * ops over each phase's stages (kept in the record)."""
     import time
 
     from kvpipe.executor.layers.adapter import HFAdapter

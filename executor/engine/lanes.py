@@ -86,9 +86,9 @@ class CudaStreams:
     def release(self) -> None:
         """Free what torch keeps per stream after the streams are gone: cuBLAS holds a workspace
         (32 MiB on Hopper) per (handle, stream) in the caching allocator and never frees it, so
-        every run's new compute stream left one behind, counted as allocated by the next run in
-        the same process (64 MiB a row in a benchmark: a warm-up's stream and the run's). Freed
-        here after the lanes synchronised; the next GEMM on a live stream makes its own again."""
+        every run's new compute stream would leave one behind, counted as allocated by the next
+        run in the same process. Freed here after the lanes synchronised; the next GEMM on a live
+        stream makes its own again."""
         clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
         if clear is not None:
             clear()

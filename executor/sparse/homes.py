@@ -70,7 +70,7 @@ class SparseHomes:
             raise ValueError(f"sparse: with --lossy the quantisation group ({lo.quant_group} tokens) must divide "
                              f"the sketch's chunk ({spec.chunk} tokens)")
         if lo.h2d_codec != "none":
-            raise ValueError("sparse: kvpipe run cannot combine --sparse with an h2d codec yet (compressed homes)")
+            raise ValueError("sparse: kvpipe run cannot combine --sparse with an h2d codec (compressed homes)")
         if any(lo.disk):
             raise ValueError("sparse: kvpipe run's sparse decode needs every offloaded unit in host RAM "
                              "(no disk units); use --disk 0")
