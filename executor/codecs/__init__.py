@@ -1,6 +1,7 @@
-"""Codec implementations, one file each, looked up by the names of `pipeline.codecs.REGISTRY`.
-A codec turns one block of raw K/V bytes (elements of `elem` bytes) into a self-describing frame
-and back, bit for bit; `load(name)` imports it only when a plan uses it."""
+"""Lossless K/V codecs, one file each, looked up by the names of `pipeline.codecs.REGISTRY`, and the
+compressed host homes of the h2d link's GPU codec (h2d_store.py). A CPU codec turns one block of
+raw K/V bytes (elements of `elem` bytes) into a self-describing frame and back, bit for bit;
+`load(name)` imports it only when a plan uses it."""
 from __future__ import annotations
 
 import importlib

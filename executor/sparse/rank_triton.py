@@ -33,7 +33,6 @@ BLOCK_T = 64        # tokens per program of score/share: a [64, D] float32 key t
 SCORE_WARPS = 8     # warps per `score` ("token") program: no register spills at D 128 (4 warps spill)
 CHUNK_WARPS = 2     # warps per `score_chunk` program: the fastest of the tilings timed (docs/PERFORMANCE.md)
 BLOCK_LSE = 256     # tiles per iteration of lse_rows' loop
-DOT_WARPS = 4       # warps per `score_dot` program
 BLOCK_SEL = 1024    # tokens per program of sel_count/sel_write/radix_hist
 SEL_TILES = 256     # tile counts sel_write reads per iteration (fixed: no recompile as the cache grows)
 SCORE_KERNEL = "chunk"   # rank's score kernel: "chunk" (the chunk's range factored out), "dot" (the same on tensor cores) or "token"
@@ -98,18 +97,8 @@ def rank(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tenso
     lse = torch.empty(U, G, dtype=torch.float32, device=dev)
     out = torch.empty(U, S // blocks, dtype=torch.float32, device=dev)
     _interpretable(dev, "rank")
-    from kvpipe.executor.sparse.rank_kernels import lse_rows, score as score_k, score_chunk, score_dot, share
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel: must be one of {', '.join(KERNELS)}, got {kernel!r}")
-    chunk = S // C
-    extra = {}
-    if kernel == "dot" and (chunk & (chunk - 1) or min(block, chunk) < 16 or D * bits // 8 < 16):
-        kernel = "chunk"      # tl.dot needs 16-wide tiles: a small chunk or few code bytes a token
-    if kernel in ("chunk", "dot") and chunk & (chunk - 1) == 0:
-        score_k, block, warps = score_chunk, min(block, chunk), warps or CHUNK_WARPS
-        if kernel == "dot":
-            score_k, warps, extra = score_dot, warps or DOT_WARPS, dict(GP=max(16, triton_pow2(G)))
-    warps = warps or SCORE_WARPS
+    from kvpipe.executor.sparse.rank_kernels import lse_rows, share
+    score_k, block, warps, extra = _score_kernel(kernel, S // C, block, warps, G, D, bits)
     n_tiles = -(-S // block)
     m = torch.empty(U, G, n_tiles, dtype=torch.float32, device=dev)
     lsum = torch.empty_like(m)
@@ -121,6 +110,22 @@ def rank(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tenso
     share[(U, -(-S // bs))](s, lse, out, S, G=G, BLOCK=bs, GB=blocks, SUM=how == "sum")
     out = out.reshape(*lead, S // blocks)
     return (out, s.reshape(*lead, G, S)) if with_scores else out
+
+
+def _score_kernel(kernel: str, chunk: int, block: int, warps: int | None, G: int, D: int, bits: int):
+    """(the score kernel, tokens per program, warps, extra constexprs) that `rank`'s `kernel`
+    runs for this chunk and tile (see `rank`: "dot" and "chunk" fall back where they cannot)."""
+    from kvpipe.executor.sparse.rank_kernels import score, score_chunk, score_dot
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel: must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    if kernel == "dot" and (chunk & (chunk - 1) or min(block, chunk) < 16 or D * bits // 8 < 16):
+        kernel = "chunk"      # tl.dot needs 16-wide tiles: a small chunk or few code bytes a token
+    if kernel in ("chunk", "dot") and chunk & (chunk - 1) == 0:
+        if kernel == "dot":
+            # with score_chunk's warps: the dot kernel's tiling was never tuned apart
+            return score_dot, min(block, chunk), warps or CHUNK_WARPS, dict(GP=max(16, triton_pow2(G)))
+        return score_chunk, min(block, chunk), warps or CHUNK_WARPS, {}
+    return score, block, warps or SCORE_WARPS, {}
 
 
 def threshold(rank: torch.Tensor, h0: int, h1: int, room: int, prm: torch.Tensor | None = None) -> torch.Tensor:
