@@ -57,9 +57,8 @@ class LossySpec:
     (0, 1], `sink` first tokens and the `recent` last tokens always included. `sketch`: bits per
     key channel of a token-level key sketch kept on the GPU within the per-channel min/max of
     `chunk`-token chunks (executor/sparse/sketch.py); each step scores every token from it and
-    fetches the best tokens, so nothing of the selection crosses the link. `leaf` is read by no
-    code: it stays only as a field of the plan JSON. `error` is a measured error to report (e.g.
-    {"attn_rel_err": ...}), or None where nothing was measured."""
+    fetches the best tokens, so nothing of the selection crosses the link. `error` is a measured
+    error to report (e.g. {"attn_rel_err": ...}), or None where nothing was measured."""
 
     quant: str | None = None
     group: int | None = None
@@ -68,7 +67,6 @@ class LossySpec:
     chunk: int = 64
     sink: int = 64
     recent: int = 256
-    leaf: int | None = 8
     sketch: int = 2
     error: tuple[tuple[str, float], ...] | None = None
     basis: str | None = None     # why the planner picked it (--max-error: the budget, the measured
@@ -87,8 +85,6 @@ class LossySpec:
             v = getattr(self, f)
             if not isinstance(v, int) or v <= 0 or v % 2:
                 raise ValueError(f"{f}: must be a positive even integer, got {v!r}")
-        if self.leaf is not None and (not isinstance(self.leaf, int) or self.leaf <= 0 or self.chunk % self.leaf):
-            raise ValueError(f"leaf: must divide chunk {self.chunk}, got {self.leaf!r}")
         if self.sketch not in SKETCH_BITS:
             raise ValueError(f"sketch: bits must be one of {SKETCH_BITS}, got {self.sketch!r}")
         for f in ("sink", "recent"):
@@ -265,7 +261,6 @@ class LossySpec:
                 "chunk": self.chunk if self.sparse is not None else None,
                 "sink": self.sink if self.sparse is not None else None,
                 "recent": self.recent if self.sparse is not None else None,
-                "leaf": self.leaf if self.sparse is not None else None,
                 "sketch": self.sketch if self.sparse is not None else None,
                 "measured_error": dict(self.error) if self.error else None,
                 **({"basis": self.basis} if self.basis else {})}
@@ -274,10 +269,8 @@ class LossySpec:
     def from_json(cls, obj: dict | None) -> "LossySpec | None":
         if obj is None:
             return None
-        keep = {k: obj[k] for k in ("quant", "group", "vgroup", "sparse", "chunk", "sink", "recent", "leaf", "sketch",
-                                    "basis")
+        keep = {k: obj[k] for k in ("quant", "group", "vgroup", "sparse", "chunk", "sink", "recent", "sketch", "basis")
                 # a null sketch on a sparse plan is passed on, so the spec refuses it by name
-                if k in obj and (obj[k] is not None or k == "leaf"
-                                 or (k == "sketch" and obj.get("sparse") is not None))}
+                if k in obj and (obj[k] is not None or (k == "sketch" and obj.get("sparse") is not None))}
         err = obj.get("measured_error")
         return cls(**keep, error=tuple(sorted(err.items())) if err else None)

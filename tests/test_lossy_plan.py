@@ -29,12 +29,12 @@ def _plan(lossy=None, resident=0, group=8, chunk=2048):
 
 @pytest.mark.parametrize("kw,field", [({"quant": "int3"}, "lossy"), ({"sparse": 0.0}, "sparse"),
                                       ({"sparse": 1.5}, "sparse"), ({"quant": "int8", "group": 3}, "group"),
-                                      ({"sparse": 0.2, "leaf": 7}, "leaf"), ({}, "lossy"),
+                                      ({}, "lossy"),
                                       ({"sparse": 0.2, "sink": -1}, "sink"),
                                       ({"sparse": 0.2, "sketch": None}, "sketch")])
 def test_bad_specs_raise_naming_the_field(kw, field):
-    # Fault caught: a spec that silently accepts nonsense (int3, fractions outside (0, 1], a leaf
-    # that does not nest in the chunk, a sparse selection without the sketch the executor runs) or
+    # Fault caught: a spec that silently accepts nonsense (int3, fractions outside (0, 1], a sparse
+    # selection without the sketch the executor runs) or
     # an empty "lossy" spec that is in fact exact.
     with pytest.raises(ValueError, match=field):
         LossySpec(**kw)
