@@ -305,7 +305,7 @@ def main() -> None:
         print(f"sim_check: warm-row: unknown row {args.warm_row!r}", file=sys.stderr)
         sys.exit(2)
     if args.baselines:
-        from benchmarks.sim_baselines import main as baselines
+        from experiments.sim_baselines import main as baselines
         return baselines()
     if args.measure:
         out = Path(args.measure)

@@ -5,8 +5,8 @@ replay (a kernel launched by a graph carries its cudaGraphLaunch's correlation i
 kernel name and stream its calls and microseconds a step (mean of the last 3 replays) and the
 last replay's kernel timeline (name, stream, start, duration in us from the step's first kernel).
 
-  python -m benchmarks.replay_kernels --context 128K --group 8 --lossy int4 --sparse 0.2   # H200
-  python -m benchmarks.replay_kernels --context 512K --group 8 --lossy int4 --sparse 0.2
+  python -m experiments.replay_kernels --context 128K --group 8 --lossy int4 --sparse 0.2   # H200
+  python -m experiments.replay_kernels --context 512K --group 8 --lossy int4 --sparse 0.2
 
 How the ninth session found the replayed sparse + int4 step's costs (benchmarks/README.md): the
 gather at the PCIe floor, the compiled dequantise 8x its HBM traffic, the attention's FA2 splits
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                 for e in last]
     tag = f"{args.context}-g{args.group}-{args.lossy or 'exact'}-{args.sparse or 'dense'}"
     path = Path(args.out) if args.out else RESULTS / f"replay-kernels-{tag}-{datetime.date.today()}.json.gz"
-    doc = {"command": " ".join([sys.executable, "-m", "benchmarks.replay_kernels", *(argv or sys.argv[1:])]),
+    doc = {"command": " ".join([sys.executable, "-m", "experiments.replay_kernels", *(argv or sys.argv[1:])]),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "device": torch.cuda.get_device_name(), "row": row, "last_step": timeline}
     with gzip.open(path, "wt") as f:

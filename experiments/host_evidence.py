@@ -3,7 +3,7 @@ the H200 sim_check rows of one session predicted with the host issue figures of 
 records from OTHER device calls (which record belongs to the rows' host is unknown: this shows the
 direction, not a validation), and the records' whole-run walls against their per-stage sums.
 
-  python -m benchmarks.host_evidence [--rows SIM_CHECK.json] [--records A.json,B.json] [--out OUT.json]
+  python -m experiments.host_evidence [--rows SIM_CHECK.json] [--records A.json,B.json] [--out OUT.json]
 
 Records written before the probe kept `small_ops` per group lack it: it is
 rebuilt here from the probe's own graphs (executor/issue_probe PROBE_CONFIG / PROBE_PLANS, the
@@ -95,7 +95,7 @@ DIAG = RESULTS / "h200-2026-11-30-diag-prefill-s4.json"
 
 
 def diag_gaps(path: Path = DIAG) -> dict[str, dict]:
-    """Diagnosis (nothing fitted): in each 32-layer row of a `benchmarks.diag` record, the prefill's
+    """Diagnosis (nothing fitted): in each 32-layer row of a `experiments.diag` record, the prefill's
     measured seconds beside its stages' summed issue seconds (`host_s`, cuDNN plan builds included)
     and the excess per stage: where the host binds, the gap between issues in the real rows."""
     doc = json.loads(path.read_text())
@@ -148,7 +148,7 @@ def main() -> None:
     rows = json.loads(Path(args.rows).read_text())
     base, label = sc.profile(args.hw, rows)
     variants: dict[str, dict] = {"profile": {}}
-    out = {"command": "python -m benchmarks.host_evidence " + " ".join(sys.argv[1:]),
+    out = {"command": "python -m experiments.host_evidence " + " ".join(sys.argv[1:]),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "rows_file": args.rows, "base_profile": label, "records": {}, "rows": {}}
     for path in args.records.split(","):

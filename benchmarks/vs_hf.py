@@ -1,13 +1,13 @@
-"""kvpipe against Hugging Face's baselines on the H200 test machine, everything measured in one
-invocation, Llama-3-8B shapes with random bf16 weights, batch 1, kvpipe capped at a 24 GB GPU.
+"""kvpipe against Hugging Face's baselines and the PCIe floor, everything measured in one
+invocation: Llama-3-8B shapes with random bf16 weights, batch 1, kvpipe capped at a 24 GB GPU.
 
-  python -m benchmarks.h200 128k   # link floor, HF all-on-GPU and HF layer-wise offload, kvpipe
-  python -m benchmarks.h200 512k   # the longest context under 24 GB with host RAM alone
-  python -m benchmarks.h200 all    # both, in one invocation
+  python -m benchmarks.vs_hf 128k   # link floor, HF all-on-GPU and HF layer-wise offload, kvpipe
+  python -m benchmarks.vs_hf 512k   # the longest context under 24 GB with host RAM alone
+  python -m benchmarks.vs_hf all    # both, in one invocation
 
 Each measurement runs in its own process (clean peak-memory counters). Results, with the command,
 the date and the ratios to the floor / to HF measured in the same run, go to
-benchmarks/results/h200-<stage>.json (or --out)."""
+benchmarks/results/<machine>-<date>-vs-hf-<stage>.json (or --out)."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +18,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from benchmarks.result_file import result_file
 
 GPU_BUDGET = "24GB"
 KV_BYTES_PER_TOKEN = 131072  # Llama-3-8B bf16: 32 layers x 8 KV heads x 2 x 128 x 2 bytes
@@ -119,10 +121,10 @@ def main() -> None:
     ap.add_argument("stage", choices=["128k", "512k", "all"])
     ap.add_argument("--out")
     args = ap.parse_args()
-    res = {"command": "python -m benchmarks.h200 " + args.stage,
+    res = {"command": "python -m benchmarks.vs_hf " + args.stage,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "gpu_budget": GPU_BUDGET}
-    out = Path(args.out or f"benchmarks/results/h200-{args.stage}.json")
+    out = Path(args.out or result_file(f"vs-hf-{args.stage}", "cuda"))
     out.parent.mkdir(parents=True, exist_ok=True)
     save = lambda: out.write_text(json.dumps(res, indent=2))   # after every measurement: a timeout keeps the rest
     stages = {"128k": [stage_128k], "512k": [stage_512k], "all": [stage_128k, stage_512k]}[args.stage]

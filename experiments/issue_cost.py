@@ -2,7 +2,7 @@
 to the regimes rows): the numbers behind `host_issue_s_per_stage`, `host_issue_s_per_op`,
 `graph_replay_s` and `graph_node_s` in hw_profiles/*.toml.
 
-  python -m benchmarks.issue_cost      # on a GPU; prints a table last, JSON to benchmarks/results/
+  python -m experiments.issue_cost      # on a GPU; prints a table last, JSON to benchmarks/results/
 
 1. Eager issue: a 2-layer model with Llama-3-8B layer shapes and a 1024-token vocabulary decodes
    16 steps under four plans (groups 1 and 8, all resident or none). Its GPU work per step is a
@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import torch
-    res = {"command": "python -m benchmarks.issue_cost",
+    res = {"command": "python -m experiments.issue_cost",
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "device": torch.cuda.get_device_name(), "torch": torch.__version__}
     res["eager"] = run_plans("off")

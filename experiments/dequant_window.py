@@ -5,8 +5,8 @@ groups of 64 channels) and int8 (group 64); with the pre-fix compiled call (the 
 an input of the compiled region: every call rewrote all of it) as a reference row, and K and V
 written as two copies into their halves (the alternative to the one stacked copy).
 
-  python -m benchmarks.dequant_window                    # Llama-3-8B at 128K, 4 decode tokens, F = 0.2
-  python -m benchmarks.dequant_window --context 512K --out /tmp/dw.json
+  python -m experiments.dequant_window                    # Llama-3-8B at 128K, 4 decode tokens, F = 0.2
+  python -m experiments.dequant_window --context 512K --out /tmp/dw.json
 
 Shapes as `kvpipe run --model llama-3-8b --context 128K --decode-tokens 4 --group 8 --resident none`
 has them: one byte slot of 8 KV heads x (capacity // group) records, the exact slot [1, 8, capacity,
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     rates = {"hbm_bytes_per_s": hw.hbm_eff_bytes_per_s,
              "modelled_bytes_per_s": hw.hbm_eff_bytes_per_s * hw.elementwise_efficiency}
     capacity = parse_tokens(args.context) + args.decode_tokens
-    res = {"command": "python -m benchmarks.dequant_window " + " ".join(argv if argv is not None else sys.argv[1:]),
+    res = {"command": "python -m experiments.dequant_window " + " ".join(argv if argv is not None else sys.argv[1:]),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "capacity": capacity,
            "fraction": args.fraction, "profile": {"name": hw.name, **rates},

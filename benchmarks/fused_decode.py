@@ -1,5 +1,5 @@
-"""Fused decode at its default (`--fuse auto`) against `--fuse off` (executor/layers/fused.py), issue 8's
-rows: Llama-3-8B shapes, random bf16 weights, group 8, decode steps replayed as CUDA graphs,
+"""Fused decode at its default (`--fuse auto`) against `--fuse off` (executor/layers/fused.py):
+Llama-3-8B shapes, random bf16 weights, group 8, decode steps replayed as CUDA graphs,
 kvpipe's allocator capped at 24 GB: 8K and 32K with every head resident (against the HBM floor:
 weights + the KV attended, over the HBM read rate measured in this process) and 64K and 128K
 streamed (no head resident, against the PCIe floor: the offloaded KV over the H2D rate measured
@@ -7,7 +7,7 @@ here), each row beside the simulator's prediction for the same plan and setting 
 h200-testbox by default: its numbers come from `kvpipe calibrate`, never from these rows), and
 the fused row's last logits against the unfused row's.
 
-  python -m benchmarks.fuse_check [--decode 16] [--rows 8k,32k,64k,128k] [--out FILE.json]   # H200: ~2 minutes
+  python -m benchmarks.fused_decode [--decode 16] [--rows 8k,32k,64k,128k] [--out FILE.json]   # H200: ~2 minutes
 
 One process (benchmarks/measure.py's Bench: the model built once, each row run as `kvpipe run`
 does); the fused pieces are compiled once (timed: the cold compile, inductor's on-disk cache as
@@ -24,13 +24,14 @@ from pathlib import Path
 
 from benchmarks.measure import Bench, note
 from benchmarks.regimes import GPU_BUDGET, MODEL, floor_of, floor_rates, plan_for
+from benchmarks.result_file import result_file
 from kvpipe.api import default_alloc_conf
 
 # name -> (context, --resident, what the floor is)
 ROWS = {"8k": (8192, "all", "resident"), "32k": (32768, "all", "resident"),
         "64k": (65536, "none", "streamed"), "128k": (131072, "none", "streamed")}
 GROUP = "8"
-TARGET = {"resident": 1.5, "streamed": 1.05}   # issue 8: x the HBM floor / the PCIe floor
+TARGET = {"resident": 1.5, "streamed": 1.05}   # the aim: x the HBM floor / the PCIe floor
 SETTINGS = ("auto", "off")
 
 
@@ -90,9 +91,9 @@ def measure(args) -> dict:
     names = args.rows.split(",")
     unknown = [n for n in names if n not in ROWS]
     if unknown:
-        raise SystemExit(f"fuse_check: unknown rows {unknown} (known: {', '.join(ROWS)})")
+        raise SystemExit(f"fused_decode: unknown rows {unknown} (known: {', '.join(ROWS)})")
     hw = load_profile(args.hw)
-    res = {"command": "python -m benchmarks.fuse_check " + " ".join(sys.argv[1:]),
+    res = {"command": "python -m benchmarks.fused_decode " + " ".join(sys.argv[1:]),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "gpu_budget": GPU_BUDGET,
            "profile": hw.name, "rows": {}}
@@ -175,8 +176,7 @@ def main() -> None:
     ap.add_argument("--hw", default="h200-testbox", help="profile the prediction uses")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M")
-    args.out = args.out or f"benchmarks/results/fuse-check-{stamp}.json"
+    args.out = args.out or str(result_file("fused-decode", "cuda"))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     res = measure(args)
     print("\n".join(table(res)))

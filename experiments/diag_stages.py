@@ -1,4 +1,4 @@
-"""Stage-level diagnosis of sim_check rows on the GPU (benchmarks/diag.py --rows <sim_check rows>):
+"""Stage-level diagnosis of sim_check rows on the GPU (experiments/diag.py --rows <sim_check rows>):
 for each row, every stage's measured span and host issue time, its kernels' GPU time split into
 GEMM / attention / small kernels / copies, and the device seconds pipeline/cost.py predicts for
 it; summed per prefill chunk and per decode step in a table printed last.
@@ -18,7 +18,7 @@ import time
 from collections import defaultdict
 
 from benchmarks import sim_check
-from benchmarks.kernel_split import ANNOTATION_PREFIX, CATEGORIES, split
+from experiments.kernel_split import ANNOTATION_PREFIX, CATEGORIES, split
 
 HW = "h200-testbox"
 

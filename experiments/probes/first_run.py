@@ -1,4 +1,4 @@
-"""A probe (seventh session, H200; run: python benchmarks/probes/first_run.py OUT.json; result
+"""A probe (seventh session, H200; run: python experiments/probes/first_run.py OUT.json; result
 benchmarks/results/h200-2026-12-01-first-run-s7.json): is the first timed run's extra host time (group 1/2 rows, 1.1-1.35x) the
 caching allocator's cudaMalloc calls after the warm-up's empty_cache?
 Answer on 2026-12-01 (one process, 3 timed runs a row): not alone. Cold, the first runs made

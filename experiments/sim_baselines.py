@@ -1,10 +1,10 @@
 """The simulator against the eager rows measured on the H200 (docs/BASELINES.md,
 "kvpipe across regimes", landed 0cfeb8a: decode issued stage by stage, one run each, 16 decode
 tokens, --gpu-mem 24GB), predicted with the profile's host-issue figures (measured by
-benchmarks/issue_cost.py on a 2-layer model, not fitted to these rows). Also prints what the
+experiments/issue_cost.py on a 2-layer model, not fitted to these rows). Also prints what the
 simulator predicts for the same rows under graph replay (no measurement yet). CPU only:
 
-  python -m benchmarks.sim_baselines   (or: python -m benchmarks.sim_check --baselines)
+  python -m experiments.sim_baselines   (or: python -m benchmarks.sim_check --baselines)
 """
 from __future__ import annotations
 

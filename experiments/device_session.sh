@@ -41,14 +41,14 @@ for spec in "$@"; do
     tiers) timeout "$lim" python3 -m benchmarks.tiers disk --kv-dir /tmp --probe-gib 4 --out "$OUT/tiers-disk.json" 2>&1 | tail -14 ;;
     regrows) timeout "$lim" python3 -m benchmarks.regimes --rows "$ROWS" --decode 4 --out "$OUT/regimes-rows.json" 2>&1 | tail -24 ;;
     regimes) timeout "$lim" python3 -m benchmarks.regimes --decode 8 --out "$OUT/regimes.json" 2>&1 | tail -32 ;;
-    diag) timeout "$lim" python3 -m benchmarks.diag --out "$OUT/diag" ${DIAG_ROWS:+--rows $DIAG_ROWS} 2>&1 | grep -v Warning | tail -12 ;;
+    diag) timeout "$lim" python3 -m experiments.diag --out "$OUT/diag" ${DIAG_ROWS:+--rows $DIAG_ROWS} 2>&1 | grep -v Warning | tail -12 ;;
     fuse) timeout "$lim" python3 -m benchmarks.fuse_check --out "$OUT/fuse_check.json" 2>&1 | grep -v Warning | tail -13 ;;
     simcheck) timeout "$lim" python3 -m benchmarks.sim_check --measure "$OUT/sim_check.json" ${SIMCHECK_ARGS:-} 2>&1 | grep -v Warning | tail -8 ;;
     lossyrun) timeout "$lim" python3 -m benchmarks.lossy_run --context 128K --decode-tokens 8 --gpu-mem 24GB --group 8 --resident none --hw h200 --device cuda --out "$OUT/lossy-run-128k.json" 2>&1 | grep -v Warning | tail -8 ;;
     regret) timeout "$lim" python3 -m benchmarks.planner_regret --plans "$R/benchmarks/results/planner-regret-plans.json" ${REGRET_ARGS:-} --out "$OUT/planner-regret${REGRET_TAG:+-$REGRET_TAG}.json" 2>&1 | grep -v "Warning\|kvpipe: executing" | tail -72 ;;
     t1m) python3 -m benchmarks.tiers 1m --kv-dir /tmp --dir /tmp/kvpipe-1m 2>&1 | tail -4; poll1m "$lim" ;;
     t1mpoll) poll1m "$lim" ;;
-    dequant) timeout "$lim" python3 -m benchmarks.dequant_window --out "$OUT/dequant-window.json" 2>&1 | tail -14 ;;
+    dequant) timeout "$lim" python3 -m experiments.dequant_window --out "$OUT/dequant-window.json" 2>&1 | tail -14 ;;
     si4trace) timeout "$lim" python3 -m kvpipe run --model llama-3-8b --random-weights --context 128K --decode-tokens 4 \
                 --gpu-mem 24GB --group 8 --resident none --hw h200-testbox --sparse 0.2 --lossy int4 \
                 --trace "$OUT/sparse-int4-trace.json" --json > "$OUT/sparse-int4-run.json" 2> "$OUT/sparse-int4-run.log"

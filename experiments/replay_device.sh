@@ -17,12 +17,12 @@ python3 -c "import torch, transformers, kvpipe.executor.replay.capture as r; pri
 T="python3 -m pytest -q -m gpu -p no:cacheprovider --rootdir $R"
 if [ "$mode" = quick ]; then
   timeout 150 $T $R/tests/test_replay.py -x 2>&1 | tail -25 | tee "$OUT/gpu-tests-replay.log"
-  timeout 60 python3 -m benchmarks.issue_cost --out "$OUT/issue-cost.json" 2>&1 | tail -14
+  timeout 60 python3 -m experiments.issue_cost --out "$OUT/issue-cost.json" 2>&1 | tail -14
   timeout 120 python3 -m benchmarks.regimes --rows 8k-default,8k-g8-all,32k-g8-none,32k-g1-none --hf-max 8192 --decode 8 --out "$OUT/regimes-quick.json" 2>&1 | tail -12
 elif [ "$mode" = both ]; then
   timeout 110 $T $R/tests/test_replay.py -x --tb=short 2>&1 | tail -40 | tee "$OUT/gpu-tests-replay.log"
   ok=$(grep -c " failed\| error\|rror" "$OUT/gpu-tests-replay.log")
-  timeout 50 python3 -m benchmarks.issue_cost --out "$OUT/issue-cost.json" 2>&1 | tail -12
+  timeout 50 python3 -m experiments.issue_cost --out "$OUT/issue-cost.json" 2>&1 | tail -12
   if [ "$ok" = 0 ]; then rows=all; rp=auto; else rows=8k-default,8k-g8-all,32k-g8-none,32k-g1-none; rp=off; fi
   timeout 280 python3 -m benchmarks.regimes --rows $rows --replay $rp --decode 8 --out "$OUT/regimes.json" 2>&1 | tail -32
 elif [ "$mode" = regimes ]; then

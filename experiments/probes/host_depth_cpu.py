@@ -2,7 +2,7 @@
 models of 2, 8 and 32 layers (same widths), a headwise plan all resident and all offloaded, 512-token
 prefill in 128-token chunks + 8 decode steps; wall per stage, best of 3 after a warm-up run. On CPU
 the stages run synchronously and their compute is tiny, so the wall is mostly the host's issue work.
-    python benchmarks/probes/host_depth_cpu.py"""
+    python experiments/probes/host_depth_cpu.py"""
 import time
 
 import torch

@@ -3,7 +3,7 @@ the simulator got wrong, writes each run's predicted+measured Chrome trace and J
 torch.profiler kernel table of the resident decode rows (which kernels a replayed step spends
 its time in, against the step's HBM floor).
 
-  python -m benchmarks.diag --out DIR
+  python -m experiments.diag --out DIR
 
 Random bf16 weights, Llama-3-8B shapes, --gpu-mem 24GB. Prints a short table last.
 
@@ -11,7 +11,7 @@ Rows named as in benchmarks/sim_check.py (e.g. `--rows 8k-g2-some-c2k,16k-g8-non
 stage by stage instead (`stage_trace`): one model load for all of them; per row an untimed
 warm-up, then (A) the plan run as sim_check runs it, every stage's measured span (CUDA events) and
 host issue seconds kept; (B) its prefill alone under torch.profiler with one range per stage, each
-stage's kernels split into GEMM / attention / small kernels / copies (benchmarks/kernel_split.py);
+stage's kernels split into GEMM / attention / small kernels / copies (experiments/kernel_split.py);
 (C) the whole run again under the profiler, the decode steps' kernels split the same way. Written
 to DIR/diag.json (`stage_rows`), with each stage's predicted device seconds (pipeline/cost.py on
 the profile) beside its measured span; the table printed last sums them per prefill chunk."""
@@ -44,7 +44,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     summary = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-               "command": "python -m benchmarks.diag " + " ".join(f"--{k} {v}" for k, v in vars(args).items())}
+               "command": "python -m experiments.diag " + " ".join(f"--{k} {v}" for k, v in vars(args).items())}
     names = args.rows.split(",")
     from benchmarks import sim_check
     unknown = [n for n in names if n not in ROWS and n not in sim_check.ROWS]
@@ -52,7 +52,7 @@ def main() -> None:
         ap.error(f"rows: unknown row {unknown[0]!r}")
     staged = [n for n in names if n in sim_check.ROWS]
     if staged:
-        from benchmarks.diag_stages import stage_trace
+        from experiments.diag_stages import stage_trace
         summary["stage_rows"] = {}
         stage_trace(staged, summary["stage_rows"], lambda: (out / "diag.json").write_text(json.dumps(summary, indent=1)))
     for name in (n for n in names if n in ROWS):

@@ -1,11 +1,11 @@
-"""Reads the stage traces benchmarks/diag.py wrote for sim_check rows (diag.json, `stage_rows`) and
+"""Reads the stage traces experiments/diag.py wrote for sim_check rows (diag.json, `stage_rows`) and
 sets each stage's measurement beside what the cost model NOW predicts for it on a profile (the
 rows' graphs rebuilt from their plans; pipeline/cost.py), per prefill chunk and decode step:
 GPU-lane spans per tag, host issue seconds (measured: the lane actor's issue of the stage;
 predicted: cost.host_issue_seconds), kernel GPU time per category, and the GPU lane's idle time
 inside the step (its extent minus its spans: waits on the host or on copies).
 
-  python -m benchmarks.diag_report DIAG.json [--hw h200-testbox] [--rows a,b]"""
+  python -m experiments.diag_report DIAG.json [--hw h200-testbox] [--rows a,b]"""
 from __future__ import annotations
 
 import argparse
@@ -14,7 +14,7 @@ import sys
 from collections import defaultdict
 
 from benchmarks import sim_check
-from benchmarks.kernel_split import CATEGORIES
+from experiments.kernel_split import CATEGORIES
 
 TAGS = ("embed", "qkv", "attn", "mlp", "head", "h2d", "d2h")
 

@@ -231,7 +231,7 @@ def main_report(args, command: str) -> None:
     `--out` (text, the command line first)."""
     lines, best = report(Path(args.results), args.hw, command)
     if args.audit:
-        from benchmarks.profile_audit import audit_lines
+        from experiments.profile_audit import audit_lines
         chosen = list(best.values())
         lines += ["", *audit_lines(profile_path(args.hw), lambda hw: [predicted(m, hw) for m in chosen])]
     text = "\n".join(lines) + "\n"
