@@ -2,16 +2,16 @@
 process, the same machine state): the same plan knobs, run once per variant, whole model steps
 (weights, every layer's KV fetch, dequantise, attention), timed by the run's CUDA-event trace.
 
-  python -m benchmarks.lossy_run                          # H200: Llama-3-8B, 128K, exact int8 int4
-  python -m benchmarks.lossy_run --model tiny.json --context 512 --chunk 128 --device cpu \
+  python -m benchmarks.lossy_speed                          # H200: Llama-3-8B, 128K, exact int8 int4
+  python -m benchmarks.lossy_speed --model tiny.json --context 512 --chunk 128 --device cpu \
       --gpu-mem 4GB --decode-tokens 2                     # CPU smoke test of the code path
 
 Variants: `exact` (no --lossy), `int8`, `int4` (--lossy; executor/quant/store.py); `--sparse F` adds a
 `sparse` row (kvpipe run --sparse F: executor/sparse/homes.py), e.g.
-  python -m benchmarks.lossy_run --context 128K --sparse 0.2 --variants exact
+  python -m benchmarks.lossy_speed --context 128K --sparse 0.2 --variants exact
 and `sparse-int4` (a variant to name; it needs --sparse F) runs --sparse F with --lossy int4 (whole
-int4 blocks selected, their records gathered and dequantised), e.g. issue 11's 8x row:
-  python -m benchmarks.lossy_run --context 128K --decode-tokens 6 --gpu-mem 24GB --group 8 \
+int4 blocks selected, their records gathered and dequantised), e.g. at 128K:
+  python -m benchmarks.lossy_speed --context 128K --decode-tokens 6 --gpu-mem 24GB --group 8 \
       --resident none --hw h200-testbox --device cuda --sparse 0.2 --variants exact int4 sparse-int4
 Each row: measured decode seconds per token next to the simulator's prediction for the same plan
 (the quantised rows predicted as they run: eagerly issued, the dequantise one compiled call), its
@@ -19,8 +19,8 @@ speed-up over the exact row of this invocation (measured and predicted), prefill
 error the lossy run measured on its own activations (random weights: not a task accuracy): `attn
 rel err` quantisation's prefill probe, `sparse err` the sparse probe of the first decode step (with
 int4: against the whole dequantised prefix).
-JSON (command, date, device, rows) to benchmarks/results/lossy-run-<date>.json or --out; the
-table is printed last."""
+JSON (command, date, device, rows) to benchmarks/results/<machine>-<date>-lossy-speed.json or
+--out; the table is printed last."""
 from __future__ import annotations
 
 import argparse
@@ -34,7 +34,6 @@ import tempfile
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = {"exact": None, "int8": "int8", "int4": "int4", "sparse-int4": "int4"}
 SPARSE_VARIANTS = ("sparse", "sparse-int4")      # run with --sparse F
 
@@ -100,7 +99,7 @@ def run_child(name: str, argv: list[str] | None) -> dict:
     blocks, streams or compiled code), its row read back; a child that dies is a failed row."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "row.json"
-        cmd = [sys.executable, "-m", "benchmarks.lossy_run", *(sys.argv[1:] if argv is None else argv),
+        cmd = [sys.executable, "-m", "benchmarks.lossy_speed", *(sys.argv[1:] if argv is None else argv),
                "--child", name, "--child-out", str(out)]
         t0 = time.time()
         rc = subprocess.run(cmd).returncode
@@ -167,13 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     rows: list[dict] = []
-    out = {"command": " ".join([sys.executable, "-m", "benchmarks.lossy_run", *(argv or sys.argv[1:])]),
+    out = {"command": " ".join([sys.executable, "-m", "benchmarks.lossy_speed", *(argv or sys.argv[1:])]),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
            "note": "random weights; errors are of this run's activations, not task accuracy",
            "isolation": "one process for all variants" if args.in_process else "one process per variant",
            "rows": rows}
-    path = Path(args.out) if args.out else RESULTS / f"lossy-run-{datetime.date.today()}.json"
+    from benchmarks.result_file import result_file
+    path = Path(args.out) if args.out else result_file("lossy-speed", device)
     path.parent.mkdir(parents=True, exist_ok=True)
     order = ["exact"] + [v for v in args.variants if v != "exact"] + (["sparse"] if args.sparse and not args.no_sparse_row else [])
     runs: list[dict] = []
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     for rnd in range(args.rounds):   # round-robin: each round runs every variant once, exact first
         for name in order:
             runs.append(dict(run_variant(name, args) if args.in_process else run_child(name, argv), round=rnd))
-            print(f"lossy_run: {name}: {json.dumps({k: runs[-1].get(k) for k in ('round', 'decode_s_per_token', 'prefill_s', 'error', 'wall_s')})}",
+            print(f"lossy_speed: {name}: {json.dumps({k: runs[-1].get(k) for k in ('round', 'decode_s_per_token', 'prefill_s', 'error', 'wall_s')})}",
                   file=sys.stderr, flush=True)
             rows[:] = medians(runs, order)
             speedups(rows)
