@@ -159,7 +159,7 @@ def table(res: dict) -> list[str]:
     if any(r.get("repeats", 1) > 1 for r in res["rows"].values()):
         for key, s in summary(errors(res, first=True)).items():
             lines.append(f"{key + ' (1st run)':20} {s['rows']} rows: median |error| {s['median_abs']:.1%}, "
-                         f"max {s['max_abs']:.1%} (each row's first timed run, as before the repeats)")
+                         f"max {s['max_abs']:.1%} (each row's first timed run alone)")
     return lines
 
 
