@@ -1,5 +1,4 @@
-"""Lossless codecs on the PCIe link (issue 9, §3 "Lossless on PCIe"): does compressing the
-streamed K/V pay at 128K on the H200? Measures, on the K/V of a real prefill, each codec's ratio
+"""Lossless codecs on the PCIe link: does compressing the streamed K/V pay at 128K? Measures, on the K/V of a real prefill, each codec's ratio
 and encode/decode rates, and sets them beside what the simulator and planner say.
 
   python -m benchmarks.codec_link                     # on the GPU: 128K tokens, 2 layers, nvCOMP if installed
@@ -23,7 +22,7 @@ estimate, not a simulation, of the codec in isolation; `planner_h2d` shows the p
 candidates on the `h200` profile (the measured `[codec.nvcomp-ans-planes]` rates live in
 `h200-testbox`). The codec in the stage graph and in a run (gpu_compress / gpu_decompress on the
 gpu lane, executor/codecs/h2d_store.py) is measured by benchmarks/codec_run.py.
-JSON to benchmarks/results/codec-link.json (or --out); a short table is printed last."""
+JSON to benchmarks/results/<machine>-<date>-codec-link.json (or --out); a short table is printed last."""
 from __future__ import annotations
 
 import argparse
@@ -40,7 +39,6 @@ import torch
 
 from benchmarks.nvcomp_isolated import ALGOS, run_isolated
 
-RESULTS = Path(__file__).resolve().parent / "results"
 RANDOM_KV = "ratio on K/V of a random-weight model (a trained model's K/V has other statistics)"
 BLOCK = 1 << 20
 LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -159,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--gpu-codecs", default=",".join(ALGOS), help=f"comma list of nvCOMP codecs, of {','.join(ALGOS)}")
     ap.add_argument("--codec-timeout-s", type=float, default=600.0, help="wall limit of each codec's worker process")
-    ap.add_argument("--out", default=str(RESULTS / "codec-link.json"))
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<machine>-<date>-codec-link.json)")
     a = ap.parse_args(argv)
     algos = tuple(x for x in a.gpu_codecs.split(",") if x)
     bad = [x for x in algos if x not in ALGOS]
@@ -182,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
               "layers": a.layers, "kv_bytes": kv.numel(), "prefill_s": prefill_s, "threads": a.threads,
               "weights": "random (seeded); " + RANDOM_KV, "prediction_128k": pred, "codecs": rows,
               "wall_s": time.perf_counter() - t0}
+    if a.out is None:
+        from benchmarks.result_file import result_file
+        a.out = str(result_file("codec-link", "cuda" if kv.is_cuda else "cpu"))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2))
     raw = pred["decode_s_per_token"]

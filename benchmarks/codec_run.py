@@ -1,4 +1,4 @@
-"""Issue 9 §2, lossless on PCIe, measured in a run: the same head-wise plan (everything streamed)
+"""Lossless compression on PCIe, measured in a run: the same head-wise plan (everything streamed)
 executed raw and with the GPU codec `nvcomp-ans-planes` on h2d (executor/codecs/h2d_store.py), in ONE
 process with one random-weight model: decode s/token of each, the raw-PCIe floor (raw K/V bytes
 one decode step fetches / the pinned H2D rate measured in this process), the ratio measured on
@@ -11,7 +11,7 @@ digests are equal (the codec is lossless: they must be).
 
 Both runs are issued eagerly (`replay off`: the codec's stages cannot sit in a CUDA graph), each
 after the usual untimed warm-up. Random weights: the ratio is on random-weight K/V (a trained
-model's K/V has other statistics). JSON to benchmarks/results/codec-run-<date>.json (or --out);
+model's K/V has other statistics). JSON to benchmarks/results/<machine>-<date>-codec-run.json (or --out);
 the table is printed last."""
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
 CODEC = "nvcomp-ans-planes"
 RANDOM_KV = "ratio on K/V of a random-weight model (a trained model's K/V has other statistics)"
 
@@ -131,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
            "raw_pcie_floor_s_per_token": floor,
            "digests_equal": len(digests) == 1 and len(rows) == len([r for r in rows if "digest" in r]),
            "rows": rows, "wall_s": time.time() - t0}
-    path = Path(a.out) if a.out else RESULTS / f"codec-run-{datetime.date.today()}.json"
+    from benchmarks.result_file import result_file
+    path = Path(a.out) if a.out else result_file("codec-run", dev.type)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
     print(f"wrote {path}; wall {out['wall_s']:.0f} s")

@@ -10,7 +10,7 @@ seed are handed to a second process that runs `model.generate(ids, past_key_valu
 prefill_chunk_size=plan chunk)` after an untimed warm-up (one chunk, two tokens), timed by a
 streamer that synchronizes the device at every token: prefill = prompt -> first token, decode =
 mean step after the first decode step (as `kvpipe run` reports it). Results go to
-benchmarks/results/hf-cache-<date>.json (or --out); a table is printed last."""
+benchmarks/results/<machine>-<date>-hf-cache.json (or --out); a table is printed last."""
 from __future__ import annotations
 
 import argparse
@@ -161,7 +161,8 @@ def main() -> None:
         if c not in CASES:
             ap.error(f"cases: unknown {c!r} (known: {', '.join(CASES)})")
     date = datetime.datetime.now(datetime.timezone.utc)
-    out = Path(args.out or f"benchmarks/results/hf-cache-{date:%Y-%m-%d}.json")
+    from benchmarks.result_file import result_file
+    out = Path(args.out or result_file("hf-cache", "cuda"))
     out.parent.mkdir(parents=True, exist_ok=True)
     res = {"command": " ".join([sys.executable.rsplit("/", 1)[-1], "-m", "benchmarks.hf_cache", *sys.argv[1:]]),
            "date": date.isoformat(timespec="seconds"), "gpu_budget": args.gpu_mem, "model": args.model, "rows": []}

@@ -1,13 +1,13 @@
-"""The host issue model checked on this CPU (issue 8 §3). The executor runs tiny
+"""The host issue model checked on this CPU. The executor runs tiny
 random Llama models on device cpu, where every stage is host work: the host-stage probe
-(executor/issue_probe.stage_costs) calibrates on ONE tiny model and the simulator predicts OTHER
+(executor/calibrate/host_issue.stage_costs) calibrates on ONE tiny model and the simulator predicts OTHER
 models and plans (held apart: other layer counts, widths, groups, chunks, contexts), measured here.
 
-  python -m benchmarks.host_model_cpu [--reps 3] [--out benchmarks/results/cpu-host-model-DATE.json]
+  python -m benchmarks.host_model_cpu [--reps 3] [--out benchmarks/results/cpu-DATE-host-model.json]
 
 Predictions: prefill from the probe's prefill compute pair (per stage + per kernel launch), copy
 pair and gap between issues (pipeline/calibration.host_issue_fields), decode (eager) from the
-decode-step fit `a * stages + b * ops` over the probe runs' eager decode walls (executor/issue_probe.fit,
+decode-step fit `a * stages + b * ops` over the probe runs' eager decode walls (executor/calibrate/host_issue.fit,
 the form the GPU profile's host.issue_s_* pair has), and, beside it, the stage sum a per-phase decode
 pair would give (compute_issue_fit on the decode groups, the copy pair, the decode gap).
 What this can and cannot show: on a CPU the "GPU work" (GEMMs, attention, copies) runs inside each
@@ -51,7 +51,7 @@ def cpu_profile(fields: dict, step_a: float, step_b: float):
     from kvpipe.pipeline.hardware import HardwareProfile
     huge = 1e18
     return HardwareProfile(
-        name="cpu-host", description="this CPU: host issue measured by executor/issue_probe.stage_costs; "
+        name="cpu-host", description="this CPU: host issue measured by executor/calibrate/host_issue.stage_costs; "
         "device lanes free (their work runs inside the issue)", gpu_mem_bytes=1 << 40,
         hbm_peak_bytes_per_s=huge, hbm_eff_bytes_per_s=huge, flops_peak_per_s={"fp32": huge, "bf16": huge},
         flops_eff_per_s={"fp32": huge, "bf16": huge}, small_shape_half_flops=0.0, attention_efficiency=1.0,
@@ -104,10 +104,10 @@ def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)   # one thread: no intra-op pool waking per tiny kernel (2 cores here)
     today = datetime.date.today().isoformat()
-    out_path = Path(args.out or Path(__file__).resolve().parent / "results" / f"cpu-host-model-{today}.json")
+    out_path = Path(args.out or Path(__file__).resolve().parent / "results" / f"cpu-{today}-host-model.json")
     context, chunk, decode = CAL_WORK
     cal_model = probe_model("cpu", **CAL)
-    # this machine is shared (other sessions run tests on its 2 cores): the probe runs `cal_reps`
+    # a shared machine (other jobs on its cores): the probe runs `cal_reps`
     # times and the pass with the least prefill host time (the least disturbed) is kept, as each
     # target keeps its fastest run
     recs = [stage_costs(cal_model, "cpu", context, chunk, decode) for _ in range(args.cal_reps)]

@@ -18,7 +18,7 @@ The random-weights probe (`probe_cases`) measures each quantisation and sparse d
 against float64 attention. Sparse over int4 (`sparse F + int4, 32-token blocks`): whole quantised
 blocks selected by the executor's rule, read back dequantised, the exact tail attended.
 The table is printed last; JSON (with the command and date) goes to
-benchmarks/results/lossy-error-<date>.json (or --out)."""
+benchmarks/results/cpu-<date>-lossy-error.json (or --out)."""
 from __future__ import annotations
 
 import argparse
@@ -36,9 +36,7 @@ import torch
 from kvpipe.analysis.needles import NeedleSpec, cases, concentration, errors, exact
 from kvpipe.executor.quant.quantize import dequantize, quantize
 from kvpipe.executor.sparse import sketch as sparse_sketch
-from kvpipe.executor.sparse.chunks import (RANGE_ALPHA, chunk_scores, even_bounds, pack_fine, select, select_refined,
-                                    summarise, unpack_fine)
-from kvpipe.pipeline.lossy import BLOCK_RANK, HOT_FACTOR, LossySpec
+from kvpipe.pipeline.lossy import BLOCK_RANK, LossySpec
 from kvpipe.pipeline.units import parse_tokens
 
 
@@ -63,20 +61,16 @@ def oracle(fraction: float):
     return method
 
 
-def chunk_oracle(fraction: float, chunk: int = 8):
-    """Reference: `chunk`-token chunks ranked by their exact attention mass (group sum), with
-    kvpipe's sink and recent window, under the same budget: the best any selection of such chunks
-    (by any summary) can reach."""
-    spec = LossySpec(sparse=fraction, chunk=chunk, leaf=None, sketch=None)
+def block_oracle(fraction: float, group: int = 32):
+    """Reference: whole `group`-token blocks ranked by their exact attention mass (group sum) under
+    the executor's block rule (`block_keep`: sink and recent blocks forced, the exact tail always
+    attended, the same budget): the best any block selection (by any ranking) can reach."""
+    spec = LossySpec("int4", group=group, sparse=fraction)
 
     def method(case, ref_w):
-        S = case.k.shape[0]
-        bounds = even_bounds(S, chunk)
-        owner = torch.searchsorted(bounds[1:], torch.arange(S), right=True)
-        keep = torch.stack([select(torch.zeros(bounds.numel() - 1, dtype=torch.float64).index_add_(0, owner, m),
-                                   bounds, spec.fetched_tokens(S), spec.sink, spec.recent)
-                            for m in ref_w.sum(1)])
-        return attend(case.q, case.k, case.v, keep)
+        sealed = case.k.shape[0] // spec.chunk * spec.chunk
+        mass = ref_w.sum(1)[:, :sealed].clamp_min(1e-300).log()         # [T, sealed]: log of the exact share
+        return attend(case.q, case.k, case.v, block_keep(case.q, case.k, spec, share=mass))
     return method
 
 
@@ -206,44 +200,6 @@ def probe_rows(n: int, tokens: int, seed: int, fractions: tuple[float, ...] = ()
     return rows
 
 
-def sparse(fraction: float, chunk: int = 64, adaptive: bool = False, quant: str | None = None,
-           packed: bool = True, hot: float = HOT_FACTOR, alpha: float = RANGE_ALPHA, share: bool = True):
-    """kvpipe --sparse F: per step, chunks ranked by their key summaries for the step's query
-    group, sink 64 + recent 256 tokens, budget F of the tokens. `adaptive`: 64-token chunks
-    holding the best `hot` x budget are refined to 8-token chunks each step (select_refined), whose
-    summaries are uint8 codes within the coarse chunk's range (pack_fine) unless packed=False.
-    Ranking: the range term shrunk by `alpha`, GQA by estimated attention share if `share`
-    (alpha=1, share=False: the upper bound; otherwise a heuristic)."""
-    spec = LossySpec(quant, sparse=fraction, chunk=chunk, sketch=None)
-
-    def method(case, ref_w):
-        S = case.k.shape[0]
-        budget = spec.fetched_tokens(S)
-        bounds = even_bounds(S, chunk)
-        lo, hi = summarise(case.k, bounds)
-        if adaptive:
-            fb = even_bounds(S, spec.fine)        # 8 tokens; a whole quantisation group with quant
-            fine = (fb, *summarise(case.k, fb))
-            if packed:   # fine summaries as uint8 codes within their coarse chunk's range
-                fine = (fb, *unpack_fine((bounds, lo, hi), fb, pack_fine((bounds, lo, hi), fine)))
-            picks = [select_refined(case.q[t], (bounds, lo, hi), fine, budget, spec.sink, spec.recent, hot,
-                                   alpha, share)
-                     for t in range(case.q.shape[0])]
-            keep = torch.stack([p[0] for p in picks])
-            scored = statistics.fmean(p[1] for p in picks)
-        else:
-            keep = torch.stack([select(chunk_scores(case.q[t], lo, hi, alpha, share), bounds, budget, spec.sink,
-                                       spec.recent) for t in range(case.q.shape[0])])
-            scored = bounds.numel() - 1
-        k, v = case.k, case.v
-        if quant:
-            k = dequantize(quantize(k, spec.bits, spec.group, axis=0))
-            v = dequantize(quantize(v, spec.bits, spec.group, axis=0))
-        w, out = attend(case.q, k, v, keep)
-        return w, out, scored
-    return method
-
-
 def sketched(fraction: float, bits: int = 2):
     """kvpipe --sparse F (the default, executor/sparse/homes.py): every sealed token scored from its
     `bits`-bit key sketch within its 64-token chunk's min/max (both GPU-resident), ranked by the
@@ -252,24 +208,31 @@ def sketched(fraction: float, bits: int = 2):
     spec = LossySpec(sparse=fraction, sketch=bits)
 
     def method(case, ref_w):
-        keep = sketch_keep(case.q, case.k, spec)
-        w, out = attend(case.q, case.k, case.v, keep)
-        return w, out, case.k.shape[0]
+        return attend(case.q, case.k, case.v, sketch_keep(case.q, case.k, spec))
     return method
 
 
-def sketch_keep(q: torch.Tensor, k: torch.Tensor, spec: LossySpec) -> torch.Tensor:
-    """The tokens kvpipe run's sparse decode fetches (executor/sparse/homes.py on the torch path)
-    for queries q [T, G, D] over keys k [S, D]: the sealed 64-token chunks summarised, their keys
-    sketched, every sealed token ranked by the group's estimated share and sparse_sketch.select's
-    pick (sink, recent window, unsealed tail, best tokens): keep [T, S] bool."""
-    S = k.shape[0]
-    sealed = S // spec.chunk * spec.chunk
-    lo, hi = summarise(k[:sealed], even_bounds(sealed, spec.chunk))
+def token_share(q: torch.Tensor, k: torch.Tensor, spec: LossySpec) -> torch.Tensor:
+    """The sketch's rank of every sealed token for queries q [T, G, D] over keys k [S, D], as the
+    executor computes it (executor/sparse/homes.py on the torch path): each whole `spec.chunk`-token
+    chunk's per-channel key min/max, its keys sketched within them, the group's estimated share:
+    [T, sealed]."""
+    sealed = k.shape[0] // spec.chunk * spec.chunk
+    if not sealed:
+        return torch.zeros(q.shape[0], 0)
+    chunks = k[:sealed].reshape(-1, spec.chunk, k.shape[-1])                                # [C, chunk, D]
+    lo, hi = chunks.amin(1), chunks.amax(1)                                                 # [C, D]
     codes = sparse_sketch.encode(k[:sealed], lo, hi, spec.sketch)
-    share = torch.stack([sparse_sketch.group_share(sparse_sketch.scores(qt, lo, hi, codes, spec.sketch))
-                         for qt in q])                                                      # [T, sealed]
-    idx = sparse_sketch.select(share, S, spec.fetched_tokens(S), spec.sink, spec.recent)    # [T, N]
+    return torch.stack([sparse_sketch.group_share(sparse_sketch.scores(qt, lo, hi, codes, spec.sketch))
+                        for qt in q])
+
+
+def sketch_keep(q: torch.Tensor, k: torch.Tensor, spec: LossySpec) -> torch.Tensor:
+    """The tokens kvpipe run's sparse decode fetches for queries q [T, G, D] over keys k [S, D]:
+    every sealed token ranked by `token_share` and sparse_sketch.select's pick (sink, recent
+    window, unsealed tail, best tokens): keep [T, S] bool."""
+    S = k.shape[0]
+    idx = sparse_sketch.select(token_share(q, k, spec), S, spec.fetched_tokens(S), spec.sink, spec.recent)   # [T, N]
     return torch.zeros(q.shape[0], S, dtype=torch.bool).scatter_(1, idx, True)
 
 
@@ -280,56 +243,33 @@ def sketched_blocks(fraction: float, quant: str = "int4", group: int = 32, how: 
     spec = LossySpec(quant, group=group, sparse=fraction, sketch=2)
 
     def method(case, ref_w):
-        keep = block_keep(case.q, case.k, spec, how)
-        w, out = attend(case.q, *block_kv(case.k, case.v, spec), keep)
-        return w, out, case.k.shape[0]
+        return attend(case.q, *block_kv(case.k, case.v, spec), block_keep(case.q, case.k, spec, how))
     return method
 
 
-def block_keep(q: torch.Tensor, k: torch.Tensor, spec: LossySpec, how: str = BLOCK_RANK) -> torch.Tensor:
+def block_keep(q: torch.Tensor, k: torch.Tensor, spec: LossySpec, how: str = BLOCK_RANK,
+               share: torch.Tensor | None = None) -> torch.Tensor:
     """The tokens kvpipe run's sparse decode over quantised blocks attends (executor/sparse/homes.py
-    on the torch path) for queries q [T, G, D] over keys k [S, D]: the sketch's token ranks as in
-    `sketch_keep`, a rank per `spec.group`-token block (sparse_sketch.block_share), sparse_sketch.select
-    over blocks with LossySpec.block_args, every token of the chosen blocks and the exact tail:
-    keep [T, S] bool."""
+    on the torch path) for queries q [T, G, D] over keys k [S, D]: the token ranks (`share`
+    [T, sealed], default the sketch's `token_share`), a rank per `spec.group`-token block
+    (sparse_sketch.block_share), sparse_sketch.select over blocks with LossySpec.block_args, every
+    token of the chosen blocks and the exact tail: keep [T, S] bool."""
     S, g = k.shape[0], spec.group
     nb, sealed_b, budget, sink, recent = spec.block_args(S)
-    sealed = S // spec.chunk * spec.chunk
     keep = torch.zeros(q.shape[0], S, dtype=torch.bool)
     keep[:, nb * g:] = True                                                  # the exact tail
-    if sealed:
-        lo, hi = summarise(k[:sealed], even_bounds(sealed, spec.chunk))
-        codes = sparse_sketch.encode(k[:sealed], lo, hi, spec.sketch)
-        share = torch.stack([sparse_sketch.group_share(sparse_sketch.scores(qt, lo, hi, codes, spec.sketch))
-                             for qt in q])                                  # [T, sealed]
-    else:
-        share = torch.zeros(q.shape[0], 0)
+    share = token_share(q, k, spec) if share is None else share
     idx = sparse_sketch.select(sparse_sketch.block_share(share, g, how), nb, budget, sink, recent)   # [T, n]
     toks = (idx[..., None] * g + torch.arange(g)).flatten(-2)
     return keep.scatter_(1, toks, True)
 
 
-def moved_fraction(name: str, fraction: float, S: int, D: int = 128) -> float:
-    """Bytes a step moves over the link for selection, per byte of the unit's exact K/V (bf16):
-    the refined rows' fine summaries of the hot chunks; 0 for the sketch (GPU-resident) and for
-    chunk rows (their summaries are GPU-resident too); the references move nothing."""
-    if "refined" not in name and "ref." not in name:
-        return 0.0
-    spec = LossySpec("int4" if "int4" in name else None, sparse=fraction, sketch=None)
-    hot = 2 if "hot 2" in name else 4 if "hot 4" in name else HOT_FACTOR
-    fine = spec.fine_summary_bytes(min(S, hot * spec.fetched_tokens(S)), D, 2)
-    if "bf16 fine" in name:
-        fine *= 2
-    return fine / (S * 4 * D)
-
-
 def methods(fraction: float, first: bool = True) -> dict[str, tuple[str, object]]:
-    """name -> (kind, method(case, exact weights) -> (weights, out[, summaries scored])). Sparse rows
-    rank by the default heuristic (range term x 1/2, GQA by estimated attention share) unless they
-    say `bound` (the upper bound, best head). Quantisation rows and variants only when `first`."""
+    """name -> (kind, method(case, exact weights) -> (weights, out)): the kvpipe options at
+    `fraction`, the references bounding them, and variants; quantisation rows and the variants
+    that do not depend on the fraction only when `first`."""
     pct = f"{fraction:.0%}"
     rows = {f"oracle top {pct} tokens": ("reference", oracle(fraction)),
-            f"oracle {pct}, 8-token chunks": ("reference", chunk_oracle(fraction)),
             f"sink + recent window {pct}": ("reference", window(fraction))}
     if first:   # quantisation as the executor stores it (blocks); a group sweep of int4 as variants
         rows |= {"int8 (group 64)": ("kvpipe", blocks("int8", 64)),
@@ -337,25 +277,16 @@ def methods(fraction: float, first: bool = True) -> dict[str, tuple[str, object]
         rows |= {f"int4 (group {g})": ("variant", blocks("int4", g)) for g in (16, 64, 128)}
         rows |= {"int4 (group 32), V per channel": ("variant", blocks("int4", 32, v_per_channel=True))}
         rows |= {f"int4 (group 32), V groups of {vg} channels": ("variant", blocks("int4", 32, v_group=vg))
-                 for vg in (32, 64, 128)}   # 64: the executor's int4 layout (a check of this emulation); 32: the one before
+                 for vg in (32, 64, 128)}   # 64: the executor's int4 layout (a check of this emulation)
     rows |= {f"sparse {pct} + int4, 32-token blocks ({BLOCK_RANK})": ("kvpipe", sketched_blocks(fraction)),
              f"sparse {pct} + int4, 32-token blocks ({OTHER_RANK})": ("variant",
                                                                       sketched_blocks(fraction, how=OTHER_RANK)),
              f"sparse {pct} + int4, 16-token blocks ({BLOCK_RANK})": ("variant",
                                                                       sketched_blocks(fraction, group=16)),
-             f"oracle {pct}, 32-token chunks": ("reference", chunk_oracle(fraction, 32))}
-    rows |= {f"sparse {pct}, 2-bit token sketch": ("kvpipe", sketched(fraction)),
-             f"sparse {pct}, chunks 64": ("kvpipe", sparse(fraction, alpha=1.0, share=False)),
-             f"sparse {pct}, refined 64->8": ("kvpipe", sparse(fraction, adaptive=True)),
-             f"sparse {pct} refined (32) + int4": ("kvpipe", sparse(fraction, adaptive=True, quant="int4")),
-             f"sparse {pct} ref., bound, hot 2": ("variant", sparse(fraction, adaptive=True, hot=2, alpha=1.0,
-                                                                    share=False))}
+             f"oracle {pct}, 32-token blocks": ("reference", block_oracle(fraction, 32))}
+    rows |= {f"sparse {pct}, 2-bit token sketch": ("kvpipe", sketched(fraction))}
     if first:
-        rows |= {f"sparse {pct}, 4-bit token sketch": ("variant", sketched(fraction, 4))}
-        rows |= {f"sparse {pct} ref., hot 4": ("variant", sparse(fraction, adaptive=True, hot=4)),
-                 f"sparse {pct} ref., best head": ("variant", sparse(fraction, adaptive=True, share=False)),
-                 f"sparse {pct} ref., bf16 fine summ.": ("variant", sparse(fraction, adaptive=True, packed=False)),
-                 f"sparse {pct}, chunks 8, bound": ("variant", sparse(fraction, chunk=8, alpha=1.0, share=False)),
+        rows |= {f"sparse {pct}, 4-bit token sketch": ("variant", sketched(fraction, 4)),
                  "int8, K per token (group 64)": ("variant", quantised("int8", k_axis=-1))}
     return rows
 
@@ -436,7 +367,6 @@ def needle_rows(spec: NeedleSpec, fractions: list[float], only: tuple[str, ...] 
         frac_of |= {name: f for name in new}
     errs = {name: [] for name in table}
     fetched = {name: [] for name in table}
-    chunks = {name: [] for name in table}
     shape = {"top20_mass": [], "needle_mass": [], "sink_mass": []}
     for case in cases(spec):
         ref_w, ref_out = exact(case)
@@ -444,17 +374,12 @@ def needle_rows(spec: NeedleSpec, fractions: list[float], only: tuple[str, ...] 
         shape["sink_mass"].append(ref_w[..., 0].flatten())
         shape["needle_mass"].append(torch.stack([ref_w[t, :, a:b].sum(-1) for t, (a, b) in enumerate(case.needles)]).flatten())
         for name, (_, method) in table.items():
-            w, out, *extra = method(case, ref_w)
-            chunks[name].append(extra[0] if extra else None)
+            w, out = method(case, ref_w)
             errs[name].append(errors(case, ref_w, ref_out, w, out))
             fetched[name].append(((w > 0).any(1).double().mean()).item())
     stats = {k: torch.cat(v) for k, v in shape.items()}
-    rows = {name: dict(kind=table[name][0], **summarise_errors(errs[name], fetched[name]),
-                       summaries_per_step=(statistics.fmean(chunks[name]) if chunks[name][0] else None),
-                       selection_moved_fraction=moved_fraction(name, frac_of[name], spec.context))
+    rows = {name: dict(kind=table[name][0], fraction=frac_of[name], **summarise_errors(errs[name], fetched[name]))
             for name in table}
-    for r in rows.values():   # what crosses the link per step, per byte of the exact K/V
-        r["moved_fraction"] = r["tokens_fetched"] + r["selection_moved_fraction"]
     for name, row in rows.items():   # stored bits per KV value (codes + float16 scale and zero)
         quant = next((q for q in ("int8", "int4") if name.startswith(q)), None)
         if quant:
@@ -477,11 +402,10 @@ def print_needles(spec: NeedleSpec, rows: dict, s: dict) -> None:
     print(f"exact attention: top 20% of tokens hold {s['exact_top20pct_mass']['mean']:.3f} of the mass "
           f"(min {s['exact_top20pct_mass']['min']:.3f}); needle mass median {s['exact_needle_mass']['median']:.3f} "
           f"(min {s['exact_needle_mass']['min']:.2g}); sink median {s['exact_sink_mass_median']:.3f}")
-    print("moved: K/V bytes of the fetched tokens + selection bytes crossing the link per step, per exact byte")
-    print(f"{'method':44}{'kind':>10}{'fetched':>9}{'moved':>7}{'recall':>8}{'rec p5':>8}{'rel err':>10}{'max':>10}"
+    print(f"{'method':44}{'kind':>10}{'fetched':>9}{'recall':>8}{'rec p5':>8}{'rel err':>10}{'max':>10}"
           f"{'needles':>9}")
     for name, r in rows.items():
-        print(f"{name:44}{r['kind']:>10}{r['tokens_fetched']:>9.3f}{r['moved_fraction']:>7.3f}{r['recall_mean']:>8.3f}"
+        print(f"{name:44}{r['kind']:>10}{r['tokens_fetched']:>9.3f}{r['recall_mean']:>8.3f}"
               f"{r['recall_p5']:>8.3f}"
               f"{r['rel_err_mean']:>10.2e}{r['rel_err_max']:>10.2e}{r['needle_hit_rate']:>9.1%}")
 
@@ -516,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--fraction", default="0.2", help="token budget of sparse rows; a comma list runs each")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", help="JSON path (default benchmarks/results/lossy-error-<date>.json)")
+    ap.add_argument("--out", help="JSON path (default benchmarks/results/cpu-<date>-lossy-error.json)")
     ap.add_argument("--probe-cases", type=int, default=4, help="random-weights probe cases (0: none)")
     ap.add_argument("--probe-tokens", default="16K", help="random-weights probe: tokens per case")
     ap.add_argument("--probe-sparse", default=PROBE_SPARSE,
@@ -561,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
                          "random weights, not task accuracy",
                  "context": tiny_ctx, "decode_tokens": args.tiny_decode, "rows": tiny},
     }
-    out = Path(args.out or f"benchmarks/results/lossy-error-{datetime.date.today().isoformat()}.json")
+    from benchmarks.result_file import result_file
+    out = Path(args.out or result_file("lossy-error"))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     if info:

@@ -1,397 +1,195 @@
-"""Speed of kvpipe's lossy options on the KV path of a decode step, against the exact streamed KV
-path measured in the same run (Llama-3-8B shapes: 32 layers x 8 KV heads x 128, GQA 4, bf16, the
-whole cache in pinned host RAM, batch 1).
+"""`kvpipe run` decode speed of the LOSSY options against the exact run, all in ONE invocation (one
+process, the same machine state): the same plan knobs, run once per variant, whole model steps
+(weights, every layer's KV fetch, dequantise, attention), timed by the run's CUDA-event trace.
 
-  python -m benchmarks.lossy_speed                      # 128K and 512K, on the H200
-  python -m benchmarks.lossy_speed --context 8K --device cpu --steps 1   # smoke test of the code
+  python -m benchmarks.lossy_speed                          # H200: Llama-3-8B, 128K, exact int8 int4
+  python -m benchmarks.lossy_speed --model tiny.json --context 512 --chunk 128 --device cpu \
+      --gpu-mem 4GB --decode-tokens 2                     # CPU smoke test of the code path
 
-What is timed is the KV part of a decode step, not a whole model step: for each of the 32 layers,
-the 8 KV heads' cache crosses PCIe and is attended by the 32 query heads. (`kvpipe run` does not
-execute sparse plans yet; int8/int4 runs whole model steps in benchmarks/lossy_run.py. The weights'
-share of a step is ~4 ms of the exact step's ~310 ms at 128K, see benchmarks/README.md.) Variants:
-  exact        whole layer copied (one H2D per layer, next layer prefetched during attention)
-  int8 / int4  the quantised layer copied (codes + float16 scales/zero-points, groups of 64 / 32
-               tokens per channel), dequantised on the GPU, attended
-  sparse       chunk summaries (per-channel key min/max per 64 tokens, resident on the GPU) scored
-               for the layer's queries, the best 20% of tokens (incl. the first chunk and the last
-               4) gathered from pinned host memory by a zero-copy GPU kernel, attended; the fetch
-               waits for the layer's queries, so nothing is prefetched across layers
-  sparse-refined  as sparse, then the chunks holding the best HOT_FACTOR x budget are refined to 8 tokens:
-               their packed summaries (uint8 within the coarse range) are gathered from host RAM
-               and scored, and the best 8-token chunks gathered (kvpipe's default sparse method)
-  sparse+int4  the 64-token selection over the int4 cache, dequantised after the gather
-`--dequant` instead times the executor's dequantise alone (executor/quant/store.py: the fused
-compiled decode of a whole byte slot, and the eager decode it replaced) at each context, for
-int8 (group 64) and int4 (group 32): GB/s of exact KV written, the figure the simulator's
-`dequant` stage needs (it costs it as an elementwise kernel: bytes / (hbm_eff_bytes_per_s x
-elementwise_efficiency) of the profile, printed beside it with `--hw`).
-Only `--layers-distinct` layers hold distinct data (the others reuse them), to keep pinned
-memory small; every layer still moves its own bytes. Median of `--steps` steps after one warm-up.
-JSON (command, date, GPU, per-variant ms per step and speed-up over exact) goes to
-benchmarks/results/lossy-speed-<date>.json (or --out); the table is printed last."""
+Variants: `exact` (no --lossy), `int8`, `int4` (--lossy; executor/quant/store.py); `--sparse F` adds a
+`sparse` row (kvpipe run --sparse F: executor/sparse/homes.py), e.g.
+  python -m benchmarks.lossy_speed --context 128K --sparse 0.2 --variants exact
+and `sparse-int4` (a variant to name; it needs --sparse F) runs --sparse F with --lossy int4 (whole
+int4 blocks selected, their records gathered and dequantised), e.g. at 128K:
+  python -m benchmarks.lossy_speed --context 128K --decode-tokens 6 --gpu-mem 24GB --group 8 \
+      --resident none --hw h200-testbox --device cuda --sparse 0.2 --variants exact int4 sparse-int4
+Each row: measured decode seconds per token next to the simulator's prediction for the same plan
+(the quantised rows predicted as they run: eagerly issued, the dequantise one compiled call), its
+speed-up over the exact row of this invocation (measured and predicted), prefill seconds, and the
+error the lossy run measured on its own activations (random weights: not a task accuracy): `attn
+rel err` quantisation's prefill probe, `sparse err` the sparse probe of the first decode step (with
+int4: against the whole dequantised prefix).
+JSON (command, date, device, rows) to benchmarks/results/<machine>-<date>-lossy-speed.json or
+--out; the table is printed last."""
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
-import math
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-
-from benchmarks.timing import median_seconds
-from kvpipe.executor.quant.quantize import Quantized, dequantize, quantize
-from kvpipe.executor.sparse.chunks import RANGE_ALPHA, chunk_scores, even_bounds, pack_fine, summarise
-from kvpipe.pipeline.lossy import HOT_FACTOR
-from kvpipe.pipeline.units import parse_tokens
-
-LAYERS, KV_HEADS, Q_HEADS, D = 32, 8, 32, 128
-CHUNK, FINE, SINK_CHUNKS, RECENT_CHUNKS = 64, 8, 1, 4
+VARIANTS = {"exact": None, "int8": "int8", "int4": "int4", "sparse-int4": "int4"}
+SPARSE_VARIANTS = ("sparse", "sparse-int4")      # run with --sparse F
 
 
-def _triton_gather():
-    """A GPU kernel copying whole rows of a pinned host tensor (zero-copy over PCIe) into device
-    memory, or None without Triton."""
+def run_variant(name: str, args) -> dict:
+    import torch
+
+    import kvpipe
+    t0 = time.time()
     try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
-    @triton.jit
-    def kernel(src, idx, dst, W, BLOCK: tl.constexpr):
-        r, b = tl.program_id(0), tl.program_id(1)
-        row = tl.load(idx + r).to(tl.int64)
-        offs = b * BLOCK + tl.arange(0, BLOCK)
-        m = offs < W
-        tl.store(dst + r.to(tl.int64) * W + offs, tl.load(src + row * W + offs, mask=m), mask=m)
-
-    def gather(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
-        W = src.shape[1]
-        kernel[(idx.numel(), triton.cdiv(W, 4096))](src, idx, out, W, BLOCK=4096)
-    return gather
-
-
-def gather_rows(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, kernel) -> None:
-    """out[i] = src[idx[i]] for a 2-D src (pinned host) into out (device)."""
-    if kernel is not None and out.is_cuda:
-        kernel(src, idx, out)
-    else:
-        out.copy_(src[idx.cpu()])
+        res = kvpipe.run(model=args.model, random_weights=True, context=args.context,
+                         decode_tokens=args.decode_tokens, gpu_mem=args.gpu_mem, group=args.group,
+                         resident=args.resident, chunk=args.chunk, device=args.device, hw=args.hw,
+                         progress=False, lossy=VARIANTS.get(name), seed=args.seed,
+                         sparse=args.sparse if name in SPARSE_VARIANTS else None)
+    except (ValueError, RuntimeError) as e:     # one failed variant (e.g. out of memory) is a row
+        return {"variant": name, "error": str(e).splitlines()[0], "wall_s": time.time() - t0}
+    finally:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    j = res.to_json()
+    t = j["measured"]
+    return {"variant": name, "decode_s_per_token": t["decode_s_per_token"], "prefill_s": t["prefill_s"],
+            "predicted_decode_s_per_token": j["predicted"]["decode_s_per_token"],
+            "peak_bytes": t["peak_bytes"], "plan": j["plan"], "lossy": j["lossy"],
+            "tokens": j["tokens"], "digest": j["output_digest"], "wall_s": time.time() - t0,
+            "decode_issue": (j.get("decode_issue") or {}).get("mode"), "warnings": j.get("warnings")}
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q [1, 32, 1, D]; k, v [1, 8, S, D] (GQA)."""
-    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+def speedups(rows: list[dict]) -> None:
+    """Each row's measured and predicted speed-up over the exact row (the first), in place."""
+    exact, pred_exact = rows[0].get("decode_s_per_token"), rows[0].get("predicted_decode_s_per_token")
+    for r in rows:
+        r["decode_speedup"] = exact / r["decode_s_per_token"] if exact and r.get("decode_s_per_token") else None
+        p = r.get("predicted_decode_s_per_token")
+        r["predicted_speedup"] = pred_exact / p if pred_exact and p else None
 
 
-class Cache:
-    """The KV of `distinct` layers in pinned host RAM, exact and quantised, plus GPU summaries."""
-
-    def __init__(self, S: int, distinct: int, device: torch.device, variants: set[str]) -> None:
-        pin = device.type == "cuda"
-        g = torch.Generator(device=device).manual_seed(0)
-        self.S, self.distinct = S, distinct
-        self.exact, self.quant, self.summ, self.fine = [], {8: [], 4: []}, [], []
-        for _ in range(distinct):
-            kv = torch.randn(KV_HEADS, S, 2, D, generator=g, device=device, dtype=torch.bfloat16)  # [H, S, 2, D]
-            self.exact.append(kv.cpu().pin_memory() if pin else kv.cpu())
-            if variants & {"sparse", "sparse+int4", "sparse-refined"}:
-                cb = even_bounds(S, CHUNK)
-                self.summ.append(summarise(kv[:, :, 0], cb))                      # lo, hi [H, C, D]
-            if "sparse-refined" in variants:   # packed 8-token summaries in host RAM: [H, F, 2, D] uint8
-                fb = even_bounds(S, FINE)
-                codes = pack_fine((cb, *self.summ[-1]), (fb, *summarise(kv[:, :, 0], fb)))
-                host = torch.stack(codes, -2).cpu()
-                self.fine.append(host.pin_memory() if pin else host)
-            for bits, group in ((8, 64), (4, 32)):
-                if not variants & {f"int{bits}", "sparse+int4" if bits == 4 else ""}:
-                    continue
-                qz = quantize(kv.view(KV_HEADS, S, 2 * D), bits, group, axis=1)  # codes [H, 2D, G, B]
-                # token-group-major so that a chunk's codes are contiguous: [H, G, 2D, B]
-                parts = (qz.codes.permute(0, 2, 1, 3), qz.scale.permute(0, 2, 1), qz.zero.permute(0, 2, 1))
-                host = [p.contiguous().cpu() for p in parts]
-                meta = Quantized(*(torch.empty(0),) * 3, qz.bits, qz.group, qz.axis, qz.shape, qz.length, qz.dtype)
-                self.quant[bits].append(([p.pin_memory() for p in host] if pin else host, meta))
-
-
-def _deq(codes, scale, zero, like: Quantized, tokens: int) -> torch.Tensor:
-    """Dequantise token-group-major parts back to [1, H, tokens, 2, D] bf16."""
-    q = Quantized(codes.permute(0, 2, 1, 3), scale.permute(0, 2, 1), zero.permute(0, 2, 1), like.bits,
-                  like.group, 1, (KV_HEADS, 2 * D, tokens), tokens, like.dtype)
-    return dequantize(q).reshape(1, KV_HEADS, tokens, 2, D)
-
-
-def run_variant(name: str, cache: Cache, device: torch.device, steps: int, fraction: float, kernel,
-                layers: int = LAYERS) -> list[float]:
-    S, cuda = cache.S, device.type == "cuda"
-    copy = torch.cuda.Stream(device) if cuda else None
-    q = torch.randn(1, Q_HEADS, 1, D, device=device, dtype=torch.bfloat16)
-    C = S // CHUNK
-    n_sel = max(SINK_CHUNKS + RECENT_CHUNKS, math.ceil(fraction * S / CHUNK))
-    times = []
-    for step in range(steps + 1):
-        t0 = time.perf_counter()
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        streamed = name in ("exact", "int8", "int4")
-        bits = {"exact": None, "int8": 8, "int4": 4}.get(name)
-
-        def fetch(d: int) -> list[torch.Tensor]:
-            """Issue the copy of distinct layer d on the copy stream."""
-            src = [cache.exact[d]] if bits is None else cache.quant[bits][d][0]
-            with torch.cuda.stream(copy) if cuda else _null():
-                return [s.to(device, non_blocking=True) for s in src]
-        nxt = fetch(0) if streamed else None
-        for layer in range(layers):
-            d = layer % cache.distinct
-            if streamed:
-                cur = nxt
-                if cuda:
-                    torch.cuda.current_stream(device).wait_stream(copy)
-                    for t in cur:
-                        t.record_stream(torch.cuda.current_stream(device))
-                if layer + 1 < layers:   # prefetch the next layer while this one is attended
-                    nxt = fetch((layer + 1) % cache.distinct)
-                kv = cur[0].unsqueeze(0) if bits is None else _deq(*cur, cache.quant[bits][d][1], S)
-            else:
-                lo, hi = cache.summ[d]
-                qg = q.view(KV_HEADS, Q_HEADS // KV_HEADS, D)
-                refine = (RANGE_ALPHA, True) if name == "sparse-refined" else ()  # its heuristic ranking
-                score = chunk_scores(qg, lo, hi, *refine)                         # [H, C]
-                score[:, :SINK_CHUNKS] = math.inf
-                score[:, C - RECENT_CHUNKS:] = math.inf
-                heads = torch.arange(KV_HEADS, device=device)[:, None]
-                if name == "sparse-refined":
-                    kv = _refined(cache, d, qg, lo, hi, score, n_sel, kernel, device)
-                    out = attend(q, kv[:, :, :, 0], kv[:, :, :, 1])
-                    continue
-                sel = score.topk(n_sel, -1).indices.sort(-1).values                # [H, n_sel]
-                rows = (sel + heads * C).flatten()
-                if name == "sparse":
-                    src = cache.exact[d].view(KV_HEADS * C, -1)                  # a row = one chunk of one head
-                    out = torch.empty(rows.numel(), src.shape[1], device=device, dtype=src.dtype)
-                    gather_rows(src, rows, out, kernel)
-                    kv = out.view(1, KV_HEADS, n_sel * CHUNK, 2, D)
-                else:
-                    (codes, scale, zero), like = cache.quant[4][d]
-                    per = CHUNK // like.group                                     # groups per chunk
-                    grows = (rows[:, None] * per + torch.arange(per, device=device)).flatten()
-                    parts = []
-                    for p in (codes, scale, zero):
-                        flat = p.view(KV_HEADS * p.shape[1], -1)
-                        o = torch.empty(grows.numel(), flat.shape[1], device=device, dtype=p.dtype)
-                        gather_rows(flat, grows, o, kernel)
-                        parts.append(o.view(KV_HEADS, n_sel * per, *p.shape[2:]))
-                    kv = _deq(*parts, like, n_sel * CHUNK)
-            out = attend(q, kv[:, :, :, 0], kv[:, :, :, 1])
-        if cuda:
-            end.record()
-            end.synchronize()
-            ms = start.elapsed_time(end)
-        else:
-            ms = (time.perf_counter() - t0) * 1e3
-        if step:   # the first step warms up
-            times.append(ms)
-    return times
-
-
-def _refined(cache: Cache, d: int, qg, lo, hi, score, n_sel: int, kernel, device) -> torch.Tensor:
-    """LeoAM-style refinement: the 64-token chunks holding the best HOT_FACTOR x budget are split into
-    8-token chunks whose packed summaries are gathered from host RAM, unpacked (min rounded down,
-    max up), scored, and the best of them (budget in tokens) gathered: [1, H, tokens, 2, D]."""
-    per, C = CHUNK // FINE, score.shape[-1]
-    F = C * per
-    heads = torch.arange(KV_HEADS, device=device)[:, None]
-    n_hot = min(C, HOT_FACTOR * n_sel)
-    hot = score.topk(n_hot, -1).indices                                   # [H, n_hot]
-    fid = (hot[..., None] * per + torch.arange(per, device=device)).flatten(1)   # [H, n_hot*per] fine ids
-    src = cache.fine[d].view(KV_HEADS * F, -1)                            # a row = one fine chunk's codes
-    codes = torch.empty(fid.numel(), src.shape[1], device=device, dtype=torch.uint8)
-    gather_rows(src, (fid + heads * F).flatten(), codes, kernel)
-    codes = codes.view(KV_HEADS, -1, 2, D).float()
-    parent = fid // per
-    base = lo.float().gather(1, parent[..., None].expand(-1, -1, D))      # [H, n_hot*per, D]
-    step = ((hi.float() - lo.float()) / 255).gather(1, parent[..., None].expand(-1, -1, D))
-    slack = 2.0 ** -21 * (base.abs() + 255 * step)
-    flo, fhi = base + codes[:, :, 0] * step - slack, base + codes[:, :, 1] * step + slack
-    fs = chunk_scores(qg, flo, fhi, RANGE_ALPHA, share=True)              # [H, n_hot*per]
-    forced = torch.isinf(score.gather(1, parent))                         # sink / recent chunks
-    fs = fs.masked_fill(forced, math.inf)
-    pick = fs.topk(n_sel * per, -1).indices
-    rows = (fid.gather(1, pick).sort(-1).values + heads * F).flatten()
-    kvsrc = cache.exact[d].view(KV_HEADS * F, -1)                         # a row = 8 tokens of one head
-    out = torch.empty(rows.numel(), kvsrc.shape[1], device=device, dtype=kvsrc.dtype)
-    gather_rows(kvsrc, rows, out, kernel)
-    return out.view(1, KV_HEADS, n_sel * CHUNK, 2, D)
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
-
-
-def check_gather(device: torch.device, kernel) -> str:
-    """Does the zero-copy gather return the right rows? ('ok' or the error)."""
-    if kernel is None or device.type != "cuda":
-        return "no zero-copy kernel (Triton missing or CPU): rows gathered by the host"
-    try:
-        src = torch.arange(64 * 1000, dtype=torch.int32).view(64, 1000).pin_memory()
-        idx = torch.tensor([5, 0, 63, 7], device=device)
-        out = torch.empty(4, 1000, device=device, dtype=torch.int32)
-        kernel(src, idx, out)
-        return "ok" if torch.equal(out.cpu(), src[idx.cpu()]) else "WRONG ROWS"
-    except Exception as e:   # reported, not hidden: the sparse rows then are not measured
-        return f"failed: {type(e).__name__}: {e}"
-
-
-def dequant_rate(device: torch.device, bits: int, group: int, tokens: int, fused: bool, reps: int = 5,
-                 heads: int = KV_HEADS) -> dict:
-    """Seconds (median of `reps` after a warm-up, CUDA events on CUDA) to dequantise one layer's
-    `heads` x `tokens` KV from a byte slot into the exact slot as the executor does, and the rates:
-    exact bytes written per second, and read + written bytes per second."""
-    from kvpipe.executor.quant.blocks import BlockCodec, fused_decode
-    from kvpipe.executor.quant.dequant import DECODE_VALUES
-    from kvpipe.pipeline.lossy import DEFAULT_VGROUP
-    codec = BlockCodec(bits, group, D, torch.bfloat16, DEFAULT_VGROUP.get({8: "int8", 4: "int4"}[bits]))
-    nb = tokens // group
-    g = torch.Generator(device=device).manual_seed(bits)
-    kv = torch.randn(heads * nb, group, 2, D, generator=g, device=device, dtype=torch.bfloat16)
-    qslot = codec.encode(kv).view(1, heads, nb * codec.record)
-    del kv
-    slot = torch.empty(1, heads, nb * group, 2, D, device=device, dtype=torch.bfloat16)
-
-    def once() -> None:
-        if fused:
-            fused_decode()(codec, qslot, slot, 0, heads)
-            return
-        rec, out = qslot.view(1, heads, nb, codec.record), slot.view(1, heads, nb, group, 2, D)
-        step = max(1, DECODE_VALUES // (heads * group * 2 * D))
-        for c in range(0, nb, step):
-            codec.decode(rec[:, :, c:c + step], out[:, :, c:c + step])
-
-    t0 = time.perf_counter()
-    once()                                               # warm-up (the compile, for the fused decode)
-    warm_s = time.perf_counter() - t0
-    sec = median_seconds(once, reps, device)
-    out_b, in_b = slot.numel() * slot.element_size(), qslot.numel()
-    return {"bits": bits, "group": group, "tokens": tokens, "heads": heads, "fused": fused, "s": sec,
-            "first_call_s": warm_s, "out_bytes": out_b, "in_bytes": in_b,
-            "out_bytes_per_s": out_b / sec, "traffic_bytes_per_s": (out_b + in_b) / sec}
-
-
-def dequant_main(args, device: torch.device) -> int:
-    """`--dequant`: the dequantise micro-benchmark (module docstring)."""
-    hw = None
-    if args.hw:
-        from kvpipe.hw_profiles import load_profile
-        hw = load_profile(args.hw)
-    modes = [True, False] if args.fused == "both" else [args.fused == "on"]
-    res = {"command": "python -m benchmarks.lossy_speed " + " ".join(args.argv),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-           "torch": torch.__version__, "what": "dequantise of one layer's 8 KV heads, byte slot -> exact bf16 slot",
-           "rows": []}
-    if hw is not None:
-        res["profile"] = {"name": hw.name, "modelled_bytes_per_s": hw.hbm_eff_bytes_per_s * hw.elementwise_efficiency,
-                          "how": "hbm_eff_bytes_per_s x elementwise_efficiency (read + written bytes)"}
-    for ctx in args.context:
-        for bits, group in ((8, 64), (4, 32)):
-            for fused in modes:
-                try:
-                    row = dequant_rate(device, bits, group, parse_tokens(ctx), fused, args.steps)
-                except Exception as e:   # reported, not hidden; the other rows still run
-                    row = {"bits": bits, "group": group, "tokens": parse_tokens(ctx), "fused": fused,
-                           "error": f"{type(e).__name__}: {str(e)[:300]}"}
-                res["rows"].append(row)
-    out = Path(args.out or f"benchmarks/results/dequant-rate-{datetime.date.today().isoformat()}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2) + "\n")
-    print(f"dequantise, one layer (8 KV heads x D {D}, bf16 out), {res['device']}")
-    if hw is not None:
-        print(f"profile {hw.name}: the simulator streams dequant's read + written bytes at "
-              f"{res['profile']['modelled_bytes_per_s'] / 1e9:.0f} GB/s")
-    print(f"{'tokens':>8}{'codec':>12}{'path':>7}{'ms':>9}{'out GB/s':>10}{'r+w GB/s':>10}{'1st call s':>11}")
-    for r in res["rows"]:
-        name = f"int{r['bits']} g{r['group']}"
-        path = "fused" if r["fused"] else "eager"
-        if "error" in r:
-            print(f"{r['tokens']:>8}{name:>12}{path:>7}  not measured: {r['error']}")
+def medians(runs: list[dict], order: list[str]) -> list[dict]:
+    """One row per variant (in `order`) from its runs: the run with the median decode time
+    (statistics.median_low: a run that happened, its prefill, prediction and errors with it) and
+    `rounds`, every run's decode seconds per token; a variant with no run that ended is its last
+    failed run."""
+    rows = []
+    for name in order:
+        mine = [r for r in runs if r["variant"] == name]
+        ok = [r for r in mine if "error" not in r and r.get("decode_s_per_token") is not None]
+        if not ok:
+            if mine:
+                rows.append(dict(mine[-1]))
             continue
-        print(f"{r['tokens']:>8}{name:>12}{path:>7}{1e3 * r['s']:>9.3f}{r['out_bytes_per_s'] / 1e9:>10.1f}"
-              f"{r['traffic_bytes_per_s'] / 1e9:>10.1f}{r['first_call_s']:>11.1f}")
-    print(f"json: {out}")
-    return 0 if all("error" not in r for r in res["rows"]) else 1
+        mid = statistics.median_low(r["decode_s_per_token"] for r in ok)
+        row = dict(next(r for r in ok if r["decode_s_per_token"] == mid))
+        if len(mine) > 1:
+            row["rounds"] = [r.get("decode_s_per_token") for r in mine]
+        rows.append(row)
+    return rows
+
+
+def run_child(name: str, argv: list[str] | None) -> dict:
+    """`name` run in a fresh process (what one `kvpipe run` sees: no earlier variant's pinned
+    blocks, streams or compiled code), its row read back; a child that dies is a failed row."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "row.json"
+        cmd = [sys.executable, "-m", "benchmarks.lossy_speed", *(sys.argv[1:] if argv is None else argv),
+               "--child", name, "--child-out", str(out)]
+        t0 = time.time()
+        rc = subprocess.run(cmd).returncode
+        if rc or not out.exists():
+            return {"variant": name, "error": f"its process exited with {rc}", "wall_s": time.time() - t0}
+        return json.loads(out.read_text())
+
+
+def table(rows: list[dict]) -> list[str]:
+    """The printed table, one line per variant; a failed row says why, and a row whose reference
+    (the exact row) failed prints no speed-up."""
+    lines = [f"{'variant':11} {'decode ms/tok':>14} {'predicted':>10} {'meas/pred':>10} {'speed-up':>9} "
+             f"{'pred. s-up':>10} {'prefill s':>10} {'attn rel err':>13} {'sparse err':>11} {'decode':>7}"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['variant']:11} FAILED: {r['error']}")
+            continue
+        errs = (r["lossy"] or {}).get("measured_error") or {}
+        err, serr = errs.get("attn_rel_err"), errs.get("sparse_attn_rel_err")   # quant's probe; sparse's
+        p = r["predicted_decode_s_per_token"]
+        x = lambda v: "-" if v is None else f"{v:.2f}x"   # no speed-up where the exact row failed
+        lines.append(f"{r['variant']:11} {1e3 * r['decode_s_per_token']:14.1f} {1e3 * p:10.1f} "
+                     f"{r['decode_s_per_token'] / p:10.2f} {x(r['decode_speedup']):>9} {x(r['predicted_speedup']):>10} "
+                     f"{r['prefill_s']:10.2f} {'-' if err is None else f'{err:.2e}':>13} "
+                     f"{'-' if serr is None else f'{serr:.2e}':>11} {r.get('decode_issue') or '-':>7}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--context", nargs="+", default=["128K", "512K"])
-    ap.add_argument("--variants", nargs="+",
-                    default=["exact", "int8", "int4", "sparse", "sparse-refined", "sparse+int4"])
-    ap.add_argument("--fraction", type=float, default=0.2)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--layers-distinct", type=int, default=4)
-    ap.add_argument("--layers", type=int, default=LAYERS, help="layers per step (32 for Llama-3-8B)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--model", default="llama-3-8b")
+    ap.add_argument("--context", default="128K")
+    ap.add_argument("--decode-tokens", type=int, default=8)
+    ap.add_argument("--gpu-mem", default="24GB")
+    ap.add_argument("--group", default="8")
+    ap.add_argument("--resident", default="none")
+    ap.add_argument("--chunk", default=None)
+    ap.add_argument("--hw", default=None)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--variants", nargs="+", default=["exact", "int8", "int4"], choices=list(VARIANTS))
+    ap.add_argument("--no-sparse-row", action="store_true",
+                    help="with --sparse, run only the variants named (no `sparse` row; e.g. sparse-int4 alone)")
+    ap.add_argument("--sparse", type=float, metavar="F", help="also run `sparse`: kvpipe run --sparse F (LOSSY)")
+    ap.add_argument("--rounds", type=int, default=1, help="run the variants this many times, round-robin; each "
+                    "row is the variant's median run (an eager lossy step is host-bound: the H200 ran the same sparse "
+                    "plan at 88 and 138 ms/token in two processes)")
     ap.add_argument("--out")
-    ap.add_argument("--dequant", action="store_true", help="time the executor's dequantise alone (GB/s)")
-    ap.add_argument("--fused", choices=["on", "off", "both"], default="both", help="--dequant: which decode")
-    ap.add_argument("--hw", help="--dequant: a profile whose modelled dequant rate is printed beside")
+    ap.add_argument("--in-process", action="store_true",
+                    help="run every variant in this process (default: each in its own, as `kvpipe run` runs: "
+                         "on the H200 int8 after exact in one process ran 203 ms/token, alone 167)")
+    ap.add_argument("--child", choices=[*VARIANTS, "sparse"], help=argparse.SUPPRESS)   # one variant, row JSON to --child-out
+    ap.add_argument("--child-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    args.argv = list(argv if argv is not None else sys.argv[1:])
-    device = torch.device(args.device)
-    if args.dequant:
-        return dequant_main(args, device)
-    kernel = _triton_gather() if device.type == "cuda" else None
-    gather_status = check_gather(device, kernel)
-    if gather_status != "ok" and device.type == "cuda":
-        print(f"zero-copy gather: {gather_status}", file=sys.stderr)
-    res = {"command": "python -m benchmarks.lossy_speed " + " ".join(argv if argv is not None else sys.argv[1:]),
+    if args.child:
+        Path(args.child_out).write_text(json.dumps(run_variant(args.child, args)))
+        return 0
+    if args.rounds < 1:
+        ap.error(f"rounds: {args.rounds} is not a positive count")
+    if "exact" not in args.variants:
+        ap.error("variants: the exact run is the reference of the speed-up; keep it")
+    if "sparse-int4" in args.variants and not args.sparse:
+        ap.error("variants: sparse-int4 needs --sparse F (the fraction of tokens fetched)")
+    import torch
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    rows: list[dict] = []
+    out = {"command": " ".join([sys.executable, "-m", "benchmarks.lossy_speed", *(argv or sys.argv[1:])]),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-           "torch": torch.__version__, "what": "KV path of one decode step (32 layers), not a whole model step",
-           "zero_copy_gather": gather_status, "layers": args.layers, "results": {}}
-    out = Path(args.out or f"benchmarks/results/lossy-speed-{datetime.date.today().isoformat()}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    for ctx in args.context:
-        S = parse_tokens(ctx)
-        cache = Cache(S, args.layers_distinct, device, set(args.variants))
-        rows = {}
-        for name in args.variants:
-            if name.startswith("sparse") and device.type == "cuda" and gather_status != "ok":
-                rows[name] = {"error": f"zero-copy gather {gather_status}"}
-                continue
-            try:
-                ms = statistics.median(run_variant(name, cache, device, args.steps, args.fraction, kernel, args.layers))
-                rows[name] = {"ms_per_step": ms}
-            except Exception as e:   # one variant failing must not lose the others' figures
-                rows[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        base = rows.get("exact", {}).get("ms_per_step")
-        for r in rows.values():
-            if base and "ms_per_step" in r:
-                r["speedup_vs_exact"] = base / r["ms_per_step"]
-        res["results"][ctx] = rows
-        del cache
-        out.write_text(json.dumps(res, indent=2) + "\n")   # saved after every context
-    print(f"KV path of a decode step, Llama-3-8B shapes, {res['device']}; zero-copy gather: {gather_status}")
-    print(f"{'context':>8}{'variant':>16}{'ms/step':>10}{'vs exact':>10}")
-    for ctx, rows in res["results"].items():
-        for name, r in rows.items():
-            if "error" in r:
-                print(f"{ctx:>8}{name:>16}  not measured: {r['error']}")
-            else:
-                print(f"{ctx:>8}{name:>16}{r['ms_per_step']:>10.1f}{r.get('speedup_vs_exact', float('nan')):>9.2f}x")
-    print(f"json: {out}")
-    return 0
+           "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+           "note": "random weights; errors are of this run's activations, not task accuracy",
+           "isolation": "one process for all variants" if args.in_process else "one process per variant",
+           "rows": rows}
+    from benchmarks.result_file import result_file
+    path = Path(args.out) if args.out else result_file("lossy-speed", device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    order = ["exact"] + [v for v in args.variants if v != "exact"] + (["sparse"] if args.sparse and not args.no_sparse_row else [])
+    runs: list[dict] = []
+    if args.rounds > 1:
+        out["runs"] = runs
+    for rnd in range(args.rounds):   # round-robin: each round runs every variant once, exact first
+        for name in order:
+            runs.append(dict(run_variant(name, args) if args.in_process else run_child(name, argv), round=rnd))
+            print(f"lossy_speed: {name}: {json.dumps({k: runs[-1].get(k) for k in ('round', 'decode_s_per_token', 'prefill_s', 'error', 'wall_s')})}",
+                  file=sys.stderr, flush=True)
+            rows[:] = medians(runs, order)
+            speedups(rows)
+            path.write_text(json.dumps(out, indent=1))   # after every variant: a run cut short keeps its rows
+    print(f"wrote {path}")
+    print("\n".join(table(rows)))
+    return 0 if all("error" not in r for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ stopped it (an OOM included); the next row starts from a cleaned allocator.
     with Bench("llama-3-8b", "cuda", 24_000_000_000, max_context=131072) as bench:
         row = bench.row(plan, Workload(32768, 16, 1))   # Row: .json (dict), .last_logits
 
-Used by benchmarks/planner_regret.py, regimes.py, sim_check.py --measure and fuse_check.py."""
+Used by benchmarks/planner_regret.py, regimes.py, sim_check.py --measure and fused_decode.py."""
 from __future__ import annotations
 
 import gc
@@ -193,7 +193,6 @@ class Bench:
         if self.cuda:   # run_graph's own steps: cap, then the untimed warm-up
             # blocks the caller freed since the last row go back first: a CUDA graph capture cannot
             # release cached blocks to retry an allocation, so they would count against the cap
-            # (GPU test: 1.86 GiB cached-but-free made the next row's capture run out, 2026-12-01)
             torch.cuda.empty_cache()
             total = torch.cuda.get_device_properties(self.dev).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, self.gpu_budget / total), self.dev)
@@ -267,7 +266,7 @@ class Bench:
         """Free what the last row left: Python garbage first (an exception's tensors), then the
         allocator's cached blocks. torch's cached pinned host blocks are kept for the next row of
         the same context to reuse (creating pinned memory is slow; the homes are carved from
-        power-of-two blocks, executor/pinned.carve: 34 GiB for 32 GiB of KV at 256K) unless they
+        power-of-two blocks, executor/kv/pinned.carve: 34 GiB for 32 GiB of KV at 256K) unless they
         pass half the host budget; `pinned_alloc_s` shows what each row paid (torch-pinned homes
         only: replayed rows)."""
         gc.collect()

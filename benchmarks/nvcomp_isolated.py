@@ -1,8 +1,8 @@
-"""One nvCOMP codec's round trip on the K/V, each in its own process (issue 9 §3).
+"""One nvCOMP codec's round trip on the K/V, each in its own process (benchmarks/codec_link.py).
 
 Why a process per codec: a fault inside a CUDA kernel (an illegal address) is sticky, it kills the
 process's CUDA context, and every later call in that process fails ("nvCOMP error: Unable to get
-context for stream 0" after ANS's fault on the H200, 2026-11-30). A worker process per codec
+context for stream 0" after a fault in ANS on the H200). A worker process per codec
 keeps one codec's fault out of the others' rows. The parent (`run_isolated`) reads the worker's
 stdout, one JSON object a line: `{"stage": ..., "bytes": n}` before each step, `{"row": {...}}`
 at the end; a worker that dies without a row is reported with the stage it died in.

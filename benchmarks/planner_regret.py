@@ -1,4 +1,4 @@
-"""Planner regret on a real GPU (issue 10 §4): for each workload, measure the planner's pick, its
+"""Planner regret on a real GPU: for each workload, measure the planner's pick, its
 runners-up and hand-chosen others (benchmarks/regret_plans.py says how they are chosen), all in
 ONE process (benchmarks/measure.py: the model built once, each row run as `kvpipe run` runs it).
 The regret of the pick is its measured objective over the best measured one; the issue's target
@@ -8,7 +8,7 @@ for the same objective and workload.
 
   python -m benchmarks.planner_regret --estimate --host-mem 125GiB --out P.json   # here: rows, est. seconds
   python -m benchmarks.planner_regret --plans P.json --budget-s 420 --part 1/2     # on the GPU
-  python -m benchmarks.planner_regret --table A.json B.json                       # here: saved parts
+  python -m benchmarks.planner_regret --table A.json B.json [--out J.json]        # here: saved parts (joined)
 
 The planner runs where --estimate runs (its plans do not depend on the machine beyond the budgets
 given); --plans replays that file's rows so GPU time goes to measuring only.
@@ -197,6 +197,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.table:
             saved = [json.loads(Path(f).read_text()) for f in args.table]
             print("\n".join(table(saved)))
+            if args.out:   # the parts joined into one result (one per objective and model)
+                from benchmarks.regret_table import merge
+                joined = merge(saved)
+                Path(args.out).write_text(json.dumps(joined[0] if len(joined) == 1 else joined, indent=2))
+                print(f"joined: {args.out}")
             if args.pick_plans:
                 from benchmarks.regret_table import current_picks
                 print("\n".join(current_picks(saved, json.loads(Path(args.pick_plans).read_text()))))
@@ -258,8 +263,8 @@ def regret_run(args, started: float) -> int:
             Path(args.out).write_text(json.dumps(res, indent=2))
             print(f"plans: {args.out} (give it to --plans on the GPU)")
         return 0
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M")
-    out = Path(args.out or f"benchmarks/results/planner-regret-{stamp}.json")
+    from benchmarks.result_file import result_file
+    out = Path(args.out or result_file("planner-regret", args.device))
     out.parent.mkdir(parents=True, exist_ok=True)
     measure_all(args, res, cands, started, out)
     print("\n".join(table([res])))

@@ -1,10 +1,10 @@
 """Wall time of `kvpipe plan` (the planner search, the default) for every preset model at 1M and
 4M tokens, plain and with --compare, each run as its own process pinned to two cores
-(`taskset -c 0,1`), imports included. Target (issue 10 §3): at most 10 s each.
+(`taskset -c 0,1`), imports included. Target: at most 10 s each.
 
     python benchmarks/planner_speed.py [--cores 0,1] [--only llama-2-13b] [--out FILE.json]
 
-Writes benchmarks/results/planner-speed-<date>.json (command, date, CPU model, load average, and
+Writes benchmarks/results/cpu-<date>-planner-speed.json (command, date, CPU model, load average, and
 per case: wall, user and sys seconds, exit code) and prints a table last. User + sys is what the
 run costs a single core; on a loaded machine the wall time also holds the waits for a core."""
 from __future__ import annotations
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cores", default="0,1", help="CPU list for taskset (two cores by default)")
     ap.add_argument("--only", action="append", help="preset(s) to time (default: every preset)")
-    ap.add_argument("--out", help="JSON path (default: benchmarks/results/planner-speed-<date>.json)")
+    ap.add_argument("--out", help="JSON path (default: benchmarks/results/cpu-<date>-planner-speed.json)")
     a = ap.parse_args(argv)
     models = a.only or list(PRESETS)
     unknown = [m for m in models if m not in PRESETS]
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
                              "command": " ".join(cmd[len(pin):]), **r})
                 print(f"  {model} {context} {'--compare' if compare else 'plain'}: {r['wall_s']:.2f} s wall",
                       file=sys.stderr)
-    out = Path(a.out) if a.out else Path(__file__).parent / "results" / f"planner-speed-{start:%Y-%m-%d}.json"
+    out = Path(a.out) if a.out else Path(__file__).parent / "results" / f"cpu-{start:%Y-%m-%d}-planner-speed.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"command": " ".join([sys.executable] + sys.argv), "pinned": " ".join(pin), "date": start.isoformat(),
            "cpu": cpu_model(), "cpus_online": os.cpu_count(), "target_s": TARGET_S, "rows": rows}

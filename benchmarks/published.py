@@ -2,7 +2,7 @@
 same workload and plan, with the error. Only figures read in a cited source; every plan detail
 the source does not state is an assumption named in `ASSUMED`.
 
-  python -m benchmarks.published            # prints the table, writes benchmarks/results/published.json
+  python -m benchmarks.published            # prints the table, writes benchmarks/results/cpu-<date>-published.json
 
 Source of every row so far: HeadInfer (Luo et al., arXiv 2502.12574), Tables 6 (prefill seconds)
 and 7 (decode seconds per token) of Llama-3-8B; read from the paper's HTML tables as reproduced in
@@ -67,8 +67,11 @@ def predict(what: str, method: str, group: int | None, context: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="benchmarks/results/published.json")
+    ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.out is None:
+        from benchmarks.result_file import result_file
+        args.out = str(result_file("published"))
     rows = []
     for what, method, group, ctx, value, where in ROWS:
         p = predict(what, method, group, ctx)

@@ -1,18 +1,18 @@
-"""kvpipe in every regime (issue 8), with HF and the floors measured in the same process: resident
-decode at 8K/32K against the HBM floor and HF's eager decode, streamed decode at 32K/64K/128K for
+"""kvpipe in every regime, with HF and the floors measured in the same process: resident decode
+at 8K/32K against the HBM floor and HF's eager decode, streamed decode at 32K/64K/128K for
 groups 1, 2, 4, 8 against the PCIe floor, mixed decode at 128K against its offloaded bytes,
 prefill at 8K/32K/128K against HF all-on-GPU; each row beside the simulator's prediction.
 
   python -m benchmarks.regimes                  # all rows (H200: ~4 minutes)
   python -m benchmarks.regimes --rows 8k-default,32k-g8-none --decode 8
   python -m benchmarks.regimes --repredict FILE.json [--hw P]   # predictions again from a saved run (no GPU)
-  python -m benchmarks.regimes --report [--hw P] [--out FILE.txt] [--audit]   # every saved issue-8 row (issue8_report.py)
 
 Llama-3-8B shapes, random bf16 weights, batch 1, kvpipe's allocator capped at 24 GB. One process:
 the model is built once, HF runs first without the cap. The table (measured, floor, ratio,
-predicted, error) prints last; JSON with the command and date goes to benchmarks/results/.
-Predictions use `--hw` (default h200-testbox, the test machine's calibrated profile; the plans are
-still the planner's on h200, as `kvpipe run` picks them)."""
+predicted, error) prints last; JSON with the command and date goes to
+benchmarks/results/<machine>-<date>-regimes.json (or --out). Predictions use `--hw` (default
+h200-testbox, the test machine's calibrated profile; the plans are still the planner's on h200,
+as `kvpipe run` picks them)."""
 from __future__ import annotations
 
 import argparse
@@ -60,7 +60,7 @@ def predict(row: dict, hw=HW) -> dict:
     spec, hw = load_model(MODEL), load_profile(hw) if isinstance(hw, str) else hw
     work = Workload(row["context"], row["decode_tokens"], 1)
     rep = simulate(spec, work, Plan.from_json(row["plan"]), hw, replay=row["decode_issue"] == "graph",
-                   fuse=row.get("fused", False)).report   # rows from before fusion was the default: unfused
+                   fuse=row.get("fused", False)).report   # a row saved without `fused` ran unfused
     return {"prefill_s": rep.timing.prefill_s, "decode_s_per_token": rep.timing.decode_s_per_token}
 
 
@@ -229,19 +229,10 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=8, help="decode steps per row")
     ap.add_argument("--replay", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--hf-max", type=int, default=131072, help="largest context HF runs at")
-    ap.add_argument("--out", default=None, help="JSON of a run (with --report: the report's text)")
+    ap.add_argument("--out", default=None, help="JSON of a run")
     ap.add_argument("--hw", default=HW, help="profile the predictions use (name or TOML path)")
     ap.add_argument("--repredict", metavar="FILE.json", help="recompute predictions of a saved run (CPU)")
-    ap.add_argument("--report", action="store_true", help="every issue-8 row measured under --results, newest "
-                    "of each, predicted on --hw: table and median/max |error| for decode and prefill (CPU)")
-    ap.add_argument("--results", default="benchmarks/results", help="folder --report reads")
-    ap.add_argument("--audit", action="store_true", help="with --report: the profile fields the predictions "
-                    "depend on, with their sources (about a minute)")
     args = ap.parse_args()
-    if args.report:
-        from benchmarks.issue8_report import main_report
-        main_report(args, "python -m benchmarks.regimes " + " ".join(sys.argv[1:]))
-        return
     if args.repredict:
         res = json.loads(Path(args.repredict).read_text())
         from kvpipe.pipeline.model import load_model
@@ -255,8 +246,8 @@ def main() -> None:
         res["predicted_on"] = args.hw
         Path(args.out or args.repredict).write_text(json.dumps(res, indent=2))
     else:
-        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M")
-        args.out = args.out or f"benchmarks/results/regimes-{stamp}.json"
+        from benchmarks.result_file import result_file
+        args.out = args.out or str(result_file("regimes", "cuda"))
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         res = measure(args)
     print("\n".join(table(res)))

@@ -2,7 +2,7 @@
 hand-chosen others that a wrong cost model would have preferred, each with the simulator's
 prediction. No torch: `python -m benchmarks.planner_regret --estimate` lists them here.
 
-How the others are chosen (issue 10 §4 wants real contenders, not strawmen): each moves ONE
+How the others are chosen (real contenders, not strawmen): each moves ONE
 dimension of the pick to its neighbours in the planner's space (prefill chunk /4, /2, x2; every
 other head-group size; no or half the resident units; a deeper transfer ring; decode replay off,
 or on where the planner chose it off),

@@ -1,4 +1,4 @@
-"""The simulator against real runs (issue 10 §4): 18 explicit plans spanning contexts 4K-512K,
+"""The simulator against real runs: 18 explicit plans spanning contexts 4K-512K,
 groups 1/2/4/8, resident none/some/all and prefill chunks 2K-32K, each run on the GPU after an
 untimed warm-up (prefill and a few decode steps, replayed as `kvpipe run --replay auto` does; the
 median of 5 timed runs to 16K, 3 at 32K, 1 beyond: `repeats_of`) and predicted by the
@@ -7,16 +7,15 @@ these rows. Llama-3-8B shapes, random bf16 weights, batch 1, allocator capped at
 process builds the model once (~2 minutes of H200 time for the rows to 128K, ~4 more for 512K).
 Before the rows, the same process
 measures what varies between machines and calls: the small-kernel floor and elementwise rate
-(calibrate's micro-benchmark), the host's issue cost per stage (executor/issue_probe.stage_costs
+(calibrate's micro-benchmark), the host's issue cost per stage (executor/calibrate/host_issue.stage_costs
 on a 2-layer model that is no row) and the host time of a cuDNN plan build (calibrate's
 attention_plan, on its own tensors), recorded beside the rows. The official report predicts with
-the profile as bundled (every field from an earlier `kvpipe calibrate`; rule fixed 2026-12-01
-before that day's rows ran); `--session-small` / `--session-host` predict with the same process's
-figures instead, as diagnostics.
+the profile as bundled (every field from an earlier `kvpipe calibrate`, none fitted to these
+rows); `--session-small` / `--session-host` predict with the same process's figures instead, as
+diagnostics.
 
   python -m benchmarks.sim_check --measure OUT.json           # on the GPU (predicts too if simpy is there)
   python -m benchmarks.sim_check --report OUT.json [--hw P]   # here: predictions, table, plot (PNG)
-  python -m benchmarks.sim_check --baselines                  # the older eager rows of docs/BASELINES.md
 
 The report prints, last, a table of every row and median / max |error| for prefill and decode
 separately, writes the predictions back into the JSON and a predicted-vs-measured plot beside it
@@ -56,16 +55,15 @@ ROWS = {
     "64k-g4-some-c32k": (65536, 4, 32768, 64),
     "128k-g8-none-c32k": (131072, 8, 32768, 0),
     "128k-g2-some-c16k": (131072, 2, 16384, 72),   # 80 units: 23.98 GB predicted, OOM at the 24 GB cap twice (allocator slack)
-    "512k-g4-none-c16k": (524288, 4, 16384, 0),   # issue 10 asks 4K-512K; ~4 min and 64 GiB pinned
+    "512k-g4-none-c16k": (524288, 4, 16384, 0),   # ~4 min and 64 GiB pinned
 }
 DIAGNOSED = ("8k-g8-all-c8k", "32k-g8-all-c8k", "32k-g8-some-c16k")
 
 
 def repeats_of(context: int) -> int:
-    """Timed runs of a row after its warm-up; the row's figure is their median (device/METHOD.md:
-    warm up, repeat, take the median). Rule fixed 2026-12-01 (seventh session) before its rows ran;
-    until then each row was ONE timed run, and the short host-bound rows varied up to 1.6x between
-    sessions. Long rows stay at one run (a 128K prefill is 12 s, a 512K one over 2 minutes)."""
+    """Timed runs of a row after its warm-up; the row's figure is their median (warm up, repeat,
+    take the median: one run of a short host-bound row varies up to 1.6x between processes).
+    Long rows stay at one run (a 128K prefill is 12 s, a 512K one over 2 minutes)."""
     return 5 if context <= 16384 else 3 if context <= 32768 else 1
 
 
@@ -77,9 +75,9 @@ def plan_of(name: str):
 
 def profile(hw_name: str, res: dict, session_small: bool = True, session_host: bool = True):
     """The profile predictions use: `hw_name`, with the small-kernel floor and elementwise rate
-    measured in the same session as the rows (`--measure` runs `kvpipe calibrate`'s micro-benchmark
+    measured in the same process as the rows (`--measure` runs `kvpipe calibrate`'s micro-benchmark
     first) when the file holds them and `session_small`; and with the host issue figures of the
-    same session's host-stage probe (`calibration.host_stage_costs`: the prefill compute pair, the
+    same process's host-stage probe (`calibration.host_stage_costs`: the prefill compute pair, the
     copy pair, the prefill gap, fitted from the recorded probe by pipeline/calibration.host_issue_fields)
     when the file holds it and `session_host`. The probe runs a 2-layer model that is no row."""
     from dataclasses import replace
@@ -92,7 +90,7 @@ def profile(hw_name: str, res: dict, session_small: bool = True, session_host: b
     if session_small and "small_kernel_s" in cal:
         eff = min(1.0, cal["elementwise_bytes_per_s"] / hw.hbm_eff_bytes_per_s)
         hw = replace(hw, small_kernel_s=cal["small_kernel_s"], elementwise_efficiency=eff)
-        label += (f" with the session's small_kernel_s {hw.small_kernel_s:.3g} s and "
+        label += (f" with the same process's small_kernel_s {hw.small_kernel_s:.3g} s and "
                   f"elementwise_efficiency {eff:.3f} (calibrate micro-benchmark, same run)")
     if session_host and "host_stage_costs" in cal:
         try:
@@ -161,7 +159,7 @@ def table(res: dict) -> list[str]:
     if any(r.get("repeats", 1) > 1 for r in res["rows"].values()):
         for key, s in summary(errors(res, first=True)).items():
             lines.append(f"{key + ' (1st run)':20} {s['rows']} rows: median |error| {s['median_abs']:.1%}, "
-                         f"max {s['max_abs']:.1%} (each row's first timed run, as before the repeats)")
+                         f"max {s['max_abs']:.1%} (each row's first timed run alone)")
     return lines
 
 
@@ -195,7 +193,7 @@ def plot(res: dict, path: Path) -> str:
 
 
 def host_probe() -> dict:
-    """The host-stage probe (executor/issue_probe.stage_costs) on its 2-layer Llama-3-8B-shaped
+    """The host-stage probe (executor/calibrate/host_issue.stage_costs) on its 2-layer Llama-3-8B-shaped
     model, in this process before the rows: what this host spends issuing each stage now.
     The four plans `kvpipe calibrate` runs (every stage kind; copies of 1, 2, 4 and 8 calls),
     two runs each of a 2K context in 512-token chunks and 8 eager decode steps: seconds on the
@@ -215,7 +213,7 @@ def host_probe() -> dict:
 def measure(out: Path, names: list[str], decode: int, warm_row: str | None = None) -> dict:
     from benchmarks.measure import Bench, note
     from kvpipe.api import default_alloc_conf
-    default_alloc_conf()   # before torch starts CUDA: fixed segments fragmented 4 rows on 2026-11-30
+    default_alloc_conf()   # before torch starts CUDA: fixed segments fragment the long rows
     import torch
 
     from kvpipe.pipeline.workload import Workload
@@ -226,7 +224,7 @@ def measure(out: Path, names: list[str], decode: int, warm_row: str | None = Non
     t_start = time.perf_counter()
     from kvpipe.executor.calibrate.gpu import hbm, small_kernels
     from kvpipe.pipeline.calibration import Calibration
-    cal = Calibration("session", "sim_check", "sim_check")
+    cal = Calibration("same-process", "sim_check", "sim_check")
     hbm(cal)
     small_kernels(cal)
     res["calibration"] = {"small_kernel_s": cal.values["gpu.small_kernel_s"],
@@ -263,11 +261,10 @@ def measure(out: Path, names: list[str], decode: int, warm_row: str | None = Non
 
 def report(res: dict, hw_name: str, out: Path, session_small: bool = False, session_host: bool = False) -> list[str]:
     """Predict every measured row of `res` on `hw_name` and summarise the errors. The official
-    report (issue 10 section 4: "the calibrated profile, with no constant fitted to these rows") is
-    the default: the profile exactly as bundled, every field from an earlier `kvpipe calibrate`, so
-    the rows are predicted as a user's `kvpipe plan --hw` would predict them. This rule was fixed on
-    2026-12-01 before that day's rows were measured. `session_small` / `session_host` swap in the
-    figures the --measure run's own micro-benchmark and host probe took (diagnostics)."""
+    report is the default: the profile exactly as bundled, every field from an earlier `kvpipe
+    calibrate` and none fitted to these rows, so the rows are predicted as a user's `kvpipe plan
+    --hw` would predict them. `session_small` / `session_host` swap in the figures the --measure
+    run's own micro-benchmark and host probe took (diagnostics)."""
     hw, res["profile"] = profile(hw_name, res, session_small, session_host)
     for r in res["rows"].values():
         if "measured" in r:
@@ -283,7 +280,6 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--measure", metavar="OUT.json", help="run the rows on this machine's GPU")
     ap.add_argument("--report", metavar="FILE.json", help="predict the rows of a measured file; table and plot")
-    ap.add_argument("--baselines", action="store_true", help="the eager rows of docs/BASELINES.md")
     ap.add_argument("--rows", default="all", help=f"comma-separated, or all: {', '.join(ROWS)}")
     ap.add_argument("--decode", type=int, default=DECODE, help="decode steps per row")
     ap.add_argument("--hw", default="h200-testbox", help="profile the predictions use")
@@ -291,7 +287,7 @@ def main() -> None:
                     "calibrated in its own process instead of the profile's (a diagnostic, not the official report)")
     ap.add_argument("--warm-row", default=None, metavar="ROW", help="run this row once before the measured "
                     "rows and keep it apart (JSON `warm_row`): the first row of a process has measured up to 1.3x "
-                    "its neighbours' prefill (benchmarks/SIMMODEL.md, Host issue per phase)")
+                    "its neighbours' prefill")
     ap.add_argument("--session-host", action="store_true", help="use the host issue fields (and cuDNN plan "
                     "build) the --measure run's probe measured in its own process instead of the profile's "
                     "(a diagnostic, not the official report)")
@@ -304,9 +300,6 @@ def main() -> None:
     if args.warm_row is not None and args.warm_row not in ROWS:
         print(f"sim_check: warm-row: unknown row {args.warm_row!r}", file=sys.stderr)
         sys.exit(2)
-    if args.baselines:
-        from benchmarks.sim_baselines import main as baselines
-        return baselines()
     if args.measure:
         out = Path(args.measure)
         res = measure(out, names, args.decode, args.warm_row)
@@ -326,7 +319,7 @@ def main() -> None:
         print("\n".join(lines))
         return
     ap.print_usage(sys.stderr)
-    print("sim_check: give --measure, --report or --baselines", file=sys.stderr)
+    print("sim_check: give --measure or --report", file=sys.stderr)
     sys.exit(2)
 
 

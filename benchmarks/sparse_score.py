@@ -1,21 +1,23 @@
-"""The `score` stage of sparse decode (LOSSY, `--sparse F`) in isolation, per layer: the old path
-(torch scores, group_share, selection by a stable full sort: executor/sparse/sketch.py as of
-cb04d41, kept below as `old_select`) against the new one (the Triton ranking of
-executor/sparse/rank_triton.py, then its sort-free select), on one layer's offloaded units (default
-8 units, GQA 4 query heads, D 128, 2-bit sketch, 20% of tokens), CUDA events, median of --reps
-calls after a warm-up. Also times the pieces, so the gain splits into ranking and selection
-(columns: rank = the Triton ranking, select = the Triton selection (radix select; JSON also
-has triton_select_topk_s, its threshold by torch.topk instead), t.sel = sparse_sketch.select's
-torch ops, old sel = the stable sort), and prints the simulator's score stage for the same shapes
-(LossySpec.score_cost, pipeline/cost.stage_seconds on the --hw profile) beside the measurement.
+"""The `score` stage of sparse decode (LOSSY, `--sparse F`) in isolation, per layer, and the
+profile fit the simulator costs it by ([gpu] sparse_score_call_s / sparse_score_bytes_per_s): the
+executor's Triton ranking (executor/sparse/rank_triton.py) and sort-free select, against the torch
+path (executor/sparse/sketch.py: scores, group_share, select), on one layer's offloaded units
+(default 8 units, GQA 4 query heads, D 128, 2-bit sketch, 20% of tokens), CUDA events, median of
+--reps calls after a warm-up; the whole stage also replayed from a CUDA graph (device time), as
+replayed steps run it (units a piece at a time, over tokens and over int4 blocks), and per score
+kernel tiling. Columns: rank = the Triton ranking, select = the Triton selection (radix select;
+JSON also has triton_select_topk_s, its threshold by torch.topk instead), t.sel = the torch
+selection; beside them the simulator's score stage for the same shapes (LossySpec.score_cost,
+pipeline/cost.stage_seconds on the --hw profile).
 
   python -m benchmarks.sparse_score                      # H200: 32K, 128K, 512K
   python -m benchmarks.sparse_score --contexts 4K --device cpu --reps 2   # CPU smoke (torch path only)
 
-Agreement: per unit, the fraction of the new selection's tokens that the old one also selected
-(1.0: the same set; the ranking's float32 sums differ in order, so near-ties may flip). JSON
-(command, date, device, rows) to benchmarks/results/sparse-score-<date>.json or --out; the table
-is printed last. Keys are random (heavy-tailed channels): timings do not depend on their values."""
+Agreement: per unit, the fraction of the Triton selection's tokens that the torch path also
+selected (1.0: the same set; the ranking's float32 sums differ in order, so near-ties may flip).
+JSON (command, date, device, rows, profile_fit) to benchmarks/results/<machine>-<date>-sparse-score.json
+or --out; the table is printed last. Keys are random (heavy-tailed channels): timings do not
+depend on their values."""
 from __future__ import annotations
 
 import argparse
@@ -28,33 +30,16 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.result_file import result_file
 from benchmarks.timing import median_seconds
 from kvpipe.executor.sparse import sketch as sparse_sketch
 from kvpipe.executor.sparse import rank_triton as sparse_triton
 from kvpipe.pipeline.units import parse_tokens
 
-RESULTS = Path(__file__).resolve().parent / "results"
 LAYERS = 32          # Llama-3-8B: the implied decode-step cost is 32 score stages
 TILINGS = (("token", 32, 4), ("token", 64, 4), ("token", 64, 8), ("token", 128, 8),   # (score kernel, tokens per
            ("chunk", 64, 2), ("chunk", 64, 4), ("chunk", 64, 8), ("chunk", 32, 2), ("chunk", 32, 4),   # program, warps)
            ("dot", 64, 2), ("dot", 64, 4), ("dot", 64, 8), ("dot", 32, 4))
-
-
-def old_select(share: torch.Tensor, prefix: int, budget: int, sink: int, recent: int) -> torch.Tensor:
-    """The selection before this change (stable descending sort of every sealed token, then a sort
-    of forced + chosen indices): the baseline timed here and the reference of the agreement."""
-    sealed = share.shape[-1]
-    must = sparse_sketch.forced(prefix, sealed, sink, recent, share.device)
-    n = sparse_sketch.count(prefix, sealed, budget, sink, recent)
-    lead = share.shape[:-1]
-    room = n - must.numel()
-    if room <= 0:
-        return must[:n].expand(*lead, n).contiguous()
-    rank = share.clone()
-    for a, b in sparse_sketch._ranges(prefix, sealed, sink, recent):
-        rank[..., a:min(b, sealed)] = -math.inf
-    best = torch.sort(rank, dim=-1, descending=True, stable=True).indices[..., :room]
-    return torch.sort(torch.cat([must.expand(*lead, must.numel()), best], -1), -1).values
 
 
 def timed(fn, reps: int, dev: torch.device) -> float:
@@ -106,24 +91,18 @@ def bench(prefix: int, args, dev: torch.device) -> dict:
     row = {"context": prefix, "units": U, "q_heads": G, "head_dim": D, "bits": bits, "fraction": args.fraction,
            "codes_bytes": codes.numel()}
 
-    def old_rank():
+    def torch_rank():
         return sparse_sketch.group_share(sparse_sketch.scores(q, lo, hi, codes, bits))
-    s_old = sparse_sketch.scores(q, lo, hi, codes, bits)
-    share_old = sparse_sketch.group_share(s_old)
-    row["old_scores_s"] = timed(lambda: sparse_sketch.scores(q, lo, hi, codes, bits), args.reps, dev)
-    row["old_share_s"] = timed(lambda: sparse_sketch.group_share(s_old), args.reps, dev)
-    row["old_select_s"] = timed(lambda: old_select(share_old, prefix, budget, sink, recent), args.reps, dev)
-    row["old_total_s"] = timed(lambda: old_select(old_rank(), prefix, budget, sink, recent), args.reps, dev)
-    row["torch_select_s"] = timed(lambda: sparse_sketch.select(share_old, prefix, budget, sink, recent), args.reps, dev)
-    row["torch_rank_new_select_s"] = timed(lambda: sparse_sketch.select(old_rank(), prefix, budget, sink, recent),
-                                           args.reps, dev)
-    ref = old_select(share_old, prefix, budget, sink, recent)
-    row["same_select_same_rank"] = bool(torch.equal(sparse_sketch.select(share_old, prefix, budget, sink, recent), ref))
+    share_torch = torch_rank()
+    row["torch_rank_s"] = timed(torch_rank, args.reps, dev)
+    row["torch_select_s"] = timed(lambda: sparse_sketch.select(share_torch, prefix, budget, sink, recent), args.reps, dev)
+    row["torch_total_s"] = timed(lambda: sparse_sketch.select(torch_rank(), prefix, budget, sink, recent), args.reps, dev)
+    ref = sparse_sketch.select(share_torch, prefix, budget, sink, recent)
     why = sparse_triton.unavailable(dev, D, bits)
     row["triton"] = why or "ok"
     if why is None:
         share_new = sparse_triton.rank(q, lo, hi, codes, bits)
-        row["rank_max_abs_diff"] = float((share_new - share_old).abs().max())
+        row["rank_max_abs_diff"] = float((share_new - share_torch).abs().max())
         row["new_rank_s"] = timed(lambda: sparse_triton.rank(q, lo, hi, codes, bits), args.reps, dev)
         row["rank_tilings_s"] = {f"{kern} {blk}x{w}": timed(lambda: sparse_triton.rank(q, lo, hi, codes, bits, block=blk,
                                                                                       warps=w, kernel=kern),
@@ -152,10 +131,7 @@ def bench(prefix: int, args, dev: torch.device) -> dict:
         same = [len(set(a.tolist()) & set(b.tolist())) / a.numel() for a, b in zip(new, ref)]
         row["agreement_min"], row["agreement_mean"] = min(same), statistics.mean(same)
         row["indices_equal"] = bool(torch.equal(new, ref))
-    best = row.get("new_total_s", row["torch_rank_new_select_s"])
-    row["speedup"] = row["old_total_s"] / best
-    row["new_step_ms"] = LAYERS * best * 1e3
-    row["old_step_ms"] = LAYERS * row["old_total_s"] * 1e3
+    row["step_ms"] = LAYERS * row.get("new_total_s", row["torch_total_s"]) * 1e3
     row["predicted_score_s"] = predicted_s(prefix, U, G, D, args.fraction, bits, args.hw)
     return row
 
@@ -230,22 +206,21 @@ def main(argv: list[str] | None = None) -> int:
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "rows": rows,
            "profile_fit": profile_fit(rows)}
-    path = Path(args.out) if args.out else RESULTS / f"sparse-score-{datetime.date.today()}.json"
+    path = Path(args.out) if args.out else result_file("sparse-score", dev.type)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
     print(f"wrote {path}")
     ms = lambda r, k: f"{1e3 * r[k]:.3f}" if k in r else "-"   # noqa: E731
-    print(f"{'context':>8} {'old ms/layer':>12} {'new ms/layer':>12} {'rank':>7} {'select':>7} {'t.sel':>7} {'old sel':>7} "
-          f"{'pred ms':>8} {'x faster':>8} {'old ms/step':>11} {'new ms/step':>11} {'agree':>6}")
+    print(f"{'context':>8} {'torch ms/layer':>14} {'ms/layer':>9} {'rank':>7} {'select':>7} {'t.sel':>7} "
+          f"{'pred ms':>8} {'ms/step':>8} {'agree':>6}")
     for r in rows:
         if "error" in r:
             print(f"{r['context']:>8} FAILED: {r['error']}")
             continue
-        new = "new_total_s" if "new_total_s" in r else "torch_rank_new_select_s"
-        print(f"{r['context']:>8} {ms(r, 'old_total_s'):>12} {ms(r, new):>12} {ms(r, 'new_rank_s'):>7} "
-              f"{ms(r, 'triton_select_s'):>7} {ms(r, 'torch_select_s'):>7} {ms(r, 'old_select_s'):>7} {ms(r, 'predicted_score_s'):>8} "
-              f"{r['speedup']:8.2f} {r['old_step_ms']:11.1f} {r['new_step_ms']:11.1f} "
-              f"{r.get('agreement_min', float('nan')):6.4f}")
+        new = "new_total_s" if "new_total_s" in r else "torch_total_s"
+        print(f"{r['context']:>8} {ms(r, 'torch_total_s'):>14} {ms(r, new):>9} {ms(r, 'new_rank_s'):>7} "
+              f"{ms(r, 'triton_select_s'):>7} {ms(r, 'torch_select_s'):>7} {ms(r, 'predicted_score_s'):>8} "
+              f"{r['step_ms']:8.1f} {r.get('agreement_min', float('nan')):6.4f}")
     for r in rows:
         if r.get("unit_total_graph_s"):
             print(f"{r['context']:>8} unit-pipelined (as replayed steps), from a CUDA graph: tokens "
@@ -263,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{'device time, CUDA-graph replays' if f['timing'] == 'graph' else 'event-timed calls'})")
     if any(r.get("triton", "ok") != "ok" for r in rows):
         print(f"triton not run: {next(r['triton'] for r in rows if r.get('triton', 'ok') != 'ok')} "
-              "(new ms/layer: the torch ranking with the new selection)")
+              "(ms/layer: the torch path)")
     return 0 if all("error" not in r for r in rows) else 1
 
 

@@ -1,4 +1,4 @@
-"""The disk tier and the disk codec on the H200 test machine, Llama-3-8B shapes, random bf16
+"""The disk tier and the disk codec on a GPU machine, Llama-3-8B shapes, random bf16
 weights, kvpipe capped at a 24 GB GPU; every rate a ratio is taken against is measured in the
 same invocation.
 
@@ -10,8 +10,8 @@ same invocation.
   python -m benchmarks.tiers poll                           # the 1M run: still going, or its figures
 
 Random weights give K/V whose statistics differ from a trained model's: every codec ratio here
-is on random-weight K/V and says so. Results go to benchmarks/results/tiers-<mode>.json (or --out);
-a short table is printed last."""
+is on random-weight K/V and says so. Results go to benchmarks/results/<machine>-<date>-tiers-disk.json
+and, from poll, <machine>-<date>-tiers-1m.json (or --out); a short table is printed last."""
 from __future__ import annotations
 
 import argparse
@@ -203,7 +203,12 @@ def main() -> None:
                     "checkout on the device, so a later call's copy of the tree cannot remove them)")
     args = ap.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
-    path = Path(args.out or args.dir / f"tiers-{args.mode}.json")
+    from benchmarks.result_file import result_file
+    if args.out:
+        path = Path(args.out)
+    else:   # 1m writes the start record poll reads back; poll's file is the 1M result
+        path = args.dir / "tiers-1m.json" if args.mode == "1m" else result_file(
+            "tiers-disk" if args.mode == "disk" else "tiers-1m", "cuda")
     res: dict = {"mode": args.mode, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                  "command": " ".join(sys.argv)}
     save = lambda: path.write_text(json.dumps(res, indent=2))

@@ -7,7 +7,7 @@ import torch
 
 def median_seconds(fn, reps: int, device: torch.device) -> float:
     """Median seconds of `fn()` over `reps` calls; the caller does any warm-up first. The loops are
-    calibrate's (executor/calibrate.cuda_median_s on CUDA, executor/codec_probe.perf_timer on the
+    calibrate's (executor/calibrate/machine.cuda_median_s on CUDA, executor/calibrate/codecs.perf_timer on the
     host clock elsewhere), so benchmarks and profiles time alike."""
     if device.type == "cuda":
         from kvpipe.executor.calibrate.timing import cuda_median_s

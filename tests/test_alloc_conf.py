@@ -14,7 +14,7 @@ def _run(tiny_config) -> int:
 
 def test_run_sets_expandable_segments_when_unset(tiny_config, monkeypatch, capsys):
     """Fault caught: `kvpipe run` leaving torch's default fixed segments in place (the
-    fragmentation OOMs of benchmarks/results/h200-2026-11-30-sim_check.json)."""
+    fragmentation OOMs of the H200 runs, docs/PERFORMANCE.md)."""
     monkeypatch.delenv(ENV, raising=False)
     assert _run(tiny_config) == 0
     assert os.environ[ENV] == "expandable_segments:True"

@@ -237,9 +237,8 @@ def test_local_hf_directory_and_plot(tmp_path, capsys):
 
 def test_cuda_oom_during_a_run_is_one_line_with_exit_3(monkeypatch, capsys):
     """Fault caught: a CUDA out-of-memory in the executor reaching the user as a traceback. The
-    GPU's error is stood in by torch's own OutOfMemoryError with the message text the H200 gave
-    (2026-11-30, benchmarks/results/h200-2026-11-30-sim_check-report.txt): one line naming the
-    budget, the size asked and the fragmentation, exit 3."""
+    GPU's error is stood in by torch's own OutOfMemoryError with the message text the H200 gave:
+    one line naming the budget, the size asked and the fragmentation, exit 3."""
     torch = pytest.importorskip("torch")
     from kvpipe import api, cli
     h200 = ("CUDA out of memory. Tried to allocate 896.00 MiB. GPU 0 has a total capacity of 139.80 GiB of "

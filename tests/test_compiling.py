@@ -1,13 +1,26 @@
 """kvpipe's compiled functions compile in the calling process (executor/engine/compiling.py): inductor's
 worker pool (16 processes importing torch on a 16-core host) must not start under a run."""
+import os
+
 import pytest
 import torch
 import torch._inductor.config as inductor_config
 
-from benchmarks.measure import child_pids
 from kvpipe.executor.engine import compiling
 from kvpipe.executor.layers import fused
 from kvpipe.executor.quant import blocks
+
+
+def child_pids() -> list[int]:
+    """This process's child processes (Linux /proc; [] where it has none to read)."""
+    kids: list[int] = []
+    try:
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/children") as f:
+                kids += [int(p) for p in f.read().split()]
+    except OSError:
+        pass
+    return kids
 
 
 @pytest.fixture

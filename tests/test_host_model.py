@@ -1,11 +1,7 @@
-"""The per-phase host issue model (issue 8 §3, issue 10 §4): the fits of
-pipeline/calibration.py on hand-made `host_stage_costs` records, the profile fields and their
-TOML keys, pipeline/cost.host_issue_seconds with and without them, and benchmarks/sim_check.py
---report applying the host probe a measured JSON recorded. Each test names the fault it catches;
+"""The per-phase host issue model: the fits of pipeline/calibration.py on hand-made
+`host_stage_costs` records, the profile fields and their TOML keys, pipeline/cost.host_issue_seconds
+with and without them, and the probe that records them. Each test names the fault it catches;
 every expected figure is worked out by hand here, never by the code under test."""
-import json
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,7 +16,6 @@ from test_cost import HW
 from test_memory import MHA, MHA_PLAN, MHA_WORK
 
 REL = 1e-9
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def group(phase, tag, kind, ops, small, n, seconds):
@@ -166,62 +161,6 @@ def test_profile_fields_come_as_a_pair_and_load_from_toml(tmp_path):
         load_profile(str(path))
 
 
-def sim_check_json(tmp_path, with_probe: bool) -> Path:
-    """A tiny hand-made sim_check JSON: one host-bound row (4k-g1-all-c2k's plan, measured figures
-    made up) and, with `with_probe`, a host probe record on the line above with per-phase walls
-    and a plan build of 30 ms measured in the same run."""
-    from benchmarks.sim_check import plan_of
-    row = {"context": 4096, "decode_tokens": 6, "plan": plan_of("4k-g1-all-c2k").to_json(), "decode_issue": "graph",
-           "fused": True, "measured": {"prefill_s": 0.4, "decode_s_per_token": 0.01}}
-    res = {"rows": {"4k-g1-all-c2k": row}, "device": "hand-made"}
-    if with_probe:
-        copies = [group("prefill", "kv_fetch", "h2d", o, 0, 4, 20e-6 + o * 5e-6) for o in (1, 8)]
-        res["calibration"] = {"host_stage_costs": {"per_kind": LINE + copies, "runs": RUNS}, "attention_plan_s": 0.03}
-    path = tmp_path / "sim_check.json"
-    path.write_text(json.dumps(res))
-    return path
-
-
-def test_sim_check_report_applies_the_recorded_host_probe(tmp_path):
-    """Faults caught: --report ignoring the host probe a --measure run recorded (the rows then
-    predicted with another session's host), applying it only in part, or applying it under
-    without --session-host. The expected prediction is the bundled profile with the six fields set by
-    hand (the line above: 200 us + 30 us a launch, 50 us gap, copies 20 + 5 us a call; the
-    recorded 30 ms plan build)."""
-    from benchmarks.sim_check import predict, report
-    from kvpipe.hw_profiles import load_profile
-    path = sim_check_json(tmp_path, True)
-    res = json.loads(path.read_text())
-    lines = report(res, "h200-testbox", path, session_host=True)
-    assert "host issue from the same run's probe" in res["profile"]
-    by_hand = replace(load_profile("h200-testbox"), host_prefill_issue_s_per_stage=A, host_prefill_issue_s_per_launch=B,
-                      host_prefill_issue_gap_s=50e-6, host_copy_s_per_stage=20e-6, host_copy_s_per_op=5e-6,
-                      attention_plan_s=0.03)
-    row = res["rows"]["4k-g1-all-c2k"]
-    want = predict(row, by_hand)
-    assert row["predicted"]["prefill_s"] == pytest.approx(want["prefill_s"], rel=1e-9)
-    bundled = predict(row, load_profile("h200-testbox"))
-    assert abs(want["prefill_s"] - bundled["prefill_s"]) > 0.05 * bundled["prefill_s"]   # the probe matters here
-    assert any(line.startswith("4k-g1-all-c2k") for line in lines)
-    res2 = json.loads(path.read_text())
-    report(res2, "h200-testbox", path)   # the official report: the profile as bundled
-    assert res2["rows"]["4k-g1-all-c2k"]["predicted"]["prefill_s"] == pytest.approx(bundled["prefill_s"], rel=1e-9)
-
-
-def test_sim_check_cli_report_says_which_host_it_used(tmp_path):
-    """Faults caught: the command line's --report applying the recorded probe by default (the
-    official report predicts with the profile as bundled), or --session-host not applying it: the
-    printed profile line names what was used."""
-    path = sim_check_json(tmp_path, True)
-    cmd = [sys.executable, "-m", "benchmarks.sim_check", "--report", str(path)]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "host issue from the same run's probe" not in out.stdout
-    out = subprocess.run(cmd + ["--session-host"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "host issue from the same run's probe" in out.stdout
-
-
 def test_stage_cost_probe_records_groups_and_phase_walls_on_cpu():
     """The probe itself (executor/issue_probe.stage_costs) on a tiny random Llama run by the
     executor on CPU. Faults caught: groups keyed without `small_ops` (the fit then cannot run),
@@ -244,29 +183,6 @@ def test_stage_cost_probe_records_groups_and_phase_walls_on_cpu():
     # the fits' inputs are there: compute groups of two or more launch counts, copies of 1 and 2 calls
     assert len({k["ops"] + k["small_ops"] for k in rec["per_kind"] if k["kind"] == "compute" and k["phase"] == "prefill"}) >= 2
     assert {k["ops"] for k in rec["per_kind"] if k["kind"] in ("h2d", "d2h")} >= {1, 2}
-
-
-def test_sim_check_report_refuses_a_probe_it_cannot_fit(tmp_path):
-    """Fault caught: a recorded probe without `small_ops` (or otherwise unfit) ending the report in
-    a traceback, or being skipped silently (the rows then predicted with another host): one line
-    on stderr naming the field, exit code 2."""
-    path = sim_check_json(tmp_path, True)
-    res = json.loads(path.read_text())
-    for k in res["calibration"]["host_stage_costs"]["per_kind"]:
-        k.pop("small_ops")
-    path.write_text(json.dumps(res))
-    out = subprocess.run([sys.executable, "-m", "benchmarks.sim_check", "--report", str(path), "--session-host"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2
-    assert out.stderr.count("\n") == 1 and "calibration.host_stage_costs" in out.stderr and "small_ops" in out.stderr
-
-
-def test_sim_check_warm_row_must_be_a_row():
-    """Fault caught: an unknown --warm-row reaching the GPU run (it would fail there, after the model
-    load) instead of one line naming the field, exit 2, before anything starts."""
-    out = subprocess.run([sys.executable, "-m", "benchmarks.sim_check", "--measure", "unused.json", "--warm-row", "9k-g3"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and out.stderr == "sim_check: warm-row: unknown row '9k-g3'\n"
 
 
 def test_calibrate_host_keys_round_trip_through_the_toml(tmp_path):

@@ -115,7 +115,7 @@ def test_no_decode_no_decode_sizes():
 
 def test_a_plan_20_mib_under_the_gpu_cap_does_not_fit():
     """Fault caught: a plan whose predicted GPU peak is just under the budget reported as fitting.
-    On the H200 (benchmarks/README.md, 128k-g2-some-c16k) a plan predicted 20 MB under a 24.0 GB
+    On the H200 (docs/PERFORMANCE.md, 128k-g2-some-c16k) a plan predicted 20 MB under a 24.0 GB
     cap ran out of memory with 110 MiB reserved by the caching allocator but unallocated. The
     budget check (`fits: NO`, `run` refused) and the rules' `fits` must keep the allowance free,
     and gpu_budget_for must name the smallest budget that does fit."""
@@ -133,7 +133,7 @@ def test_a_plan_20_mib_under_the_gpu_cap_does_not_fit():
 def test_the_allowance_covers_what_the_h200_measured():
     """Fault caught: an allowance below the measured evidence. At the 24.0 GB cap of the H200 runs
     the allocator held 110 MiB reserved but unallocated when the pinned plan ran out, and the
-    memory model's peaks were within 0.12% of the measured ones (benchmarks/README.md)."""
+    memory model's peaks were within 0.12% of the measured ones (docs/PERFORMANCE.md)."""
     cap = 24_000_000_000
     assert allocator_allowance(cap) >= 110 * MiB + 0.0012 * cap
     assert gpu_usable(cap) == cap - allocator_allowance(cap)

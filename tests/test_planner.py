@@ -266,7 +266,7 @@ def test_a_pinned_plan_20_mib_under_the_gpu_cap_is_refused_naming_a_budget_that_
     """Fault caught: a user-pinned plan predicted just under the GPU budget passing as fitting. On
     the H200, 128k-g2-some-c16k (group 2, 16K chunks, 80 resident units) was predicted at 23.98 GB
     under a 24.0 GB cap and ran out of memory: the caching allocator held 110 MiB reserved but
-    unallocated (benchmarks/README.md). With every knob pinned and the budget 20 MiB over the
+    unallocated (docs/PERFORMANCE.md). With every knob pinned and the budget 20 MiB over the
     plan's peak, the search must find no plan, name --gpu-mem, and the budget named must fit; a
     plan file of the same plan must report "fits: NO"."""
     import kvpipe

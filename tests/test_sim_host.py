@@ -1,7 +1,7 @@
 """The simulator's host (sim/engine.py): issuing a stage costs the host time, so where the GPU's
 share of a step is small the host binds; graph replay replaces a step's issue by one replay; the
 launch queue bounds how far the host runs ahead; a replayed step starts after the previous one's
-write-backs. Also the least-squares fit behind the profile's host figures (benchmarks/issue_cost)."""
+write-backs. Also the least-squares fit behind the profile's host figures (executor/calibrate/host_issue.fit)."""
 from dataclasses import replace
 
 import pytest
@@ -111,9 +111,9 @@ def test_host_fields_reject_negative_values(field):
 
 
 def test_issue_cost_fit_recovers_known_coefficients():
-    """Fault caught: a wrong normal equation in benchmarks/issue_cost.fit, which sets the profile's
-    per-stage and per-op host figures."""
-    from benchmarks.issue_cost import fit
+    """Fault caught: a wrong normal equation in executor/calibrate/host_issue.fit (kvpipe
+    calibrate's decode-step fit), which sets the profile's per-stage and per-op host figures."""
+    from kvpipe.executor.calibrate.host_issue import fit
     a, b = 1.5e-4, 4e-5
     rows = [{"stages_per_step": s, "ops_per_step": o, "decode_s_per_token": a * s + b * o}
             for s, o in ((22, 112), (8, 42), (40, 144), (12, 74))]

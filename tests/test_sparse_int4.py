@@ -367,28 +367,3 @@ def test_the_planner_lists_the_combination_by_its_measured_error_and_runs_a_pick
     best, choice = choose_lossy(base, 0.99, "total", Pred)
     assert m.worst > 0.99 and not (best.plan.lossy is not None and best.plan.lossy.blocks)
     assert f"sparse 20% + int4 (error {m.worst:.2g}): above the budget" in choice.describe()
-
-
-def test_the_error_benchmark_selects_the_blocks_the_executor_selects(tiny_model):
-    # Fault caught: benchmarks/lossy_error.py's sparse + int4 rows (block_keep) measuring another
-    # selection than the run executes (another block rank, budget, forced blocks or tail), so the
-    # error the planner reads would not be the executed option's.
-    from benchmarks.lossy_error import block_keep
-
-    model = tiny_model("llama", kv_heads=2, q_heads=8, head_dim=16, layers=2)
-    spec = HFAdapter(model).spec()
-    graph = build(spec, Workload(300, 3), _plan(SPARSE_INT4))
-    ids = torch.randint(0, spec.vocab, (1, 300), generator=torch.Generator().manual_seed(0))
-    _, attns, _, exact, _, adapter, _ = _run_capturing(model, graph, ids)
-    r, seen = adapter.r, 0
-    for s, q, out, sel, new in attns:
-        P = s.tokens[0]
-        for h in s.heads:
-            keep = block_keep(q[0, h * r:(h + 1) * r, 0][None], exact[s.layer][h, :P, 0], SPARSE_INT4)[0]
-            toks = (sel[0, h][:, None] * G + torch.arange(G)).flatten()
-            want = torch.zeros(P, dtype=torch.bool)
-            want[toks] = True
-            want[P // G * G:] = True
-            assert torch.equal(keep, want), (s.name, h)
-            seen += 1
-    assert seen

@@ -280,29 +280,6 @@ def test_a_measured_score_table_costs_the_stage_whole():
         replace(hw, sparse_score_bytes_per_s=None)
 
 
-def test_the_score_fit_takes_device_time_where_every_row_has_it():
-    """Fault caught: the profile's score-stage fit taken from event-timed calls (host-bound at
-    small contexts: the fifth session's 32K point sat above its 128K one, max error 37%) although
-    CUDA-graph device times were measured, or from a mix of the two. Expected values by hand:
-    t = 1e-4 s + bytes / 1e11 at 1 MB and 3 MB gives 1.1e-4 and 1.3e-4 s."""
-    from benchmarks.sparse_score import profile_fit
-    graph = [{"codes_bytes": 1e6, "new_total_s": 9e-4, "new_total_graph_s": 1.1e-4},
-             {"codes_bytes": 3e6, "new_total_s": 1e-3, "new_total_graph_s": 1.3e-4}]
-    f = profile_fit(graph)
-    assert f["timing"] == "graph"
-    assert abs(f["sparse_score_call_s"] - 1e-4) < 1e-9 and abs(f["sparse_score_bytes_per_s"] / 1e11 - 1) < 1e-6
-    mixed = [graph[0], {**graph[1], "new_total_graph_s": None}]
-    assert profile_fit(mixed)["timing"] == "events"
-    # PIPE_UNITS units at a time (replayed steps): 4 units are 4 / PIPE_UNITS pieces, so
-    # t = pieces x 1e-5 s + bytes / 1e11 at 1 MB and 3 MB
-    from kvpipe.pipeline.lossy import PIPE_UNITS
-    pieces = -(-4 // PIPE_UNITS)
-    units = [{**r, "units": 4, "unit_total_graph_s": pieces * 1e-5 + r["codes_bytes"] / 1e11} for r in graph]
-    f = profile_fit(units)
-    assert f["timing"] == f"graph, {PIPE_UNITS} units at a time"
-    assert abs(f["sparse_score_call_s"] - 1e-5) < 1e-10 and abs(f["sparse_score_bytes_per_s"] / 1e11 - 1) < 1e-6
-
-
 _PIECES_SCRIPT = r"""
 import sys, torch
 from kvpipe.executor.replay import sparse_step as lossy_replay
