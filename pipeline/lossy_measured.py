@@ -1,18 +1,15 @@
 """The measured error of each lossy option the planner may pick, carried as data with its source:
 the mean relative error of the attention output against exact float64 attention, on the synthetic
 needle set and on the random-weights probe (benchmarks/lossy_error.py, which writes both; the
-figures below are copied from its JSON files, and tests/test_lossy_choice.py checks them against
-those files). `--max-error` admits an option only where the WORSE of its two figures is within
-the budget. Neither figure is a task accuracy: we have no trained weights."""
+figures below are copied from its JSON file, and the tests check them against a copy of that
+file, tests/fixtures/lossy-error.json). `--max-error` admits an option only where the WORSE of
+its two figures is within the budget. Neither figure is a task accuracy: we have no trained weights."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-SOURCE = "benchmarks/results/lossy-error-2026-11-30-vgroup.json"   # quantisation (int4: V groups of 64
-                                                                   # channels): needle set and probe
-SPARSE_NEEDLE_SOURCE = "benchmarks/results/lossy-error-2026-11-30.json"          # sparse: the needle set
-SPARSE_PROBE_SOURCE = "benchmarks/results/lossy-error-2026-11-30-sparse.json"    # sparse: the probe
-SPARSE_QUANT_SOURCE = "benchmarks/results/lossy-error-2026-11-30-vgroup.json"   # sparse + int4: both
+SOURCE = "benchmarks/results/cpu-2026-12-01-lossy-error.json"   # every row: needle set and probe
+SPARSE_NEEDLE_SOURCE = SPARSE_PROBE_SOURCE = SPARSE_QUANT_SOURCE = SOURCE
 COMMAND = "python -m benchmarks.lossy_error"
 SPARSE_SKETCH = 2   # the sparse rows were measured with the 2-bit token sketch, chunks 64, sink 64,
                     # recent 256: LossySpec's defaults, which a sparse pick uses

@@ -17,7 +17,7 @@ from kvpipe.pipeline.lossy_measured import (MEASURED, SPARSE_MEASURED, SPARSE_NE
 from kvpipe.pipeline.plan import Method, PhasePlan, Plan
 from kvpipe.sim.lossy_choice import choose_lossy
 
-ROOT = Path(__file__).resolve().parents[1]
+FIXTURE = Path(__file__).parent / "fixtures" / "lossy-error.json"   # a copy of the SOURCE benchmark file
 # 128K on the H200 at 24 GB, everything streamed: PCIe-bound, where fewer fetched bytes are faster
 KW = dict(model="llama-3-8b", hw="h200", context="128K", gpu_mem="24GB", group=8, resident="none",
           chunk=16384, decode_tokens=4)
@@ -62,8 +62,8 @@ def test_the_sparse_table_equals_the_benchmark_jsons_it_names():
     # Fault caught: sparse figures typed in by hand or left behind when the benchmark re-ran, a
     # probe figure taken from another selection than the executor's token sketch, or a row of
     # another fraction.
-    needle = json.loads((ROOT / SPARSE_NEEDLE_SOURCE).read_text())
-    probe = json.loads((ROOT / SPARSE_PROBE_SOURCE).read_text())
+    needle = json.loads((FIXTURE).read_text())
+    probe = json.loads((FIXTURE).read_text())
     assert set(SPARSE_MEASURED) == {0.1, 0.2, 0.3}
     for f, m in SPARSE_MEASURED.items():
         assert m.row == f"sparse {f:.0%}, {SPARSE_SKETCH}-bit token sketch"
