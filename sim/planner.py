@@ -10,21 +10,20 @@ simulated. Resident units: as many as the GPU holds, that count rounded down to 
 groups, or none (every count up to the most for models of at most `EVERY_RESIDENT_UNITS` units);
 disk units: the fewest the host budget allows. Knobs the user gives pin their dimension.
 
-Graph replay: every plan whose decode a CUDA graph can hold (`replays_decode`, no disk units,
-codec or lossy KV) is searched with decode replayed first, exactly as before replay was a
-dimension; then its eager twin (decode issued stage by stage) gets its own branch-and-bound pass,
-pruned by the best value of both passes, within `EAGER_SIM_BUDGET` stages, so a pick changes only
-where eager decode is predicted better. A twin's estimate has the host as a lane (it issues every
+Graph replay: every plan whose decode a CUDA graph can hold (pipeline/replay.py `blocker`: no disk
+units, codec or lossy KV) is searched with decode replayed first; then its eager twin (decode
+issued stage by stage) gets its own branch-and-bound pass, pruned by the best value of both
+passes, within `EAGER_SIM_BUDGET` stages, so a pick changes only where eager decode is predicted
+better. A twin's estimate has the host as a lane (it issues every
 decode stage: `estimate.decode_host_seconds`) and its bound the replayed twin's simulated first
 token (decode issue does not move a prefill stage); its simulation reuses the twin's prefill
 windows (`simulate(memo=)`). Eager decode wins where the replayed run's costs (the host's sync
 after the prefill and the capture, each step waiting for the previous one and its write-backs)
 exceed issuing the stages: fetch-bound steps, whose next fetches an eager host queues early.
 It is not searched for the TTFT objective (decode issue does not move the first token; replay is
-kept as `run --replay auto` keeps it), nor with `--fuse on` (only replayed decode is fused); a
-pin (`Pins.replay`, `--replay on|off`) fixes it. Plans that cannot replay keep `replay` None.
-The second pass costs 30-50% more CPU where decode can replay (32K-512K on the bundled profiles)
-and nothing at 1M-4M where the presets need disk units.
+kept as the rule keeps it), nor with `--fuse on` (only replayed decode is fused); a pin
+(`Pins.replay`, `--replay on|off`) fixes it. Plans that cannot replay keep `replay` AUTO. The
+second pass adds CPU time only where decode can replay (none where the presets need disk units).
 A lossless GPU codec on h2d is tried on the winner and its runners-up (`_h2d_codec`): simulated
 with each one the profile rates, it replaces the winner where the simulator predicts it better
 (the codec's decode runs eagerly). Fused decode is a setting, not a dimension: replayed decode is
@@ -39,7 +38,8 @@ from kvpipe.pipeline.fusion import decode_fused
 from kvpipe.pipeline.hardware import HardwareProfile
 from kvpipe.pipeline.memory import breakdown, gpu_budget_for, over_limits
 from kvpipe.pipeline.model import ModelSpec
-from kvpipe.pipeline.plan import Method, PhasePlan, Plan, decode_replayed, replays_decode
+from kvpipe.pipeline.plan import Method, PhasePlan, Plan, decode_replayed
+from kvpipe.pipeline.replay import Replay, blocker
 from kvpipe.pipeline.rules import GPU_FILL_FRACTION, HOST_KV_FRACTION, first_true, gpu_fill
 from kvpipe.pipeline.units import fmt_bytes
 from kvpipe.pipeline.workload import Workload
@@ -62,13 +62,13 @@ SOURCE = "planner"
 @dataclass(frozen=True)
 class Pins:
     """Dimensions the user fixed; None leaves one to the search. `resident` counts units;
-    `replay` True: decode replayed (plans that cannot replay are left out), False: eager."""
+    `replay` ON: decode replayed (plans that cannot replay are left out), OFF: eager, AUTO: searched."""
 
     group: int | None = None
     chunk: int | None = None
     resident: int | None = None
     depth: int | None = None
-    replay: bool | None = None
+    replay: Replay = Replay.AUTO
 
     def __post_init__(self) -> None:
         for f in ("group", "chunk", "depth"):
@@ -77,8 +77,8 @@ class Pins:
                 raise ValueError(f"{f}: must be a positive integer, got {v!r}")
         if self.resident is not None and (not isinstance(self.resident, int) or self.resident < 0):
             raise ValueError(f"resident: must be >= 0 units, got {self.resident!r}")
-        if type(self.replay) not in (bool, type(None)):
-            raise ValueError(f"replay: must be True, False or None, got {self.replay!r}")
+        if self.replay not in (Replay.AUTO, Replay.ON, Replay.OFF):
+            raise ValueError(f"replay: must be Replay.AUTO, ON or OFF, got {self.replay!r}")
 
 
 @dataclass(frozen=True)
@@ -143,9 +143,8 @@ def objective_value(pred: Prediction, objective: str) -> float:
 
 def fragmentation_room(model: ModelSpec, work: Workload, plan: Plan) -> int:
     """Room the caching allocator needs beyond the plan's live bytes: three of the largest
-    transient blocks (a prefill chunk's MLP intermediate). An assumption taken from the OOMs of
-    the H200 regimes run on 2026-11-30 (2.8 GiB reserved but unallocated beside 896 MiB blocks
-    at 32K-token chunks, 0.4 GiB beside 448 MiB blocks at 16K), not a measured law."""
+    transient blocks (a prefill chunk's MLP intermediate); an assumption from observed
+    fragmentation OOMs (docs/PERFORMANCE.md), not a measured law."""
     return 3 * work.batch * min(plan.prefill.chunk, work.context) * model.intermediate * model.dtype_bytes
 
 
@@ -159,7 +158,7 @@ class _Search:
     budgets: dict[str, int]
     classes: dict = field(default_factory=dict)
     layouts: dict = field(default_factory=dict)
-    replay: bool | None = None       # the pin: decode replayed (True) or eager (False); None: both searched
+    replay: Replay = Replay.AUTO     # the pin: decode replayed (ON) or eager (OFF); AUTO: both searched
     fuse: str = "auto"               # the fuse setting (pipeline/fusion.py): replayed decode is fused unless off
     pre: dict = field(default_factory=dict)
     dec: dict = field(default_factory=dict)
@@ -167,24 +166,23 @@ class _Search:
     windows: dict = field(default_factory=dict)   # simulate's memo of prefill windows (shared by replay twins)
 
     def can_replay(self, plan: Plan) -> bool:
-        """Whether `kvpipe run` on a CUDA GPU can replay this plan's decode (pipeline/plan.replays_decode,
-        and no disk units, lossy KV or h2d codec)."""
-        return replays_decode(self.model, self.work) and plan.replay_blocker is None
+        """Whether a CUDA GPU can replay this plan's decode (pipeline/replay.blocker, the executor's rule)."""
+        return self.work.decode_tokens > 0 and blocker(self.model, self.work, plan) is None
 
     def replays(self, plan: Plan) -> bool:
-        """How the plan's decode is simulated: its replay choice, else as `run --replay auto` would
-        run it (replayed where it can be; the search gives every plan that can a choice)."""
+        """How the plan's decode is simulated: its replay choice, else as the rule runs it
+        (replayed where it can be; the search gives every plan that can a choice)."""
         return decode_replayed(self.model, self.work, plan)
 
     def stamped(self, plan: Plan) -> Plan | None:
-        """`plan` with the replay choice the first pass searches: True where decode can replay
-        (False under a pin off, or where `place` left it False), None where it cannot; None (left
-        out) under a pin on where it cannot."""
+        """`plan` with the replay choice the first pass searches: ON where decode can replay (OFF
+        under a pin off, or where `place` left it OFF), AUTO where it cannot; None (left out) under
+        a pin on where it cannot."""
         if not self.can_replay(plan):
-            return None if self.replay else plan
-        if plan.replay is False:   # `place` found that only eager decode's exact homes fit the host
+            return None if self.replay is Replay.ON else plan
+        if plan.replay is Replay.OFF:   # `place` found that only eager decode's exact homes fit the host
             return plan
-        return plan.with_(replay=self.replay is not False)
+        return plan.with_(replay=Replay.OFF if self.replay is Replay.OFF else Replay.ON)
 
     def fuses(self, plan: Plan) -> bool:
         return decode_fused(self.fuse, self.replays(plan))
@@ -211,10 +209,10 @@ class _Search:
         mem = breakdown(self.model, self.work, placed)
         fill = gpu_fill(self.budgets["gpu"])
         host_fits = lambda mem: mem.host <= host_cap and not over_limits(mem, self.budgets)
-        if not host_fits(mem) and mem.host_slack and placed.replay is None and self.replay is None:
+        if not host_fits(mem) and mem.host_slack and placed.replay is Replay.AUTO and self.replay is Replay.AUTO:
             # Replayed, torch pins the homes in power-of-two blocks (memory.host_slack) that the
             # budget cannot hold: decode can still run eagerly, its homes registered exactly.
-            placed = placed.with_(replay=False)
+            placed = placed.with_(replay=Replay.OFF)
             mem = breakdown(self.model, self.work, placed)
         if not host_fits(mem):
             return None
@@ -282,7 +280,7 @@ class _Search:
                                            replayed, self.fuses(plan))
         (pb, plast, pe), (db, dlong, dstep) = self.pre[pk], self.dec[dk]
         host = 0.0
-        if not replayed and plan.replay is False:   # the eager pass: the host issues every stage
+        if not replayed and plan.replay is Replay.OFF:   # the eager pass: the host issues every stage
             hk = (plan.decode.group,) + rd
             if hk not in self.host:
                 self.host[hk] = decode_host_seconds(self.model, self.work, self.hw, self.layout(rd, hk[0]), hk[0])
@@ -321,9 +319,9 @@ def search(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dict[
     decode is replayed."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective: {objective!r} is not one of {', '.join(OBJECTIVES)}")
-    if pins.replay and not replays_decode(model, work):
-        raise ValueError("replay: on, but decode replay needs bf16/fp16, batch 1, a head dim that is a multiple "
-                         "of 8 up to 256 and decode tokens (use --replay off or auto)")
+    why = blocker(model, work) if work.decode_tokens else "there are no decode tokens"
+    if pins.replay is Replay.ON and why:
+        raise ValueError(f"replay: on, but {why} (use --replay off or auto)")
     s = _Search(model, work, hw, budgets, replay=pins.replay, fuse=fuse)
     space = Space.of(model, work, pins)
     plans = s.candidates(space, pins, space.depths)
@@ -332,8 +330,8 @@ def search(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dict[
     done: dict[tuple, Scored] = {}
     pruned, _, unexplored = _branch_and_bound(s, plans, done, objective, sim_budget, full)
     eager_skip = _eager_skipped(s, objective)
-    twins = [p.with_(replay=False) for p in plans if p.replay] if eager_skip is None else []
-    if twins:   # a second pass: the first is the search as it was before replay was a dimension
+    twins = [p.with_(replay=Replay.OFF) for p in plans if p.replay is Replay.ON] if eager_skip is None else []
+    if twins:   # a second pass, so that eager decode changes a pick only where it is predicted better
         more, _, left = _branch_and_bound(s, twins, done, objective, eager_budget, full, _twin_ttft(done))
         pruned, unexplored = pruned + more, unexplored + left
     order = sorted(done.values(), key=lambda c: (c.value, c.prediction.report.timing.total_s))
@@ -377,14 +375,14 @@ def _branch_and_bound(s: _Search, plans: list[Plan], done: dict, objective: str,
 def _twin_ttft(done: dict):
     """plan -> the simulated first token of its replayed twin (the same prefill), or None."""
     def ttft(plan: Plan) -> float | None:
-        twin = done.get(_key(plan.with_(replay=True)))
+        twin = done.get(_key(plan.with_(replay=Replay.ON)))
         return None if twin is None else twin.prediction.report.timing.ttft_s
     return ttft
 
 
 def _eager_skipped(s: _Search, objective: str) -> str | None:
     """Why the eager-decode pass does not run, or None when it does."""
-    if s.replay is not None:
+    if s.replay is not Replay.AUTO:
         return "pinned by --replay"
     if s.fuse == "on":
         return "--fuse on fuses replayed decode only"
@@ -396,18 +394,19 @@ def _eager_skipped(s: _Search, objective: str) -> str | None:
 def _replay_note(s: _Search, best: Scored, done: dict, objective: str, skipped: str | None) -> str | None:
     """The replay choice of the winner and why, for the reason (None where its decode cannot replay)."""
     plan = best.plan
-    if plan.replay is None or plan.replay_blocker:   # e.g. the h2d codec's plan: its decode runs eagerly
+    if plan.replay is Replay.AUTO or plan.replay_blocker:   # e.g. the h2d codec's plan: its decode runs eagerly
         return None
-    mode = "decode replayed" if plan.replay else "decode eager (replay off)"
-    twin = done.get(_key(plan.with_(replay=not plan.replay)))
+    replayed = plan.replay is Replay.ON
+    mode = "decode replayed" if replayed else "decode eager (replay off)"
+    twin = done.get(_key(plan.with_(replay=Replay.OFF if replayed else Replay.ON)))
     if skipped is not None:
         return f"{mode}: {skipped}"
     if twin is not None:
         gap = twin.value / best.value - 1 if best.value else 0.0
-        return f"{mode}: {gap:.1%} better on {objective} than {'eager' if plan.replay else 'replayed'} decode"
-    if not plan.replay:
+        return f"{mode}: {gap:.1%} better on {objective} than {'eager' if replayed else 'replayed'} decode"
+    if not replayed:
         return f"{mode}: its replayed twin was not simulated"
-    bound = s.estimate(plan.with_(replay=False)).lower_bound(objective)
+    bound = s.estimate(plan.with_(replay=Replay.OFF)).lower_bound(objective)
     return (f"{mode}: eager decode cannot beat it (its lower bound)" if bound >= best.value
             else f"{mode}: eager decode not simulated (simulation budget)")
 
@@ -487,8 +486,8 @@ def _smallest_budget(s: _Search, space: Space, pins: Pins) -> str:
                 f"{fmt_bytes(need)}), {fmt_bytes(s.budgets['gpu'])} available "
                 f"(smallest that fits: --gpu-mem {_size_flag(need)})")
     off = (m.units - r) * unit
-    if pins.replay:   # replayed decode cannot read disk units: host RAM must hold the offloaded KV,
-        pinned = breakdown(m, work, lean.with_(resident=r, disk=0, replay=True)).host   # as torch pins it
+    if pins.replay is Replay.ON:   # replayed decode cannot read disk units: host RAM must hold the offloaded KV,
+        pinned = breakdown(m, work, lean.with_(resident=r, disk=0, replay=Replay.ON)).host   # as torch pins it
         return (f"host-mem: no plan fits with --replay on: {fmt_bytes(off)} of KV must leave the GPU into host RAM "
                 f"(decode replay cannot run disk units; torch pins it as {fmt_bytes(pinned)}), host "
                 f"{fmt_bytes(s.budgets['host'])} available (smallest that fits: --host-mem "
