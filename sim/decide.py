@@ -124,7 +124,7 @@ def _choose(model, work, hw, budgets, req: Request, target: Target, pin: Replay)
     """(the exact plan's prediction, the planner's result or None). --disk/--codec are not
     dimensions of the search: given, they apply over the planner's plan, simulated again."""
     if req.searches:
-        pins = Pins(req.group, req.chunk, None if req.resident == "max" else req.resident, replay=pin)
+        pins = replace(pins_of(req), replay=pin)
         h2d = target.h2d_codecs and not req.opted_lossy and not any(link == "h2d" for link, _ in req.codecs)
         found = search(model, work, hw, budgets, pins, req.objective, full=req.full, h2d_codecs=h2d, fuse=req.fuse)
         if req.disk is None and not req.codecs:
@@ -135,6 +135,11 @@ def _choose(model, work, hw, budgets, req: Request, target: Target, pin: Replay)
     plan = with_tiers(model, work, plan, hw, req.disk, req.codecs)
     plan = apply_replay(model, work, plan, req.replay, target)
     return predict(model, work, plan, hw, budgets, req, target), found
+
+
+def pins_of(req: Request) -> Pins:
+    """The knobs the user gave as the planner's pins (`max` resident is what the search does anyway)."""
+    return Pins(req.group, req.chunk, None if req.resident == "max" else req.resident)
 
 
 def rule_plan(model: ModelSpec, work: Workload, budgets: dict[str, int], req: Request) -> Plan:
@@ -195,8 +200,7 @@ def max_context(model: ModelSpec, work: Workload, budgets: dict[str, int], req: 
     """Largest prompt that fits: over the planner's space for head-wise, the rule's plan otherwise."""
     if req.searches:
         from .planner import max_context as searched
-        pins = Pins(req.group, req.chunk, None if req.resident == "max" else req.resident)
-        return searched(model, work.decode_tokens, work.batch, budgets, pins)
+        return searched(model, work.decode_tokens, work.batch, budgets, pins_of(req))
     from kvpipe.pipeline.rules import max_context as ruled
     method = req.plan.method if req.plan is not None else (req.method or Method.HEADWISE)
     return ruled(method, model, work.decode_tokens, work.batch, budgets)
