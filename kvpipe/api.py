@@ -25,8 +25,7 @@ from kvpipe.pipeline.units import fmt_bytes, fmt_tokens
 from kvpipe.pipeline.workload import Workload
 
 from .inputs import check_weights, free_disk, write_output
-from .options import (DEFAULT_DECODE_TOKENS, DEFAULT_HW, DEFAULT_MODEL, DEFAULT_PLAN_CONTEXT,  # noqa: F401
-                      DEFAULT_RUN_CONTEXT, PlanOptions, RunOptions)
+from .options import DEFAULT_HW, DEFAULT_RUN_CONTEXT, PlanOptions, RunOptions
 from .results import PlanResult, Predicted, RunResult  # noqa: F401
 
 log = logging.getLogger("kvpipe")

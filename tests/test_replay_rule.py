@@ -18,7 +18,7 @@ from kvpipe.pipeline.model import ModelSpec  # noqa: E402
 from kvpipe.pipeline.plan import Method, PhasePlan, Plan, decode_replayed  # noqa: E402
 from kvpipe.pipeline.replay import Replay  # noqa: E402
 from kvpipe.pipeline.workload import Workload  # noqa: E402
-from kvpipe.sim import planner  # noqa: E402
+from kvpipe.sim import planner, space  # noqa: E402
 from kvpipe.sim.planner import _Search  # noqa: E402
 
 TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -37,7 +37,7 @@ def test_the_executor_and_the_planner_import_the_one_rule():
     """Fault caught: a second copy of the replay rule (the executor's own check beside the
     planner's, which drift apart: a decode predicted replayed and then run eagerly)."""
     assert runner.blocker is rule.blocker and runner.resolve is rule.resolve
-    assert planner.blocker is rule.blocker
+    assert planner.blocker is rule.blocker and space.blocker is rule.blocker
     from kvpipe.executor.replay import capture
     assert not [n for n in vars(capture) if "supported" in n or n == "resolve_mode"]
 
