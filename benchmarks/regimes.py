@@ -43,9 +43,10 @@ def plan_for(spec, work, group: str, resident: str, budgets: dict):
     """The plan `kvpipe run --group G --resident R` would run: the planner's pick on the h200
     profile with those knobs pinned ("auto": searched)."""
     from kvpipe.hw_profiles import load_profile
-    from kvpipe.inputs import planner_pins
+    from kvpipe.options import PlanOptions
+    from kvpipe.sim.decide import pins_of
     from kvpipe.sim.planner import search
-    pins = planner_pins(spec, group, "auto", resident)
+    pins = pins_of(PlanOptions(group=group, resident=resident).request(spec))
     return search(spec, work, load_profile("h200"), budgets, pins, "total").best.plan
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from kvpipe.pipeline.memory import breakdown
 from kvpipe.pipeline.model import ModelSpec
 from kvpipe.pipeline.plan import Method, PhasePlan, Plan
+from kvpipe.pipeline.replay import Replay
 from kvpipe.pipeline.report import budget_problems
 from kvpipe.pipeline.workload import Workload
 
@@ -83,10 +84,10 @@ def variants(spec: ModelSpec, work: Workload, pick: Plan) -> list[tuple[str, Pla
                     "one knob of the pick: resident units"))
     if off:
         out.append(("depth 3", _with(pick, depth=3), "auto", "one knob of the pick: transfer ring depth"))
-    if pick.replay is False:   # the planner chose eager decode: its neighbour is replayed
-        out.append(("replay on", pick.with_(replay=True), "auto", "the pick with decode steps replayed as CUDA graphs"))
+    if pick.replay is Replay.OFF:   # the planner chose eager decode: its neighbour is replayed
+        out.append(("replay on", pick.with_(replay=Replay.ON), "auto", "the pick with decode steps replayed as CUDA graphs"))
     else:
-        out.append(("replay off", pick.with_(replay=False if pick.replay else None), "off",
+        out.append(("replay off", pick.with_(replay=Replay.OFF if pick.replay is Replay.ON else Replay.AUTO), "off",
                     "the pick with decode steps issued stage by stage"))
     rule = Plan(Method.HEADWISE, PhasePlan(1, min(4096, work.context), 2), PhasePlan(1, 1, 2), 0, 0,
                 "regret: the former rule (HeadInfer's setting)")
@@ -119,7 +120,7 @@ def candidates(spec: ModelSpec, work: Workload, hw, budgets: dict, objective: st
     from kvpipe.sim.planner import search
     found = search(spec, work, hw, budgets, objective=objective)
     # `kvpipe run` executes a plan's replay choice; Bench.row takes it as its replay argument
-    mode = lambda plan, replay="auto": "off" if plan.replay is False else replay
+    mode = lambda plan, replay="auto": "off" if plan.replay is Replay.OFF else replay
     rows = [Candidate("planner pick", found.best.plan, mode(found.best.plan),
                       predicted(spec, work, found.best.plan, hw, "auto", found.best.prediction), 0, "the planner")]
     for i, alt in enumerate(found.alternatives, 1):

@@ -26,7 +26,8 @@ MEASURED = {
 
 def main() -> None:
     from kvpipe.hw_profiles import load_profile
-    from kvpipe.inputs import resolve_plan
+    from kvpipe.options import PlanOptions
+    from kvpipe.sim.decide import rule_plan
     from kvpipe.pipeline.model import load_model
     from kvpipe.pipeline.workload import Workload
     from kvpipe.sim.simulate import simulate
@@ -37,7 +38,7 @@ def main() -> None:
           f"{'prefill s':>10} {'pred':>7} {'err':>6} {'replay pred ms':>15}")
     for (ctx, group, resident), (dec, pre) in MEASURED.items():
         work = Workload(ctx, 16, 1)
-        plan = resolve_plan(spec, work, budgets, "headwise", group, "auto", resident)
+        plan = rule_plan(spec, work, budgets, PlanOptions(method="headwise", group=group, resident=resident).request(spec))
         eager = simulate(spec, work, plan, hw, replay=False).report.timing
         replay = simulate(spec, work, plan, hw, replay=True).report.timing
         d, p = eager.decode_s_per_token * 1e3, eager.prefill_s

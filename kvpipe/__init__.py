@@ -6,14 +6,18 @@ GPU memory, pinned host RAM and disk. The layers install under this package: `kv
     import kvpipe
     kvpipe.plan(model="llama-3-8b", hw="rtx4090", context="1M")    # -> PlanResult (no torch)
     kvpipe.run(model="./tiny", context="4K", device="cpu")          # -> RunResult
+    kvpipe.plan(kvpipe.PlanOptions(context="128K", replay="off"))   # the same options the CLI builds
 """
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
 from kvpipe.api import PlanResult, Predicted, RunResult, plan, run  # noqa: E402
+from kvpipe.options import PlanOptions, RunOptions  # noqa: E402
+from kvpipe.pipeline.replay import Replay  # noqa: E402
 
-__all__ = ["__version__", "plan", "run", "PlanResult", "RunResult", "Predicted", "HeadwiseCache"]
+__all__ = ["__version__", "plan", "run", "PlanOptions", "RunOptions", "Replay", "PlanResult", "RunResult",
+           "Predicted", "HeadwiseCache"]
 
 
 def __getattr__(name: str):

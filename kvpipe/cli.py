@@ -1,14 +1,13 @@
 """The `kvpipe` command line, a thin argparse layer over `kvpipe.api`: `plan` predicts a workload
 on any hardware profile without a GPU; `run` executes it on this machine (torch is imported only
-there). Each flag is the API's keyword argument of the same name (`--decode-tokens` is
-`decode_tokens`), and `--json` prints `result.to_json()`.
+there). Each flag is the field of the same name of the options the API takes (kvpipe/options.py:
+`--decode-tokens` is `decode_tokens`), and `--json` prints `result.to_json()`.
 
 Exit codes: 0 done; 2 bad input (one line on stderr naming the flag); 3 `plan` ran but the plan
 does not fit the budgets ("fits: NO"); 130 interrupted (Ctrl-C)."""
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import logging
 import os
@@ -16,7 +15,9 @@ import re
 import sys
 
 from kvpipe import __version__, api, text
+from kvpipe.options import DEFAULT_DECODE_TOKENS, DEFAULT_HW, DEFAULT_MODEL, DEFAULT_PLAN_CONTEXT, PlanOptions, RunOptions
 from kvpipe.pipeline.plan import Method
+from kvpipe.pipeline.replay import FLAGS as REPLAY_FLAGS
 
 EXIT_BAD_INPUT = 2
 EXIT_DOES_NOT_FIT = 3
@@ -67,13 +68,13 @@ def oom_line(message: str) -> str:
 
 def add_workload_flags(p: argparse.ArgumentParser, *, context: str | None, hw: str | None) -> None:
     """The flags `plan` and `run` share: model, hardware, workload, budgets and plan knobs. A new
-    shared flag goes here, with an API keyword argument of the same name."""
-    p.add_argument("--model", default=api.DEFAULT_MODEL, help="preset name (any case), config.json or model directory")
+    shared flag goes here, with a field of the same name in kvpipe/options.py `Options`."""
+    p.add_argument("--model", default=DEFAULT_MODEL, help="preset name (any case), config.json or model directory")
     p.add_argument("--hw", default=hw, help="hardware profile name (any case) or path to a TOML file"
                    + ("" if hw else " (default: this GPU's bundled profile, else rtx4090)"))
     p.add_argument("--context", default=context, help="prompt tokens per sequence: 1M, 128K, 131072"
                    + ("" if context else " (default: the prompt file's length, else 32K)"))
-    p.add_argument("--decode-tokens", type=int, default=api.DEFAULT_DECODE_TOKENS,
+    p.add_argument("--decode-tokens", type=int, default=DEFAULT_DECODE_TOKENS,
                    help="decode steps after the prompt (each one generated token)")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together, each with the full context")
     p.add_argument("--gpu-mem", help="GPU memory budget, e.g. 24GB or 24GiB (default: the profile's)")
@@ -99,7 +100,7 @@ def add_workload_flags(p: argparse.ArgumentParser, *, context: str | None, hw: s
                    help="fused decode: the elementwise work of replayed decode steps compiled by torch.compile "
                         "(auto: where it runs, CUDA + Triton; on: refused where it cannot; off: HF's modules). "
                         "Default: KVPIPE_FUSE if set, else auto")
-    p.add_argument("--replay", type=str.lower, choices=["auto", "on", "off"], default="auto",
+    p.add_argument("--replay", type=str.lower, choices=REPLAY_FLAGS, default="auto",
                    help="decode steps as CUDA-graph replays (on) or issued stage by stage (off); auto: the planner "
                         "scores both where decode can be replayed (bf16/fp16, batch 1, no disk units, quantised KV without --sparse "
                         "or h2d codec) and the plan says which; run executes the plan's choice, else replays on CUDA")
@@ -115,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", parser_class=_Parser, metavar="{plan,run,calibrate,codecs}")
     p = sub.add_parser("plan", help="predict latency and memory on a hardware profile (no GPU needed)",
                        formatter_class=_Help, epilog=UNITS)
-    add_workload_flags(p, context=api.DEFAULT_PLAN_CONTEXT, hw=api.DEFAULT_HW)
+    add_workload_flags(p, context=DEFAULT_PLAN_CONTEXT, hw=DEFAULT_HW)
     p.add_argument("--compare", action="store_true", help="all four methods side by side")
     p.add_argument("--full-sim", action="store_true", help="simulate every prefill chunk and decode step (no shortcut)")
     p.add_argument("--lossy", choices=["int8", "int4"], help="LOSSY opt-in: quantise the offloaded KV")
@@ -161,12 +162,6 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _call(fn, args: argparse.Namespace):
-    """fn(**the parsed flags that are its keyword arguments)."""
-    names = inspect.signature(fn).parameters
-    return fn(**{k: v for k, v in vars(args).items() if k in names})
-
-
 def _print_files(args) -> None:
     if args.trace:
         print(f"trace: {args.trace} (open in https://ui.perfetto.dev)", file=sys.stderr)
@@ -204,7 +199,7 @@ def cmd_codecs(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    res = _call(api.plan, args)
+    res = api.plan(PlanOptions.from_args(args))
     if args.json:
         print(json.dumps(res.to_json(), indent=2))
     else:
@@ -216,7 +211,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_run(args) -> int:
-    res = _call(api.run, args)
+    res = api.run(RunOptions.from_args(args))
     if args.json:
         print(json.dumps(res.to_json(), indent=2))
     else:

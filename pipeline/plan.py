@@ -9,10 +9,11 @@ from dataclasses import dataclass, replace
 from .codecs import LINKS, REGISTRY
 from .lossy import LossySpec
 from .model import ModelSpec
+from .replay import Replay, blocker
 from .workload import Workload
 
 PLAN_SCHEMA = 3   # version of Plan.to_json's layout; 1 had no `schema` and no `model` field, 2 no `replay`
-READ_SCHEMAS = (2, PLAN_SCHEMA)   # layouts Plan.from_json reads (a schema 2 file's replay is None)
+READ_SCHEMAS = (2, PLAN_SCHEMA)   # layouts Plan.from_json reads (a schema 2 file's replay is AUTO)
 CODECS = tuple(REGISTRY)  # lossless codecs first; lossy ones are added as explicit opt-ins
 
 
@@ -57,8 +58,9 @@ class Plan:
     """Placement is one for the whole workload (K/V stays where it was written); streaming is
     per phase. `resident` (layer, KV head) units stay on the GPU, chosen by `resident_units`;
     of the rest, `disk` units live on disk (see `placement`) and the others in pinned host RAM.
-    `replay`: decode steps as CUDA-graph replays (True) or issued stage by stage (False); None
-    leaves it to `kvpipe run --replay auto`. True needs a plan a graph can hold (`replay_blocker`)."""
+    `replay`: decode steps as CUDA-graph replays (ON) or issued stage by stage (OFF); AUTO leaves
+    it to the rule (pipeline/replay.py) where the plan runs. ON needs a plan a graph can hold
+    (`replay_blocker`)."""
 
     method: Method
     prefill: PhasePlan
@@ -67,17 +69,17 @@ class Plan:
     disk: int = 0
     source: str = "user"   # where the plan came from: a rule, the user, the planner
     lossy: LossySpec | None = None   # opt-in lossy KV (quantised / sparse); None = exact
-    replay: bool | None = None       # decode as CUDA-graph replays; None: as `run --replay auto` decides
+    replay: Replay = Replay.AUTO     # decode as CUDA-graph replays (ON), eager (OFF), or by the rule (AUTO)
 
     def __post_init__(self) -> None:
         if not isinstance(self.resident, int) or self.resident < 0:
             raise ValueError(f"resident: must be >= 0 units, got {self.resident!r}")
         if not isinstance(self.disk, int) or self.disk < 0:
             raise ValueError(f"disk: must be >= 0 units, got {self.disk!r}")
-        if type(self.replay) not in (bool, type(None)):
-            raise ValueError(f"replay: must be true, false or none, got {self.replay!r}")
-        if self.replay and self.replay_blocker:
-            raise ValueError(f"replay: true, but {self.replay_blocker}; use replay false or none")
+        if self.replay not in (Replay.AUTO, Replay.ON, Replay.OFF):
+            raise ValueError(f"replay: must be Replay.AUTO, ON or OFF, got {self.replay!r}")
+        if self.replay is Replay.ON and self.replay_blocker:
+            raise ValueError(f"replay: on, but {self.replay_blocker}; use Replay.OFF or AUTO")
 
     @property
     def replay_blocker(self) -> str | None:
@@ -116,21 +118,21 @@ class Plan:
             raise ValueError(f"codec: h2d={h2d.pop()} is lossless and cannot run with lossy KV (--lossy)")
 
     def with_(self, **kw) -> "Plan":
-        """A copy with `kw` changed. A replay choice of True that the copy cannot keep (it gained
-        disk units, quantised KV without --sparse or an h2d codec) becomes None, as `run --replay auto` would run it;
-        `replay=True` given in `kw` is checked, not dropped."""
-        if self.replay and "replay" not in kw:
-            out = replace(self, replay=None, **kw)
-            return out if out.replay_blocker else replace(out, replay=True)
+        """A copy with `kw` changed. A replay choice of ON that the copy cannot keep (it gained
+        disk units, quantised KV without --sparse or an h2d codec) becomes AUTO, as the rule would
+        run it; `replay=Replay.ON` given in `kw` is checked, not dropped."""
+        if self.replay is Replay.ON and "replay" not in kw:
+            out = replace(self, replay=Replay.AUTO, **kw)
+            return out if out.replay_blocker else replace(out, replay=Replay.ON)
         return replace(self, **kw)
 
-    def with_lossy(self, lossy: LossySpec | None, pin: bool | None = None) -> "Plan":
+    def with_lossy(self, lossy: LossySpec | None, pin: Replay = Replay.AUTO) -> "Plan":
         """A copy with `lossy` and its decode replay choice made again, not kept from this plan's
         (an exact decode at the PCIe floor hides the host's issue cost, a sparse one does not): the
-        --replay pin `pin` (True / False; None: `run --replay auto` decides), None where the copy
+        --replay pin `pin` (ON / OFF; AUTO: the rule decides where it runs), AUTO where the copy
         cannot replay (quantised KV alone)."""
-        out = replace(self, lossy=lossy, replay=None)
-        return out if out.replay_blocker or pin is None else replace(out, replay=pin)
+        out = replace(self, lossy=lossy, replay=Replay.AUTO)
+        return out if out.replay_blocker or pin is Replay.AUTO else replace(out, replay=pin)
 
     def describe(self) -> str:
         p, d = self.prefill, self.decode
@@ -138,7 +140,8 @@ class Plan:
                 f"decode group={d.group} depth={d.depth}; resident units={self.resident}, "
                 f"disk units={self.disk}" + "".join(f"; {link} codec {name}" for link, name in p.codecs
                                                     if name != "none")
-                + {None: "", True: "; decode replayed (CUDA graph)", False: "; decode eager (replay off)"}[self.replay]
+                + {Replay.AUTO: "", Replay.ON: "; decode replayed (CUDA graph)",
+                   Replay.OFF: "; decode eager (replay off)"}[self.replay]
                 + (f"; LOSSY: {self.lossy.describe()}" if self.lossy else ""))
 
     def to_json(self, model: ModelSpec | None = None) -> dict:
@@ -151,8 +154,8 @@ class Plan:
                     "resident": self.resident, "disk": self.disk, "source": self.source})
         if self.lossy is not None:
             out["lossy"] = self.lossy.to_json()
-        if self.replay is not None:
-            out["replay"] = self.replay
+        if self.replay is not Replay.AUTO:
+            out["replay"] = self.replay.to_json()
         return out
 
     @classmethod
@@ -201,13 +204,11 @@ class Plan:
         method = field(obj, "method", str, "")
         if method not in {m.value for m in Method}:
             raise ValueError(f"plan.method: unknown {method!r} (known: {', '.join(m.value for m in Method)})")
-        replay = obj.get("replay")
-        if replay is not None and type(replay) is not bool:
-            raise ValueError(f"plan.replay: expected true, false or null, got {_json_type(replay)} {replay!r}"[:200])
+        replay = Replay.from_json(obj.get("replay"))
         plan = cls(Method(method), phase("prefill"), phase("decode"), field(obj, "resident", int, ""),
                    field(obj, "disk", int, "", 0), field(obj, "source", str, "", "plan file"),
                    LossySpec.from_json(field(obj, "lossy", dict, "", None) if obj.get("lossy") is not None else None))
-        if replay and plan.replay_blocker:
+        if replay is Replay.ON and plan.replay_blocker:
             raise ValueError(f"plan.replay: true, but {plan.replay_blocker}; set it to false or null")
         return plan.with_(replay=replay)
 
@@ -232,24 +233,16 @@ class Tier(str, enum.Enum):
     DISK = "disk"
 
 
-def replays_decode(model: ModelSpec, work: Workload) -> bool:
-    """Whether `kvpipe run --replay auto` replays this workload's decode steps on a CUDA GPU
-    (mirrors executor.replay.capture.replay_supported: bf16/fp16 FA2 varlen, batch 1)."""
-    return model.dtype in ("bf16", "fp16") and work.batch == 1 and model.head_dim % 8 == 0 \
-        and model.head_dim <= 256 and work.decode_tokens > 0
-
-
-def decode_replayed(model: ModelSpec, work: Workload, plan: Plan) -> bool:
-    """Whether `kvpipe run --replay auto` on a CUDA GPU replays `plan`'s decode steps: as its
-    replay choice says, else (None) where the workload and the plan allow (`replays_decode`, no
-    `replay_blocker`); never without decode tokens. Where it does, the executor's KV homes are
-    pinned by torch (executor/kv/store.py), carved out of power-of-two blocks (pipeline/memory.py
-    counts them)."""
+def decode_replayed(model: ModelSpec, work: Workload, plan: Plan, device: str = "cuda") -> bool:
+    """Whether `plan`'s decode steps run replayed on `device`: as its replay choice says, else
+    (AUTO) where the rule (`replay.blocker`) finds nothing; never without decode tokens. Where
+    they do, the executor's KV homes are pinned by torch (executor/kv/store.py), carved out of
+    power-of-two blocks (pipeline/memory.py counts them)."""
     if not work.decode_tokens:
         return False
-    if plan.replay is not None:
-        return plan.replay
-    return replays_decode(model, work) and plan.replay_blocker is None
+    if plan.replay is not Replay.AUTO:
+        return plan.replay is Replay.ON
+    return blocker(model, work, plan, device) is None
 
 
 def placement(model: ModelSpec, plan: Plan) -> dict[tuple[int, int], Tier]:

@@ -1,5 +1,8 @@
-"""Plans from simple rules, used until the planner searches plans with the simulator: each method's
-knobs, then as many offloaded units in host RAM as its budget allows and the rest on disk."""
+"""Each method's rule plan, with no search: its knobs, then as many offloaded units in host RAM as
+the budget allows and the rest on disk. The baselines (standard, chunked, layerwise) always run
+their rule; a head-wise plan comes from the planner (sim/planner.py) unless the user gives one.
+The memory bounds every plan is held to (HOST_KV_FRACTION, `gpu_fill`, `fits`) live here too, so
+the rules, the planner and the decision layer (sim/decide.py) apply one set."""
 from __future__ import annotations
 
 from .memory import breakdown, gpu_usable, over_limits
@@ -15,7 +18,7 @@ RULES = {
     Method.STANDARD: "rule: everything on the GPU, the prompt in one pass",
     Method.CHUNKED: f"rule: everything on the GPU, prompt chunks of {DEFAULT_CHUNK} tokens",
     Method.LAYERWISE: "rule: whole layers offloaded, ping-pong (depth 2)",
-    Method.HEADWISE: "rule (HeadInfer's default, until the planner lands): one KV head per group, "
+    Method.HEADWISE: "rule (HeadInfer's default): one KV head per group, "
                      "ping-pong, no resident heads unless the whole cache fits",
 }
 

@@ -1,25 +1,33 @@
 """Lossy KV chosen only from an explicit error budget (`--max-error REL`): the exact plan, the same
 plan with each quantisation, and the same plan with each sparse-decode fraction whose MEASURED error
-(pipeline/lossy_measured.py, from benchmarks/lossy_error.py) is within the budget are predicted,
+(pipeline/lossy_measured.py) is within the budget are predicted,
 and the best on the objective that fits wins; ties go to exact, then to the smaller error. Sparse
 with quantisation at once (whole quantised blocks selected) is a candidate too, by its own measured
 error; sparse is not a candidate where the run could not execute it: disk units or a codec on a
 link (executor/sparse/homes.py).
 Without a budget nothing here runs and no plan is ever lossy unless the user opts in with --lossy
 or --sparse. A pick carries its basis (budget, figures, sources), so it is labelled LOSSY wherever
---lossy would be."""
+--lossy would be. `lossy_opt_in` puts the explicit opt-in over the exact plan, searching again where
+its GPU bytes do not fit."""
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvpipe.pipeline.lossy import DEFAULT_GROUP, QUANT_BITS, LossySpec
 from kvpipe.pipeline.lossy_measured import (MEASURED, SPARSE_MEASURED, SPARSE_QUANT_MEASURED, SPARSE_SKETCH,
                                             MeasuredError)
+from kvpipe.pipeline.memory import breakdown, gpu_usable
+from kvpipe.pipeline.model import ModelSpec
 from kvpipe.pipeline.plan import Plan
+from kvpipe.pipeline.replay import Replay
+from kvpipe.pipeline.units import fmt_bytes
+from kvpipe.pipeline.workload import Workload
 
-from .planner import objective_value
+from .planner import NoPlanFits, objective_value
+
+RESEARCHES = 3   # searches again with the lossy option's bytes off the GPU budget, at most
 
 
 def check_budget(max_error) -> float:
@@ -88,9 +96,9 @@ def excluded(plan: Plan, option: Option | None = None) -> str | None:
 
 
 def choose_lossy(plan: Plan, max_error: float, objective: str, predict: Callable,
-                 refuse: str | None = None, replay: bool | None = None) -> tuple[object, LossyChoice]:
+                 refuse: str | None = None, replay: Replay = Replay.AUTO) -> tuple[object, LossyChoice]:
     """The best of `plan` (exact) and its admitted lossy variants. `predict(plan)` returns an
-    object with `problems` (budget misses) and the simulator's `report` (api._predict).
+    object with `problems` (budget misses) and the simulator's `report` (sim/decide.predict).
     `refuse`: why the caller cannot run a lossy plan at all (e.g. --replay on), or None.
     `replay`: the --replay pin; each candidate's replay choice is made again (Plan.with_lossy).
     Candidates are tried exact first, then by measured error (smallest first), and one replaces
@@ -118,3 +126,35 @@ def choose_lossy(plan: Plan, max_error: float, objective: str, predict: Callable
         best, pick = predict(plan), None
     order = ["exact"] + [o.name for o in options()]
     return best, LossyChoice(max_error, tuple(rows[n] for n in order if n in rows), pick)
+
+
+def lossy_opt_in(model: ModelSpec, work: Workload, budgets: dict[str, int], exact: Plan, spec: LossySpec,
+                 rechoose: Callable | None, pin: Replay = Replay.AUTO) -> tuple[Plan, object]:
+    """The exact plan `exact` with the LOSSY opt-in `spec` on, and the planner's result where it
+    searched again (else None). The search ranks exact plans; the lossy GPU bytes (the sparse
+    sketch and chunk summaries, quantised byte slots) come on top, so a plan that fit exact may not
+    fit lossy. Where the planner chose the plan (`rechoose`: budgets -> (prediction, planner
+    result); None where the user gave the plan) and the lossy plan does not fit, it searches again
+    with the GPU budget less those bytes, up to RESEARCHES times, and keeps the first plan that
+    fits with them; if none does, the original, which then reports "fits: NO" (plan) or is
+    refused (run). Where the planner chose, the replay choice is made again (`Plan.with_lossy`,
+    `pin` the --replay pin): an exact decode at the PCIe floor hides the host's issue cost, a
+    sparse one moves a fraction of the bytes and is host-bound unless replayed. A user's plan
+    keeps its own."""
+    if rechoose is None:
+        return exact.with_(lossy=spec), None
+    plan, extra, found = exact.with_lossy(spec, pin), 0, None
+    for _ in range(RESEARCHES):
+        lossy_gpu = breakdown(model, work, exact.with_(lossy=spec)).gpu
+        if lossy_gpu <= gpu_usable(budgets["gpu"]):   # fits with the allocator's allowance
+            return exact.with_lossy(spec, pin), found
+        extra = max(extra, lossy_gpu - breakdown(model, work, exact).gpu)   # what the lossy option adds
+        try:
+            again, found = rechoose(dict(budgets, gpu=budgets["gpu"] - extra))
+        except NoPlanFits:
+            break
+        exact = again.plan
+        if found is not None:
+            found = replace(found, reason=f"{found.reason}; searched with the GPU budget less the lossy "
+                                          f"option's {fmt_bytes(extra)} (summaries, sketch or byte slots)")
+    return plan, None

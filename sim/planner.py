@@ -3,28 +3,27 @@ depth, resident units, host/disk split, decode graph replay on or off) under GPU
 budgets for the plan the simulator predicts best on an objective (total time, time to first token
 or decode rate).
 
-Coarse to fine: every plan of the space that fits is ranked by the closed-form lane estimate
+Coarse to fine: every plan of the space (sim/space.py) that fits is ranked by the closed-form lane estimate
 (`sim/estimate.py`); plans are simulated in that order (branch and bound), skipping any whose lane
 lower bound is already no better than the best simulated one, until `SIM_BUDGET` stages have been
 simulated. Resident units: as many as the GPU holds, that count rounded down to whole head
 groups, or none (every count up to the most for models of at most `EVERY_RESIDENT_UNITS` units);
 disk units: the fewest the host budget allows. Knobs the user gives pin their dimension.
 
-Graph replay: every plan whose decode a CUDA graph can hold (`replays_decode`, no disk units,
-codec or lossy KV) is searched with decode replayed first, exactly as before replay was a
-dimension; then its eager twin (decode issued stage by stage) gets its own branch-and-bound pass,
-pruned by the best value of both passes, within `EAGER_SIM_BUDGET` stages, so a pick changes only
-where eager decode is predicted better. A twin's estimate has the host as a lane (it issues every
+Graph replay: every plan whose decode a CUDA graph can hold (pipeline/replay.py `blocker`: no disk
+units, codec or lossy KV) is searched with decode replayed first; then its eager twin (decode
+issued stage by stage) gets its own branch-and-bound pass, pruned by the best value of both
+passes, within `EAGER_SIM_BUDGET` stages, so a pick changes only where eager decode is predicted
+better. A twin's estimate has the host as a lane (it issues every
 decode stage: `estimate.decode_host_seconds`) and its bound the replayed twin's simulated first
 token (decode issue does not move a prefill stage); its simulation reuses the twin's prefill
 windows (`simulate(memo=)`). Eager decode wins where the replayed run's costs (the host's sync
 after the prefill and the capture, each step waiting for the previous one and its write-backs)
 exceed issuing the stages: fetch-bound steps, whose next fetches an eager host queues early.
 It is not searched for the TTFT objective (decode issue does not move the first token; replay is
-kept as `run --replay auto` keeps it), nor with `--fuse on` (only replayed decode is fused); a
-pin (`Pins.replay`, `--replay on|off`) fixes it. Plans that cannot replay keep `replay` None.
-The second pass costs 30-50% more CPU where decode can replay (32K-512K on the bundled profiles)
-and nothing at 1M-4M where the presets need disk units.
+kept as the rule keeps it), nor with `--fuse on` (only replayed decode is fused); a pin
+(`Pins.replay`, `--replay on|off`) fixes it. Plans that cannot replay keep `replay` AUTO. The
+second pass adds CPU time only where decode can replay (none where the presets need disk units).
 A lossless GPU codec on h2d is tried on the winner and its runners-up (`_h2d_codec`): simulated
 with each one the profile rates, it replaces the winner where the simulator predicts it better
 (the codec's decode runs eagerly). Fused decode is a setting, not a dimension: replayed decode is
@@ -33,78 +32,25 @@ one-time compile costs (not in the objective: `run` pays it once per process, un
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
-from kvpipe.pipeline.fusion import decode_fused
 from kvpipe.pipeline.hardware import HardwareProfile
-from kvpipe.pipeline.memory import breakdown, gpu_budget_for, over_limits
+from kvpipe.pipeline.memory import breakdown
 from kvpipe.pipeline.model import ModelSpec
-from kvpipe.pipeline.plan import Method, PhasePlan, Plan, decode_replayed, replays_decode
-from kvpipe.pipeline.rules import GPU_FILL_FRACTION, HOST_KV_FRACTION, first_true, gpu_fill
+from kvpipe.pipeline.plan import Plan
+from kvpipe.pipeline.replay import Replay, blocker
 from kvpipe.pipeline.units import fmt_bytes
 from kvpipe.pipeline.workload import Workload
 
-from .estimate import (Estimate, decode_estimate, decode_host_seconds, layer_classes, phase_layout,
-                       prefill_estimate)
 from .simulate import Prediction, simulate
+from .space import (CHUNKS, DEPTHS, EVERY_RESIDENT_UNITS, SOURCE, Pins, Space, _key, _Search,  # noqa: F401
+                    _smallest_budget, fragmentation_room, max_context, sim_cost)
 
 OBJECTIVES = ("total", "ttft", "decode")
-CHUNKS = (1024, 2048, 4096, 8192, 16384, 32768)   # prefill chunk candidates (tokens)
-DEPTHS = (2, 3, 4)                                # transfer slots
 SIM_BUDGET = 150_000                              # stages simulated before the search stops early
 EAGER_SIM_BUDGET = 75_000                         # the same for the eager-decode pass
 RUNNERS_UP = 2                                    # simulated besides the winner, to show beside it
-EVERY_RESIDENT_UNITS = 64                         # models with at most this many units try every resident count
 TIE = 0.001                                       # estimates closer than this rank as equal
-SOURCE = "planner"
-
-
-@dataclass(frozen=True)
-class Pins:
-    """Dimensions the user fixed; None leaves one to the search. `resident` counts units;
-    `replay` True: decode replayed (plans that cannot replay are left out), False: eager."""
-
-    group: int | None = None
-    chunk: int | None = None
-    resident: int | None = None
-    depth: int | None = None
-    replay: bool | None = None
-
-    def __post_init__(self) -> None:
-        for f in ("group", "chunk", "depth"):
-            v = getattr(self, f)
-            if v is not None and (not isinstance(v, int) or v <= 0):
-                raise ValueError(f"{f}: must be a positive integer, got {v!r}")
-        if self.resident is not None and (not isinstance(self.resident, int) or self.resident < 0):
-            raise ValueError(f"resident: must be >= 0 units, got {self.resident!r}")
-        if type(self.replay) not in (bool, type(None)):
-            raise ValueError(f"replay: must be True, False or None, got {self.replay!r}")
-
-
-@dataclass(frozen=True)
-class Space:
-    """The values each dimension may take (before pins)."""
-
-    groups: tuple[int, ...]
-    chunks: tuple[int, ...]
-    depths: tuple[int, ...] = DEPTHS
-
-    @classmethod
-    def of(cls, model: ModelSpec, work: Workload, pins: Pins) -> "Space":
-        groups = tuple(g for g in range(1, model.kv_heads + 1) if model.kv_heads % g == 0)
-        if pins.group is not None:
-            if model.kv_heads % pins.group:
-                raise ValueError(f"group: {pins.group} does not divide the {model.kv_heads} KV heads of {model.name}")
-            groups = (pins.group,)
-        chunks = tuple(c for c in CHUNKS if c < work.context) + (min(work.context, CHUNKS[-1]),)
-        if pins.chunk is not None:
-            if pins.chunk > work.context:
-                raise ValueError(f"chunk: {pins.chunk} is larger than the context {work.context}")
-            chunks = (pins.chunk,)
-        depths = (pins.depth,) if pins.depth is not None else DEPTHS
-        if pins.resident is not None and pins.resident > model.units:
-            raise ValueError(f"resident: {pins.resident} exceeds the {model.units} (layer, KV head) units")
-        return cls(groups, tuple(sorted(set(chunks))), depths)
 
 
 @dataclass(frozen=True)
@@ -141,172 +87,6 @@ def objective_value(pred: Prediction, objective: str) -> float:
     return t.total_s
 
 
-def fragmentation_room(model: ModelSpec, work: Workload, plan: Plan) -> int:
-    """Room the caching allocator needs beyond the plan's live bytes: three of the largest
-    transient blocks (a prefill chunk's MLP intermediate). An assumption taken from the OOMs of
-    the H200 regimes run on 2026-11-30 (2.8 GiB reserved but unallocated beside 896 MiB blocks
-    at 32K-token chunks, 0.4 GiB beside 448 MiB blocks at 16K), not a measured law."""
-    return 3 * work.batch * min(plan.prefill.chunk, work.context) * model.intermediate * model.dtype_bytes
-
-
-@dataclass
-class _Search:
-    """One search's memo tables (placement classes and phase estimates are shared by many plans)."""
-
-    model: ModelSpec
-    work: Workload
-    hw: HardwareProfile
-    budgets: dict[str, int]
-    classes: dict = field(default_factory=dict)
-    layouts: dict = field(default_factory=dict)
-    replay: bool | None = None       # the pin: decode replayed (True) or eager (False); None: both searched
-    fuse: str = "auto"               # the fuse setting (pipeline/fusion.py): replayed decode is fused unless off
-    pre: dict = field(default_factory=dict)
-    dec: dict = field(default_factory=dict)
-    host: dict = field(default_factory=dict)
-    windows: dict = field(default_factory=dict)   # simulate's memo of prefill windows (shared by replay twins)
-
-    def can_replay(self, plan: Plan) -> bool:
-        """Whether `kvpipe run` on a CUDA GPU can replay this plan's decode (pipeline/plan.replays_decode,
-        and no disk units, lossy KV or h2d codec)."""
-        return replays_decode(self.model, self.work) and plan.replay_blocker is None
-
-    def replays(self, plan: Plan) -> bool:
-        """How the plan's decode is simulated: its replay choice, else as `run --replay auto` would
-        run it (replayed where it can be; the search gives every plan that can a choice)."""
-        return decode_replayed(self.model, self.work, plan)
-
-    def stamped(self, plan: Plan) -> Plan | None:
-        """`plan` with the replay choice the first pass searches: True where decode can replay
-        (False under a pin off, or where `place` left it False), None where it cannot; None (left
-        out) under a pin on where it cannot."""
-        if not self.can_replay(plan):
-            return None if self.replay else plan
-        if plan.replay is False:   # `place` found that only eager decode's exact homes fit the host
-            return plan
-        return plan.with_(replay=self.replay is not False)
-
-    def fuses(self, plan: Plan) -> bool:
-        return decode_fused(self.fuse, self.replays(plan))
-
-    @property
-    def unit_bytes(self) -> int:
-        return self.work.batch * self.work.kv_capacity * self.model.kv_unit_bytes_per_token
-
-    def place(self, plan: Plan, resident: int, pinned: bool = False, chunk_pinned: bool = False) -> Plan | None:
-        """`plan` with `resident` units and the fewest disk units the host budget allows, or None
-        when it does not fit. Every plan's GPU peak must leave the allocator its allowance
-        (memory.pool_limits). Resident units the search chose must also leave it its slack
-        (rules.gpu_fill: GPU_FILL_FRACTION of the budget); a count the user pinned needs only the
-        allowance. A chunk the search chose must leave, within that slack, room for its blocks
-        (fragmentation)."""
-        U, unit = self.model.units, self.unit_bytes
-        host_cap = self.budgets["host"] * HOST_KV_FRACTION
-        off = U - resident
-        disk = 0
-        if off * unit > host_cap:
-            ring = breakdown(self.model, self.work, plan.with_(resident=resident, disk=1)).host_buffers
-            disk = min(off, math.ceil((off * unit + ring - host_cap) / unit))
-        placed = plan.with_(resident=resident, disk=disk)
-        mem = breakdown(self.model, self.work, placed)
-        fill = gpu_fill(self.budgets["gpu"])
-        host_fits = lambda mem: mem.host <= host_cap and not over_limits(mem, self.budgets)
-        if not host_fits(mem) and mem.host_slack and placed.replay is None and self.replay is None:
-            # Replayed, torch pins the homes in power-of-two blocks (memory.host_slack) that the
-            # budget cannot hold: decode can still run eagerly, its homes registered exactly.
-            placed = placed.with_(replay=False)
-            mem = breakdown(self.model, self.work, placed)
-        if not host_fits(mem):
-            return None
-        if resident and not pinned and mem.gpu > fill:
-            return None
-        if not chunk_pinned and mem.gpu + self.fragmentation(plan) > fill:
-            return None   # a chunk the search chose must leave the allocator room for its blocks
-        return placed
-
-    def fragmentation(self, plan: Plan) -> int:
-        return fragmentation_room(self.model, self.work, plan)
-
-    def max_resident(self, plan: Plan) -> int:
-        """The most resident units `gpu_fill` of the GPU budget holds beside the chunk's blocks (0 if none)."""
-        cap, U = gpu_fill(self.budgets["gpu"]) - self.fragmentation(plan), self.model.units
-        if breakdown(self.model, self.work, plan.with_(resident=U, disk=0)).gpu <= cap:
-            return U
-        base = breakdown(self.model, self.work, plan.with_(resident=0, disk=0)).gpu
-        return max(0, min(U - 1, int((cap - base) // self.unit_bytes)))
-
-    def candidates(self, space: Space, pins: Pins, depths) -> list[Plan]:
-        m, L = self.model, self.model.layers
-        out: dict[tuple, Plan] = {}
-        for gp in space.groups:
-            for gd in space.groups:
-                for chunk in space.chunks:
-                    for depth in depths:
-                        base = Plan(Method.HEADWISE, PhasePlan(gp, chunk, depth), PhasePlan(gd, 1, depth),
-                                    0, 0, SOURCE)
-                        if pins.resident is not None:
-                            rs = {pins.resident}
-                        else:
-                            top = self.max_resident(base)
-                            rs = {top, 0} | {top // (L * g) * L * g for g in (gp, gd)}
-                            if m.units <= EVERY_RESIDENT_UNITS:
-                                rs = set(range(top + 1))
-                        for r in rs:
-                            plan = self.place(base, r, pins.resident is not None, pins.chunk is not None)
-                            if plan is None:
-                                continue
-                            if plan.resident == m.units:   # nothing streams: depth is moot
-                                plan = plan.with_(prefill=PhasePlan(gp, chunk, 2), decode=PhasePlan(gd, 1, 2))
-                            plan = self.stamped(plan)
-                            if plan is not None:
-                                out.setdefault(_key(plan), plan)
-        return list(out.values())
-
-    def layout(self, rd: tuple[int, int], group: int) -> tuple:
-        key = rd + (group,)
-        if key not in self.layouts:
-            if rd not in self.classes:
-                self.classes[rd] = layer_classes(self.model, *rd)
-            self.layouts[key] = phase_layout(self.model, self.classes[rd], group)
-        return self.layouts[key]
-
-    def estimate(self, plan: Plan) -> Estimate:
-        rd = (plan.resident, plan.disk)
-        pk = (plan.prefill.group, plan.prefill.chunk) + rd
-        if pk not in self.pre:
-            self.pre[pk] = prefill_estimate(self.model, self.work, self.hw, self.layout(rd, pk[0]), *pk[:2])
-        replayed = self.replays(plan)
-        dk = (plan.decode.group,) + rd + (replayed, self.fuses(plan))
-        if dk not in self.dec:
-            self.dec[dk] = decode_estimate(self.model, self.work, self.hw, self.layout(rd, dk[0]), dk[0],
-                                           replayed, self.fuses(plan))
-        (pb, plast, pe), (db, dlong, dstep) = self.pre[pk], self.dec[dk]
-        host = 0.0
-        if not replayed and plan.replay is False:   # the eager pass: the host issues every stage
-            hk = (plan.decode.group,) + rd
-            if hk not in self.host:
-                self.host[hk] = decode_host_seconds(self.model, self.work, self.hw, self.layout(rd, hk[0]), hk[0])
-            host = self.host[hk]
-            dstep = None if dstep is None else max(dstep, host)
-        total = pe + (dstep or 0.0) * self.work.decode_tokens
-        depth = max(plan.prefill.depth, plan.decode.depth)
-        return Estimate(pb, db, plast, dlong, self.work.decode_tokens, depth, pe, dstep, total, host)
-
-
-def sim_cost(model: ModelSpec, work: Workload, plan: Plan, full: bool = False) -> int:
-    """About how many stages simulating `plan` runs (the shortcuts' windows, not the whole run)."""
-    from .simulate import DECODE_WINDOW, PREFILL_MIN_CHUNKS, PREFILL_WINDOW
-    chunks = -(-work.context // plan.prefill.chunk)
-    pre = chunks if full or chunks < PREFILL_MIN_CHUNKS else min(chunks, 3 * PREFILL_WINDOW + 1)
-    dec = work.decode_tokens if full else min(work.decode_tokens, 2 * DECODE_WINDOW)
-    per = lambda g: model.layers * (3 + 3 * model.kv_heads // g)
-    return pre * per(plan.prefill.group) + dec * per(plan.decode.group)
-
-
-def _key(plan: Plan) -> tuple:
-    return (plan.prefill, plan.decode, plan.resident, plan.disk, plan.replay)
-
-
 def search(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dict[str, int],
            pins: Pins = Pins(), objective: str = "total", *, sim_budget: int = SIM_BUDGET,
            full: bool = False, h2d_codecs: bool = True, fuse: str = "auto",
@@ -321,9 +101,9 @@ def search(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dict[
     decode is replayed."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective: {objective!r} is not one of {', '.join(OBJECTIVES)}")
-    if pins.replay and not replays_decode(model, work):
-        raise ValueError("replay: on, but decode replay needs bf16/fp16, batch 1, a head dim that is a multiple "
-                         "of 8 up to 256 and decode tokens (use --replay off or auto)")
+    why = blocker(model, work) if work.decode_tokens else "there are no decode tokens"
+    if pins.replay is Replay.ON and why:
+        raise ValueError(f"replay: on, but {why} (use --replay off or auto)")
     s = _Search(model, work, hw, budgets, replay=pins.replay, fuse=fuse)
     space = Space.of(model, work, pins)
     plans = s.candidates(space, pins, space.depths)
@@ -332,8 +112,8 @@ def search(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dict[
     done: dict[tuple, Scored] = {}
     pruned, _, unexplored = _branch_and_bound(s, plans, done, objective, sim_budget, full)
     eager_skip = _eager_skipped(s, objective)
-    twins = [p.with_(replay=False) for p in plans if p.replay] if eager_skip is None else []
-    if twins:   # a second pass: the first is the search as it was before replay was a dimension
+    twins = [p.with_(replay=Replay.OFF) for p in plans if p.replay is Replay.ON] if eager_skip is None else []
+    if twins:   # a second pass, so that eager decode changes a pick only where it is predicted better
         more, _, left = _branch_and_bound(s, twins, done, objective, eager_budget, full, _twin_ttft(done))
         pruned, unexplored = pruned + more, unexplored + left
     order = sorted(done.values(), key=lambda c: (c.value, c.prediction.report.timing.total_s))
@@ -377,14 +157,14 @@ def _branch_and_bound(s: _Search, plans: list[Plan], done: dict, objective: str,
 def _twin_ttft(done: dict):
     """plan -> the simulated first token of its replayed twin (the same prefill), or None."""
     def ttft(plan: Plan) -> float | None:
-        twin = done.get(_key(plan.with_(replay=True)))
+        twin = done.get(_key(plan.with_(replay=Replay.ON)))
         return None if twin is None else twin.prediction.report.timing.ttft_s
     return ttft
 
 
 def _eager_skipped(s: _Search, objective: str) -> str | None:
     """Why the eager-decode pass does not run, or None when it does."""
-    if s.replay is not None:
+    if s.replay is not Replay.AUTO:
         return "pinned by --replay"
     if s.fuse == "on":
         return "--fuse on fuses replayed decode only"
@@ -396,18 +176,19 @@ def _eager_skipped(s: _Search, objective: str) -> str | None:
 def _replay_note(s: _Search, best: Scored, done: dict, objective: str, skipped: str | None) -> str | None:
     """The replay choice of the winner and why, for the reason (None where its decode cannot replay)."""
     plan = best.plan
-    if plan.replay is None or plan.replay_blocker:   # e.g. the h2d codec's plan: its decode runs eagerly
+    if plan.replay is Replay.AUTO or plan.replay_blocker:   # e.g. the h2d codec's plan: its decode runs eagerly
         return None
-    mode = "decode replayed" if plan.replay else "decode eager (replay off)"
-    twin = done.get(_key(plan.with_(replay=not plan.replay)))
+    replayed = plan.replay is Replay.ON
+    mode = "decode replayed" if replayed else "decode eager (replay off)"
+    twin = done.get(_key(plan.with_(replay=Replay.OFF if replayed else Replay.ON)))
     if skipped is not None:
         return f"{mode}: {skipped}"
     if twin is not None:
         gap = twin.value / best.value - 1 if best.value else 0.0
-        return f"{mode}: {gap:.1%} better on {objective} than {'eager' if plan.replay else 'replayed'} decode"
-    if not plan.replay:
+        return f"{mode}: {gap:.1%} better on {objective} than {'eager' if replayed else 'replayed'} decode"
+    if not replayed:
         return f"{mode}: its replayed twin was not simulated"
-    bound = s.estimate(plan.with_(replay=False)).lower_bound(objective)
+    bound = s.estimate(plan.with_(replay=Replay.OFF)).lower_bound(objective)
     return (f"{mode}: eager decode cannot beat it (its lower bound)" if bound >= best.value
             else f"{mode}: eager decode not simulated (simulation budget)")
 
@@ -468,62 +249,3 @@ def _reason(s: _Search, best: Scored, rest, objective: str, replay_note: str | N
         parts.append("decode fused (one-time compile " + ("time unknown" if c is None else f"{c:.1f} s")
                      + ", not in the total)")
     return "; ".join(parts)
-
-
-def _smallest_budget(s: _Search, space: Space, pins: Pins) -> str:
-    """Which budget to raise, and to what, for the leanest plan of the space to fit."""
-    m, work, unit = s.model, s.work, s.unit_bytes
-    lean = Plan(Method.HEADWISE, PhasePlan(space.groups[0], space.chunks[0], min(space.depths)),
-                PhasePlan(space.groups[0], 1, min(space.depths)), 0, 0, SOURCE)
-    r = pins.resident if pins.resident is not None else s.max_resident(lean)
-    gpu = breakdown(m, work, lean.with_(resident=r, disk=m.units - r)).gpu
-    # The budget `place` asks of the GPU: the allocator's allowance beside the peak (pool_limits);
-    # a chunk the search chose also leaves the allocator its slack (gpu_fill) and room for the
-    # chunk's blocks.
-    room = gpu + s.fragmentation(lean)
-    need = gpu_budget_for(gpu) if pins.chunk is not None else max(gpu_budget_for(room), room / GPU_FILL_FRACTION)
-    if need > s.budgets["gpu"]:
-        return (f"gpu-mem: no plan fits: gpu needs {fmt_bytes(gpu)} (with the allocator's room "
-                f"{fmt_bytes(need)}), {fmt_bytes(s.budgets['gpu'])} available "
-                f"(smallest that fits: --gpu-mem {_size_flag(need)})")
-    off = (m.units - r) * unit
-    if pins.replay:   # replayed decode cannot read disk units: host RAM must hold the offloaded KV,
-        pinned = breakdown(m, work, lean.with_(resident=r, disk=0, replay=True)).host   # as torch pins it
-        return (f"host-mem: no plan fits with --replay on: {fmt_bytes(off)} of KV must leave the GPU into host RAM "
-                f"(decode replay cannot run disk units; torch pins it as {fmt_bytes(pinned)}), host "
-                f"{fmt_bytes(s.budgets['host'])} available (smallest that fits: --host-mem "
-                f"{_size_flag(pinned / HOST_KV_FRACTION)}, or --replay off or auto)")
-    ring = breakdown(m, work, lean.with_(resident=r, disk=1)).host_buffers
-    disk_need = max(1, math.ceil((off + ring - s.budgets["host"] * HOST_KV_FRACTION) / unit)) * unit
-    return (f"host-mem: no plan fits: {fmt_bytes(off)} of KV must leave the GPU, host "
-            f"{fmt_bytes(s.budgets['host'])} and disk {fmt_bytes(s.budgets['disk'])} available (smallest that "
-            f"fits: --host-mem {_size_flag(off / HOST_KV_FRACTION)}, or --disk-mem {_size_flag(disk_need)} "
-            f"with this host budget)")
-
-
-def _size_flag(n: float) -> str:
-    """A budget flag value at least `n` bytes, one decimal in GiB or MiB."""
-    unit, scale = ("GiB", 2**30) if n >= 2**30 else ("MiB", 2**20)
-    return f"{math.ceil(n / scale * 10) / 10}{unit}"
-
-
-def max_context(model: ModelSpec, decode_tokens: int, batch: int, budgets: dict[str, int],
-                pins: Pins = Pins(), limit: int = 2**30) -> int:
-    """Largest prompt some plan of the space fits under the budgets (0 if none). The leanest plan
-    (smallest group, chunk and depth) with as many resident units as the GPU holds decides it:
-    fewer resident units need more host and disk, more do not fit the GPU."""
-    def ok(ctx: int) -> bool:
-        work = Workload(ctx, decode_tokens, batch)
-        s = _Search(model, work, None, budgets, replay=pins.replay)   # memory only: no hardware needed
-        try:
-            space = Space.of(model, work, replace(pins, chunk=min(pins.chunk, ctx)) if pins.chunk else pins)
-        except ValueError:
-            return False
-        for chunk in space.chunks[:1]:
-            lean = Plan(Method.HEADWISE, PhasePlan(space.groups[0], chunk, min(space.depths)),
-                        PhasePlan(space.groups[0], 1, min(space.depths)), 0, 0, SOURCE)
-            r = pins.resident if pins.resident is not None else s.max_resident(lean)
-            if s.place(lean, r, pins.resident is not None, pins.chunk is not None) is not None:
-                return True
-        return False
-    return first_true(1, limit + 1, lambda ctx: not ok(ctx)) - 1

@@ -25,6 +25,7 @@ from kvpipe.pipeline.hardware import HardwareProfile
 from kvpipe.pipeline.memory import MemoryBreakdown, breakdown, chunk_sizes
 from kvpipe.pipeline.model import ModelSpec
 from kvpipe.pipeline.plan import Plan
+from kvpipe.pipeline.replay import Replay
 from kvpipe.pipeline.report import Report, Timing, decode_head_ends, timing_from_trace
 from kvpipe.pipeline.cost import host_issue_seconds
 from kvpipe.pipeline.stage import LANE_OF_KIND, Kind, Lane, Phase, Pool
@@ -111,7 +112,7 @@ class _PrefillShortcut:
         without decode steps does not depend on how decode is issued: kept in `memo` (if given)
         under the plan less its replay choice, for the plan's twin of the other choice."""
         model, work, plan = self.args
-        key = (plan.with_(replay=None, source=""), k, n) if self.memo is not None and not decode else None
+        key = (plan.with_(replay=Replay.AUTO, source=""), k, n) if self.memo is not None and not decode else None
         if key is not None and key in self.memo:
             tr, peak = self.memo[key]
         else:

@@ -110,3 +110,22 @@ def test_run_result_is_what_the_cli_prints(tiny_config, capsys):
     assert measured.keys() == printed_measured.keys()    # timings differ run to run; the shape does not
     assert measured["peak_bytes"] == printed_measured["peak_bytes"]
     assert isinstance(res, kvpipe.RunResult) and len(res.tokens[0]) == 4 and res.device == "cpu"
+
+
+def test_the_cli_and_the_api_share_one_options_type(capsys):
+    # Fault caught: the CLI and the API building their requests apart (a flag the options drop,
+    # a check one of them skips): the CLI's parsed flags are a PlanOptions whose plan is the
+    # API's, and a bad field is refused when the options are built, naming it.
+    from kvpipe.options import PlanOptions, RunOptions
+    args = build_parser().parse_args(["plan", "--context", "8K", "--decode-tokens", "1", "--group", "2"])
+    opts = PlanOptions.from_args(args)
+    assert opts.context == "8K" and opts.group == "2" and opts.replay == "auto"
+    assert kvpipe.plan(opts).to_json() == kvpipe.plan(context="8K", decode_tokens=1, group=2).to_json()
+    assert kvpipe.plan(opts, group=4).plan.prefill.group == 4           # keywords over the options
+    for cls, kw, field in ((PlanOptions, dict(group=0), "group"), (PlanOptions, dict(replay="yes"), "replay"),
+                           (RunOptions, dict(chunk="lots"), "chunk"), (RunOptions, dict(objective="x"), "objective"),
+                           (PlanOptions, dict(disk="max"), "disk"), (RunOptions, dict(lossy="int3"), "lossy")):
+        with pytest.raises(ValueError, match=f"^{field}"):
+            cls(**kw)
+    with pytest.raises(TypeError):
+        kvpipe.plan(compare=True, random_weights=True)                  # a run-only field is not a plan's

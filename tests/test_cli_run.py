@@ -247,7 +247,7 @@ def test_cuda_oom_during_a_run_is_one_line_with_exit_3(monkeypatch, capsys):
             "reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting "
             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
 
-    def oom(**kw):
+    def oom(*args, **kw):   # the options, as the CLI passes them
         raise torch.OutOfMemoryError(h200)
     monkeypatch.setattr(api, "run", oom)
     assert cli.main(["run", "--model", "llama-3-8b", "--random-weights"]) == 3

@@ -15,6 +15,7 @@ from kvpipe.cli import main
 from kvpipe.pipeline.lossy_measured import (MEASURED, SPARSE_MEASURED, SPARSE_NEEDLE_SOURCE, SPARSE_PROBE_SOURCE,
                                             SPARSE_SKETCH)
 from kvpipe.pipeline.plan import Method, PhasePlan, Plan
+from kvpipe.pipeline.replay import Replay
 from kvpipe.sim.lossy_choice import choose_lossy
 
 FIXTURE = Path(__file__).parent / "fixtures" / "lossy-error.json"   # a copy of the SOURCE benchmark file
@@ -134,7 +135,7 @@ def test_a_sparse_pick_is_predicted_replayed_as_run_executes_it():
     # others on a pessimistic, host-bound figure.
     from kvpipe.sim.simulate import simulate
     res = api.plan(**KW, max_error=0.9)
-    assert res.plan.lossy.sparse == 0.2 and res.plan.replay is None
+    assert res.plan.lossy.sparse == 0.2 and res.plan.replay is Replay.AUTO
     replayed = simulate(res.model, res.workload, res.plan, res.hardware, replay=True,
                         fuse=res.predicted.fused).report.timing
     eager = simulate(res.model, res.workload, res.plan, res.hardware, replay=False).report.timing

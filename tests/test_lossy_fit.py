@@ -1,6 +1,6 @@
 """An explicit lossy opt-in over the planner's plan must still fit the GPU budget where a plan can:
 the search ranks exact plans, and the lossy option's GPU bytes (sparse: the token sketch and the
-chunk summaries, 5.0 GiB at 512K for Llama-3-8B) come on top (kvpipe/api._lossy_plan). Torch-free
+chunk summaries, 5.0 GiB at 512K for Llama-3-8B) come on top (sim/lossy_choice.lossy_opt_in). Torch-free
 (`kvpipe plan` on the bundled profile); the fitting figures are the memory model's own bytes,
 checked here against the budget, not against a helper."""
 from kvpipe import api
@@ -10,7 +10,7 @@ BUDGET = "24GB"          # the 24 GB card of the issue: 22.35 GiB
 
 
 def sparse_plan(**pins):
-    return api.plan("llama-3-8b", context="512K", hw="h200-testbox", gpu_mem=BUDGET, resident="none",
+    return api.plan(model="llama-3-8b", context="512K", hw="h200-testbox", gpu_mem=BUDGET, resident="none",
                     decode_tokens=2, sparse=0.2, **pins)
 
 

@@ -12,6 +12,7 @@ import torch
 from kvpipe.executor.replay import sparse_step as lr
 from kvpipe.pipeline.lossy import LossySpec
 from kvpipe.pipeline.plan import Method, PhasePlan, Plan
+from kvpipe.pipeline.replay import Replay
 
 SPARSE = LossySpec(sparse=0.2)                                   # chunk 64, sink 64, recent 256
 SPARSE_INT4 = LossySpec("int4", group=32, vgroup=64, sparse=0.2)
@@ -181,7 +182,7 @@ def test_a_sparse_plan_is_predicted_replayed_not_as_its_exact_plans_eager_choice
     import kvpipe
     kw = dict(context="128K", gpu_mem="24GB", group=8, resident="none", hw="h200-testbox", sparse=0.2, lossy="int4")
     auto, off = kvpipe.plan(**kw), kvpipe.plan(**kw, replay="off")
-    assert auto.plan.replay is None and off.plan.replay is False
+    assert auto.plan.replay is Replay.AUTO and off.plan.replay is Replay.OFF
     a = auto.to_json()["predicted"]["decode_s_per_token"]
     b = off.to_json()["predicted"]["decode_s_per_token"]
     assert a < 0.8 * b, (a, b)

@@ -13,6 +13,7 @@ from kvpipe.pipeline.builder import build
 from kvpipe.pipeline.memory import breakdown
 from kvpipe.pipeline.model import preset
 from kvpipe.pipeline.plan import Method, PhasePlan, Plan
+from kvpipe.pipeline.replay import Replay
 from kvpipe.pipeline.workload import Workload
 
 GiB = 2**30
@@ -53,7 +54,7 @@ def test_exact_512k_homes_pin_68_gib_where_one_torch_block_per_layer_pinned_128(
     lo = KVLayout.of(graph)
     home = lo.batch * lo.kv_heads * lo.capacity * 2 * lo.head_dim * spec.dtype_bytes
     assert home == 2 * GiB + 16 * 2**10
-    exact = breakdown(spec, work, graph.plan.with_(replay=False)).host   # eager: registered homes
+    exact = breakdown(spec, work, graph.plan.with_(replay=Replay.OFF)).host   # eager: registered homes
     assert exact == lo.layers * home == 64 * GiB + 512 * 2**10
     assert lo.layers * pow2_ceil(home) == 128 * GiB            # what the per-layer blocks pinned
     carved = carve([home] * lo.layers)

@@ -9,6 +9,7 @@ from kvpipe.pipeline.memory import breakdown, pinned_homes_bytes
 from kvpipe.pipeline.model import ModelSpec, preset
 from kvpipe.pipeline.pinned_blocks import carve
 from kvpipe.pipeline.plan import Method, PhasePlan, Plan, decode_replayed
+from kvpipe.pipeline.replay import Replay
 from kvpipe.pipeline.stage import Pool
 from kvpipe.pipeline.workload import Workload
 from kvpipe.sim.planner import NoPlanFits, Pins, _Search, search
@@ -26,7 +27,8 @@ CARVED = 64 * GiB + 4 * GiB
 
 
 def _plan(replay, resident=0, disk=0):
-    return Plan(Method.HEADWISE, PhasePlan(4, 16384, 2), PhasePlan(4, 1, 2), resident, disk, replay=replay)
+    return Plan(Method.HEADWISE, PhasePlan(4, 16384, 2), PhasePlan(4, 1, 2), resident, disk,
+                replay=Replay.from_json(replay))   # as a plan file writes it: true, false or null
 
 
 @pytest.mark.parametrize("replay", [True, None])
@@ -83,12 +85,12 @@ def test_planner_runs_decode_eagerly_where_only_exact_homes_fit_the_host():
     budgets = {"gpu": 24 * GiB, "host": 73 * GiB, "disk": 1024 * GiB}
     s = _Search(spec, WORK_512K, None, budgets)
     placed = s.place(_plan(None), 0)
-    assert placed is not None and placed.disk == 0 and placed.replay is False
+    assert placed is not None and placed.disk == 0 and placed.replay is Replay.OFF
     assert breakdown(spec, WORK_512K, placed).host == EXACT
-    assert s.stamped(placed).replay is False
-    assert _Search(spec, WORK_512K, None, budgets, replay=True).place(_plan(None), 0) is None
+    assert s.stamped(placed).replay is Replay.OFF
+    assert _Search(spec, WORK_512K, None, budgets, replay=Replay.ON).place(_plan(None), 0) is None
     roomy = dict(budgets, host=80 * GiB)                      # 72 GiB of room: the blocks fit
-    assert _Search(spec, WORK_512K, None, roomy).place(_plan(None), 0).replay is None
+    assert _Search(spec, WORK_512K, None, roomy).place(_plan(None), 0).replay is Replay.AUTO
 
 
 def test_replay_pinned_no_fit_message_counts_the_carved_blocks():
@@ -96,7 +98,7 @@ def test_replay_pinned_no_fit_message_counts_the_carved_blocks():
     spec, h200 = preset("llama-3-8b"), load_profile("h200")
     budgets = {"gpu": 24 * GiB, "host": 73 * GiB, "disk": 1024 * GiB}
     with pytest.raises(NoPlanFits, match=r"torch pins it as 68\.0 GiB.*--host-mem 75\.6GiB"):
-        search(spec, WORK_512K, h200, budgets, Pins(group=1, chunk=1024, resident=0, depth=2, replay=True))
+        search(spec, WORK_512K, h200, budgets, Pins(group=1, chunk=1024, resident=0, depth=2, replay=Replay.ON))
 
 
 def test_executor_host_reserved_bytes_equal_the_pipeline_figure():
@@ -109,7 +111,7 @@ def test_executor_host_reserved_bytes_equal_the_pipeline_figure():
     spec = ModelSpec("tiny", "llama", layers=3, hidden=64, q_heads=8, kv_heads=4, head_dim=16,
                      intermediate=32, vocab=50, dtype="bf16")
     work = Workload(1030, 4, 1)
-    plan = Plan(Method.HEADWISE, PhasePlan(2, 512, 2), PhasePlan(2, 1, 2), 2, 0, replay=True)
+    plan = Plan(Method.HEADWISE, PhasePlan(2, 512, 2), PhasePlan(2, 1, 2), 2, 0, replay=Replay.ON)
     graph = build(spec, work, plan)
     with KVStore(KVLayout.of(graph), torch.device("cpu"), torch.bfloat16, replay=True) as store:
         assert store.host_bytes == breakdown(spec, work, plan).host_kv

@@ -17,6 +17,7 @@ from kvpipe.pipeline.memory import (ALLOCATOR_FLOOR_BYTES, ALLOCATOR_PERCENT, br
                                     gpu_budget_for)
 from kvpipe.pipeline.model import PRESETS, ModelSpec
 from kvpipe.pipeline.plan import Method, PhasePlan, Plan
+from kvpipe.pipeline.replay import Replay
 from kvpipe.pipeline.rules import GPU_FILL_FRACTION, HOST_KV_FRACTION, default_plan
 from kvpipe.pipeline.workload import Workload
 from kvpipe.sim.estimate import LANES, step_busy
@@ -181,8 +182,8 @@ def test_lower_bounds_hold(problem, data):
     plan = data.draw(st.sampled_from(list(every_plan(model, work))[::7]))
     s = _Search(model, work, hw, {"gpu": 2**50, "host": 2**50, "disk": 2**50})
     plan = s.stamped(plan)
-    if plan.replay and data.draw(st.booleans()):   # the eager twin (its host issue in the bound)
-        plan = plan.with_(replay=False)
+    if plan.replay is Replay.ON and data.draw(st.booleans()):   # the eager twin (its host issue in the bound)
+        plan = plan.with_(replay=Replay.OFF)
     pred = simulate(model, work, plan, hw, full=True, replay=s.replays(plan), fuse=s.fuses(plan))
     for objective in OBJECTIVES:
         bound = s.estimate(plan).lower_bound(objective)
@@ -226,7 +227,7 @@ def test_search_finds_the_brute_force_optimum(problem, objective):
     fitting = [p for p in fitting if p.disk == fewest[(p.prefill, p.decode, p.resident)]]
     s = _Search(model, work, hw, budgets)     # as `run --fuse auto` would decode
     # Decode replayed where it can be, and (not for ttft, where decode issue does not count) eager too.
-    fitting = [q for p in fitting for q in ([p.with_(replay=True), p.with_(replay=False)] if s.can_replay(p)
+    fitting = [q for p in fitting for q in ([p.with_(replay=Replay.ON), p.with_(replay=Replay.OFF)] if s.can_replay(p)
                                             and objective != "ttft" else [s.stamped(p)])]
     best = min(objective_value(simulate(model, work, p, hw, full=True, replay=s.replays(p), fuse=s.fuses(p)),
                                objective) for p in fitting)

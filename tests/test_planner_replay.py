@@ -13,6 +13,7 @@ from kvpipe.hw_profiles import load_profile
 from kvpipe.pipeline.builder import build
 from kvpipe.pipeline.model import ModelSpec
 from kvpipe.pipeline.plan import PLAN_SCHEMA, Method, PhasePlan, Plan
+from kvpipe.pipeline.replay import Replay
 from kvpipe.pipeline.workload import Workload
 from kvpipe.sim.estimate import decode_host_seconds, layer_classes, phase_layout
 from kvpipe.sim.planner import Pins, _Search, objective_value, search
@@ -23,7 +24,7 @@ WORK = Workload(4096, 16)
 ROOMY = {"gpu": 2**40, "host": 2**40, "disk": 2**40}
 
 
-def _plan(replay=None, resident=0, disk=0) -> Plan:
+def _plan(replay=Replay.AUTO, resident=0, disk=0) -> Plan:
     return Plan(Method.HEADWISE, PhasePlan(1, 1024), PhasePlan(1, 1), resident, disk, replay=replay)
 
 
@@ -40,12 +41,12 @@ def test_eager_decode_wins_where_a_replay_costs_the_host_more_than_issuing_the_s
     say so, and its replayed twin must be no better."""
     hw = _hw(graph_replay_s=0.05)
     res = search(MODEL, WORK, hw, ROOMY)
-    assert res.best.plan.replay is False, res.best.plan.describe()
+    assert res.best.plan.replay is Replay.OFF, res.best.plan.describe()
     assert "decode eager (replay off)" in res.reason and "better on total than replayed decode" in res.reason
-    twin = simulate(MODEL, WORK, res.best.plan.with_(replay=True), hw, replay=True, fuse=True)
+    twin = simulate(MODEL, WORK, res.best.plan.with_(replay=Replay.ON), hw, replay=True, fuse=True)
     assert objective_value(twin, "total") > res.best.value
-    pinned = search(MODEL, WORK, hw, ROOMY, Pins(replay=True))
-    assert pinned.best.plan.replay is True and pinned.best.value > res.best.value
+    pinned = search(MODEL, WORK, hw, ROOMY, Pins(replay=Replay.ON))
+    assert pinned.best.plan.replay is Replay.ON and pinned.best.value > res.best.value
 
 
 def test_replayed_decode_wins_where_the_host_binds_eager_steps():
@@ -54,17 +55,17 @@ def test_replayed_decode_wins_where_the_host_binds_eager_steps():
     per stage and a 10 us replay the pick must be replayed."""
     hw = _hw(host_issue_s_per_stage=5e-3, graph_replay_s=1e-5)
     res = search(MODEL, WORK, hw, ROOMY)
-    assert res.best.plan.replay is True, res.best.plan.describe()
+    assert res.best.plan.replay is Replay.ON, res.best.plan.describe()
     assert "decode replayed" in res.reason
-    eager = search(MODEL, WORK, hw, ROOMY, Pins(replay=False))
+    eager = search(MODEL, WORK, hw, ROOMY, Pins(replay=Replay.OFF))
     assert eager.best.value > res.best.value
 
 
-@pytest.mark.parametrize("pin", [True, False])
+@pytest.mark.parametrize("pin", [Replay.ON, Replay.OFF])
 def test_a_replay_pin_holds_for_the_pick_and_the_runners_up(pin):
     """Fault caught: --replay on/off overridden by the search. Under either pin every plan the
     planner returns decodes that way, whatever the machine favours."""
-    hw = _hw(graph_replay_s=0.05) if pin else _hw(host_issue_s_per_stage=5e-3, graph_replay_s=1e-5)
+    hw = _hw(graph_replay_s=0.05) if pin is Replay.ON else _hw(host_issue_s_per_stage=5e-3, graph_replay_s=1e-5)
     res = search(MODEL, WORK, hw, ROOMY, Pins(replay=pin))
     assert [c.plan.replay for c in (res.best,) + res.alternatives] == [pin] * (1 + len(res.alternatives))
     assert "pinned by --replay" in res.reason
@@ -79,12 +80,13 @@ def test_plans_that_cannot_replay_keep_no_choice_and_a_pin_on_leaves_them_out():
     unit = WORK.kv_capacity * MODEL.kv_unit_bytes_per_token
     tight = dict(ROOMY, host=int(3 * unit / HOST_KV_FRACTION))   # three of the four units, less staging
     res = search(MODEL, WORK, _hw(), tight, Pins(resident=0))
-    assert all(c.plan.disk and c.plan.replay is None for c in (res.best,) + res.alternatives)
+    assert all(c.plan.disk and c.plan.replay is Replay.AUTO for c in (res.best,) + res.alternatives)
     assert "decode replayed" not in res.reason and "decode eager" not in res.reason
     with pytest.raises(NoPlanFits, match="--replay on") as err:
-        search(MODEL, WORK, _hw(), tight, Pins(resident=0, replay=True))
+        search(MODEL, WORK, _hw(), tight, Pins(resident=0, replay=Replay.ON))
     named = float(str(err.value).split("--host-mem ")[1].split("MiB")[0]) * 2**20
-    assert search(MODEL, WORK, _hw(), dict(tight, host=int(named)), Pins(resident=0, replay=True)).best.plan.replay
+    assert search(MODEL, WORK, _hw(), dict(tight, host=int(named)), Pins(resident=0, replay=Replay.ON)).best.plan.replay \
+        is Replay.ON
 
 
 def test_eager_host_issue_estimate_equals_the_simulators_step():
@@ -107,8 +109,8 @@ def test_eager_lower_bound_holds(objective):
     for hw in (_hw(), _hw(graph_replay_s=0.05), _hw(host_issue_s_per_stage=5e-3)):
         s = _Search(MODEL, WORK, hw, ROOMY)
         for resident in (0, 2, 4):
-            plan = _plan(True, resident)
-            twin = plan.with_(replay=False)
+            plan = _plan(Replay.ON, resident)
+            twin = plan.with_(replay=Replay.OFF)
             replayed = simulate(MODEL, WORK, plan, hw, replay=True, fuse=s.fuses(plan))
             eager = simulate(MODEL, WORK, twin, hw, replay=False)
             bound = s.estimate(twin).lower_bound(objective, replayed.report.timing.ttft_s)
@@ -117,13 +119,13 @@ def test_eager_lower_bound_holds(objective):
 
 # ---- the plan field --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("choice", [True, False, None])
-def test_plan_json_round_trips_its_replay_choice(choice):
+@pytest.mark.parametrize("choice, written", [(Replay.ON, True), (Replay.OFF, False), (Replay.AUTO, None)])
+def test_plan_json_round_trips_its_replay_choice(choice, written):
     """Fault caught: --out dropping the replay choice (run would replay a plan chosen eager)."""
     plan = _plan(choice)
     obj = json.loads(json.dumps(plan.to_json(MODEL)))
-    assert obj["schema"] == PLAN_SCHEMA and obj.get("replay") is choice
-    assert ("replay" in obj) is (choice is not None)
+    assert obj["schema"] == PLAN_SCHEMA and obj.get("replay") is written
+    assert ("replay" in obj) is (choice is not Replay.AUTO)
     assert Plan.from_json(obj, MODEL) == plan
 
 
@@ -131,7 +133,7 @@ def test_a_plan_file_of_the_previous_schema_loads_with_no_replay_choice():
     """Fault caught: the schema bump refusing every plan file written before it."""
     old = {k: v for k, v in _plan().to_json(MODEL).items() if k != "replay"}
     old["schema"] = 2
-    assert Plan.from_json(old, MODEL).replay is None
+    assert Plan.from_json(old, MODEL).replay is Replay.AUTO
     with pytest.raises(ValueError, match="plan.schema"):
         Plan.from_json({k: v for k, v in old.items() if k != "schema"}, MODEL)   # schema 1 still refused
 
@@ -144,9 +146,9 @@ def test_a_plan_file_whose_replay_cannot_be_honoured_is_refused_naming_the_field
     obj = dict(_plan().to_json(MODEL), **bad)
     with pytest.raises(ValueError, match=needle):
         Plan.from_json(obj, MODEL)
-    with pytest.raises(ValueError, match="replay: true"):
-        _plan(True, disk=2)
-    assert _plan(True).with_(disk=2).replay is None   # a copy that gains disk units drops the choice
+    with pytest.raises(ValueError, match="replay: on, but decode replay cannot run disk"):
+        _plan(Replay.ON, disk=2)
+    assert _plan(Replay.ON).with_(disk=2).replay is Replay.AUTO   # a copy that gains disk units drops the choice
 
 
 # ---- the command line ------------------------------------------------------------------------
@@ -187,11 +189,32 @@ def test_run_refuses_a_replay_true_plan_file_on_the_cpu(tiny_config, tmp_path, c
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "plan.replay" in err, err
 
 
-@pytest.mark.parametrize("flag, choice, mode", [("auto", True, "on"), ("auto", False, "off"), ("auto", None, "auto"),
-                                                ("off", None, "off"), ("on", True, "on")])
-def test_run_executes_the_plans_replay_choice(flag, choice, mode):
-    """Fault caught: `kvpipe run` replaying a plan the planner chose eager (the executor's
-    `replay` argument left at auto): the plan's choice becomes the executor's mode unless the
-    user gave --replay."""
-    from kvpipe.api import executor_replay
-    assert executor_replay(flag, _plan(choice)) == mode
+@pytest.mark.parametrize("flag, choice, told", [("auto", Replay.ON, Replay.ON), ("auto", Replay.OFF, Replay.OFF),
+                                                ("auto", Replay.AUTO, Replay.AUTO), ("off", Replay.AUTO, Replay.OFF),
+                                                ("on", Replay.ON, Replay.ON)])
+def test_a_given_plan_carries_the_replay_the_executor_is_told(flag, choice, told):
+    """Fault caught: the executor told to replay a plan that was chosen eager (or the reverse): a
+    given plan's replay becomes, under the flag, the one the executor runs; `run` hands it
+    `Plan.replay` and nothing else (test_run_hands_the_executor_the_plans_replay)."""
+    from kvpipe.sim.decide import Target, apply_replay
+    assert apply_replay(MODEL, WORK, _plan(choice), Replay.parse(flag), Target("cuda")).replay is told
+
+
+def test_run_hands_the_executor_the_plans_replay(tiny_config, tmp_path, monkeypatch):
+    """Fault caught: `kvpipe run` choosing the executor's replay again (the flag passed on instead of
+    the plan's choice): run_graph receives the decided plan's `replay`, a Replay, as it is."""
+    import kvpipe
+    from kvpipe.executor.engine import session
+    seen = []
+
+    def record(graph, *args, replay, **kw):
+        seen.append((graph.plan.replay, replay))
+        raise KeyboardInterrupt("stop")
+    monkeypatch.setattr(session, "run_graph", record)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"schema": PLAN_SCHEMA, "method": "headwise", "prefill": {"group": 1, "chunk": 32},
+                                "decode": {"group": 1, "chunk": 1}, "resident": 0, "replay": False}))
+    for kw in (dict(plan=str(path)), dict(replay="off"), dict()):
+        with pytest.raises(KeyboardInterrupt):
+            kvpipe.run(model=tiny_config, random_weights=True, device="cpu", context=64, decode_tokens=2, **kw)
+    assert len(seen) == 3 and all(told is plan for plan, told in seen) and Replay.ON not in [t for _, t in seen]

@@ -11,10 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpipe.executor.layers.adapter import HFAdapter
-from kvpipe.executor.replay.capture import BUCKET_TOKENS, bucket_len, resolve_mode
-from kvpipe.executor.engine.runner import execute
+from kvpipe.executor.replay.capture import BUCKET_TOKENS, bucket_len
+from kvpipe.executor.engine.runner import decode_mode, execute
 from kvpipe.pipeline.builder import build
+from kvpipe.pipeline.model import ModelSpec
 from kvpipe.pipeline.plan import Method, PhasePlan, Plan
+from kvpipe.pipeline.replay import Replay
 from kvpipe.pipeline.workload import Workload
 
 
@@ -28,13 +30,15 @@ def test_modes_fall_back_or_refuse_where_replay_is_unsupported():
     """Fault caught: `on` silently running eager on CPU (or `auto` trying a CUDA graph there), or
     an unknown mode accepted."""
     cpu = torch.device("cpu")
-    assert resolve_mode("auto", cpu, torch.bfloat16, 1, 64) == "eager"
-    assert resolve_mode("off", cpu, torch.bfloat16, 1, 64) == "eager"
+    spec = ModelSpec("tiny", "llama", 2, 4 * 64, 4, 2, 64, 2 * 4 * 64, 256)   # bf16, head dim 64
+    graph = build(spec, Workload(64, 2), headwise(1, 32, 2, 0))
+    assert decode_mode(graph, "auto", cpu, torch.bfloat16) is Replay.OFF
+    assert decode_mode(graph, "off", cpu, torch.bfloat16) is Replay.OFF
     for mode in ("on", "issue"):
-        with pytest.raises(ValueError, match="replay: needs a CUDA device"):
-            resolve_mode(mode, cpu, torch.bfloat16, 1, 64)
+        with pytest.raises(ValueError, match="replay: decode replay needs a CUDA device"):
+            decode_mode(graph, mode, cpu, torch.bfloat16)
     with pytest.raises(ValueError, match="replay: expected one of"):
-        resolve_mode("sometimes", cpu, torch.bfloat16, 1, 64)
+        decode_mode(graph, "sometimes", cpu, torch.bfloat16)
 
 
 @given(prefix=st.integers(1, 10**6), bucket=st.integers(1, 4096), slack=st.integers(0, 5000))

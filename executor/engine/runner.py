@@ -9,16 +9,19 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpipe.pipeline.replay import Replay, blocker, resolve
 from kvpipe.pipeline.stage import Graph, Lane, Phase, Stage
 from kvpipe.pipeline.trace import Trace
 
-from kvpipe.executor.layers.adapter import HFAdapter
+from kvpipe.executor.layers.adapter import HFAdapter, spec_dtype
 from kvpipe.executor.engine.interrupts import sigterm_raises
 from kvpipe.executor.engine.interpreter import Interpreter
 from kvpipe.executor.kv.layout import DiskOptions, KVLayout
 from kvpipe.executor.kv.store import KVStore
 from kvpipe.executor.engine.lanes import HOST_LANES, Lanes
-from kvpipe.executor.replay.capture import DecodeReplay, ReplayInterpreter, lossy_blocker, resolve_mode
+from kvpipe.executor.replay.capture import DecodeReplay, ReplayInterpreter, lossy_blocker
+
+MODES = ("auto", "on", "off", "issue")   # what `execute(replay=)` takes (pipeline/replay.Replay)
 
 
 @dataclass(frozen=True)
@@ -40,8 +43,8 @@ class RunResult:
     host_pinned_bytes: int
     moved_bytes: tuple[int, ...]
     step_logits: torch.Tensor | None = None
-    decode_issue: str = "eager"   # "graph": decode steps replayed as CUDA graphs; "issue": the same
-                                  # step code without a graph; "eager": stage by stage
+    replay: Replay = Replay.OFF   # how decode steps ran: ON replayed as CUDA graphs, ISSUE the same
+                                  # step code without a graph, OFF stage by stage
     graphs: int = 0               # CUDA graphs captured
     capture_s: float = 0.0        # host seconds spent capturing them (before the first decode step)
     fused: bool = False           # decode steps ran the fused pieces (--fuse, executor/layers/fused.py)
@@ -54,6 +57,11 @@ class RunResult:
     sparse_paths: dict | None = None  # LOSSY sparse runs: gather / ranking paths taken (SparseHomes.paths)
     dequant_paths: dict | None = None  # LOSSY quantised runs: the dequantise calls by path (QuantHomes.paths)
     replay_note: str | None = None     # why replay (auto) issued a sparse run's steps eagerly after all
+
+    @property
+    def decode_issue(self) -> str:
+        """How decode steps ran, in the run report's word: graph, issue or eager."""
+        return self.replay.issued
 
 
 def decode_steps(graph: Graph) -> int:
@@ -68,19 +76,31 @@ def decode_steps(graph: Graph) -> int:
     return len(steps)
 
 
+def decode_mode(graph: Graph, setting: Replay | str, device: torch.device, dtype: torch.dtype) -> Replay:
+    """How this run issues decode steps under `setting` (one of MODES): the rule the planner
+    predicts with (pipeline/replay.py) on this device and the weights' dtype, ON and ISSUE refused
+    (ValueError naming replay) where it forbids them."""
+    mode = resolve(Replay.parse(setting, MODES), blocker(graph.model, graph.workload, graph.plan, device.type,
+                                                         spec_dtype(dtype)), decode_steps(graph))
+    assert mode is Replay.OFF or not any(s.lane in HOST_LANES for s in graph.stages), \
+        "host-lane stages under replay: pipeline/replay.blocker misses a reason"
+    return mode
+
+
 def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
             device: str | torch.device | None = None, *, keep_logits: bool = False,
             stage_hook: Callable[[Stage], None] | None = None, turns: random.Random | None = None,
-            replay: str = "off", disk: DiskOptions | None = None, fuse: str | None = None) -> RunResult:
+            replay: Replay | str = Replay.OFF, disk: DiskOptions | None = None, fuse: str | None = None) -> RunResult:
     """Run `graph` with `hf_model` (already on `device`, default: the model's) on `prompt_ids`
     [B, context]. Greedy decoding; bitwise independent of where the KV cache lives.
     `stage_hook(stage)` is called on the stage's lane (its stream current) after the stage's
     dependency waits, outside its span: a progress bar, or a test delaying streams at random.
     `turns` (seeded) randomises the lane actors' turn order (tests: many interleavings on CPU).
-    `replay` (auto|on|off, see executor/replay/capture.py): decode steps as CUDA-graph replays; `on`
-    raises a ValueError where that is not supported (CPU, fp32, batch > 1, disk units). `fuse`
-    (auto|on|off, None: pipeline/fusion.fuse_mode()): replayed decode steps with fused elementwise
-    work (executor/layers/fused.py); eager decode is never fused.
+    `replay` (pipeline/replay.Replay or its name; `decode_mode`): the plan's choice as the decision
+    layer made it; `on` raises a ValueError where decode cannot be replayed (CPU, fp32, batch > 1,
+    disk units); under `auto` a sparse run whose steps cannot replay issues them eagerly and says
+    why (`replay_note`). `fuse` (auto|on|off, None: pipeline/fusion.fuse_mode()): replayed decode
+    steps with fused elementwise work (executor/layers/fused.py); eager decode is never fused.
     `disk` says where the disk units' file goes (default: the system temp dir); it is removed
     when the run ends, however it ends."""
     adapter = HFAdapter(hf_model)
@@ -95,6 +115,8 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
     if tuple(prompt_ids.shape) != (w.batch, w.context):
         raise ValueError(f"prompt_ids: shape {tuple(prompt_ids.shape)}, the workload needs "
                          f"[batch, context] = [{w.batch}, {w.context}]")
+    mode = decode_mode(graph, replay, device, adapter.dtype)
+    auto = Replay.parse(replay, MODES) is Replay.AUTO
     cuda = device.type == "cuda"
     with torch.inference_mode():
         if cuda:
@@ -105,29 +127,21 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
         tokens = torch.empty(w.batch, n_decode + 1, dtype=torch.long, device=device)
         step_logits = (torch.empty(n_decode + 1, w.batch, graph.model.vocab, device=device)
                        if keep_logits else None)
-        issue = resolve_mode(replay, device, adapter.dtype, w.batch, adapter.head_dim) if n_decode else "eager"
-        why = graph.plan.replay_blocker or ("decode replay cannot run disk or CPU codec stages"
-                                            if any(s.lane in HOST_LANES for s in graph.stages) else None)
-        if issue != "eager" and why:
-            if replay != "auto":
-                raise ValueError(f"replay: {why}; use --replay off")
-            issue = "eager"
-        replayed = issue != "eager"
         extra = {}
-        with sigterm_raises(), KVStore(KVLayout.of(graph), device, adapter.dtype, disk, replay=replayed) as store, \
-                Lanes(device, turns=turns) as lanes:
-            why = lossy_blocker(graph, store) if replayed else None   # LOSSY sparse: known once the store is open
-            if why and replay != "auto":
+        with sigterm_raises(), KVStore(KVLayout.of(graph), device, adapter.dtype, disk,
+                                       replay=mode is not Replay.OFF) as store, Lanes(device, turns=turns) as lanes:
+            why = lossy_blocker(graph, store) if mode is not Replay.OFF else None   # LOSSY sparse: known once the store is open
+            if why and not auto:
                 raise ValueError(f"replay: {why}; use --replay off")
-            if why:
-                replayed, extra = False, dict(replay_note=why)
-            if not replayed:
+            if why:   # a fallback, reported: the plan left replay to the run (auto)
+                mode, extra = Replay.OFF, dict(replay_note=why)
+            if mode is Replay.OFF:
                 interp = Interpreter(graph, adapter, store, lanes, prompt, tokens, step_logits)
                 spans = lanes.run(graph, interp, before=stage_hook)
             else:
                 interp = ReplayInterpreter(graph, adapter, store, lanes, prompt, tokens, step_logits, fuse=fuse)
                 spans, extra = _prefill_then_replay(graph, interp, lanes, tokens, step_logits, stage_hook,
-                                                    capture=issue == "graph")
+                                                    capture=mode is Replay.ON)
             peak = torch.cuda.max_memory_allocated(device) if cuda else 0
             host, disk_bytes = store.host_bytes, store.disk_bytes
             disk_stats = store.disk.stats.to_json() if store.disk is not None else None
@@ -135,8 +149,8 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
             sparse_paths = store.sparse.paths() if store.sparse is not None else None
             dequant_paths = store.q.paths() if store.q is not None else None
     note = "measured with CUDA events" if cuda else "measured with the host clock (CPU, no overlap)"
-    if replayed:
-        note += (f"; decode steps issued as {'CUDA-graph replays' if issue == 'graph' else 'device steps'}: "
+    if mode is not Replay.OFF:
+        note += (f"; decode steps issued as {'CUDA-graph replays' if mode is Replay.ON else 'device steps'}: "
                  "one span per step on its head stage, the step's other compute/h2d stages empty at its end")
     trace = Trace(graph, "real", spans, note=note)
     return RunResult(trace, interp.last_logits, tokens, peak, host, tuple(interp.moved), step_logits,
@@ -155,7 +169,7 @@ def _prefill_then_replay(graph: Graph, interp: ReplayInterpreter, lanes: Lanes, 
     spans = lanes.run(prefill, interp, before=hook)
     with DecodeReplay(graph, interp, lanes, tokens, step_logits, capture=capture) as rep:
         spans = spans + rep.run(base, before=hook)
-        extra = dict(decode_issue="graph" if capture else "issue", graphs=len(rep.captured),
+        extra = dict(replay=Replay.ON if capture else Replay.ISSUE, graphs=len(rep.captured),
                      capture_s=rep.capture_s, fused=interp.fused is not None, compile_s=rep.compile_s,
                      fuse_note=interp.fuse_note)
     assert [sp.stage for sp in spans] == list(range(len(graph.stages)))

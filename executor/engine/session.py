@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from kvpipe.pipeline.builder import build
-from kvpipe.pipeline.plan import Method
+from kvpipe.pipeline.plan import Method, Plan
+from kvpipe.pipeline.replay import Replay
 from kvpipe.pipeline.stage import Graph, Phase, Stage
 from kvpipe.pipeline.workload import Workload
 
@@ -45,6 +46,41 @@ def resolve_device(name: str | None) -> torch.device:
         return torch.device("cpu")
     # the allocator cap needs an index
     return torch.device("cuda", int(index) if index else torch.cuda.current_device())
+
+
+def h2d_codec_runs(device: torch.device, name: str = "nvcomp-ans-planes") -> bool:
+    """Whether GPU codec `name` can run on the h2d link here (CUDA and nvCOMP)."""
+    from kvpipe.executor.codecs.nvcomp_ans_planes import check_available
+    try:
+        check_available(name, device)
+    except ValueError:
+        return False
+    return True
+
+
+def check_codecs(codecs, device: torch.device) -> None:
+    """The user's h2d codecs, refused (one line) before the prediction where this run cannot
+    execute them (the profile may not rate them either)."""
+    from kvpipe.executor.codecs.nvcomp_ans_planes import check_available
+    for link, name in codecs:
+        if link == "h2d" and name not in ("none", "auto"):
+            check_available(name, device)
+
+
+def check_runnable(plan: Plan, device: torch.device) -> None:
+    """Refuse (ValueError naming the field) a plan this executor cannot run here: sparse decode
+    reads host-RAM units through the token sketch, quantised records go to disk as they are, and
+    an h2d codec needs its GPU implementation."""
+    from kvpipe.executor.codecs.nvcomp_ans_planes import check_available
+    sp = plan.lossy
+    if sp is not None and sp.sparse is not None and (plan.disk or sp.sketch is None
+                                                     or plan.decode.codec("h2d") != "none"):
+        raise ValueError("sparse: kvpipe run executes --sparse over host-RAM units (the token sketch): "
+                         "not with disk units, an h2d codec or a plan with sketch null")
+    if sp is not None and any(p.codec("disk") != "none" for p in (plan.prefill, plan.decode)):
+        raise ValueError("codec: a disk codec cannot run with --lossy (quantised records go to disk as they are)")
+    if plan.decode.codec("h2d") != "none":
+        check_available(plan.decode.codec("h2d"), device)
 
 
 def guess_profile(device: torch.device) -> str | None:
@@ -154,14 +190,13 @@ def output_digest(result: RunResult) -> str:
 
 
 def warm_up(graph: Graph, hf_model: torch.nn.Module, ids: torch.Tensor, device: torch.device,
-            replay: str = "off", disk: DiskOptions | None = None, fuse: str | None = None) -> int:
+            replay: Replay | str = Replay.OFF, disk: DiskOptions | None = None, fuse: str | None = None) -> int:
     """Run the same plan, untimed, on the first prefill chunk and one decode step: CUDA context,
     cuBLAS/cuDNN handles, kernel loading and the chunk's own attention plan are paid here, not in
     the measurement (HF's baselines warm up the same way). Returns the tokens run.
     When the run's later chunks attend to a prefix with cuDNN, a second chunk of CUDNN_MIN_ROWS
-    tokens follows the first: the first prefix attention of a process costs ~0.8 s of host time
-    beyond its plan (H200, diag of 8k-g2-some-c2k: 816 ms against 68-71 ms for the next new prefix
-    lengths), which the one-chunk warm-up left to the run's second chunk."""
+    tokens follows the first: the first prefix attention of a process costs far more host time
+    than the next ones, which a one-chunk warm-up would leave to the run's second chunk."""
     w, plan = graph.workload, graph.plan
     first = min(w.context, plan.prefill.chunk, WARMUP_MAX_TOKENS)  # `standard`'s chunk is the prompt
     prefixed = plan.method is not Method.STANDARD and plan.prefill.chunk >= CUDNN_MIN_ROWS
@@ -174,15 +209,12 @@ def warm_up(graph: Graph, hf_model: torch.nn.Module, ids: torch.Tensor, device: 
         torch.cuda.empty_cache()  # the real run starts from the same allocator state as a cold one
     # The warm-up's garbage (torch.compile's graphs when it compiled the fused pieces: millions of
     # objects) is collected here, not by a full collection that would fall inside the timed run.
-    # A suspect, not yet confirmed on the GPU, for the slow first row of a process (sim_check's
-    # 4k-g1-all-c2k: 0.434 s first in its process, 0.268 s after an untimed row; a row's own
-    # warm-up compiles only in the first row, and measure.py collects between rows).
     gc.collect()
     return context
 
 
 def run_graph(graph: Graph, hf_model: torch.nn.Module, ids: torch.Tensor, device: torch.device,
-              gpu_budget: int, progress: bool = True, warmup: bool = True, replay: str = "off",
+              gpu_budget: int, progress: bool = True, warmup: bool = True, replay: Replay | str = Replay.OFF,
               kv_dir: str | None = None, fuse: str | None = None) -> Measured:
     """Execute with the GPU allocator capped at `gpu_budget` and a progress bar over steps (on
     CUDA after an untimed warm-up unless `warmup` is False); `replay` and `fuse` as in `runner.execute`."""
@@ -192,7 +224,7 @@ def run_graph(graph: Graph, hf_model: torch.nn.Module, ids: torch.Tensor, device
         if warmup:
             n = warm_up(graph, hf_model, ids, device, replay=replay, disk=DiskOptions(kv_dir), fuse=fuse)
             # The warm-up's torch-pinned KV homes (replayed runs) stay in torch's host cache, pinned,
-            # in blocks the run cannot reuse (Llama-3-8B at 512K: 1.06 GiB): given back first.
+            # in blocks the run cannot reuse: given back first.
             release_cached_pinned()
             print(f"kvpipe: warmed up on {n} tokens and 1 decode step (untimed)", file=sys.stderr, flush=True)
     steps = len({(s.phase, s.step) for s in graph.stages if s.tag == "embed"})

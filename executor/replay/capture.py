@@ -11,7 +11,8 @@ consecutive steps and a run captures ceil(steps / bucket) + 1 graphs at most, al
 first decode step, in one memory pool. The write-back of each step's new K/V to pinned host RAM
 (its host offset moves every step) is issued eagerly on the d2h stream after the replay, and the
 next replay waits for it. Eager issue (`capture=False`) runs the very same step code without a
-graph: the fallback, and the reference the replay is tested against bitwise. With fused decode
+graph: the reference the replay is tested against bitwise. Whether a decode can be replayed is
+the rule of pipeline/replay.py, which the planner predicts with (executor/engine/runner.py asks it). With fused decode
 pieces (the default where they run: --fuse, executor/layers/fused.py) their compilation runs before the
 first capture (`compile_s`, printed on stderr); under auto a failed compile leaves the decode unfused.
 """
@@ -31,35 +32,6 @@ from kvpipe.executor.replay.device_step import DeviceStep, ReplayInterpreter
 from kvpipe.executor.engine.lanes import Lanes, cross_lane_waits
 
 BUCKET_TOKENS = 128      # prefix copies are rounded up to this many tokens (<= 0.4% extra at 32K)
-MODES = ("auto", "on", "off", "issue")   # issue: the replay's step code issued eagerly (tests, fallback)
-_DTYPES = (torch.bfloat16, torch.float16)
-
-
-def replay_supported(device: torch.device, dtype: torch.dtype, batch: int, head_dim: int) -> str | None:
-    """Why decode steps cannot be replayed here, or None when they can."""
-    if torch.device(device).type != "cuda":
-        return "needs a CUDA device"
-    if dtype not in _DTYPES:
-        return f"needs bf16 or fp16 (FA2 varlen), got {dtype}"
-    if batch != 1:
-        return f"needs batch 1, got {batch}"
-    if head_dim % 8 or head_dim > 256:
-        return f"needs a head dim that is a multiple of 8 and <= 256, got {head_dim}"
-    return None
-
-
-def resolve_mode(mode: str, device: torch.device, dtype: torch.dtype, batch: int, head_dim: int) -> str:
-    """How decode steps are issued: 'graph' (replayed), 'issue' (the same step code without a
-    graph) or 'eager' (the interpreter stage by stage). `auto` replays where supported; `on` and
-    `issue` raise a ValueError where not supported; `off` is eager."""
-    if mode not in MODES:
-        raise ValueError(f"replay: expected one of {', '.join(MODES)}, got {mode!r}")
-    why = replay_supported(device, dtype, batch, head_dim)
-    if mode in ("on", "issue") and why:
-        raise ValueError(f"replay: {why}")
-    if mode == "off" or why:
-        return "eager"
-    return "issue" if mode == "issue" else "graph"
 
 
 def lossy_blocker(graph: Graph, store) -> str | None:
