@@ -69,14 +69,13 @@ def check_codecs(codecs, device: torch.device) -> None:
 
 def check_runnable(plan: Plan, device: torch.device) -> None:
     """Refuse (ValueError naming the field) a plan this executor cannot run here: sparse decode
-    reads host-RAM units through the token sketch, quantised records go to disk as they are, and
+    reads host-RAM units, quantised records go to disk as they are, and
     an h2d codec needs its GPU implementation."""
     from kvpipe.executor.codecs.nvcomp_ans_planes import check_available
     sp = plan.lossy
-    if sp is not None and sp.sparse is not None and (plan.disk or sp.sketch is None
-                                                     or plan.decode.codec("h2d") != "none"):
-        raise ValueError("sparse: kvpipe run executes --sparse over host-RAM units (the token sketch): "
-                         "not with disk units, an h2d codec or a plan with sketch null")
+    if sp is not None and sp.sparse is not None and (plan.disk or plan.decode.codec("h2d") != "none"):
+        raise ValueError("sparse: kvpipe run executes --sparse over host-RAM units: "
+                         "not with disk units or an h2d codec")
     if sp is not None and any(p.codec("disk") != "none" for p in (plan.prefill, plan.decode)):
         raise ValueError("codec: a disk codec cannot run with --lossy (quantised records go to disk as they are)")
     if plan.decode.codec("h2d") != "none":
