@@ -49,8 +49,10 @@ def _options(cls, options, kwargs):
     """`options` (with `kwargs` over it), or the options that `kwargs` name."""
     if options is None:
         return cls(**kwargs)
+    if isinstance(options, str):   # plan("llama-3-8b"): the model, as the CLI's first choice
+        return cls(model=options, **kwargs)
     if not isinstance(options, cls):
-        raise TypeError(f"expected {cls.__name__}, got {type(options).__name__}")
+        raise TypeError(f"expected {cls.__name__} or a model name, got {type(options).__name__}")
     return replace(options, **kwargs) if kwargs else options
 
 

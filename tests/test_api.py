@@ -129,3 +129,10 @@ def test_the_cli_and_the_api_share_one_options_type(capsys):
             cls(**kw)
     with pytest.raises(TypeError):
         kvpipe.plan(compare=True, random_weights=True)                  # a run-only field is not a plan's
+
+
+def test_a_positional_model_name_is_the_model():
+    # Fault caught: kvpipe.plan("mistral-7b") refused, or read as another option.
+    assert kvpipe.plan("mistral-7b", context="32K").model.name == "mistral-7b"
+    with pytest.raises(TypeError, match="model name"):
+        kvpipe.plan(42)
