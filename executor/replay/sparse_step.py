@@ -88,9 +88,9 @@ def bucket_of(spec, rows: list[list[int]], prefixes: list[int]) -> Bucket:
 
 def blocker(spec, prefixes: list[int], capacity: int, window_blocks: int) -> str | None:
     """Why these decode steps cannot be replayed under `spec`, or None: every step must rank (its
-    forced tokens do not fill its count and not every token is kept), and the slot must hold a
-    step's widest fetch, its exact tail and its own token (sketch.ranks' rule, read off the
-    step's row: room > 0 and n < total)."""
+    forced tokens do not fill its count and not every token is kept: sketch.ranks' rule, read off
+    the step's row, room > 0 and n < total), within the dequantise window; n < total also makes
+    the slot hold a step's widest fetch, its exact tail and its own token."""
     g = spec.group if spec.blocks else 1
     for p in prefixes:
         r = step_args(spec, p)
@@ -99,6 +99,6 @@ def blocker(spec, prefixes: list[int], capacity: int, window_blocks: int) -> str
                     f"ones (sink {spec.sink}, recent {spec.recent}) fill the step's {r[N]} (or F keeps all)")
         if spec.blocks and r[N] > window_blocks:
             return f"sparse replay: a step fetches {r[N]} blocks, past the dequantise window of {window_blocks}"
-        if (r[N] + 1) * g + 1 > capacity:
-            return f"sparse replay: a step's fetch ({r[N]} x {g} tokens) leaves no room in the slot"
+        # n < total bounds a fetch, its tail and its own token by prefix + 1 <= capacity
+        assert (r[N] + 1) * g + 1 <= capacity, (p, r[N], g, capacity)
     return None
