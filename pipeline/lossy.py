@@ -152,6 +152,16 @@ class LossySpec:
         return min(cap, max(-(-math.ceil(self.sparse * capacity) // g) + 1,
                             -(-self.sink // g) + -(-self.recent // g) + self.chunk // g + 1))
 
+    def max_fetched_tokens(self, capacity: int) -> int:
+        """An upper bound of `fetched_tokens` over every prefix up to `capacity` (a fixed-size
+        gather buffer): the budget at the capacity, or every token a step can force (sink, recent
+        window, the unsealed tail chunk); fetched_tokens is not monotone where recent < chunk."""
+        if self.sparse is None:
+            return capacity
+        if self.blocks:
+            return min(capacity, self.max_fetched_blocks(capacity) * self.group + self.group - 1)
+        return min(capacity, max(math.ceil(self.sparse * capacity), self.sink + self.recent + self.chunk))
+
     def fetched_tokens(self, prefix: int) -> int:
         """Tokens of a `prefix`-token cache one sparse decode step fetches (all without `sparse`):
         the budget ceil(sparse * prefix), never below the tokens every step fetches (the sink, the

@@ -97,7 +97,7 @@ class SparseHomes:
                                   [words(t, lo.slot_heads) for t in q.qslots], q.rec, spec.max_fetched_blocks(cap))
         else:
             self.rows = RowGather(store, list(store.host), list(store.slots), store.token_bytes,
-                                  spec.fetched_tokens(cap))
+                                  spec.max_fetched_tokens(cap))
 
     @property
     def gather_mode(self) -> str:
