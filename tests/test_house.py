@@ -12,8 +12,6 @@ TEXT_SUFFIXES = {".py", ".toml", ".md", ".txt", ".cfg", ".json"}
 # A subpackage path as DESIGN.md writes it: `executor/engine/`, `sim/`, or the folder of a file.
 NAMED_DIR = re.compile(r"(?<![\w./-])((?:%s)/(?:[a-z_0-9]+/)*)" % "|".join(PACKAGES))
 
-# Results are named <machine>-<date>-<benchmark>: a date inside such a name is not prose.
-RESULT_NAME = re.compile(r"\b[a-z0-9]+-20\d\d-\d\d-\d\d-[\w.-]*[\w]")
 HISTORY = {
     "a round of work": re.compile(
         r"\b(first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|\d+(st|nd|rd|th)"
@@ -21,7 +19,8 @@ HISTORY = {
     "an issue number": re.compile(r"\bissues? #?\d+", re.I),
     "a commit": re.compile(r"\bcommit [0-9a-f]{7}", re.I),
     "an investigation tag": re.compile(r"\w-s\d{1,2}[a-z]?\b|simcal", re.I),
-    "a prose date": re.compile(r"\b20\d\d-\d\d-\d\d\b"),
+    # Results are named <machine>-<date>-<benchmark>: a date joined to a name by a hyphen is not prose.
+    "a prose date": re.compile(r"(?<![\w-])20\d\d-\d\d-\d\d(?![\w-])"),
 }
 
 
@@ -64,16 +63,16 @@ def history_hits(text):
     """(what, the matched text) for every history mention in one file's text."""
     hits = []
     for n, line in enumerate(text.splitlines(), 1):
-        bare = RESULT_NAME.sub("<result>", line)
         for what, pat in HISTORY.items():
-            hits += [(n, what, m.group(0)) for m in pat.finditer(bare)]
+            hits += [(n, what, m.group(0)) for m in pat.finditer(line)]
     return hits
 
 
 def test_history_patterns_bite():
     # Fault caught: a pattern that matches nothing (the grep below would then pass forever).
     for line in ("found in the tenth session", "see issue 8", "after commit 5438e89",
-                 "sim_check-s7.json", "calibrate-simcal3", "measured on 2026-11-30"):
+                 "sim_check-s7.json", "h200-2026-12-01-sim_check-s7.json", "calibrate-simcal3",
+                 "measured on 2026-11-30", "(2026-11-30)"):
         assert history_hits(line), line
     for line in ("executor/engine/session.py", "a session of decode steps",
                  "benchmarks/results/h200-2026-11-30-decode.json", "cpu-2026-12-01-lossy-error.json"):
@@ -86,3 +85,15 @@ def test_no_history_in_library_docs_readme():
     bad = [f"{p.relative_to(ROOT)}:{n}: {what}: {hit!r}"
            for p in checked_files() for n, what, hit in history_hits(p.read_text(errors="replace"))]
     assert not bad, "history in the library or its docs:\n" + "\n".join(bad)
+
+
+RESULT_FILE = re.compile(r"\b[a-z0-9]+-20\d\d-\d\d-\d\d-[\w.-]*?\.(?:json|png)\b")
+
+
+def test_cited_result_files_exist():
+    # Fault caught: docs or the README citing a result file that was renamed or removed.
+    kept = {p.name for d in ("benchmarks/results", "experiments/results") for p in (ROOT / d).glob("*")}
+    docs = list((ROOT / "docs").rglob("*.md")) + [ROOT / "README.md"]
+    missing = sorted({f"{p.relative_to(ROOT)}: {m.group(0)}" for p in docs
+                      for m in RESULT_FILE.finditer(p.read_text()) if m.group(0) not in kept})
+    assert not missing, f"result files cited but not kept: {missing}"
