@@ -97,3 +97,15 @@ def test_cited_result_files_exist():
     missing = sorted({f"{p.relative_to(ROOT)}: {m.group(0)}" for p in docs
                       for m in RESULT_FILE.finditer(p.read_text()) if m.group(0) not in kept})
     assert not missing, f"result files cited but not kept: {missing}"
+
+
+def test_readme_flags_exist():
+    # Fault caught: the README's reference tables naming a flag the CLI no longer has.
+    import argparse
+
+    from kvpipe.cli import build_parser
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    known = {o for p in sub.choices.values() for a in p._actions for o in a.option_strings}
+    text = (ROOT / "README.md").read_text()
+    named = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*[a-z]", text)) - {"--index-url"}
+    assert named and not sorted(named - known), sorted(named - known)
