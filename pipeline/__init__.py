@@ -1,2 +1,3 @@
-"""kvpipe's vocabulary: model, workload, plan, stages and graph, cost formulas, trace and report,
-and the command line. Never imports torch, simpy or anything heavy."""
+"""kvpipe's vocabulary, shared by both backends: model, workload, plan, stages and graph, memory and
+cost formulas, units, trace and report, the rule plans and the replay rule. Never imports torch,
+simpy or anything heavy; the command line is in kvpipe/."""

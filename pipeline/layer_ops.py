@@ -149,7 +149,7 @@ def fused_add_norm(rows: float, width: int, e: int) -> SmallOps:
 def fused_rope(m: ModelSpec, tokens: float) -> SmallOps:
     """fused.rope_layout: q roped into [B, Hq, T, D] and k roped with v stacked into
     [B, Hkv, T, 2, D] (rotate_half's cat read in place), each reading cos and sin. Triton emits
-    THREE kernels for it (counted on the H200, 2026-11-30, with and without Qwen3's q/k norms),
+    THREE kernels for it (counted on the H200, with and without Qwen3's q/k norms),
     where the structure suggests two and inductor's C++ backend emits two on CPU (CPU_EXTRA -1 in
     tests/test_layer_ops.py); the bytes are the same."""
     e, d = m.dtype_bytes, m.head_dim
