@@ -327,7 +327,8 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
         prompt_file: Path_ = None, progress: bool = True, warmup: bool = True, replay: str = "auto",
         trace: Path_ = None, plot: Path_ = None, disk: Knob = None, kv_dir: Path_ = None,
         codec: str | list[str] = (), objective: str = "total", lossy: str | None = None,
-        sparse: float | None = None, max_error: float | None = None, fuse: str | None = None) -> RunResult:
+        sparse: float | None = None, max_error: float | None = None, fuse: str | None = None,
+        prompt_ids: list[int] | None = None, decoding=None) -> RunResult:
     """Execute on this machine (torch and transformers needed) and measure next to the
     prediction. `device` defaults to cuda when available; budgets to the GPU's memory and this
     machine's RAM and the free space of `kv_dir` (the disk tier's directory, default the system
@@ -344,7 +345,8 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
     warning; `on` is refused where decode is not replayed. `replay` auto|on|off: auto runs decode
     as the plan's replay choice says (the planner scores replayed and eager decode where this run
     can replay; None: replayed on CUDA with bf16/fp16, batch 1), on/off pin it; a plan file's
-    replay true is refused where this run cannot replay."""
+    replay true is refused where this run cannot replay. `prompt_ids` (instead of `prompt_file`)
+    and `decoding` (executor/engine/decoding.py: token choice and early stop) serve `generate`."""
     trace_path, plot_path = output_path(trace, "trace"), output_path(plot, "plot")
     _check_max_error(max_error, lossy, sparse)
     loaded = sys.modules.get("torch")
@@ -363,7 +365,7 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
     dev = session.resolve_device(device)
     spec = load_model(model, dtype)
     attention = kernel_label(dev, session.TORCH_DTYPES[spec.dtype])  # validates KVPIPE_ATTN
-    prompt = session.read_prompt(prompt_file, model, spec.vocab) if prompt_file is not None else None
+    prompt = session.read_prompt(prompt_file, model, spec.vocab) if prompt_file is not None else prompt_ids
     if context is None:
         context = len(prompt) if prompt is not None else DEFAULT_RUN_CONTEXT
     work = Workload.parse(context, decode_tokens, batch)
@@ -454,7 +456,8 @@ def run(model: str = DEFAULT_MODEL, hw: str | None = None, context: str | int | 
     hf = session.load_hf_model(model, random_weights, dev, session.TORCH_DTYPES[spec.dtype], seed)
     ids = session.prompt_tensor(prompt, work.batch, work.context, spec.vocab, seed)
     measured = session.run_graph(graph, hf, ids, dev, budgets["gpu"], progress=progress, warmup=warmup,
-                                 replay=mode, kv_dir=None if kv_dir is None else str(kv_dir), fuse=fuse)
+                                 replay=mode, kv_dir=None if kv_dir is None else str(kv_dir), fuse=fuse,
+                                 decoding=decoding)
     res, real = measured.result, measured.result.trace
     if res.fuse_note:   # auto ran unfused (e.g. a failed compile): one line, and predict what ran
         log.warning(res.fuse_note)

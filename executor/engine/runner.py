@@ -70,7 +70,8 @@ def decode_steps(graph: Graph) -> int:
 def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
             device: str | torch.device | None = None, *, keep_logits: bool = False,
             stage_hook: Callable[[Stage], None] | None = None, turns: random.Random | None = None,
-            replay: str = "off", disk: DiskOptions | None = None, fuse: str | None = None) -> RunResult:
+            replay: str = "off", disk: DiskOptions | None = None, fuse: str | None = None,
+            decoding=None) -> RunResult:
     """Run `graph` with `hf_model` (already on `device`, default: the model's) on `prompt_ids`
     [B, context]. Greedy decoding; bitwise independent of where the KV cache lives.
     `stage_hook(stage)` is called on the stage's lane (its stream current) after the stage's
@@ -81,7 +82,8 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
     (auto|on|off, None: pipeline/fusion.fuse_mode()): replayed decode steps with fused elementwise
     work (executor/layers/fused.py); eager decode is never fused.
     `disk` says where the disk units' file goes (default: the system temp dir); it is removed
-    when the run ends, however it ends."""
+    when the run ends, however it ends. `decoding` (engine/decoding.py, None: greedy) picks each
+    token and skips the decode steps past the end of a generation."""
     adapter = HFAdapter(hf_model)
     device = adapter.device if device is None else torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -121,10 +123,11 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
             if why:
                 replayed, extra = False, dict(replay_note=why)
             if not replayed:
-                interp = Interpreter(graph, adapter, store, lanes, prompt, tokens, step_logits)
-                spans = lanes.run(graph, interp, before=stage_hook)
+                interp = Interpreter(graph, adapter, store, lanes, prompt, tokens, step_logits, decoding)
+                spans = lanes.run(graph, interp if decoding is None else decoding.gate(interp), before=stage_hook)
             else:
-                interp = ReplayInterpreter(graph, adapter, store, lanes, prompt, tokens, step_logits, fuse=fuse)
+                interp = ReplayInterpreter(graph, adapter, store, lanes, prompt, tokens, step_logits, decoding,
+                                           fuse=fuse)
                 spans, extra = _prefill_then_replay(graph, interp, lanes, tokens, step_logits, stage_hook,
                                                     capture=issue == "graph")
             peak = torch.cuda.max_memory_allocated(device) if cuda else 0
