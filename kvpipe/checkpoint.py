@@ -113,6 +113,8 @@ def resolve(model: str | os.PathLike, dtype: str | None = None, random_weights: 
     config.json (with `random_weights`; no tokenizer unless its directory holds one)."""
     text = str(model)
     if text.lower().endswith(".gguf"):
+        if not Path(text).is_file():
+            raise ValueError(f"model: no file {text!r}")
         if random_weights:
             raise ValueError("random-weights: a .gguf file carries its weights; drop --random-weights")
         text = str(convert_gguf(text, dtype))
