@@ -8,7 +8,6 @@ import argparse
 import json
 import sys
 
-from kvpipe import api
 from kvpipe.pipeline.units import fmt_seconds
 
 from . import cli, generation as gen
@@ -18,13 +17,18 @@ EPILOG = ("Greedy by default (or as the model's generation_config.json samples: 
           "whatever the plan. " + cli.UNITS)
 
 
+# the flags that are generate's own keyword arguments (the rest are kvpipe.run's options)
+OWN = ("model", "prompt", "prompt_file", "prompt_format", "chat", "system", "max_new_tokens", "stop",
+       "ignore_eos", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+
+
 def add_parser(sub) -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text from a prompt with a real checkpoint (streams to stdout)",
                        formatter_class=cli._Help, epilog=EPILOG,
                        description="Tokenizes the prompt (the model's chat template applied by default), "
                                    "prefills it with the plan's placement of the KV cache, and decodes "
                                    "until an end-of-sequence token, a --stop string or --max-new-tokens.")
-    g.add_argument("--model", default=api.DEFAULT_MODEL,
+    g.add_argument("--model",
                    help="local HF directory (safetensors), a .gguf file (converted once into "
                         "~/.cache/kvpipe or $KVPIPE_CACHE_DIR; needs kvpipe[gguf]), or a preset / "
                         "config.json with --random-weights")
@@ -55,9 +59,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def _options(args: argparse.Namespace) -> dict:
     """The parsed flags as generate's keyword arguments (its own and kvpipe.run's options)."""
-    own = {"model", "prompt", "prompt_file", "prompt_format", "chat", "system", "max_new_tokens", "stop",
-           "ignore_eos", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed"}
-    kw = {k: v for k, v in vars(args).items() if k in own or k in gen.RUN_OPTIONS}
+    kw = {k: v for k, v in vars(args).items() if k in OWN or k in gen.RUN_OPTIONS}
     kw["stop"] = tuple(kw.get("stop") or ())
     return kw
 
@@ -69,8 +71,8 @@ def summary(res: gen.GenerateResult) -> list[str]:
     decode = "replayed (CUDA graph)" if res.decode_replayed else "eager (stage by stage)"
     where = res.run.device
     lines = [f"kvpipe: {u['prompt_tokens']} prompt + {u['completion_tokens']} generated tokens "
-             f"(finish: {res.finish_reason}; {res.sampling.describe()}"
-             f"{'; chat template' if res.chat_template else ''})",
+             f"(finish: {res.finish_reason}; {res.sampling.describe()}; "
+             f"{'chat template applied' if res.chat_template else 'prompt as given, no chat template'})",
              f"kvpipe: TTFT {fmt_seconds(t['ttft_s'])} (prefill {rate(t['prefill_tokens_per_s'])}), "
              f"decode {rate(t['decode_tokens_per_s'])}, {decode}",
              f"kvpipe: KV (layer, head) units: {kv['gpu']} on {where}, {kv['host']} in host RAM, {kv['disk']} on disk",

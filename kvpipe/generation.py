@@ -104,8 +104,12 @@ def _stops(stop) -> tuple[str, ...]:
 
 
 def prepare(model, prompt, prompt_file, prompt_format, chat, system, dtype, random_weights, stdin=None):
-    """(checkpoint, tokenizer or None, prompt ids, chat template applied), checked before any run."""
+    """(checkpoint, its ModelSpec, tokenizer or None, prompt ids, chat template applied), checked
+    before any run."""
     from kvpipe.pipeline.model import load_model
+    if model is None:
+        raise ValueError("model: give --model: a model directory, a .gguf file, or a preset / config.json "
+                         "with --random-weights")
     if prompt_format not in textio.FORMATS:
         raise ValueError(f"prompt-format: expected text or ids, got {prompt_format!r}")
     text = textio.read_prompt(prompt, prompt_file, stdin)
@@ -118,17 +122,17 @@ def prepare(model, prompt, prompt_file, prompt_format, chat, system, dtype, rand
     if prompt_format == "ids":
         if system is not None:
             raise ValueError("system: needs a text prompt (--prompt-format text)")
-        return ck, tok, textio.parse_ids(text, spec.vocab, "prompt-file" if prompt_file else "prompt"), False
+        return ck, spec, tok, textio.parse_ids(text, spec.vocab, "prompt-file" if prompt_file else "prompt"), False
     if tok is None:
         raise ValueError("prompt-format: the model has no tokenizer; give token ids with --prompt-format ids")
     ids, templated = textio.encode(tok, text, chat, system)
     bad = [i for i in ids if i >= spec.vocab]
     if bad:
         raise ValueError(f"model: its tokenizer gives id {bad[0]}, outside the model's vocabulary ({spec.vocab})")
-    return ck, tok, ids, templated
+    return ck, spec, tok, ids, templated
 
 
-def generate(model: str | os.PathLike = api.DEFAULT_MODEL, prompt: str | None = None, *,
+def generate(model: str | os.PathLike | None = None, prompt: str | None = None, *,
              prompt_file: str | os.PathLike | None = None, prompt_format: str = "text", chat: bool = True,
              system: str | None = None, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
              stop: str | list[str] | tuple = (), ignore_eos: bool = False, temperature: float | None = None,
@@ -150,11 +154,10 @@ def generate(model: str | os.PathLike = api.DEFAULT_MODEL, prompt: str | None = 
     stops = _stops(stop)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed: expected an integer, got {seed!r}")
-    ck, tok, ids, templated = prepare(model, prompt, prompt_file, prompt_format, chat, system,
+    ck, spec, tok, ids, templated = prepare(model, prompt, prompt_file, prompt_format, chat, system,
                                       options.get("dtype"), options.get("random_weights", False), stdin)
     sampling = Sampling.choose(dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                     repetition_penalty=repetition_penalty, seed=seed), ck.sampling)
-    from kvpipe.pipeline.model import load_model
     try:
         from kvpipe.executor.engine.decoding import Decoding
         from kvpipe.executor.engine.session import resolve_device
@@ -162,7 +165,7 @@ def generate(model: str | os.PathLike = api.DEFAULT_MODEL, prompt: str | None = 
         raise ValueError(f"generate: needs torch and transformers ({e.name} missing): pip install 'kvpipe[run]'") from None
     eos = frozenset() if ignore_eos else frozenset(ck.eos_ids)
     out = textio.Output(tok, n, eos, stops, stream)
-    decoding = Decoding(sampling, ids, load_model(ck.model, options.get("dtype")).vocab, n,
+    decoding = Decoding(sampling, ids, spec.vocab, n,
                         resolve_device(options.get("device")), out.take)
     run = api.run(model=ck.model, decode_tokens=n - 1, seed=seed, prompt_ids=ids, progress=False,
                   decoding=decoding, **options)

@@ -118,6 +118,7 @@ def cli(capsys, *argv):
     (["--prompt-format", "words"], "prompt-format"),
     (["--model", "/nonexistent/m.gguf"], "model"),
     (["--resident", "lots"], "resident"),
+    (["--model", None], "model"),
 ])
 def test_bad_input_is_one_line_naming_the_flag(model_dir, capsys, argv, flag):
     # Fault caught: a traceback, exit 1, or an error line that does not name the flag.
@@ -129,6 +130,19 @@ def test_bad_input_is_one_line_naming_the_flag(model_dir, capsys, argv, flag):
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
     assert "error:" in lines[0] and (f"error: {flag}:" in lines[0] or f"--{flag}" in lines[0]), lines[0]
+
+
+def test_every_generate_flag_reaches_the_api():
+    # Fault caught: a flag parsed but dropped on its way to kvpipe.generate (it passes by name).
+    import inspect
+
+    from kvpipe import generate_cli
+    from kvpipe.cli import build_parser
+    from kvpipe.generation import RUN_OPTIONS
+    sub = build_parser()._subparsers._group_actions[0].choices["generate"]
+    dests = {a.dest for a in sub._actions} - {"help", "json"}
+    assert dests <= set(generate_cli.OWN) | set(RUN_OPTIONS), dests - set(generate_cli.OWN) - set(RUN_OPTIONS)
+    assert set(generate_cli.OWN) <= set(inspect.signature(kvpipe.generate).parameters)
 
 
 def test_api_refuses_what_generate_does_not_take(model_dir):
@@ -148,3 +162,38 @@ def test_cli_streams_ids_and_prints_the_summary(model_dir, capsys):
     assert len(out.split()) == 3 and all(w.isdigit() for w in out.split())
     for needle in ("TTFT", "decode", "KV (layer, head) units: 0 on cpu, 4 in host RAM, 0 on disk", "plan: headwise"):
         assert needle in err, (needle, err)
+
+
+GPU = dict(random_weights=True, device="cuda", dtype="bf16", prompt_format="ids", chunk=16, seed=5, group=1)
+
+
+@pytest.mark.gpu
+def test_replayed_sampling_repeats_across_placements_and_equals_the_steps_issued_without_a_graph(model_dir):
+    # Fault caught: the sampler not capturable (a host sync or host-side RNG state inside the CUDA
+    # graph: every replay the same draw), the token index of a replayed step wrong (noise of
+    # another step), or a placement changing a bit of the replayed output.
+    kw = dict(GPU, max_new_tokens=24, temperature=1.0, top_p=0.9, top_k=40, repetition_penalty=1.2, seed=3)
+    runs = [kvpipe.generate(str(model_dir), PROMPT, resident=r, replay="on", **kw) for r in ("all", "none", "2")]
+    assert all(r.decode_replayed for r in runs)
+    assert len({r.output_digest for r in runs}) == 1 and len(set(runs[0].tokens)) > 4
+    issued = kvpipe.generate(str(model_dir), PROMPT, resident="none", replay="issue", **kw)
+    assert issued.tokens == runs[0].tokens and issued.output_digest == runs[0].output_digest
+
+
+@pytest.mark.gpu
+def test_replayed_greedy_is_runs_and_stops_at_eos(model_dir):
+    # Fault caught: the replayed step's token choice differing from kvpipe run's greedy argmax,
+    # or replay running on (or stopping short) past an EOS the host learns a few steps late.
+    kw = dict(GPU, resident="none", replay="on")
+    full = kvpipe.generate(str(model_dir), PROMPT, max_new_tokens=20, ignore_eos=True, **kw)
+    r = kvpipe.run(str(model_dir), prompt_ids=[int(t) for t in PROMPT.split()], decode_tokens=19, progress=False,
+                   **{k: v for k, v in kw.items() if k != "prompt_format"})
+    assert full.decode_replayed and full.tokens == r.tokens[0]
+    eos = full.tokens[6]
+    first = full.tokens.index(eos)
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    try:
+        g = kvpipe.generate(str(model_dir), PROMPT, max_new_tokens=20, **kw)
+    finally:
+        (model_dir / "generation_config.json").unlink()
+    assert g.tokens == full.tokens[:first + 1] and g.finish_reason == "stop" and g.decode_replayed
