@@ -7,6 +7,7 @@ GPU memory, pinned host RAM and disk. The layers install under this package: `kv
     kvpipe.plan(model="llama-3-8b", hw="rtx4090", context="1M")    # -> PlanResult (no torch)
     kvpipe.run(model="./tiny", context="4K", device="cpu")          # -> RunResult
     kvpipe.plan(kvpipe.PlanOptions(context="128K", replay="off"))   # the same options the CLI builds
+    kvpipe.generate(model="./SmolLM2", prompt="Hi!", max_new_tokens=32)  # -> GenerateResult
 """
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ __version__ = "0.1.0"
 from kvpipe.api import PlanResult, Predicted, RunResult, plan, run  # noqa: E402
 from kvpipe.options import PlanOptions, RunOptions  # noqa: E402
 from kvpipe.pipeline.replay import Replay  # noqa: E402
+from kvpipe.generation import GenerateResult, generate  # noqa: E402
 
-__all__ = ["__version__", "plan", "run", "PlanOptions", "RunOptions", "Replay", "PlanResult", "RunResult",
-           "Predicted", "HeadwiseCache"]
+__all__ = ["__version__", "plan", "run", "generate", "PlanOptions", "RunOptions", "Replay", "PlanResult", "RunResult",
+           "GenerateResult", "Predicted", "HeadwiseCache"]
 
 
 def __getattr__(name: str):

@@ -143,7 +143,8 @@ def _write_plan_outputs(paths: dict, spec, profile, work, pred: Predicted) -> No
             p, pred.trace, title=f"{spec.name} on {profile.name}, {fmt_tokens(work.context)}"))
 
 
-def run(options: RunOptions | None = None, /, **kwargs) -> RunResult:
+def run(options: RunOptions | None = None, /, *, prompt_ids: list[int] | None = None, decoding=None,
+        **kwargs) -> RunResult:
     """Execute on this machine (torch and transformers needed) and measure next to the
     prediction; the fields of RunOptions say what each argument does. `device` defaults to cuda
     when available; budgets to the GPU's memory, this machine's RAM and the free space of `kv_dir`
@@ -153,7 +154,8 @@ def run(options: RunOptions | None = None, /, **kwargs) -> RunResult:
     before anything is allocated when it does not fit or this executor cannot run it. Unless
     PYTORCH_CUDA_ALLOC_CONF is set, it is set to expandable_segments:True before CUDA starts.
     The executor runs the plan's replay choice; where a sparse run's steps cannot replay after
-    all it issues them eagerly and says why (a warning)."""
+    all it issues them eagerly and says why (a warning). `prompt_ids` (instead of `prompt_file`)
+    and `decoding` (executor/engine/decoding.py: token choice and early stop) serve `generate`."""
     from kvpipe.sim.decide import Target, decide
     opts = _options(RunOptions, options, kwargs)
     paths = opts.output_paths()
@@ -163,7 +165,7 @@ def run(options: RunOptions | None = None, /, **kwargs) -> RunResult:
     dev = session.resolve_device(opts.device)
     spec = load_model(opts.model, opts.dtype)
     attention = kernel_label(dev, session.TORCH_DTYPES[spec.dtype])  # validates KVPIPE_ATTN
-    prompt, work = _prompt(opts, spec, session)
+    prompt, work = _prompt(opts, spec, session, prompt_ids)
     profile = load_profile(opts.hw or session.guess_profile(dev) or DEFAULT_HW)
     budgets = opts.budgets(session.device_budget(dev), session.host_ram_bytes(), free_disk(opts.kv_dir))
     check_weights(spec, budgets)
@@ -182,7 +184,8 @@ def run(options: RunOptions | None = None, /, **kwargs) -> RunResult:
     ids = session.prompt_tensor(prompt, work.batch, work.context, spec.vocab, opts.seed)
     measured = session.run_graph(build(spec, work, decision.plan), hf, ids, dev, budgets["gpu"],
                                  progress=opts.progress, warmup=opts.warmup, replay=decision.plan.replay,
-                                 kv_dir=None if opts.kv_dir is None else str(opts.kv_dir), fuse=req.fuse)
+                                 kv_dir=None if opts.kv_dir is None else str(opts.kv_dir), fuse=req.fuse,
+                                 decoding=decoding)
     res = measured.result
     predicted, notes = _as_ran(spec, work, profile, budgets, req, decision.predicted, res)
     _write_run_outputs(paths, spec, work, predicted, res.trace, dev)
@@ -240,9 +243,10 @@ def _executor():
     return session
 
 
-def _prompt(opts: RunOptions, spec: ModelSpec, session) -> tuple[list[int] | None, Workload]:
-    """The prompt's ids (None: random) and the workload, its context the prompt's by default."""
-    prompt = session.read_prompt(opts.prompt_file, opts.model, spec.vocab) if opts.prompt_file is not None else None
+def _prompt(opts: RunOptions, spec: ModelSpec, session, ids=None) -> tuple[list[int] | None, Workload]:
+    """The prompt's ids (`ids`, the prompt file's, or None: random) and the workload, its context
+    the prompt's by default."""
+    prompt = session.read_prompt(opts.prompt_file, opts.model, spec.vocab) if opts.prompt_file is not None else ids
     context = opts.context
     if context is None:
         context = len(prompt) if prompt is not None else DEFAULT_RUN_CONTEXT

@@ -77,6 +77,11 @@ def add_workload_flags(p: argparse.ArgumentParser, *, context: str | None, hw: s
     p.add_argument("--decode-tokens", type=int, default=DEFAULT_DECODE_TOKENS,
                    help="decode steps after the prompt (each one generated token)")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together, each with the full context")
+    add_plan_flags(p)
+
+
+def add_plan_flags(p: argparse.ArgumentParser) -> None:
+    """Budgets, plan knobs and outputs (`plan`, `run` and `generate`)."""
     p.add_argument("--gpu-mem", help="GPU memory budget, e.g. 24GB or 24GiB (default: the profile's)")
     p.add_argument("--host-mem", help="pinned host RAM budget (default: the profile's)")
     p.add_argument("--disk-mem", help="disk budget for KV (default: the profile's)")
@@ -113,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="kvpipe", description="Long-context inference with the KV cache split by head "
                                            "across GPU, pinned host RAM and disk.", epilog=UNITS)
     ap.add_argument("--version", action="version", version=f"kvpipe {__version__}")
-    sub = ap.add_subparsers(dest="command", parser_class=_Parser, metavar="{plan,run,calibrate,codecs}")
+    sub = ap.add_subparsers(dest="command", parser_class=_Parser, metavar="{plan,run,generate,calibrate,codecs}")
     p = sub.add_parser("plan", help="predict latency and memory on a hardware profile (no GPU needed)",
                        formatter_class=_Help, epilog=UNITS)
     add_workload_flags(p, context=DEFAULT_PLAN_CONTEXT, hw=DEFAULT_HW)
@@ -133,13 +138,29 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Unless PYTORCH_CUDA_ALLOC_CONF is set, run sets it to "
                                    f"{api.ALLOC_CONF} before CUDA starts (fewer fragmentation OOMs).")
     add_workload_flags(r, context=None, hw=None)
+    add_run_flags(r)
+    r.add_argument("--seed", type=int, default=0, help="seed of the random prompt and weights")
+    r.add_argument("--prompt-file", help="whitespace-separated token ids, or text with a model tokenizer")
+    r.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    from kvpipe.generate_cli import add_parser
+    add_parser(sub)
+    sub.add_parser("codecs", help="list the codecs: lossless or lossy, where each runs, which links")
+    c = sub.add_parser("calibrate", help="measure this machine (CUDA) and write a hardware profile TOML",
+                       formatter_class=_Help)
+    c.add_argument("--out", metavar="FILE.toml", default="calibrated.toml", help="where to write the profile")
+    c.add_argument("--quick", action="store_true", help="fewer and smaller measurements (under 2 minutes)")
+    c.add_argument("--name", default="calibrated", help="the profile's name")
+    c.add_argument("--base", default="h200", help="profile that supplies the datasheet peaks (not measurable)")
+    c.add_argument("--kv-dir", help="directory whose disk is measured (default: the system temp dir)")
+    return ap
+
+
+def add_run_flags(r: argparse.ArgumentParser) -> None:
+    """What executes on this machine: weights, device, dtype, LOSSY opt-ins, warm-up (`run`, `generate`)."""
     r.add_argument("--random-weights", action="store_true",
                    help="random weights with the model's shapes (presets and config.json have no weights)")
     r.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
     r.add_argument("--dtype", type=str.lower, choices=["bf16", "fp16", "fp32"], help="default: the model's")
-    r.add_argument("--seed", type=int, default=0, help="seed of the random prompt and weights")
-    r.add_argument("--prompt-file", help="whitespace-separated token ids, or text with a model tokenizer")
-    r.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     r.add_argument("--lossy", choices=["int8", "int4"],
                    help="LOSSY opt-in: store, move and read back the offloaded KV quantised")
     r.add_argument("--sparse", type=float, metavar="F", help="LOSSY opt-in: each decode step fetches a fraction F of the offloaded tokens, chosen "
@@ -151,15 +172,6 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="time the first run in the process (CUDA: by default one prefill chunk and one "
                         "decode step run first, untimed, as HF baselines warm up)")
-    sub.add_parser("codecs", help="list the codecs: lossless or lossy, where each runs, which links")
-    c = sub.add_parser("calibrate", help="measure this machine (CUDA) and write a hardware profile TOML",
-                       formatter_class=_Help)
-    c.add_argument("--out", metavar="FILE.toml", default="calibrated.toml", help="where to write the profile")
-    c.add_argument("--quick", action="store_true", help="fewer and smaller measurements (under 2 minutes)")
-    c.add_argument("--name", default="calibrated", help="the profile's name")
-    c.add_argument("--base", default="h200", help="profile that supplies the datasheet peaks (not measurable)")
-    c.add_argument("--kv-dir", help="directory whose disk is measured (default: the system temp dir)")
-    return ap
 
 
 def _print_files(args) -> None:
@@ -234,8 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger("kvpipe")
     log.addHandler(handler)
     try:
+        from kvpipe.generate_cli import cmd_generate
         return {"plan": cmd_plan, "run": cmd_run, "calibrate": cmd_calibrate,
-                "codecs": cmd_codecs}[args.command](args)
+                "codecs": cmd_codecs, "generate": cmd_generate}[args.command](args)
     except BrokenPipeError:   # the reader went away (`| head`): stop quietly, and keep Python's
         # exit-time flush of stdout from failing again (the Python docs' recipe for SIGPIPE)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

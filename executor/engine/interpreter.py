@@ -30,8 +30,10 @@ class Interpreter:
     """Callable on a Stage; results: `tokens` (filled in place), `last_logits`, `moved` bytes."""
 
     def __init__(self, graph: Graph, adapter: HFAdapter, store: KVStore, lanes,
-                 prompt: torch.Tensor, tokens: torch.Tensor, step_logits: torch.Tensor | None) -> None:
+                 prompt: torch.Tensor, tokens: torch.Tensor, step_logits: torch.Tensor | None,
+                 decoding=None) -> None:
         self.adapter, self.store, self.lanes = adapter, store, lanes
+        self.decoding = decoding          # engine/decoding.py: who picks each token (None: greedy)
         self.prompt, self.tokens, self.step_logits = prompt, tokens, step_logits  # [B, ctx], [B, N+1]
         self.context = graph.workload.context
         self.group = {Phase.PREFILL: graph.plan.prefill.group, Phase.DECODE: graph.plan.decode.group}
@@ -165,7 +167,11 @@ class Interpreter:
         cur = self._step(s)
         logits = self.adapter.head(cur.hidden)                           # [B, V] fp32
         idx = 0 if s.phase is Phase.PREFILL else s.step + 1
-        self.tokens[:, idx] = logits.argmax(-1)                          # greedy, on the device
+        if self.decoding is None:
+            self.tokens[:, idx] = logits.argmax(-1)                      # greedy, on the device
+        else:
+            self.tokens[:, idx] = self.decoding.pick(logits, idx)
+            self.decoding.produced(self.tokens, idx)
         if self.step_logits is not None:
             self.step_logits[idx] = logits
         self.last_logits = logits

@@ -90,7 +90,8 @@ def decode_mode(graph: Graph, setting: Replay | str, device: torch.device, dtype
 def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
             device: str | torch.device | None = None, *, keep_logits: bool = False,
             stage_hook: Callable[[Stage], None] | None = None, turns: random.Random | None = None,
-            replay: Replay | str = Replay.OFF, disk: DiskOptions | None = None, fuse: str | None = None) -> RunResult:
+            replay: Replay | str = Replay.OFF, disk: DiskOptions | None = None, fuse: str | None = None,
+            decoding=None) -> RunResult:
     """Run `graph` with `hf_model` (already on `device`, default: the model's) on `prompt_ids`
     [B, context]. Greedy decoding; bitwise independent of where the KV cache lives.
     `stage_hook(stage)` is called on the stage's lane (its stream current) after the stage's
@@ -102,7 +103,8 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
     why (`replay_note`). `fuse` (auto|on|off, None: pipeline/fusion.fuse_mode()): replayed decode
     steps with fused elementwise work (executor/layers/fused.py); eager decode is never fused.
     `disk` says where the disk units' file goes (default: the system temp dir); it is removed
-    when the run ends, however it ends."""
+    when the run ends, however it ends. `decoding` (engine/decoding.py, None: greedy) picks each
+    token and skips the decode steps past the end of a generation."""
     adapter = HFAdapter(hf_model)
     device = adapter.device if device is None else torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -136,10 +138,11 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
             if why:   # a fallback, reported: the plan left replay to the run (auto)
                 mode, extra = Replay.OFF, dict(replay_note=why)
             if mode is Replay.OFF:
-                interp = Interpreter(graph, adapter, store, lanes, prompt, tokens, step_logits)
-                spans = lanes.run(graph, interp, before=stage_hook)
+                interp = Interpreter(graph, adapter, store, lanes, prompt, tokens, step_logits, decoding)
+                spans = lanes.run(graph, interp if decoding is None else decoding.gate(interp), before=stage_hook)
             else:
-                interp = ReplayInterpreter(graph, adapter, store, lanes, prompt, tokens, step_logits, fuse=fuse)
+                interp = ReplayInterpreter(graph, adapter, store, lanes, prompt, tokens, step_logits, decoding,
+                                           fuse=fuse)
                 spans, extra = _prefill_then_replay(graph, interp, lanes, tokens, step_logits, stage_hook,
                                                     capture=mode is Replay.ON)
             peak = torch.cuda.max_memory_allocated(device) if cuda else 0

@@ -214,9 +214,10 @@ def warm_up(graph: Graph, hf_model: torch.nn.Module, ids: torch.Tensor, device: 
 
 def run_graph(graph: Graph, hf_model: torch.nn.Module, ids: torch.Tensor, device: torch.device,
               gpu_budget: int, progress: bool = True, warmup: bool = True, replay: Replay | str = Replay.OFF,
-              kv_dir: str | None = None, fuse: str | None = None) -> Measured:
+              kv_dir: str | None = None, fuse: str | None = None, decoding=None) -> Measured:
     """Execute with the GPU allocator capped at `gpu_budget` and a progress bar over steps (on
-    CUDA after an untimed warm-up unless `warmup` is False); `replay` and `fuse` as in `runner.execute`."""
+    CUDA after an untimed warm-up unless `warmup` is False); `replay`, `fuse` and `decoding` as
+    in `runner.execute` (the warm-up decodes greedily)."""
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_budget / total), device)
@@ -244,7 +245,7 @@ def run_graph(graph: Graph, hf_model: torch.nn.Module, ids: torch.Tensor, device
 
     try:
         result = execute(graph, hf_model, ids, device, stage_hook=tick if bar else None, replay=replay,
-                         disk=DiskOptions(kv_dir), fuse=fuse)
+                         disk=DiskOptions(kv_dir), fuse=fuse, decoding=decoding)
     finally:
         if bar:
             bar.close()

@@ -259,7 +259,12 @@ class DecodeReplay:
         moved = self.interp.moved
         with torch.cuda.stream(gpu):
             dev.ids.copy_(self.tokens[:, 0:1])
+        decoding = self.interp.decoding
         for k, stages in enumerate(self.steps):
+            if decoding is not None and decoding.halted(k, wait=True):   # past the end: not run
+                e = _event(gpu)
+                marks.update((s.id, (e, e)) for s in stages)
+                continue
             t0 = time.perf_counter()
             key = self.key(k)
             gpu.wait_stream(d2h)             # last step's write-backs done: host prefix whole, K/V free
@@ -280,6 +285,8 @@ class DecodeReplay:
                     self._issue(stages)
                     kv = self._take_kv(k)
                 self.tokens[:, k + 1:k + 2].copy_(dev.ids)
+                if decoding is not None:
+                    decoding.produced(self.tokens, k + 1)
                 if self.step_logits is not None:
                     self.step_logits[k + 1].copy_(dev.logits)
                 end = _event(gpu)

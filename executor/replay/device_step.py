@@ -209,7 +209,10 @@ class ReplayInterpreter(Interpreter):
             logits = self.fused.head(cur.hidden, self._pending)
             self._pending = None
         self.dev.logits.copy_(logits)
-        self.dev.ids.copy_(logits.argmax(-1, keepdim=True))             # greedy, the next step's input
+        if self.decoding is None:
+            self.dev.ids.copy_(logits.argmax(-1, keepdim=True))         # greedy, the next step's input
+        else:                                                           # token i = pos - context + 1
+            self.dev.ids.copy_(self.decoding.pick(logits, self.dev.pos - (self.context - 1)).view(-1, 1))
         if self._side is not None:       # LOSSY sparse: the upkeep stream joins before the step ends
             torch.cuda.current_stream(self.store.device).wait_stream(self._side)
         self.last_logits = self.dev.logits

@@ -1,0 +1,127 @@
+"""Where `kvpipe generate` gets its model, tokenizer and stop tokens: a local Hugging Face directory
+(safetensors), a `.gguf` file, or a preset / config.json with random weights. A GGUF file is read
+once by transformers' GGUF loader (the `gguf` extra) and written as a safetensors directory in a
+cache, which every later run loads like any other directory; nothing is downloaded."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+CACHE_ENV = "KVPIPE_CACHE_DIR"   # where converted GGUF checkpoints go (default ~/.cache/kvpipe)
+_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """`model`: what `kvpipe run` takes as --model (a directory, preset or config.json);
+    `tokenizer`: a directory holding a tokenizer, or None; `eos_ids`: the generation config's
+    end-of-sequence ids (empty when it has none); `sampling`: the generation config's sampling
+    fields (do_sample, temperature, top_k, top_p, min_p, repetition_penalty) that it sets."""
+
+    model: str
+    tokenizer: str | None
+    eos_ids: tuple[int, ...]
+    sampling: dict
+
+
+def cache_root() -> Path:
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvpipe"
+
+
+def gguf_dir(path: Path, dtype: str | None, root: Path | None = None) -> Path:
+    """The cache directory a GGUF file converts into: keyed by its real path, size, mtime and
+    the dtype, so an edited file or another dtype converts again."""
+    st = path.stat()
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{dtype or 'fp32'}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return (root or cache_root()) / "gguf" / f"{path.stem}-{digest}"
+
+
+def convert_gguf(path: str | os.PathLike, dtype: str | None = None, root: Path | None = None,
+                 quiet: bool = False) -> Path:
+    """The safetensors directory of GGUF file `path` (dequantised to `dtype`, default fp32 as
+    transformers loads GGUF), converting it on first use. ValueError names --model."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"model: no file {str(path)!r}")
+    out = gguf_dir(path, dtype, root)
+    if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
+        return out
+    try:
+        import gguf  # noqa: F401  (transformers' GGUF loader needs it)
+        import accelerate  # noqa: F401
+    except ImportError as e:
+        raise ValueError(f"model: reading a .gguf file needs the {e.name!r} package: "
+                         "pip install 'kvpipe[gguf]'") from None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    if not quiet:
+        print(f"kvpipe: converting {path.name} to safetensors in {out} (once)", file=sys.stderr, flush=True)
+    kw = dict(gguf_file=path.name, local_files_only=True)
+    try:
+        tok = AutoTokenizer.from_pretrained(path.parent, **kw)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=_DTYPE_NAMES[dtype or "fp32"], **kw)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"model: cannot read {str(path)!r} as GGUF ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    _write_plain(model, tmp)
+    tok.save_pretrained(tmp)
+    if out.exists():   # a conversion cut short: replaced whole
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def _write_plain(model, out: Path) -> None:
+    """config.json (without the GGUF quantisation entry), generation_config.json and the weights
+    as one safetensors file, tied tensors stored once."""
+    from safetensors.torch import save_model
+    cfg = model.config.to_dict()
+    cfg.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    model.generation_config.save_pretrained(out)
+    save_model(model, str(out / "model.safetensors"))
+
+
+def _generation_config(d: Path) -> dict:
+    f = d / "generation_config.json"
+    if not f.is_file():
+        f = d / "config.json"
+    try:
+        return json.loads(f.read_text()) if f.is_file() else {}
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+
+
+def _ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(int(v) for v in (value if isinstance(value, list) else [value]))
+
+
+def resolve(model: str | os.PathLike, dtype: str | None = None, random_weights: bool = False) -> Checkpoint:
+    """The checkpoint `--model` names: a .gguf file (converted once), a directory, or a preset /
+    config.json (with `random_weights`; no tokenizer unless its directory holds one)."""
+    text = str(model)
+    if text.lower().endswith(".gguf"):
+        if not Path(text).is_file():
+            raise ValueError(f"model: no file {text!r}")
+        if random_weights:
+            raise ValueError("random-weights: a .gguf file carries its weights; drop --random-weights")
+        text = str(convert_gguf(text, dtype))
+    d = Path(text)
+    folder = d if d.is_dir() else d.parent if d.name.endswith(".json") else None
+    tok = str(folder) if folder is not None and ((folder / "tokenizer.json").is_file()
+                                                  or (folder / "tokenizer_config.json").is_file()) else None
+    gen = _generation_config(folder) if folder is not None else {}
+    keys = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+    return Checkpoint(text, tok, _ids(gen.get("eos_token_id")), {k: gen[k] for k in keys if gen.get(k) is not None})

@@ -1,0 +1,101 @@
+"""`kvpipe generate`: the command line over `kvpipe.generate`. The completion is streamed to stdout
+as it is generated; timings, where the KV lived and the plan go to stderr; `--json` prints the
+result object instead. The plan, budget and LOSSY flags are `kvpipe run`'s (cli.add_plan_flags,
+cli.add_run_flags)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvpipe.pipeline.units import fmt_seconds
+
+from . import cli, generation as gen
+
+EPILOG = ("Greedy by default (or as the model's generation_config.json samples: do_sample); any "
+          "--temperature above 0 samples, seeded by --seed, and the same seed gives the same text "
+          "whatever the plan. " + cli.UNITS)
+
+
+# the flags that are generate's own keyword arguments (the rest are kvpipe.run's options)
+OWN = ("model", "prompt", "prompt_file", "prompt_format", "chat", "system", "max_new_tokens", "stop",
+       "ignore_eos", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    g = sub.add_parser("generate", help="generate text from a prompt with a real checkpoint (streams to stdout)",
+                       formatter_class=cli._Help, epilog=EPILOG,
+                       description="Tokenizes the prompt (the model's chat template applied by default), "
+                                   "prefills it with the plan's placement of the KV cache, and decodes "
+                                   "until an end-of-sequence token, a --stop string or --max-new-tokens.")
+    g.add_argument("--model",
+                   help="local HF directory (safetensors), a .gguf file (converted once into "
+                        "~/.cache/kvpipe or $KVPIPE_CACHE_DIR; needs kvpipe[gguf]), or a preset / "
+                        "config.json with --random-weights")
+    g.add_argument("--prompt", help="the prompt text (else --prompt-file, else standard input)")
+    g.add_argument("--prompt-file", help="a file holding the prompt")
+    g.add_argument("--prompt-format", choices=["text", "ids"], default="text",
+                   help="text, or whitespace-separated token ids taken as they are (no chat template)")
+    g.add_argument("--no-chat", dest="chat", action="store_false",
+                   help="tokenize the prompt as plain text, without the tokenizer's chat template")
+    g.add_argument("--system", help="the system turn of the chat template")
+    g.add_argument("--max-new-tokens", type=int, default=gen.DEFAULT_MAX_NEW_TOKENS,
+                   help="at most this many generated tokens")
+    g.add_argument("--stop", action="append", default=[], metavar="STRING",
+                   help="end the generation where this text appears (not included in the output); repeatable")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="do not stop at the model's end-of-sequence tokens (benchmarks)")
+    g.add_argument("--temperature", type=float, help="0 is greedy (default: greedy, or the generation config's)")
+    g.add_argument("--top-k", type=int, help="sample among the k likeliest tokens (0: off)")
+    g.add_argument("--top-p", type=float, help="sample within the smallest set of tokens of probability p (1: off)")
+    g.add_argument("--min-p", type=float, help="drop tokens below this fraction of the likeliest one's probability")
+    g.add_argument("--repetition-penalty", type=float, help="HF's repetition penalty over prompt and output (1: off)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the sampling (and of random weights)")
+    g.add_argument("--hw", help="hardware profile of the prediction (default: this GPU's bundled profile, else rtx4090)")
+    cli.add_plan_flags(g)
+    cli.add_run_flags(g)
+    return g
+
+
+def _options(args: argparse.Namespace) -> dict:
+    """The parsed flags as generate's keyword arguments (its own and kvpipe.run's options)."""
+    kw = {k: v for k, v in vars(args).items() if k in OWN or k in gen.RUN_OPTIONS}
+    kw["stop"] = tuple(kw.get("stop") or ())
+    return kw
+
+
+def summary(res: gen.GenerateResult) -> list[str]:
+    """The stderr lines after the text: timings, where the KV lived, the plan."""
+    t, u, kv = res.timings, res.to_json()["usage"], res.kv_placement
+    rate = lambda v: f"{v:,.1f} tok/s" if v else "-"   # noqa: E731
+    decode = "replayed (CUDA graph)" if res.decode_replayed else "eager (stage by stage)"
+    where = res.run.device
+    lines = [f"kvpipe: {u['prompt_tokens']} prompt + {u['completion_tokens']} generated tokens "
+             f"(finish: {res.finish_reason}; {res.sampling.describe()}; "
+             f"{'chat template applied' if res.chat_template else 'prompt as given, no chat template'})",
+             f"kvpipe: TTFT {fmt_seconds(t['ttft_s'])} (prefill {rate(t['prefill_tokens_per_s'])}), "
+             f"decode {rate(t['decode_tokens_per_s'])}, {decode}",
+             f"kvpipe: KV (layer, head) units: {kv['gpu']} on {where}, {kv['host']} in host RAM, {kv['disk']} on disk",
+             f"kvpipe: plan: {res.plan.describe()}"]
+    if res.plan.lossy is not None:
+        lines.append(f"kvpipe: LOSSY: {res.plan.lossy.describe()}")
+    return lines
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    stdin = None if args.prompt is not None or args.prompt_file is not None or sys.stdin.isatty() else sys.stdin
+    stream = None
+    if not args.json:
+        def stream(piece: str) -> None:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    res = gen.generate(stdin=stdin, stream=stream, **_options(args))
+    if args.json:
+        print(json.dumps(res.to_json(), indent=2))
+    else:
+        if res.text is None or not res.text.endswith("\n"):
+            print()
+        for line in summary(res):
+            print(line, file=sys.stderr)
+    cli._print_files(args)
+    return 0
