@@ -64,45 +64,70 @@ def run_events(graph: Graph, hw: HardwareProfile, replay: bool = False,
                synced: dict[int, int] | None = None) -> tuple[Trace, Pools]:
     """`run` as a SimPy event simulation: one process per lane and one for the host. `synced`:
     `codec_sync.decompress_waits(graph, hw)` where the caller has it already."""
-    env = simpy.Environment()
-    dtype = graph.model.dtype
-    stages = graph.stages
-    done = [env.event() for _ in stages]
-    ready = {}                           # LOSSY: a unit-pipelined score stage -> its first piece selected
-    issued = [env.event() for _ in stages]
-    spans: list[Span | None] = [None] * len(stages)
-    pools = Pools(graph)
-    # Without duplex, the two copy directions queue on one link.
-    link = None if hw.pcie_duplex else simpy.Resource(env, capacity=1)
     if synced is None:   # a GPU codec's decode waits for the fetches issued before it
         synced = decompress_waits(graph, hw)
+    sim = _Events(graph, hw, replay, synced)
+    env = sim.env
+    # Without duplex, the two copy directions queue on one link.
+    link = None if hw.pcie_duplex else simpy.Resource(env, capacity=1)
+    env.process(sim.host())
+    for lane, order in graph.lane_order().items():
+        if order:
+            env.process(sim.lane(order, link if lane in (Lane.H2D, Lane.D2H) else None))
+    env.run()
+    assert all(sp is not None for sp in sim.spans), "simulation ended with stages that never ran"
+    return Trace(graph, "sim", sim.spans), sim.pools
 
-    in_graph = [replay and s.phase is Phase.DECODE and s.kind is not Kind.D2H for s in stages]
-    seconds = [stage_seconds(s, hw, dtype, in_graph[s.id]) for s in stages]
-    pieces = [unit_pipelined(s, in_graph[s.id]) for s in stages]
-    for s in stages:
-        if pieces[s.id]:
-            ready[s.id] = env.event()
 
-    def first_piece(i: int):
-        yield timeout(seconds[i] / pieces[i])
-        ready[i].succeed()
-    timeout = env.timeout
-    steps: dict[int, list[int]] = {}     # replayed decode step -> its stage ids
+def _replay_steps(stages, replay: bool) -> tuple[dict[int, list[int]], list[int], dict[int, int]]:
+    """(replayed decode step -> its stage ids, the steps in order, stage id -> the step it must
+    wait for); all empty without `replay`."""
+    steps: dict[int, list[int]] = {}
     if replay:
         for s in stages:
             if s.phase is Phase.DECODE:
                 steps.setdefault(s.step, []).append(s.id)
-    left = {k: len(ids) for k, ids in steps.items()}
-    step_done = {k: env.event() for k in steps}
-    gate = {}                            # stage id -> the step it must wait for
     step_order = sorted(steps)
+    gate = {}
     for prev, k in zip(step_order, step_order[1:]):
         for i in steps[k]:
             gate[i] = prev
+    return steps, step_order, gate
 
-    def host_proc():
-        eager = [s for s in stages if not (replay and s.phase is Phase.DECODE)]
+
+class _Events:
+    """One event simulation's state: per-stage events, seconds and spans, and the processes of
+    the host and of each lane. The processes bind what they use to locals first: hot loops."""
+
+    def __init__(self, graph: Graph, hw: HardwareProfile, replay: bool, synced: dict[int, int]) -> None:
+        env = self.env = simpy.Environment()
+        stages = self.stages = graph.stages
+        self.hw, self.replay, self.synced = hw, replay, synced
+        self.done = [env.event() for _ in stages]
+        self.issued = [env.event() for _ in stages]
+        self.spans: list[Span | None] = [None] * len(stages)
+        self.pools = Pools(graph)
+        dtype = graph.model.dtype
+        in_graph = self.in_graph = [replay and s.phase is Phase.DECODE and s.kind is not Kind.D2H
+                                    for s in stages]
+        self.seconds = [stage_seconds(s, hw, dtype, in_graph[s.id]) for s in stages]
+        self.pieces = [unit_pipelined(s, in_graph[s.id]) for s in stages]
+        # LOSSY: a unit-pipelined score stage -> its first piece selected
+        self.ready = {s.id: env.event() for s in stages if self.pieces[s.id]}
+        self.steps, self.step_order, self.gate = _replay_steps(stages, replay)
+        self.left = {k: len(ids) for k, ids in self.steps.items()}
+        self.step_done = {k: env.event() for k in self.steps}
+
+    def first_piece(self, i: int):
+        yield self.env.timeout(self.seconds[i] / self.pieces[i])
+        self.ready[i].succeed()
+
+    def host(self):
+        """Issues the eager stages in graph order, waiting only on a full launch queue, then the
+        replayed steps."""
+        stages, hw, issued, done = self.stages, self.hw, self.issued, self.done
+        timeout = self.env.timeout
+        eager = [s for s in stages if not (self.replay and s.phase is Phase.DECODE)]
         ahead: deque[tuple[int, int]] = deque()   # issued stages not yet known done, with their ops
         queued = 0
         for s in eager:
@@ -118,17 +143,27 @@ def run_events(graph: Graph, hw: HardwareProfile, replay: bool = False,
             ahead.append((s.id, s.ops))
             queued += s.ops
             if host_waits_for(s) and not done[s.id].processed:   # a GPU codec's encode reads sizes back
-                # the executor's h2d lane had issued the fetches a decode before `s` waits for
-                # (sim/codec_sync.py) before the host blocked here: issue them first
-                last = max((f for d, f in synced.items() if d < s.id), default=-1)
-                for x in stages[s.id + 1:last + 1]:
-                    if x.lane is Lane.H2D and not issued[x.id].triggered:
-                        yield timeout(host_issue_seconds(x, hw))
-                        issued[x.id].succeed()
+                yield from self.fetches_before_sync(s)
                 yield done[s.id]
-        if not steps:
-            return
-        for s in eager:                  # synchronise with the prefill, then capture
+        if self.steps:
+            yield from self.host_replay(eager)
+
+    def fetches_before_sync(self, s):
+        """The executor's h2d lane had issued the fetches a decode before `s` waits for
+        (sim/codec_sync.py) before the host blocked on `s`: issue them first."""
+        stages, hw, issued = self.stages, self.hw, self.issued
+        last = max((f for d, f in self.synced.items() if d < s.id), default=-1)
+        for x in stages[s.id + 1:last + 1]:
+            if x.lane is Lane.H2D and not issued[x.id].triggered:
+                yield self.env.timeout(host_issue_seconds(x, hw))
+                issued[x.id].succeed()
+
+    def host_replay(self, eager):
+        """Synchronise with the prefill, capture one step, then per step one replay and the
+        write-backs issued eagerly after it."""
+        stages, hw, issued, done, in_graph = self.stages, self.hw, self.issued, self.done, self.in_graph
+        steps, step_order, timeout = self.steps, self.step_order, self.env.timeout
+        for s in eager:
             if not done[s.id].processed:
                 yield done[s.id]
         yield timeout(sum(host_issue_seconds(stages[i], hw) for i in steps[step_order[0]] if in_graph[i]))
@@ -142,7 +177,13 @@ def run_events(graph: Graph, hw: HardwareProfile, replay: bool = False,
                     yield timeout(host_issue_seconds(stages[i], hw))
                     issued[i].succeed()
 
-    def lane_proc(order, shared):
+    def lane(self, order, shared):
+        """Runs `order` (one lane's stages) in turn, each once issued and its waits are done;
+        `shared`: the copy link both directions queue on, or None."""
+        env, stages, issued, done, ready = self.env, self.stages, self.issued, self.done, self.ready
+        seconds, spans, pools, synced = self.seconds, self.spans, self.pools, self.synced
+        gate, step_done, steps, left = self.gate, self.step_done, self.steps, self.left
+        timeout, first_piece = env.timeout, self.first_piece
         for s in order:
             if not issued[s.id].processed:
                 yield issued[s.id]
@@ -179,11 +220,3 @@ def run_events(graph: Graph, hw: HardwareProfile, replay: bool = False,
                 left[s.step] -= 1
                 if left[s.step] == 0:
                     step_done[s.step].succeed()
-
-    env.process(host_proc())
-    for lane, order in graph.lane_order().items():
-        if order:
-            env.process(lane_proc(order, link if lane in (Lane.H2D, Lane.D2H) else None))
-    env.run()
-    assert all(sp is not None for sp in spans), "simulation ended with stages that never ran"
-    return Trace(graph, "sim", spans), pools
