@@ -157,6 +157,101 @@ def _shifted(tr: Trace, shift: float, note: str) -> Trace:
                                        for s in tr.spans], note)
 
 
+@dataclass(frozen=True)
+class _Prefill:
+    """The run simulated up to the first decode window, and what the report needs of its prefill."""
+    trace: Trace                     # the whole run, or its last window placed at `shift`
+    peaks: tuple                     # peak bytes per pool of each simulated piece
+    shift: float                     # seconds the trace was moved by (0.0: a whole trace)
+    busy: dict                       # prefill busy seconds per lane
+    prefill_s: float
+    ttft_s: float
+    note: str = ""                   # how the prefill was shortened ("": simulated in full)
+
+
+def _prefill_whole(model, work, plan, hw, decode: range, replay: bool, fuse: bool) -> _Prefill:
+    """The prefill and `decode` steps simulated in one piece."""
+    trace, pools = run(build(model, work, plan, decode=decode, fused=fuse), hw, replay)
+    head = timing_from_trace(trace)
+    return _Prefill(trace, (pools.peak,), 0.0, trace.lane_busy_s()["prefill"], head.prefill_s, head.ttft_s)
+
+
+def _prefill_sampled(model, work, plan, hw, decode: range, replay: bool, fuse: bool,
+                     memo: dict | None) -> _Prefill:
+    """The prefill's shortcut: the first and last windows (the last with `decode`) simulated,
+    windows between sampled and the other chunks summed from their steady chunk time."""
+    W = PREFILL_WINDOW
+    C = len(chunk_sizes(work.context, plan.prefill.chunk))
+    ps = _PrefillShortcut(model, work, plan, hw, replay, fuse, memo)
+    a = ps.window(0, W)
+    z0 = C - W - 1                                   # the last window: chunks z0 .. C-1
+    z = ps.window(z0, W + 1, decode)
+    sa, sz = _scan(a), _scan(z)
+    lo = ps.record(sa, list(range(RAMP, W)))
+    hi = ps.record(sz, list(range(z0 + RAMP, C - 1)))  # the last chunk also runs the head
+    ps.refine(lo, hi)
+    # Real end of chunk `anchor` (z's first steady chunk): a's last end plus the chunks between.
+    anchor = z0 + RAMP
+    e_a = sa[0][W - 1]
+    shift = e_a + ps.sum_between(W, anchor, ps.dur) - sz[0][anchor]
+    trace = _shifted(z, shift, "")
+    zb, ab, zs = sz[2]["prefill"], sa[2]["prefill"], sz[1]
+    own = {lane: sum(zs.get(i, {}).get(lane, 0.0) for i in range(z0, C)) for lane in zb}
+    prefill_busy = {lane: ab[lane] + own[lane]
+                    + ps.sum_between(W, z0 - 1, {c: b.get(lane, 0.0) for c, b in ps.busy.items()})
+                    for lane in zb}
+    st = z.graph.stages
+    prefill_s = max(sp.end_s for sp in trace.spans if st[sp.stage].phase is Phase.PREFILL)
+    ttft_s = max(sp.end_s for sp in trace.spans
+                 if st[sp.stage].phase is Phase.PREFILL and st[sp.stage].tag == "head")
+    note = (f"prefill chunks 0..{W - 1} and {z0}..{C - 1} simulated, {ps.windows - 2} windows of "
+            f"{W} chunks sampled between, the other chunks summed from their steady chunk time")
+    return _Prefill(trace, tuple(ps.peaks), shift, prefill_busy, prefill_s, ttft_s, note)
+
+
+def _decode_whole(pre: _Prefill) -> tuple[Timing, dict]:
+    """(timing, decode busy per lane) where every decode step is in `pre`'s trace."""
+    trace = pre.trace
+    heads = decode_head_ends(trace)
+    steps = [b - a for a, b in zip([pre.ttft_s] + heads, heads)]
+    per_token = statistics.fmean(steps[1:]) if len(steps) > 1 else (steps[0] if steps else None)
+    return Timing(pre.prefill_s, pre.ttft_s, per_token, trace.end_s), trace.lane_busy_s()["decode"]
+
+
+def _decode_extrapolated(model, work, plan, hw, pre: _Prefill, window: int, replay: bool,
+                         fuse: bool) -> tuple[Timing, dict, dict, str]:
+    """(timing, decode busy per lane, the end window's peak per pool, note): the decode's shortcut,
+    a window at the end simulated and the steps between summed from the line through both."""
+    M, trace = work.decode_tokens, pre.trace
+    # The end window runs after `lead` steps of lead-in, so that the host has fallen into its
+    # steady distance ahead of the GPU (the launch queue fills over a few steps).
+    lead = min(window, M - 2 * window)
+    late, late_pools = run(build(model, work, plan, prefill=False, decode=range(M - window - lead, M), fused=fuse),
+                           hw, replay)
+    e1, e2 = decode_head_ends(trace), decode_head_ends(late)[lead:]
+    d1 = [b - a for a, b in zip(e1, e1[1:])]          # steps 1 .. window-1
+    d2 = [b - a for a, b in zip(e2, e2[1:])]          # steps M-window+1 .. M-1
+    half = window // 2
+    de, ke = statistics.fmean(d1[half - 1:]), statistics.fmean(range(half, window))
+    dl, kl = statistics.fmean(d2[half - 1:]), statistics.fmean(range(M - window + half, M))
+    slope = (dl - de) / (kl - ke)
+    n = M - window
+    # A step never takes less than the host needs to issue it: the early window may still
+    # run on work the host queued during the prefill, the line through it would not see that.
+    host = host_step_s(late.graph, hw, replay)
+    between = sum(max(de + slope * (k - ke), host) for k in range(window, M))
+    tail = trace.end_s - e1[-1]
+    total = e1[-1] + between + tail
+    per_token = (sum(d1) + between) / (M - 1)
+    timing = Timing(pre.prefill_s, pre.ttft_s, per_token, total)
+    b1 = trace.lane_busy_s()["decode"]
+    b2 = {lane: v * window / (window + lead) for lane, v in late.lane_busy_s()["decode"].items()}
+    busy = {lane: b1[lane] + n * (b1[lane] + b2[lane]) / (2 * window) for lane in b1}
+    note = (f"decode steps 0..{window - 1} simulated after the prefill; steps {window}..{M - 1} "
+            f"extrapolated from a window of {window} steps at the end")
+    return timing, busy, late_pools.peak, note
+
+
 def simulate(model: ModelSpec, work: Workload, plan: Plan, hw: HardwareProfile, *,
              full: bool = False, window: int = DECODE_WINDOW, replay: bool = False,
              fuse: bool = False, memo: dict | None = None) -> Prediction:
@@ -170,80 +265,24 @@ def simulate(model: ModelSpec, work: Workload, plan: Plan, hw: HardwareProfile, 
     M = work.decode_tokens
     whole_decode = full or M <= 2 * window
     first_decode = range(M) if whole_decode else range(window)
-    C = len(chunk_sizes(work.context, plan.prefill.chunk))
-    notes = []
-    if full or C < PREFILL_MIN_CHUNKS:
-        trace, pools = run(build(model, work, plan, decode=first_decode, fused=fuse), hw, replay)
-        peaks, shift = [pools.peak], 0.0
-        prefill_busy = trace.lane_busy_s()["prefill"]
-        head = timing_from_trace(trace)
-        prefill_s, ttft_s = head.prefill_s, head.ttft_s
+    if full or len(chunk_sizes(work.context, plan.prefill.chunk)) < PREFILL_MIN_CHUNKS:
+        pre = _prefill_whole(model, work, plan, hw, first_decode, replay, fuse)
     else:
-        W = PREFILL_WINDOW
-        ps = _PrefillShortcut(model, work, plan, hw, replay, fuse, memo)
-        a = ps.window(0, W)
-        z0 = C - W - 1                                   # the last window: chunks z0 .. C-1
-        z = ps.window(z0, W + 1, first_decode)
-        sa, sz = _scan(a), _scan(z)
-        lo = ps.record(sa, list(range(RAMP, W)))
-        hi = ps.record(sz, list(range(z0 + RAMP, C - 1)))  # the last chunk also runs the head
-        ps.refine(lo, hi)
-        # Real end of chunk `anchor` (z's first steady chunk): a's last end plus the chunks between.
-        anchor = z0 + RAMP
-        e_a = sa[0][W - 1]
-        shift = e_a + ps.sum_between(W, anchor, ps.dur) - sz[0][anchor]
-        trace = _shifted(z, shift, "")
-        peaks = ps.peaks
-        zb, ab, zs = sz[2]["prefill"], sa[2]["prefill"], sz[1]
-        own = {lane: sum(zs.get(i, {}).get(lane, 0.0) for i in range(z0, C)) for lane in zb}
-        prefill_busy = {lane: ab[lane] + own[lane]
-                        + ps.sum_between(W, z0 - 1, {c: b.get(lane, 0.0) for c, b in ps.busy.items()})
-                        for lane in zb}
-        st = z.graph.stages
-        prefill_s = max(sp.end_s for sp in trace.spans if st[sp.stage].phase is Phase.PREFILL)
-        ttft_s = max(sp.end_s for sp in trace.spans
-                     if st[sp.stage].phase is Phase.PREFILL and st[sp.stage].tag == "head")
-        notes.append(f"prefill chunks 0..{W - 1} and {z0}..{C - 1} simulated, {ps.windows - 2} windows of "
-                     f"{W} chunks sampled between, the other chunks summed from their steady chunk time")
+        pre = _prefill_sampled(model, work, plan, hw, first_decode, replay, fuse, memo)
+    notes, peaks = [pre.note] if pre.note else [], list(pre.peaks)
     if whole_decode:
-        heads = decode_head_ends(trace)
-        steps = [b - a for a, b in zip([ttft_s] + heads, heads)]
-        per_token = statistics.fmean(steps[1:]) if len(steps) > 1 else (steps[0] if steps else None)
-        timing = Timing(prefill_s, ttft_s, per_token, trace.end_s)
-        busy = {"prefill": prefill_busy, "decode": trace.lane_busy_s()["decode"]}
+        timing, decode_busy = _decode_whole(pre)
     else:
-        # The end window runs after `lead` steps of lead-in, so that the host has fallen into its
-        # steady distance ahead of the GPU (the launch queue fills over a few steps).
-        lead = min(window, M - 2 * window)
-        late, late_pools = run(build(model, work, plan, prefill=False, decode=range(M - window - lead, M), fused=fuse),
-                               hw, replay)
-        peaks.append(late_pools.peak)
-        e1, e2 = decode_head_ends(trace), decode_head_ends(late)[lead:]
-        d1 = [b - a for a, b in zip(e1, e1[1:])]          # steps 1 .. window-1
-        d2 = [b - a for a, b in zip(e2, e2[1:])]          # steps M-window+1 .. M-1
-        half = window // 2
-        de, ke = statistics.fmean(d1[half - 1:]), statistics.fmean(range(half, window))
-        dl, kl = statistics.fmean(d2[half - 1:]), statistics.fmean(range(M - window + half, M))
-        slope = (dl - de) / (kl - ke)
-        n = M - window
-        # A step never takes less than the host needs to issue it: the early window may still
-        # run on work the host queued during the prefill, the line through it would not see that.
-        host = host_step_s(late.graph, hw, replay)
-        between = sum(max(de + slope * (k - ke), host) for k in range(window, M))
-        tail = trace.end_s - e1[-1]
-        total = e1[-1] + between + tail
-        per_token = (sum(d1) + between) / (M - 1)
-        timing = Timing(prefill_s, ttft_s, per_token, total)
-        b1 = trace.lane_busy_s()["decode"]
-        b2 = {lane: v * window / (window + lead) for lane, v in late.lane_busy_s()["decode"].items()}
-        busy = {"prefill": prefill_busy,
-                "decode": {lane: b1[lane] + n * (b1[lane] + b2[lane]) / (2 * window) for lane in b1}}
-        notes.append(f"decode steps 0..{window - 1} simulated after the prefill; steps {window}..{M - 1} "
-                     f"extrapolated from a window of {window} steps at the end")
+        timing, decode_busy, late_peak, note = _decode_extrapolated(model, work, plan, hw, pre, window,
+                                                                    replay, fuse)
+        peaks.append(late_peak)
+        notes.append(note)
     peak = {p.value: max(pk[p] for pk in peaks) for p in Pool}
+    trace = pre.trace
     trace.note = "; ".join(notes)
-    if shift:
+    if pre.shift:
         trace.note += (f"; this trace holds the last {PREFILL_WINDOW + 1} prefill chunks on, placed at "
-                       f"{shift:.3f} s (--full-sim for a whole trace)")
+                       f"{pre.shift:.3f} s (--full-sim for a whole trace)")
+    busy = {"prefill": pre.busy, "decode": decode_busy}
     report = Report(timing, busy, peak, mem.gpu_breakdown(), tuple(notes))
     return Prediction(report, trace, mem, fuse, hw.compile_s if fuse else 0.0)
