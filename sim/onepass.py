@@ -40,16 +40,13 @@ def schedule(graph: Graph, hw: HardwareProfile, replay: bool = False):
     start = [0.0] * n
     lane_free: dict = {}
     step_end: dict[int, float] = {}      # replayed decode step -> when its last stage ends
-    prev_step: dict[int, int] = {}       # replayed decode step -> the step before it
-    if replay:
-        order = sorted({s.step for s in stages if s.phase is Phase.DECODE})
-        prev_step = dict(zip(order[1:], order))
+    prev_step = _previous_steps(stages, replay)
     queue_ops = hw.launch_queue_ops
     sec = [0.0] * n                      # each stage's seconds, once (its dependencies come before it)
     ahead: deque[tuple[int, int]] = deque()
     queued, host = 0, 0.0
     replayed_from = None                 # id of the first replayed stage, once the host got there
-    for s in stages:
+    for s in stages:   # one body per stage, inline: the simulator's hottest loop
         i = s.id
         if not (replay and s.phase is Phase.DECODE):   # issued eagerly, in graph order
             while ahead and queued + s.ops > queue_ops:   # the launch queue is full
@@ -89,6 +86,14 @@ def schedule(graph: Graph, hw: HardwareProfile, replay: bool = False):
             step_end[s.step] = e
     used, peak = _pools(graph)
     return Trace(graph, "sim", [Span(i, start[i], end[i]) for i in range(n)]), used, peak
+
+
+def _previous_steps(stages, replay: bool) -> dict[int, int]:
+    """Replayed decode step -> the step before it (empty without `replay`)."""
+    if not replay:
+        return {}
+    order = sorted({s.step for s in stages if s.phase is Phase.DECODE})
+    return dict(zip(order[1:], order))
 
 
 def _replay_issue(stages, first: int, in_graph, end, host: float, hw, issue) -> float:
