@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SOURCE = "benchmarks/results/cpu-2026-12-01-lossy-error.json"   # every row: needle set and probe
-SPARSE_NEEDLE_SOURCE = SPARSE_PROBE_SOURCE = SPARSE_QUANT_SOURCE = SOURCE
 COMMAND = "python -m benchmarks.lossy_error"
 SPARSE_SKETCH = 2   # the sparse rows were measured with the 2-bit token sketch, chunks 64, sink 64,
                     # recent 256: LossySpec's defaults, which a sparse pick uses
@@ -60,8 +59,7 @@ MEASURED = {(quant, group): MeasuredError(f"{quant} (group {group})", needle=nee
             )}
 """(quant, group) -> its measured error."""
 
-SPARSE_MEASURED = {f: MeasuredError(f"sparse {f:.0%}, {SPARSE_SKETCH}-bit token sketch", needle=needle, probe=probe,
-                                    needle_source=SPARSE_NEEDLE_SOURCE, probe_source=SPARSE_PROBE_SOURCE)
+SPARSE_MEASURED = {f: MeasuredError(f"sparse {f:.0%}, {SPARSE_SKETCH}-bit token sketch", needle=needle, probe=probe)
                    for f, needle, probe in (
                        (0.1, 0.04284, 1.5095),
                        (0.2, 0.01998, 0.80137),
@@ -72,8 +70,7 @@ almost evenly, so a fraction of the tokens holds little more than that fraction 
 figure is far above the needle set's, and it is the one that binds."""
 
 SPARSE_QUANT_MEASURED = {(f, quant): MeasuredError(f"sparse {f:.0%} + {quant}, {group}-token blocks ({rank})",
-                                                   needle=needle, probe=probe, needle_source=SPARSE_QUANT_SOURCE,
-                                                   probe_source=SPARSE_QUANT_SOURCE,
+                                                   needle=needle, probe=probe,
                                                    probe_row=f"sparse {f:.0%} + {quant}, {group}-token blocks ({rank}), "
                                                              f"{SPARSE_SKETCH}-bit sketch")
                          for f, quant, group, rank, needle, probe in (

@@ -330,7 +330,7 @@ def test_the_combined_error_table_equals_the_benchmark_json_and_the_block_rank_i
     from pathlib import Path
 
     from kvpipe.pipeline.lossy import BLOCK_RANK, BLOCK_RANKS
-    from kvpipe.pipeline.lossy_measured import SPARSE_QUANT_MEASURED, SPARSE_QUANT_SOURCE
+    from kvpipe.pipeline.lossy_measured import SPARSE_QUANT_MEASURED
     doc = json.loads((Path(__file__).parent / "fixtures" / "lossy-error.json").read_text())
     assert set(SPARSE_QUANT_MEASURED) == {(0.2, "int4")}
     for (f, quant), m in SPARSE_QUANT_MEASURED.items():
