@@ -58,7 +58,7 @@ def headwise_attention(module: torch.nn.Module, query: torch.Tensor, key, value,
     return out.transpose(1, 2).contiguous(), None
 
 
-def headwise_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
+def headwise_mask(batch_size: int, q_length: int | None = None, kv_length: int = 0, q_offset=0, kv_offset: int = 0,
                   mask_function=None, attention_mask: torch.Tensor | None = None, local_size=None,
                   **kwargs) -> torch.Tensor | None:
     """The mask for `kvpipe_headwise`: None (causal is built in), or the keys' padding mask
