@@ -113,7 +113,7 @@ class HeadwiseCache(Cache):
         prompts, tokens, written, sequences, chunked = hfgen.request(self.model, args, kwargs)
         if written > self.max_length:
             raise ValueError(f"max_length: generate() writes up to {written} tokens per sequence (a prompt "
-                             f"of {tokens} + max_new_tokens - 1), the cache holds {self.max_length}; "
+                             f"of {tokens} and max_new_tokens), the cache holds {self.max_length}; "
                              f"build it with max_length={written}")
         if sequences > self.batch:
             raise ValueError(f"batch: generate() runs {sequences} sequences ({prompts} prompts × num_beams "

@@ -72,7 +72,8 @@ def _wrap(model: torch.nn.Module, generate, is_ours):
 def request(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[int, int, int, int, bool]:
     """What one generate() call asks of its cache: (prompts, prompt tokens, the most tokens per
     sequence it writes, sequences per forward, whether the caller chose a prefill chunk). The
-    last new token is sampled, never attended: a cache of prompt + max_new_tokens - 1 suffices."""
+    last new token is sampled, never attended: a cache of prompt + max_new_tokens - 1 suffices;
+    prompt lookup may verify up to prompt_lookup_num_tokens candidates past that."""
     ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
     if ids is None:
         ids = kwargs.get("inputs_embeds")
@@ -83,5 +84,6 @@ def request(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[int, int
     prompts, tokens = ids.shape[0], ids.shape[1]
     new = get("max_new_tokens")
     written = tokens + new - 1 if new is not None else (get("max_length") or tokens + 1) - 1
+    written += get("prompt_lookup_num_tokens") or 0
     beams, returns = get("num_beams") or 1, get("num_return_sequences") or 1
     return prompts, tokens, written, prompts * (beams if beams > 1 else returns), get("prefill_chunk_size") is not None

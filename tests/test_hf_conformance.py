@@ -1,0 +1,113 @@
+"""HeadwiseCache inside transformers' own generate(), across its decoding modes: every mode gives
+the tokens HF gives with its DynamicCache (the independent reference), on tiny random Llama
+(multi-head and GQA), Mistral (sliding window covering the cache) and Qwen2, with units spread
+over both tiers (`resident` a mix: some layers resident, others offloaded, a mixed group)."""
+import pytest
+import torch
+
+import kvpipe
+from kvpipe.executor.hf.generate import cache_argument
+
+pytestmark = [pytest.mark.usefixtures("single_thread"),
+              pytest.mark.filterwarnings("error::FutureWarning")]
+
+MODELS = {  # name -> tiny_model arguments
+    "llama": dict(family="llama", kv_heads=4, q_heads=4, head_dim=16),
+    "llama-gqa": dict(family="llama", kv_heads=2, q_heads=8, head_dim=16),
+    "mistral": dict(family="mistral", kv_heads=2, q_heads=4, head_dim=16, sliding_window=64),
+    "qwen2": dict(family="qwen2", kv_heads=2, q_heads=4, head_dim=32),
+}
+CTX, NEW = 19, 7
+GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=127)
+SAMPLE = dict(do_sample=True, top_k=30, temperature=0.8, eos_token_id=None, pad_token_id=127)
+
+
+def prompt(seed: int, batch: int = 2, ctx: int = CTX) -> torch.Tensor:
+    return torch.randint(0, 127, (batch, ctx), generator=torch.Generator().manual_seed(seed))
+
+
+def left_padded(ids: torch.Tensor) -> torch.Tensor:
+    """An attention mask with zeros on the left: 5 pad tokens on row 0, 2 on row 1."""
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    mask[1, :2] = 0
+    return mask
+
+
+def run(model, ids, seed=None, resident=3, batch=2, length=CTX + NEW, **kw) -> torch.Tensor:
+    """generate() with a HeadwiseCache on the tiers mix, passed under the version's argument name."""
+    with kvpipe.HeadwiseCache(model, max_length=length, resident=resident, group=1, batch=batch) as cache:
+        if seed is not None:
+            torch.manual_seed(seed)
+        return model.generate(ids, **{cache_argument(model): cache}, **kw)
+
+
+def hf(model, ids, seed=None, **kw) -> torch.Tensor:
+    if seed is not None:
+        torch.manual_seed(seed)
+    return model.generate(ids, **kw)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_greedy_sampled_and_left_padded_equal_hf(tiny_model, name):
+    """Faults caught: padded keys attended (a left-padded row's tokens differ from HF's), padding
+    refused, a sliding window that covers the cache refused (Mistral), or sampling seeing other
+    logits through the cache. Put in: headwise_mask returning None for padded masks."""
+    model = tiny_model(**MODELS[name])
+    ids = prompt(len(name))
+    mask = left_padded(ids)
+    for kw in (GREEDY, dict(SAMPLE, top_p=0.9)):
+        seed = 7 if kw["do_sample"] else None
+        for m in (None, mask):
+            ref = hf(model, ids, seed, attention_mask=m, max_new_tokens=NEW, **kw)
+            out = run(model, ids, seed, attention_mask=m, max_new_tokens=NEW, **kw)
+            assert torch.equal(out, ref), (name, kw["do_sample"], m is not None)
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2"])
+def test_beam_search_equals_hf(tiny_model, name):
+    """Fault caught: reorder_cache moving only some homes (the resident ones, or one tier) or not
+    at all: the beams then continue from another beam's KV. Put in: regather skipping host homes."""
+    model = tiny_model(**MODELS[name])
+    ids = prompt(3)
+    kw = dict(max_new_tokens=NEW, num_beams=3, num_return_sequences=2, **GREEDY)
+    ref = hf(model, ids, **kw)
+    assert torch.equal(run(model, ids, batch=6, **kw), ref)
+    mask = left_padded(ids)
+    assert torch.equal(run(model, ids, batch=6, attention_mask=mask, **kw), hf(model, ids, attention_mask=mask, **kw))
+
+
+def test_num_return_sequences_sampled_and_the_batch_it_needs(tiny_model):
+    """Faults caught: num_return_sequences > 1 giving other tokens than HF, or, with a cache built
+    for fewer sequences, failing with a shape error deep in the model instead of saying what to
+    pass. Put in: prepare_generate's batch check removed (the first forward then refuses)."""
+    model = tiny_model(**MODELS["llama-gqa"])
+    ids = prompt(5, batch=1)
+    kw = dict(max_new_tokens=NEW, num_return_sequences=3, **SAMPLE)
+    assert torch.equal(run(model, ids, 11, batch=3, **kw), hf(model, ids, 11, **kw))
+    with pytest.raises(ValueError, match=r"^batch: generate\(\) runs 3 sequences .* build it with batch=3$"):
+        run(model, ids, 11, batch=1, **kw)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_prompt_lookup_and_assisted_decoding_equal_hf(tiny_model, name):
+    """Fault caught: crop() not truncating every layer (rejected candidate tokens stay attended),
+    or crop refused. Put in: HeadwiseLayer.crop a no-op."""
+    model = tiny_model(**MODELS[name])
+    ids = prompt(9, batch=1).repeat(1, 2)[:, :CTX]   # repeats: prompt lookup finds candidates
+    kw = dict(max_new_tokens=NEW, **GREEDY)
+    assert torch.equal(run(model, ids, batch=1, length=CTX + NEW + 2, prompt_lookup_num_tokens=3, **kw),
+                       hf(model, ids, prompt_lookup_num_tokens=3, **kw))
+    draft = tiny_model(**MODELS[name], layers=1)
+    assert torch.equal(run(model, ids, batch=1, assistant_model=draft, **kw),
+                       hf(model, ids, assistant_model=draft, **kw))
+
+
+def test_sliding_window_smaller_than_the_cache_is_refused_up_front(tiny_model):
+    """Fault caught: a window smaller than the cache accepted (attention would then see keys the
+    model must not) or refused only mid-run. Put in: the window check in adapter.check skipped."""
+    model = tiny_model(**MODELS["mistral"])
+    with pytest.raises(ValueError, match=r"^sliding_window: .*64.*not supported"):
+        kvpipe.HeadwiseCache(model, max_length=65)
+    assert model.config._attn_implementation == "sdpa"
+    run(model, prompt(1), length=64, max_new_tokens=NEW, **GREEDY)   # a window of exactly the cache runs
