@@ -33,7 +33,8 @@ class HeadStream:
 
     # ---- lifetime ----------------------------------------------------------------------
     def open(self) -> "HeadStream":
-        self.store.open()
+        with torch.inference_mode(False):   # plain tensors: cache operations run outside inference mode too
+            self.store.open()
         if self.cuda:
             self.h2d, self.d2h = torch.cuda.Stream(self.store.device), torch.cuda.Stream(self.store.device)
         self._stored: list = [None] * self.layout.layers           # per layer: its last d2h store
