@@ -133,3 +133,24 @@ def test_budget_strings_and_the_cache_argument_name(model):
         model.generate(ids, past_key_values=cache, max_new_tokens=2, **GREEDY)
         cache.reset()
         model.generate(ids, cache=cache, max_new_tokens=2, **GREEDY)
+
+
+def test_generate_prefills_in_the_plans_chunks(model):
+    """Fault caught: generate() prefilling the whole prompt in one forward when the caller passes
+    no prefill_chunk_size (the plan's chunk ignored: its peak memory and its overlap lost), or
+    overriding a chunk the caller chose. Put in: prepare_generate not setting prefill_chunk_size."""
+    ids = prompt(8, batch=1)
+    ref = model.generate(ids, max_new_tokens=NEW, **GREEDY)
+    lengths = []
+    hook = model.register_forward_pre_hook(lambda m, a, kw: lengths.append(kw["input_ids"].shape[1]),
+                                           with_kwargs=True)
+    try:
+        for given, want in ((None, [5, 5, 5, 2]), (8, [8, 8, 1])):
+            lengths.clear()
+            with kvpipe.HeadwiseCache(model, max_length=CTX + NEW, resident=3, group=1, chunk=5) as cache:
+                out = model.generate(ids, **{cache_argument(model): cache}, max_new_tokens=NEW,
+                                     prefill_chunk_size=given, **GREEDY)
+            assert torch.equal(out, ref)
+            assert lengths == want + [1] * (NEW - 1), (given, lengths)
+    finally:
+        hook.remove()

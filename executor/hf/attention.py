@@ -12,6 +12,7 @@ sliding window that covers every key is full attention; `headwise_mask` refuses 
 express (a window smaller than the keys, custom or packed masks) with a ValueError."""
 from __future__ import annotations
 
+import contextvars
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,8 @@ from kvpipe.executor.hf.headstream import HeadStream
 from kvpipe.executor.hf.masked import attend_padded
 
 IMPLEMENTATION = "kvpipe_headwise"
+# Set by generate() given an all-ones mask: no step checks the mask again (a host sync per token).
+UNPADDED = contextvars.ContextVar("kvpipe_unpadded", default=False)
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,9 @@ def headwise_mask(batch_size: int, q_length: int | None = None, kv_length: int =
             raise ValueError(f"sliding_window: {local_size} < {kv_length} keys; HeadwiseCache attends "
                              "to the whole cache (sliding windows are not supported)")
     if attention_mask is None or attention_mask.dim() != 2:
-        return attention_mask
+        return attention_mask   # a prepared mask is refused by the attention function
+    if UNPADDED.get():
+        return None
     from kvpipe.executor.hf.masked import padding_mask
 
     valid = padding_mask(attention_mask, kv_length, kv_offset)
