@@ -154,3 +154,17 @@ def test_generate_prefills_in_the_plans_chunks(model):
             assert lengths == want + [1] * (NEW - 1), (given, lengths)
     finally:
         hook.remove()
+
+
+def test_the_readme_snippet_runs_as_written(capsys):
+    """Fault caught: the README's HeadwiseCache snippet depending on names it does not define
+    (`model`, `ids`, `prompt_len`) or on a download, or failing as written. Put in: the snippet's
+    model line removed."""
+    from pathlib import Path
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    section = text[text.index("## Hugging Face generate()"):]
+    start = section.index("```python\n") + 10
+    code = section[start:section.index("\n```", start)]
+    exec(compile(code, "README.md", "exec"), {})
+    printed = capsys.readouterr().out.strip()
+    assert printed.startswith("[") and len(eval(printed)) == 16
