@@ -219,14 +219,18 @@ class HeadwiseLayer(CacheLayerMixin):
         self.length += key_states.shape[2]
         return pending, pending
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        """(keys, offset) of a step of `query_length` tokens (older transformers pass cache_position)."""
+        q = query_length.shape[0] if torch.is_tensor(query_length) else query_length
+        return self.length + q, 0
 
     def get_seq_length(self) -> int:
         return self.length
 
     def get_max_length(self) -> int:
         return self.owner.max_length
+
+    get_max_cache_shape = get_max_length
 
     def reset(self) -> None:
         self.length = 0

@@ -11,7 +11,7 @@ import weakref
 
 import torch
 
-from kvpipe.executor.hf.attention import IMPLEMENTATION, register
+from kvpipe.executor.hf.attention import IMPLEMENTATION, UNPADDED, register
 
 _LIVE: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 CACHE_NAMES = ("cache", "past_key_values")
@@ -64,7 +64,12 @@ def _wrap(model: torch.nn.Module, generate, is_ours):
             raise ValueError("cache: given twice (as cache= and as past_key_values=)")
         kwargs[name] = kwargs.pop(given[0])
         cache.prepare_generate(args, kwargs)
-        return generate(*args, **kwargs)
+        mask = kwargs.get("attention_mask")
+        token = UNPADDED.set(mask is not None and bool(mask.all()))   # one check per call, not per step
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            UNPADDED.reset(token)
 
     return wrapped
 
