@@ -239,6 +239,7 @@ class HeadwiseLayer(CacheLayerMixin):
     def crop(self, tokens: int) -> None:
         """Drop the last -tokens tokens (tokens < 0), or keep the first `tokens` (> 0, the older
         transformers form). The homes stay: later writes overwrite the dropped positions."""
+        tokens = int(tokens)   # assisted decoding passes a 0-d tensor
         keep = self.length + tokens if tokens < 0 else min(self.length, tokens) if tokens > 0 else self.length
         self.length = max(0, keep)
 

@@ -168,3 +168,19 @@ def test_the_readme_snippet_runs_as_written(capsys):
     exec(compile(code, "README.md", "exec"), {})
     printed = capsys.readouterr().out.strip()
     assert printed.startswith("[") and len(eval(printed)) == 16
+
+
+def test_an_unpadded_mask_is_read_once_per_call_not_per_step(model, monkeypatch):
+    """Fault caught: every decode step reading the attention mask back to the host to look for
+    padding (a device sync per token). Put in: the wrapper not setting UNPADDED (seen failing
+    with transformers 5.17; 5.24's generate() drops an all-ones mask itself, so there it passes)."""
+    import kvpipe.executor.hf.masked as masked
+    calls = []
+    real = masked.padding_mask
+    monkeypatch.setattr(masked, "padding_mask", lambda *a: calls.append(1) or real(*a))
+    ids = prompt(9, batch=1)
+    ref = model.generate(ids, max_new_tokens=NEW, **GREEDY)
+    with kvpipe.HeadwiseCache(model, max_length=CTX + NEW) as cache:
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **{cache_argument(model): cache},
+                             max_new_tokens=NEW, **GREEDY)
+    assert torch.equal(out, ref) and calls == []
