@@ -111,6 +111,10 @@ class HeadwiseCache(Cache):
     def prepare_generate(self, args: tuple, kwargs: dict) -> None:
         """Check one generate() call before any work; default its prefill chunk to the plan's."""
         prompts, tokens, written, sequences, chunked = hfgen.request(self.model, args, kwargs)
+        config = kwargs.get("generation_config") or self.model.generation_config
+        if kwargs.get("output_attentions", getattr(config, "output_attentions", False)):
+            raise ValueError("output_attentions: not supported with HeadwiseCache (its attention "
+                             "computes no weight matrix)")
         if written > self.max_length:
             raise ValueError(f"max_length: generate() writes up to {written} tokens per sequence (a prompt "
                              f"of {tokens} and max_new_tokens), the cache holds {self.max_length}; "

@@ -111,3 +111,27 @@ def test_sliding_window_smaller_than_the_cache_is_refused_up_front(tiny_model):
         kvpipe.HeadwiseCache(model, max_length=65)
     assert model.config._attn_implementation == "sdpa"
     run(model, prompt(1), length=64, max_new_tokens=NEW, **GREEDY)   # a window of exactly the cache runs
+
+
+def test_continuation_embeddings_and_processors_equal_hf(tiny_model):
+    """Faults caught: a second generate() over a returned cache re-prefilling or mis-placing the
+    cached prefix; inputs_embeds prompts or logits processors (repetition penalty, n-gram ban,
+    min_new_tokens) seeing other logits; output_attentions failing with an IndexError deep in
+    generate() instead of one line. Put in: the output_attentions check removed."""
+    model = tiny_model(**MODELS["qwen2"])
+    ids = prompt(12)
+    first = hf(model, ids, max_new_tokens=4, **GREEDY)
+    ref = hf(model, first, max_new_tokens=4, **GREEDY)   # HF: a fresh run over the longer prompt
+    with kvpipe.HeadwiseCache(model, max_length=CTX + 8, resident=3, group=1, batch=2) as cache:
+        arg = {cache_argument(model): cache}
+        out = model.generate(ids, **arg, max_new_tokens=4, return_dict_in_generate=True, **GREEDY)
+        assert out[cache_argument(model)] is cache and cache.get_seq_length() == CTX + 3
+        assert torch.equal(model.generate(out.sequences, **arg, max_new_tokens=4, **GREEDY), ref)
+        with pytest.raises(ValueError, match="^output_attentions: not supported"):
+            model.generate(ids, **arg, max_new_tokens=2, output_attentions=True, return_dict_in_generate=True,
+                           **GREEDY)
+    emb = model.get_input_embeddings()(ids)
+    assert torch.equal(run(model, None, inputs_embeds=emb, max_new_tokens=NEW, **GREEDY),
+                       hf(model, None, inputs_embeds=emb, max_new_tokens=NEW, **GREEDY))
+    kw = dict(max_new_tokens=NEW, min_new_tokens=3, repetition_penalty=1.3, no_repeat_ngram_size=2, **GREEDY)
+    assert torch.equal(run(model, ids, **kw), hf(model, ids, **kw))
