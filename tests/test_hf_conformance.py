@@ -111,6 +111,10 @@ def test_sliding_window_smaller_than_the_cache_is_refused_up_front(tiny_model):
         kvpipe.HeadwiseCache(model, max_length=65)
     assert model.config._attn_implementation == "sdpa"
     run(model, prompt(1), length=64, max_new_tokens=NEW, **GREEDY)   # a window of exactly the cache runs
+    big = tiny_model(**dict(MODELS["mistral"], sliding_window=4096), max_position_embeddings=8192)
+    kvpipe.HeadwiseCache(big, max_length=4096).close()   # Mistral-7B-v0.1's window, contexts up to it
+    with pytest.raises(ValueError, match="^sliding_window: "):
+        kvpipe.HeadwiseCache(big, max_length=4097)
 
 
 def test_continuation_embeddings_and_processors_equal_hf(tiny_model):
@@ -135,3 +139,19 @@ def test_continuation_embeddings_and_processors_equal_hf(tiny_model):
                        hf(model, None, inputs_embeds=emb, max_new_tokens=NEW, **GREEDY))
     kw = dict(max_new_tokens=NEW, min_new_tokens=3, repetition_penalty=1.3, no_repeat_ngram_size=2, **GREEDY)
     assert torch.equal(run(model, ids, **kw), hf(model, ids, **kw))
+
+
+@pytest.mark.gpu
+def test_cuda_beams_over_padded_prompts_equal_all_resident(tiny_model):
+    """Faults caught, on CUDA: a reorder (beam search) racing the d2h stores or h2d prefetches of
+    offloaded heads (regather before the copies in flight landed), or padded attention differing
+    between tiers: the sequences then differ from the all-resident run's, bit for bit."""
+    model = tiny_model("llama", kv_heads=4, q_heads=8, head_dim=32, layers=3, dtype=torch.bfloat16, device="cuda")
+    ids = prompt(4, ctx=200).cuda()
+    mask = left_padded(ids)
+    kw = dict(attention_mask=mask, max_new_tokens=12, num_beams=3, prefill_chunk_size=64,
+              output_scores=True, return_dict_in_generate=True, **GREEDY)
+    outs = {res: run(model, ids, resident=res, batch=6, length=212, **kw) for res in ("all", "none", 5)}
+    for res in ("none", 5):
+        assert torch.equal(outs[res].sequences, outs["all"].sequences), res
+        assert torch.equal(torch.stack(outs[res].scores), torch.stack(outs["all"].scores)), res
