@@ -31,7 +31,7 @@ def _search_json(search, model: ModelSpec) -> dict:
         return {}
     return {"alternatives": [{"plan": a.plan.to_json(model), "predicted": a.prediction.report.to_json()}
                              for a in search.alternatives],
-            "planner": {"objective": search.objective, "reason": search.reason, "fitting_plans": search.fitting,
+            "planner": {"objective": search.objective, "ranked_on": search.ranked_on, "reason": search.reason, "fitting_plans": search.fitting,
                         "simulated": search.simulated, "pruned": search.pruned,
                         "unexplored": search.unexplored}}
 

@@ -27,7 +27,8 @@ def _print_search(search, plan) -> None:
         t = alt.prediction.report.timing
         print(f"  runner-up {i}: {alt.plan.describe()}")
         print(f"      prefill {fmt_s(t.prefill_s)}, first token {fmt_s(t.ttft_s)}, decode "
-              f"{fmt_s(t.decode_s_per_token)}/token, total {fmt_s(t.total_s)}")
+              f"{fmt_s(t.decode_s_per_token)}/token, total {fmt_s(t.total_s)}"
+              + (f" (a {search.ranked_on} run)" if search.ranked_on != "p50" else ""))
 
 
 def print_plan(res: PlanResult) -> None:

@@ -72,6 +72,7 @@ class PlannerResult:
     simulated: int
     pruned: int                        # skipped because their lower bound could not win
     unexplored: int = 0                # neither simulated nor pruned: the simulation budget ran out
+    ranked_on: str = "p50"             # the run every simulation here is of (p90: the host's slow run)
 
 
 class NoPlanFits(ValueError):
@@ -128,7 +129,7 @@ def search(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dict[
     label = objective if hw.host_issue_p90 == 1 or quantile == "p50" else f"{objective} at {quantile}"
     reason = _reason(s, best, rest, label, _replay_note(s, best, done, label, eager_skip))
     return PlannerResult(best, tuple(rest), reason, objective, len(plans) + len(twins), len(done), pruned,
-                         unexplored)
+                         unexplored, "p50" if label == objective else quantile)
 
 
 def _branch_and_bound(s: _Search, plans: list[Plan], done: dict, objective: str, budget: int,
