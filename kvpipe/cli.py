@@ -101,6 +101,9 @@ def add_plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan", metavar="PLAN.json", help="a plan.json (written by plan --out); replaces the search and --group/--chunk/--resident")
     p.add_argument("--objective", default="total", choices=["total", "ttft", "decode"],
                    help="what the planner minimises: total time, time to first token or decode time per token")
+    p.add_argument("--quantile", default="p90", choices=["p50", "p90"],
+                   help="the run it is minimised on: p90 (default) a slow run of the host's issue speed, where the "
+                        "profile knows its spread, so a plan fast only on a good run is not picked; p50 a median run")
     p.add_argument("--fuse", type=str.lower, choices=["auto", "on", "off"],
                    help="fused decode: the elementwise work of replayed decode steps compiled by torch.compile "
                         "(auto: where it runs, CUDA + Triton; on: refused where it cannot; off: HF's modules). "
