@@ -89,15 +89,16 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"--rows: unknown {unknown[0]!r}")
     rates, spec = floor_rates(torch), load_model(MODEL)
+    path = args.out or result_file("robust-decode", "cuda")
     rows = {}
     for name in names:
         context, group, resident, _ = ROWS[name]
         runs = [one_run(context, group, resident, args.timeout) for _ in range(args.processes)]
         rows[name] = row_result(name, runs, spec, rates)
         print(table({name: rows[name]})[-1], flush=True)
-    path = args.out or result_file("robust-decode", "cuda")
-    with open(path, "w") as f:
-        json.dump({"command": " ".join(sys.argv), "rates": rates, "processes": args.processes, "rows": rows}, f, indent=1)
+        with open(path, "w") as f:   # after every row: a run cut off keeps the rows it finished
+            json.dump({"command": " ".join(sys.argv), "rates": rates, "processes": args.processes, "rows": rows},
+                      f, indent=1)
     print("\n".join(table(rows)))
     return 0
 
