@@ -9,6 +9,7 @@ prompt without a template), and the prefill breaks its chunks there, so a contin
 saved KV equals bit for bit an uninterrupted run whose chunks break at the same token."""
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 from kvpipe.pipeline.sampling import Sampling
@@ -86,9 +87,13 @@ def generate_kept(model, prompt, prompt_file, prompt_format, chat, system, n, st
             [{"role": "user", "content": text}] if templated else None
     conv = Conversation(model, loaded=(ck, spec, tok), max_context=max_context or len(ids) + n,
                         chat=chat and msgs is not None, system=system, seed=gen["seed"], max_new_tokens=n, **options)
+    loaded = {}
     try:
         if man is not None:
+            t0 = time.perf_counter()
             conv.load(load_kv)
+            loaded = {"kv_load_s": time.perf_counter() - t0,
+                      "kv_load_bytes": man["unit_bytes"] * len(man["units"])}
         cut = len(ids) if msgs is None else common_prefix(ids, conv.render(msgs, opened=False))
         res = conv.append(ids, breaks=(cut,) if save_kv is not None else (), max_new_tokens=n, **gen)
         if save_kv is not None:
@@ -96,4 +101,4 @@ def generate_kept(model, prompt, prompt_file, prompt_format, chat, system, n, st
             conv.save(save_kv, upto=cut)
     finally:
         conv.close()
-    return res
+    return replace(res, timings=dict(res.timings, **loaded))
