@@ -165,3 +165,18 @@ def test_a_missing_directory_is_one_line_naming_the_flag(model_dir, tmp_path, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "load-kv:" in err[0] and "manifest.json" in err[0]
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("resident,group,disk", [("none", 1, None), ("all", 3, None), ("2", 1, "2"), ("3", 3, None)])
+def test_continuation_is_the_uninterrupted_run_on_the_gpu(model_dir, tmp_path, resident, group, disk):
+    """Fault caught: on CUDA (bf16, replayed decode where the plan replays), a unit saved or
+    loaded with a copy still in flight, or a continuation whose bits differ from the uninterrupted
+    run broken at the same token, under any placement."""
+    opts = dict(place(resident, group, disk), device="cuda", dtype="bf16")
+    kvpipe.generate(str(model_dir), ids(P), max_new_tokens=5, save_kv=tmp_path / "kv", **opts)
+    got = kvpipe.generate(str(model_dir), ids(Q), max_new_tokens=6, load_kv=tmp_path / "kv", **opts)
+    ref = reference(model_dir, P + Q, (len(P),), 6, **opts)
+    assert got.tokens == ref.tokens and got.output_digest == ref.output_digest
+    first = reference(model_dir, P + Q, (len(P),), 6, **dict(place("all", 1, None), device="cuda", dtype="bf16"))
+    assert got.output_digest == first.output_digest

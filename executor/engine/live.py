@@ -113,6 +113,8 @@ class LiveSession:
             res = execute(graph, self.hf, prompt, self.device, keep_logits=keep_logits, stage_hook=stage_hook,
                           replay=self.replay, fuse=self.fuse, decoding=decoding, store=self.store)
         except BaseException:    # Ctrl-C, an error: what is home stays the conversation so far
+            if self.store.cuda:
+                torch.cuda.synchronize(self.device)   # no copy of the stopped run still in flight
             self._truncate_disk()
             raise
         kept = decoding.finish() if decoding is not None else decode_tokens + 1
