@@ -46,15 +46,21 @@ def test_save_load_and_continue_is_the_uninterrupted_run(smollm2, hf, tmp_path, 
     assert got.text == tok.decode(got.tokens, skip_special_tokens=True)
 
 
-def test_chat_turn_two_prefills_only_its_new_tokens_and_is_hfs_text(smollm2, hf):
+def test_chat_turn_two_prefills_only_its_new_tokens_and_is_hfs_text(smollm2, hf, monkeypatch, capsys):
     """Fault caught: the second turn prefilling the whole conversation, the reply's tokens not
     kept (only the prompt's), or a second answer other than HF's over the whole conversation."""
+    import io
+    import json
+    from kvpipe.cli import main
     model, tok = hf
-    with Conversation(str(smollm2[2]), max_context=256, max_new_tokens=N, device="cpu", resident="40", group=3) as c:
-        one = c.say("What is the capital of France?", max_new_tokens=N)
-        first = one.prompt_tokens
-        two = c.say("And of Italy?", max_new_tokens=N)
-        full = c.render(c.messages[:-1])
-    assert two.timings["reused_tokens"] == first + len(one.tokens) - 1
-    assert two.timings["prefill_tokens"] == len(full) - two.timings["reused_tokens"]
-    assert "Paris" in one.text and two.tokens == hf_greedy_ids(hf, full, N)
+    monkeypatch.setattr("sys.stdin", io.StringIO("What is the capital of France?\nAnd of Italy?\n"))
+    code = main(["chat", "--model", str(smollm2[2]), "--device", "cpu", "--json", "--max-context", "256",
+                 "--max-new-tokens", str(N), "--resident", "40", "--group", "3"])
+    one, two = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    msgs = [{"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": one["text"]}, {"role": "user", "content": "And of Italy?"}]
+    full = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert code == 0 and "Paris" in one["text"]
+    assert two["timings"]["reused_tokens"] == one["usage"]["prompt_tokens"] + len(one["tokens"]) - 1
+    assert two["timings"]["prefill_tokens"] == len(full) - two["timings"]["reused_tokens"]
+    assert two["tokens"] == hf_greedy_ids(hf, list(full), N)
