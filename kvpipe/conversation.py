@@ -37,25 +37,37 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def fingerprint(hf_model) -> dict:
+def fingerprint(hf_model, method: str | None = None) -> dict:
     """sha256 of the model's config (without the fields that name no shape or weight) and of every
-    weight's bits: two weighted sums per tensor, computed where the weights live (cheap on a GPU)."""
+    weight's bits, hashed where the weights live: `crc32c` of each tensor's bytes (on the CPU) or
+    `sums`, two weighted sums of its bits computed on the device (a GPU's weights stay there)."""
     import torch
     cfg = {k: v for k, v in hf_model.config.to_dict().items()
            if k not in ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures")}
+    params = sorted(hf_model.state_dict().items())
+    method = method or ("crc32c" if params[0][1].device.type == "cpu" else "sums")
     h = hashlib.sha256()
     with torch.inference_mode():
-        for name, t in sorted(hf_model.state_dict().items()):
-            flat = t.detach().reshape(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-            coef = torch.arange(min(flat.numel(), 1 << 22), device=flat.device, dtype=torch.int64) * 2 + 1
-            sums = [0, 0]
-            for i in range(0, flat.numel(), coef.numel()):
-                part = flat[i:i + coef.numel()].to(torch.int64)
-                sums[0] += int((part * coef[:part.numel()]).sum())
-                sums[1] += int(part.sum())
-            h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{sums[0]}:{sums[1]};".encode())
+        for name, t in params:
+            h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{_tensor_hash(t, method)};".encode())
     return {"config_sha256": hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest(),
-            "weights_sha256": h.hexdigest()}
+            "weights_sha256": h.hexdigest(), "weights_hash": method}
+
+
+def _tensor_hash(t, method: str) -> str:
+    import torch
+    flat = t.detach().reshape(-1).view(torch.uint8) if method == "crc32c" else \
+        t.detach().reshape(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    if method == "crc32c":
+        import crc32c
+        return str(crc32c.crc32c(flat.cpu().contiguous().numpy()))
+    coef = torch.arange(min(flat.numel(), 1 << 22), device=flat.device, dtype=torch.int64) * 2 + 1
+    sums = torch.zeros(2, dtype=torch.int64, device=flat.device)
+    for i in range(0, flat.numel(), coef.numel()):
+        part = flat[i:i + coef.numel()].to(torch.int64)
+        sums[0] += (part * coef[:part.numel()]).sum()
+        sums[1] += part.sum()
+    return f"{int(sums[0])}:{int(sums[1])}"
 
 
 @dataclasses.dataclass
@@ -67,7 +79,13 @@ class _Engine:
     hf: object
     device: object
     base: api.RunResult       # the run result's fixed part (plan, prediction, device); per turn replaced
-    fingerprint: dict
+    hashes: dict = dataclasses.field(default_factory=dict)   # fingerprint per weights-hash method, on first use
+
+    def fingerprint(self, method: str | None = None) -> dict:
+        key = method or "default"
+        if key not in self.hashes:
+            self.hashes[key] = fingerprint(self.hf, method)
+        return self.hashes[key]
 
 
 class Conversation:
@@ -171,7 +189,7 @@ class Conversation:
         if n < 1:
             raise ValueError("save-kv: the conversation holds no tokens yet")
         e = self.engine
-        meta = {"model": {"name": self.model_spec.name, **e.fingerprint}, "dtype": self.model_spec.dtype,
+        meta = {"model": {"name": self.model_spec.name, **e.fingerprint()}, "dtype": self.model_spec.dtype,
                 "tokens": self.live.tokens[:n], "chat_template": self.chat, "messages": self.messages,
                 "plan": e.plan.to_json(e.spec), "capacity": self.capacity}
         return saved.save(self.live.store, n, self.live.length, directory, meta)
@@ -181,7 +199,8 @@ class Conversation:
         dtype, or a capacity too short, naming the mismatch."""
         from kvpipe.executor.kv import saved
         man = saved.read_manifest(directory)
-        check_manifest(man, self.model_spec, self.engine.fingerprint, self.capacity)
+        check_early(man, self.model_spec, self.capacity)
+        check_manifest(man, self.model_spec, self.engine.fingerprint((man.get("model") or {}).get("weights_hash")))
         if self.live.length:
             raise ValueError("load-kv: the conversation already holds tokens (reset it first)")
         n = saved.load(self.live.store, directory, man)
@@ -190,20 +209,24 @@ class Conversation:
         return man
 
 
-def check_manifest(man: dict, spec, fp: dict, capacity: int, flag: str = "load-kv") -> None:
-    """One line naming the first mismatch between a saved KV and this model and capacity."""
+def check_early(man: dict, spec, capacity: int, flag: str = "load-kv") -> None:
+    """The mismatches found before the model loads: dtype, and a capacity too short."""
+    if man.get("dtype") != spec.dtype:
+        raise ValueError(f"{flag}: saved in {man.get('dtype')}, this model runs in {spec.dtype} (--dtype)")
+    if len(man.get("tokens", ())) >= capacity:
+        raise ValueError(f"{flag}: the saved {len(man['tokens'])} tokens leave no room in a {capacity}-token "
+                         "context (--max-context)")
+
+
+def check_manifest(man: dict, spec, fp: dict, flag: str = "load-kv") -> None:
+    """One line naming the first mismatch between a saved KV's model and this one."""
     saved_model = man.get("model") or {}
     if saved_model.get("config_sha256") != fp["config_sha256"]:
         raise ValueError(f"{flag}: saved with another model ({saved_model.get('name')!r}, config "
                          f"{str(saved_model.get('config_sha256'))[:12]}), this is {spec.name!r} (config {fp['config_sha256'][:12]})")
-    if man.get("dtype") != spec.dtype:
-        raise ValueError(f"{flag}: saved in {man.get('dtype')}, this model runs in {spec.dtype} (--dtype)")
     if saved_model.get("weights_sha256") != fp["weights_sha256"]:
         raise ValueError(f"{flag}: saved with other weights of {spec.name!r} (weights "
                          f"{str(saved_model.get('weights_sha256'))[:12]}, these are {fp['weights_sha256'][:12]})")
-    if len(man.get("tokens", ())) >= capacity:
-        raise ValueError(f"{flag}: the saved {len(man['tokens'])} tokens leave no room in a {capacity}-token "
-                         "context (--max-context)")
 
 
 def _start(ck, spec, capacity: int, decode: int, seed: int, options: dict) -> _Engine:
@@ -233,7 +256,7 @@ def _start(ck, spec, capacity: int, decode: int, seed: int, options: dict) -> _E
     base = api.RunResult(spec, profile, work, budgets, decision.predicted, None, None, [], "", str(dev), attention,
                          "random weights" if opts.random_weights else str(opts.model), warnings,
                          search=decision.search)
-    return _Engine(spec, decision.plan, hf, dev, base, fingerprint(hf))
+    return _Engine(spec, decision.plan, hf, dev, base)
 
 
 def _warm_up(session, spec, work, plan, hf, dev, gpu_budget: int, opts, fuse) -> None:

@@ -80,7 +80,9 @@ def generate_kept(model, prompt, prompt_file, prompt_format, chat, system, n, st
     ck, spec, tok = load(model, options.get("dtype"), options.get("random_weights", False))
     flag = "prompt-file" if prompt_file else "prompt"
     if man is not None:
+        from .conversation import check_early
         ids, msgs = compose(man, text, prompt_format, tok, spec, chat, flag)
+        check_early(man, spec, max_context or len(ids) + n)
     else:
         ids, templated = encode(text, prompt_format, tok, spec, chat, system, flag)
         msgs = ([{"role": "system", "content": system}] if system is not None else []) + \
