@@ -147,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     from kvpipe.generate_cli import add_parser
     add_parser(sub)
+    from kvpipe.chat_cli import add_parser as add_chat
+    add_chat(sub)
     sub.add_parser("codecs", help="list the codecs: lossless or lossy, where each runs, which links")
     c = sub.add_parser("calibrate", help="measure this machine (CUDA) and write a hardware profile TOML",
                        formatter_class=_Help)
@@ -249,9 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger("kvpipe")
     log.addHandler(handler)
     try:
+        from kvpipe.chat_cli import cmd_chat
         from kvpipe.generate_cli import cmd_generate
         return {"plan": cmd_plan, "run": cmd_run, "calibrate": cmd_calibrate,
-                "codecs": cmd_codecs, "generate": cmd_generate}[args.command](args)
+                "codecs": cmd_codecs, "generate": cmd_generate, "chat": cmd_chat}[args.command](args)
     except BrokenPipeError:   # the reader went away (`| head`): stop quietly, and keep Python's
         # exit-time flush of stdout from failing again (the Python docs' recipe for SIGPIPE)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
