@@ -135,8 +135,10 @@ def plot(rows: list[Row], opts: PlanOptions, path: str) -> None:
         raise ValueError("plot: needs matplotlib (pip install kvpipe[plot])") from None
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in rows:
-        pts = [p for p in row(replace(opts, hw=r.hw, host_mem=str(r.budgets["host"]), max_error=None),
-                              [c for c in PLOT_CONTEXTS if c <= r.max_context]).exact if p.decode_s_per_token]
+        known = {p.context for p in r.exact}   # the table's points are reused, only the others simulated
+        more = [c for c in PLOT_CONTEXTS if c <= r.max_context and c not in known]
+        extra = row(replace(opts, hw=r.hw, host_mem=str(r.budgets["host"]), max_error=None), more).exact if more else ()
+        pts = sorted((p for p in r.exact + extra if p.decode_s_per_token), key=lambda p: p.context)
         ax.plot([p.context for p in pts], [p.decode_s_per_token for p in pts], marker="o",
                 label=f"{r.hw}, host {fmt_bytes(r.budgets['host'])}")
     ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="decode s/token",
