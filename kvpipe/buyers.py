@@ -5,6 +5,8 @@ when given); optionally a plot of decode time against context per card."""
 from __future__ import annotations
 
 import json
+import os
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 
 from kvpipe.pipeline.model import load_model
@@ -89,9 +91,16 @@ def row(opts: PlanOptions, contexts=CONTEXTS) -> Row:
     return Row(profile.name, budgets, largest, binding_pools(largest_of, budgets, largest), points, lossy)
 
 
-def table(opts: PlanOptions, hws: list[str], host_mems: list[str | None], contexts=CONTEXTS) -> list[Row]:
-    """One row per (card, host budget), cards outer, in the order given."""
-    return [row(replace(opts, hw=hw, host_mem=host), contexts) for hw in hws for host in host_mems]
+def table(opts: PlanOptions, hws: list[str], host_mems: list[str | None], contexts=CONTEXTS,
+          workers: int | None = None) -> list[Row]:
+    """One row per (card, host budget), cards outer, in the order given. Rows are independent
+    searches: `workers` processes (None: one per core, at most one per row) compute them at once."""
+    jobs = [replace(opts, hw=hw, host_mem=host) for hw in hws for host in host_mems]
+    workers = min(len(jobs), os.cpu_count() or 1) if workers is None else workers
+    if workers <= 1:
+        return [row(j, contexts) for j in jobs]
+    with ProcessPoolExecutor(workers) as pool:
+        return list(pool.map(row, jobs, [contexts] * len(jobs)))
 
 
 def _secs(v: float | None) -> str:
