@@ -160,7 +160,10 @@ def plot(rows: list[Row], opts: PlanOptions, path: str) -> None:
 
 def cmd_table(args) -> int:
     """`kvpipe plan --hw a,b --host-mem x,y`: the buyer's table (text or --json, and --plot)."""
+    from kvpipe.hw_profiles import load_profile
     hws, hosts = split_list(args.hw, "--hw"), split_list(args.host_mem, "--host-mem")
+    for hw in hws:   # a bad name fails in one line before any row is searched
+        load_profile(hw)
     given = {**vars(args), "hw": hws[0], "host_mem": hosts[0], "plot": None, "trace": None, "out": None}
     opts = PlanOptions.from_args(given)
     rows = table(opts, hws, hosts)

@@ -66,3 +66,11 @@ def test_cli_lists_go_to_the_table_and_json():
     out = json.loads(r.stdout)
     assert [row["hw"] for row in out["rows"]] == ["rtx4090", "rtx3090"]
     assert all(row["binds"] == ["gpu"] for row in out["rows"])
+
+
+def test_an_unknown_card_in_the_list_fails_in_one_line_naming_it():
+    """Fault caught: a bad name in --hw failing with a traceback instead of one line naming it."""
+    r = subprocess.run([sys.executable, "-m", "kvpipe", "plan", "--hw", "rtx4090,nope", "--method", "standard"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and "'nope'" in r.stderr and "Traceback" not in r.stderr
