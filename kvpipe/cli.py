@@ -216,6 +216,9 @@ def cmd_codecs(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    from kvpipe import buyers
+    if buyers.wants_table(args):   # several --hw or --host-mem: the buyer's table
+        return buyers.cmd_table(args)
     res = api.plan(PlanOptions.from_args(args))
     if args.json:
         print(json.dumps(res.to_json(), indent=2))
