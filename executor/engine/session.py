@@ -134,7 +134,8 @@ def preset_config(spec) -> dict:
         cfg["sliding_window"] = None
     if spec.family == "qwen2":
         cfg["use_sliding_window"] = False
-    return cfg
+    from kvpipe.pipeline.layer_kinds import hf_fields
+    return {**cfg, **hf_fields(spec)}   # the family's layer kinds (windows, softcaps, rope)
 
 
 def read_prompt(prompt_file: str | os.PathLike, model_arg: str, vocab: int) -> list[int]:

@@ -1,0 +1,67 @@
+"""Exact attention for the layer kinds the fused chunk kernels cannot express by themselves: a
+sliding window (query i sees the keys j with i - W < j <= i, HF's `sliding_window_overlay` on the
+causal mask, its own key included) and an attention logit softcap (Gemma 2: the scaled score s
+becomes cap * tanh(s / cap) before the softmax, as HF's eager attention does).
+
+Where every query of the chunk sees a suffix of the keys (a decode step, a window no row's reach
+exceeds) the fused chunked path runs on the visible part of the prefix; otherwise one masked call
+over the visible keys (prefix tail and chunk). The bits depend only on the values, shapes, dtype
+and device, never on where the prefix lives: the same code runs for a resident and a fetched one."""
+from __future__ import annotations
+
+import torch
+
+from kvpipe.executor.layers.attention import attend_chunk
+
+SCORE_ELEMENTS = 1 << 25   # softcapped scores held at once (fp32: 128 MiB); query rows are tiled to it
+
+
+def first_visible(start: int, window: int) -> int:
+    """The first key position the query at `start` sees (0 for full attention, window 0)."""
+    return max(0, start - window + 1) if window else 0
+
+
+def attend_kind(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor, k_new: torch.Tensor,
+                v_new: torch.Tensor, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """As attention.attend_chunk (q [B, Hq, T, D], prefix [B, Hkv, P, D] at positions [0, P), new
+    [B, Hkv, T, D] at [P, P+T)) for a layer with a sliding `window` (0: full) and a logit `softcap`
+    (0.0: none). Returns [B, Hq, T, D] in q.dtype."""
+    B, Hq, T, D = q.shape
+    Hkv, P = k_prefix.shape[1], k_prefix.shape[2]
+    lo = first_visible(P, window)
+    if not softcap and (T == 1 or P + T <= window or not window):
+        return attend_chunk(q, k_prefix[:, :, lo:], v_prefix[:, :, lo:], k_new, v_new, scale)
+    k = torch.cat((k_prefix[:, :, lo:], k_new), 2)   # [B, Hkv, S, D]: the keys at [lo, P+T)
+    v = torch.cat((v_prefix[:, :, lo:], v_new), 2)
+    qpos = torch.arange(P, P + T, device=q.device)[:, None]   # [T, 1]
+    kpos = torch.arange(lo, P + T, device=q.device)[None]     # [1, S]
+    see = kpos <= qpos
+    if window:
+        see &= kpos > qpos - window
+    r = Hq // Hkv
+    q_fold = q.reshape(B, Hkv, r * T, D)     # row rr*T + t: query head h*r + rr, token t
+    mask = see.repeat(r, 1)                   # [r*T, S]
+    if softcap:
+        out = _softcapped(q_fold, k, v, mask, scale, softcap)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(q_fold, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(B, Hq, T, D)
+
+
+def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                cap: float) -> torch.Tensor:
+    """Masked softmax attention of q [B, H, R, D] over k, v [B, H, S, D] with the scores capped,
+    in float32 (float64 for float64), query rows in tiles of at most SCORE_ELEMENTS scores."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    B, H, R, D = q.shape
+    S = k.shape[2]
+    kt, va = k.to(acc).transpose(-1, -2), v.to(acc)   # [B, H, D, S], [B, H, S, D]
+    rows = max(1, SCORE_ELEMENTS // max(1, B * H * S))
+    out = q.new_empty(B, H, R, D)
+    for a in range(0, R, rows):
+        b = min(R, a + rows)
+        s = torch.matmul(q[:, :, a:b].to(acc), kt) * scale      # [B, H, rows, S]
+        s = torch.tanh(s / cap) * cap
+        s = s.masked_fill(~mask[a:b], float("-inf"))
+        out[:, :, a:b] = torch.matmul(torch.softmax(s, -1), va).to(q.dtype)
+    return out
