@@ -41,12 +41,20 @@ def refuse_model_type(mtype) -> None:
                          "attention over a KV cache only and cannot run it exactly")
 
 
+# HF's config defaults where config.json has no sliding_window field (a key set to null is no window)
+_DEFAULT_WINDOW = {"mistral": 4096, "qwen2": 4096, "gemma2": 4096, "gemma3_text": 4096}
+
+
+def _window(cfg: dict, mtype: str):
+    return cfg["sliding_window"] if "sliding_window" in cfg else _DEFAULT_WINDOW.get(mtype)
+
+
 def _types(cfg: dict, mtype: str, layers: int) -> list[str]:
     """Each layer's attention kind as HF's config class derives it when config.json omits it."""
     types = cfg.get("layer_types")
     if types is not None:
         return list(types)
-    window = cfg.get("sliding_window")
+    window = _window(cfg, mtype)
     if mtype == "gemma2":
         return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
     if mtype == "gemma3_text":
@@ -81,7 +89,7 @@ def layer_kinds(cfg: dict, mtype: str, layers: int) -> LayerKinds:
                          "are not softmax attention; kvpipe cannot run them exactly")
     if len(types) != layers:
         raise ValueError(f"layer_types: {len(types)} entries for {layers} layers")
-    window = cfg.get("sliding_window")
+    window = _window(cfg, mtype)
     if "sliding_attention" in types and (type(window) is not int or window <= 0):
         raise ValueError(f"sliding_window: must be a positive integer for sliding layers, got {window!r}")
     windows = tuple(window if t == "sliding_attention" else 0 for t in types)
