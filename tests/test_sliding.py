@@ -131,3 +131,33 @@ def test_what_cannot_run_exactly_is_refused_before_any_work(cfg, named, tmp_path
     err = capsys.readouterr().err
     lines = [x for x in err.splitlines() if x.startswith("kvpipe")]
     assert rc == 2 and len(lines) == 1 and named in lines[0] and "executing" not in err, err
+
+
+def test_window_layers_cost_their_banded_call_and_the_estimate_stays_a_bound():
+    """Fault: a window layer's attention costed over its whole prefix (the simulator over-predicts
+    a 5:1 model's prefill several-fold), or the planner's estimate left at the full-attention cost
+    while the simulation drops to the window's (its lower bound rises above the simulated time and
+    pruning can discard the best plan)."""
+    from dataclasses import replace
+
+    from kvpipe.hw_profiles import load_profile
+    from kvpipe.pipeline.builder import build
+    from kvpipe.pipeline.plan import Method, PhasePlan, Plan
+    from kvpipe.sim.planner import OBJECTIVES, _Search, objective_value
+    from kvpipe.sim.simulate import simulate
+
+    m = replace(PRESETS["gemma-3-4b"], layers=6, windows=(1024,) * 5 + (0,))
+    work = Workload(20000, 2)
+    plan = Plan(Method.HEADWISE, PhasePlan(2, 4096, 2), PhasePlan(2, 1, 2), 6, 0)
+    g = build(m, work, plan)
+    attn = {(s.layer, s.tokens[0]): s for s in g.stages if s.tag == "attn" and s.phase.name == "PREFILL"}
+    local, full = attn[(0, 16384)], attn[(5, 16384)]
+    n, keys = 20000 - 16384, 20000 - (16384 - 1023)
+    assert local.flops == 4 * m.head_dim * 2 * m.gqa_ratio * n * keys
+    assert full.flops == m.attn_flops(16384, 20000, 20000, 2 * m.gqa_ratio)
+    s = _Search(m, work, load_profile("h200"), {"gpu": 2**50, "host": 2**50, "disk": 2**50})
+    plan = s.stamped(plan)
+    pred = simulate(m, work, plan, load_profile("h200"), full=True, replay=s.replays(plan), fuse=s.fuses(plan))
+    est = s.estimate(plan)
+    for objective in OBJECTIVES:
+        assert est.lower_bound(objective) <= objective_value(pred, objective) * (1 + 1e-9), objective
