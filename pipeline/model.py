@@ -153,6 +153,24 @@ class ModelSpec:
         h = self.q_heads if q_heads is None else q_heads
         return 4 * self.head_dim * h * causal_pairs(q_start, q_end, k_end)
 
+    def attn_work(self, layer: int, start: int, n: int, q_heads: int | None = None) -> tuple[int, int]:
+        """(FLOPs, keys read per head) of the executor's attention of the chunk [start, start+n) at
+        `layer`: the causal pairs over [0, start+n) for a full layer (or a window none of its
+        queries outgrows); for a window layer the visible keys from the chunk's first query on,
+        every pair of the chunk's banded call counted, masked ones too (executor/layers/banded.py)."""
+        w = self.windows[layer] if self.windows else 0
+        if not w or start + n <= w:
+            return self.attn_flops(start, start + n, start + n, q_heads), start + n
+        keys = start + n - max(0, start - w + 1)
+        h = self.q_heads if q_heads is None else q_heads
+        return 4 * self.head_dim * h * n * keys, keys
+
+    def attn_work_floor(self, start: int, n: int, q_heads: int | None = None) -> tuple[int, int]:
+        """The least attn_work of any layer kind (a bound for estimates that cost every layer alike)."""
+        firsts = {w: i for i, w in reversed(list(enumerate(self.windows)))} if self.windows else {0: 0}
+        works = [self.attn_work(i, start, n, q_heads) for i in firsts.values()]
+        return min(f for f, _ in works), min(k for _, k in works)
+
 
 def causal_pairs(q_start: int, q_end: int, k_end: int) -> int:
     """Number of (i, j) with q_start <= i < q_end, 0 <= j < k_end, j <= i."""
