@@ -94,3 +94,20 @@ def test_decode_replay_refused_for_kinds_its_kernel_cannot_express():
         assert "eagerly" in blocker(PRESETS[name], work), name
     assert blocker(PRESETS["phi-4"], work) is None
     assert blocker(PRESETS["mistral-7b-v0.1"], Workload(1000, 8)) is None   # window > the run: full
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3-longrope"])
+def test_family_on_cuda(name):
+    """CUDA: fp32 against HF's greedy tokens; bf16 (FA2/cuDNN chunks, the masked window call)
+    offloaded == resident bit for bit. Fault: a kernel choice that depends on where the prefix
+    lives, or a window/softcap path that differs from HF on the GPU."""
+    for dtype in (torch.float32, torch.bfloat16):
+        model = random_model(dict(BASE, **FAMILIES[name], head_dim=64), "cuda", dtype, seed=7)
+        ids = torch.randint(2, 128, (1, CONTEXT), generator=torch.Generator().manual_seed(11)).cuda()
+        runs = [run_kvpipe(model, ids, DECODE, plan) for plan in PLANS[1:]]
+        assert torch.equal(runs[0].step_logits, runs[1].step_logits)
+        if dtype == torch.float32:
+            ref_logits, ref_tokens = hf_greedy(model, ids, DECODE)
+            torch.testing.assert_close(runs[0].step_logits, ref_logits, rtol=1e-3, atol=1e-4)
+            assert torch.equal(runs[0].tokens, ref_tokens)
