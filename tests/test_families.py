@@ -103,7 +103,7 @@ def test_family_on_cuda(name):
     offloaded == resident bit for bit. Fault: a kernel choice that depends on where the prefix
     lives, or a window/softcap path that differs from HF on the GPU."""
     for dtype in (torch.float32, torch.bfloat16):
-        model = random_model(dict(BASE, **FAMILIES[name], head_dim=64), "cuda", dtype, seed=7)
+        model = random_model(dict(BASE, **FAMILIES[name]), "cuda", dtype, seed=7)
         ids = torch.randint(2, 128, (1, CONTEXT), generator=torch.Generator().manual_seed(11)).cuda()
         runs = [run_kvpipe(model, ids, DECODE, plan) for plan in PLANS[1:]]
         assert torch.equal(runs[0].step_logits, runs[1].step_logits)
