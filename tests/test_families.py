@@ -111,3 +111,19 @@ def test_family_on_cuda(name):
             ref_logits, ref_tokens = hf_greedy(model, ids, DECODE)
             torch.testing.assert_close(runs[0].step_logits, ref_logits, rtol=1e-3, atol=1e-4)
             assert torch.equal(runs[0].tokens, ref_tokens)
+
+
+def test_headwise_attention_caps_scores_or_refuses():
+    """Fault: the `kvpipe_headwise` attention function ignoring Gemma 2's softcap (HF passes it as
+    a keyword the function swallowed), on plain tensors or through HeadwiseCache's stream."""
+    from kvpipe.executor.hf.attention import PendingKV, headwise_attention
+    from test_sliding import windowed_reference
+    g = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(1, 4, 3, 8, generator=g), torch.randn(1, 2, 7, 8, generator=g), torch.randn(1, 2, 7, 8, generator=g)
+    mod = torch.nn.Module().eval()
+    out, _ = headwise_attention(mod, q, k, v, None, scaling=0.4, softcap=2.0)
+    torch.testing.assert_close(out.transpose(1, 2).double(), windowed_reference(q, k, v, 0.4, 0, 2.0),
+                               rtol=1e-5, atol=1e-6)
+    pending = PendingKV(None, 0, torch.empty(0))
+    with pytest.raises(ValueError, match="softcap"):
+        headwise_attention(mod, q, pending, pending, None, scaling=0.4, softcap=2.0)
