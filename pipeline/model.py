@@ -14,7 +14,8 @@ _HF_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 # HF `model_type` -> the adapter family that runs it.
 FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
             "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
-_NORMS = {"gemma2": 4, "gemma3": 4}   # RMSNorms per layer (Gemma: around attention and MLP both)
+_NORMS = {"gemma2": 4, "gemma3": 4}
+BANDED_ROWS = 4096   # queries per masked call of a window layer's chunk (executor/layers/banded.py)   # RMSNorms per layer (Gemma: around attention and MLP both)
 
 
 @dataclass(frozen=True)
@@ -161,9 +162,11 @@ class ModelSpec:
         w = self.windows[layer] if self.windows else 0
         if not w or start + n <= w:
             return self.attn_flops(start, start + n, start + n, q_heads), start + n
-        keys = start + n - max(0, start - w + 1)
         h = self.q_heads if q_heads is None else q_heads
-        return 4 * self.head_dim * h * n * keys, keys
+        keys = start + n - max(0, start - w + 1)
+        pairs = sum(min(n - a, BANDED_ROWS) * (start + min(n, a + BANDED_ROWS) - max(0, start + a - w + 1))
+                    for a in range(0, n, BANDED_ROWS)) if n > 1 else keys   # the banded call's blocks
+        return 4 * self.head_dim * h * pairs, keys
 
     def attn_work_floor(self, start: int, n: int, q_heads: int | None = None) -> tuple[int, int]:
         """The least attn_work of any layer kind (a bound for estimates that cost every layer alike)."""

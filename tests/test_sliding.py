@@ -164,3 +164,24 @@ def test_window_layers_cost_their_banded_call_and_the_estimate_stays_a_bound():
     est = s.estimate(plan)
     for objective in OBJECTIVES:
         assert est.lower_bound(objective) <= objective_value(pred, objective) * (1 + 1e-9), objective
+
+
+@pytest.mark.parametrize("P,T,W,cap", [(9, 7, 3, 0.0), (0, 9, 4, 0.0), (5, 8, 6, 4.0)])
+def test_long_chunks_run_in_row_blocks_each_over_its_own_keys(P, T, W, cap, monkeypatch):
+    """Fault: a row block after the first attending from the chunk's first visible key (rows
+    seeing keys their window dropped) or missing the chunk's keys before it; the cost model's
+    pairs not summed per block."""
+    from dataclasses import replace
+
+    import kvpipe.executor.layers.banded as banded
+    monkeypatch.setattr(banded, "BANDED_ROWS", 3)
+    g = torch.Generator().manual_seed(P + T + W)
+    q = torch.randn(1, 4, T, 8, generator=g)
+    k, v = torch.randn(2, 1, 2, P + T, 8, generator=g)
+    got = attend_kind(q, k[:, :, :P], v[:, :, :P], k[:, :, P:], v[:, :, P:], 0.3, W, cap)
+    torch.testing.assert_close(got.double(), windowed_reference(q, k, v, 0.3, W, cap), rtol=1e-5, atol=1e-6)
+    m = replace(PRESETS["gemma-3-4b"], layers=1, windows=(1024,))
+    from kvpipe.pipeline.model import BANDED_ROWS
+    n, start = 2 * BANDED_ROWS, 3000
+    blocks = [(a, start + a + BANDED_ROWS - max(0, start + a - 1023)) for a in (0, BANDED_ROWS)]
+    assert m.attn_work(0, start, n, 1)[0] == 4 * m.head_dim * sum(BANDED_ROWS * keys for _, keys in blocks)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from kvpipe.pipeline.model import BANDED_ROWS
+
 from kvpipe.executor.layers.attention import attend_chunk
 
 SCORE_ELEMENTS = 1 << 25   # softcapped scores held at once (fp32: 128 MiB); query rows are tiled to it
@@ -25,27 +27,47 @@ def attend_kind(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor,
                 v_new: torch.Tensor, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """As attention.attend_chunk (q [B, Hq, T, D], prefix [B, Hkv, P, D] at positions [0, P), new
     [B, Hkv, T, D] at [P, P+T)) for a layer with a sliding `window` (0: full) and a logit `softcap`
-    (0.0: none). Returns [B, Hq, T, D] in q.dtype."""
+    (0.0: none). Returns [B, Hq, T, D] in q.dtype. A window layer's chunk runs in blocks of
+    BANDED_ROWS queries, each over its own visible keys: its mask and keys stay within
+    BANDED_ROWS x (W - 1 + BANDED_ROWS) however long the chunk."""
     B, Hq, T, D = q.shape
-    Hkv, P = k_prefix.shape[1], k_prefix.shape[2]
+    P = k_prefix.shape[2]
     lo = first_visible(P, window)
     if not softcap and (T == 1 or P + T <= window or not window):
         return attend_chunk(q, k_prefix[:, :, lo:], v_prefix[:, :, lo:], k_new, v_new, scale)
-    k = torch.cat((k_prefix[:, :, lo:], k_new), 2)   # [B, Hkv, S, D]: the keys at [lo, P+T)
-    v = torch.cat((v_prefix[:, :, lo:], v_new), 2)
-    qpos = torch.arange(P, P + T, device=q.device)[:, None]   # [T, 1]
-    kpos = torch.arange(lo, P + T, device=q.device)[None]     # [1, S]
+    rows = BANDED_ROWS if window else T
+    if rows >= T:
+        return _banded(q, k_prefix, v_prefix, k_new, v_new, P, scale, window, softcap)
+    out = q.new_empty(B, Hq, T, D)
+    for a in range(0, T, rows):
+        b = min(T, a + rows)
+        out[:, :, a:b] = _banded(q[:, :, a:b], k_prefix, v_prefix, k_new, v_new, P + a, scale, window, softcap)
+    return out
+
+
+def _banded(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor, k_new: torch.Tensor,
+            v_new: torch.Tensor, s0: int, scale: float, window: int, softcap: float) -> torch.Tensor:
+    """One masked call: the n queries q [B, Hq, n, D] at positions [s0, s0+n) of the chunk over
+    the keys from the first one they see (prefix tail, then the chunk's keys up to s0+n)."""
+    B, Hq, n, D = q.shape
+    Hkv, P = k_prefix.shape[1], k_prefix.shape[2]
+    lo = first_visible(s0, window)
+    new = slice(max(0, lo - P), s0 + n - P)
+    k = torch.cat((k_prefix[:, :, min(lo, P):], k_new[:, :, new]), 2)   # [B, Hkv, S, D]: keys at [lo, s0+n)
+    v = torch.cat((v_prefix[:, :, min(lo, P):], v_new[:, :, new]), 2)
+    qpos = torch.arange(s0, s0 + n, device=q.device)[:, None]   # [n, 1]
+    kpos = torch.arange(lo, s0 + n, device=q.device)[None]      # [1, S]
     see = kpos <= qpos
     if window:
         see &= kpos > qpos - window
     r = Hq // Hkv
-    q_fold = q.reshape(B, Hkv, r * T, D)     # row rr*T + t: query head h*r + rr, token t
-    mask = see.repeat(r, 1)                   # [r*T, S]
+    q_fold = q.reshape(B, Hkv, r * n, D)     # row rr*n + t: query head h*r + rr, token t
+    mask = see.repeat(r, 1)                   # [r*n, S]
     if softcap:
         out = _softcapped(q_fold, k, v, mask, scale, softcap)
     else:
         out = torch.nn.functional.scaled_dot_product_attention(q_fold, k, v, attn_mask=mask, scale=scale)
-    return out.reshape(B, Hq, T, D)
+    return out.reshape(B, Hq, n, D)
 
 
 def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
