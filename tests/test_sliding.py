@@ -168,9 +168,9 @@ def test_window_layers_cost_their_banded_call_and_the_estimate_stays_a_bound():
 
 @pytest.mark.parametrize("P,T,W,cap", [(9, 7, 3, 0.0), (0, 9, 4, 0.0), (5, 8, 6, 4.0)])
 def test_long_chunks_run_in_row_blocks_each_over_its_own_keys(P, T, W, cap, monkeypatch):
-    """Fault: a row block after the first attending from the chunk's first visible key (rows
-    seeing keys their window dropped) or missing the chunk's keys before it; the cost model's
-    pairs not summed per block."""
+    """Fault: a row block after the first masked at the chunk's first positions (its rows seeing
+    keys their window dropped, or missing the chunk's keys before it); the cost model's pairs not
+    summed per block."""
     from dataclasses import replace
 
     import kvpipe.executor.layers.banded as banded
