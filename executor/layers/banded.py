@@ -53,8 +53,7 @@ def _banded(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor, k_n
     Hkv, P = k_prefix.shape[1], k_prefix.shape[2]
     lo = first_visible(s0, window)
     new = slice(max(0, lo - P), s0 + n - P)
-    k = torch.cat((k_prefix[:, :, min(lo, P):], k_new[:, :, new]), 2)   # [B, Hkv, S, D]: keys at [lo, s0+n)
-    v = torch.cat((v_prefix[:, :, min(lo, P):], v_new[:, :, new]), 2)
+    parts = [(k_prefix[:, :, min(lo, P):], v_prefix[:, :, min(lo, P):]), (k_new[:, :, new], v_new[:, :, new])]
     qpos = torch.arange(s0, s0 + n, device=q.device)[:, None]   # [n, 1]
     kpos = torch.arange(lo, s0 + n, device=q.device)[None]      # [1, S]
     see = kpos <= qpos
@@ -63,27 +62,33 @@ def _banded(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor, k_n
     r = Hq // Hkv
     q_fold = q.reshape(B, Hkv, r * n, D)     # row rr*n + t: query head h*r + rr, token t
     mask = see.repeat(r, 1)                   # [r*n, S]
-    if softcap:
-        out = _softcapped(q_fold, k, v, mask, scale, softcap)
-    else:
+    if softcap:   # the parts apart: a global layer's prefix is never copied
+        out = _softcapped(q_fold, parts, mask, scale, softcap)
+    else:         # a window's keys: at most W - 1 + BANDED_ROWS, copied into one call
+        k, v = (torch.cat([p[i] for p in parts], 2) for i in (0, 1))   # [B, Hkv, S, D]: keys at [lo, s0+n)
         out = torch.nn.functional.scaled_dot_product_attention(q_fold, k, v, attn_mask=mask, scale=scale)
     return out.reshape(B, Hq, n, D)
 
 
-def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-                cap: float) -> torch.Tensor:
-    """Masked softmax attention of q [B, H, R, D] over k, v [B, H, S, D] with the scores capped,
-    in float32 (float64 for float64), query rows in tiles of at most SCORE_ELEMENTS scores."""
+def _softcapped(q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor,
+                scale: float, cap: float) -> torch.Tensor:
+    """Masked softmax attention of q [B, H, R, D] over the keys of `parts` (k, v [B, H, S_i, D],
+    in order) with the scores capped: scores in the inputs' dtype, capped and normalised in
+    float32 (float64 for float64), the weights back in the inputs' dtype for the value product
+    (HF's eager order); query rows in tiles of at most SCORE_ELEMENTS scores."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     B, H, R, D = q.shape
-    S = k.shape[2]
-    kt, va = k.to(acc).transpose(-1, -2), v.to(acc)   # [B, H, D, S], [B, H, S, D]
+    S = sum(k.shape[2] for k, _ in parts)
     rows = max(1, SCORE_ELEMENTS // max(1, B * H * S))
     out = q.new_empty(B, H, R, D)
     for a in range(0, R, rows):
         b = min(R, a + rows)
-        s = torch.matmul(q[:, :, a:b].to(acc), kt) * scale      # [B, H, rows, S]
+        s = torch.cat([torch.matmul(q[:, :, a:b], k.transpose(-1, -2)) for k, _ in parts], -1).to(acc) * scale
         s = torch.tanh(s / cap) * cap
-        s = s.masked_fill(~mask[a:b], float("-inf"))
-        out[:, :, a:b] = torch.matmul(torch.softmax(s, -1), va).to(q.dtype)
+        w = torch.softmax(s.masked_fill(~mask[a:b], float("-inf")), -1).to(q.dtype)   # [B, H, rows, S]
+        o, at = 0, 0
+        for _, v in parts:
+            o = o + torch.matmul(w[..., at:at + v.shape[2]], v).to(acc)
+            at += v.shape[2]
+        out[:, :, a:b] = o.to(q.dtype)
     return out
