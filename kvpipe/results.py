@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpipe.pipeline.hardware import HardwareProfile
+from kvpipe.pipeline.memory import kv_by_kind
 from kvpipe.pipeline.model import ModelSpec
 from kvpipe.pipeline.plan import Plan
 from kvpipe.pipeline.report import Report, decode_step_stats
@@ -21,6 +22,7 @@ def _head(model: ModelSpec, hw: HardwareProfile, work: Workload) -> dict:
                       "kv_heads": model.kv_heads, "q_heads": model.q_heads, "head_dim": model.head_dim,
                       "dtype": model.dtype, "weight_bytes": model.weight_bytes,
                       "kv_bytes_per_token": model.kv_bytes_per_token},
+            **({"kv_per_layer_kind": kv_by_kind(model, work)} if model.windows else {}),
             "hardware": {"name": hw.name, "description": hw.description},
             "workload": {"context": work.context, "decode_tokens": work.decode_tokens, "batch": work.batch}}
 

@@ -134,7 +134,8 @@ def preset_config(spec) -> dict:
         cfg["sliding_window"] = None
     if spec.family == "qwen2":
         cfg["use_sliding_window"] = False
-    return cfg
+    from kvpipe.pipeline.layer_kinds import hf_fields
+    return {**cfg, **hf_fields(spec)}   # the family's layer kinds (windows, softcaps, rope)
 
 
 def read_prompt(prompt_file: str | os.PathLike, model_arg: str, vocab: int) -> list[int]:
@@ -218,6 +219,8 @@ def run_graph(graph: Graph, hf_model: torch.nn.Module, ids: torch.Tensor, device
     """Execute with the GPU allocator capped at `gpu_budget` and a progress bar over steps (on
     CUDA after an untimed warm-up unless `warmup` is False); `replay`, `fuse` and `decoding` as
     in `runner.execute` (the warm-up decodes greedily)."""
+    from kvpipe.executor.layers.adapter import HFAdapter
+    HFAdapter(hf_model).check(graph.model, graph.workload.kv_capacity)   # refused before any work
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_budget / total), device)

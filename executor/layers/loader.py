@@ -7,12 +7,14 @@ from pathlib import Path
 
 import torch
 
-from kvpipe.executor.layers.adapter import FAMILIES, check_supported
+from kvpipe.pipeline.layer_kinds import refuse_model_type
+from kvpipe.pipeline.model import FAMILIES as _MODEL_TYPES   # HF model_type -> family
 
-_MODEL_TYPES = {family: cls for cls, family in FAMILIES.items()}  # HF model_type -> class name
+from kvpipe.executor.layers.adapter import check_supported
 
 
 def _check_type(model_type) -> None:
+    refuse_model_type(model_type)
     if model_type not in _MODEL_TYPES:
         raise ValueError(f"model_type: unsupported architecture {model_type!r} "
                          f"(supported: {', '.join(sorted(_MODEL_TYPES))})")
