@@ -23,6 +23,7 @@ from kvpipe.pipeline.model import ModelSpec, load_model
 from kvpipe.pipeline.replay import Replay
 from kvpipe.pipeline.units import fmt_bytes, fmt_tokens
 from kvpipe.pipeline.workload import Workload
+from kvpipe.sim.planner import NoPlanFits   # a ValueError: valid input, nothing fits the budgets
 
 from .inputs import check_weights, free_disk, write_output
 from .options import DEFAULT_HW, DEFAULT_RUN_CONTEXT, PlanOptions, RunOptions
@@ -52,7 +53,7 @@ def _options(cls, options, kwargs):
     if isinstance(options, str):   # plan("llama-3-8b"): the model, as the CLI's first choice
         return cls(model=options, **kwargs)
     if not isinstance(options, cls):
-        raise TypeError(f"expected {cls.__name__} or a model name, got {type(options).__name__}")
+        raise ValueError(f"options: expected {cls.__name__} or a model name, got {type(options).__name__}")
     return replace(options, **kwargs) if kwargs else options
 
 
@@ -119,7 +120,7 @@ def plan(options: PlanOptions | None = None, /, **kwargs) -> PlanResult:
     if opts.max_context:
         largest = d.max_context(spec, work, budgets, req)
         if not largest:
-            raise ValueError("context: no context fits the budgets (raise --gpu-mem, --host-mem or --disk-mem)")
+            raise NoPlanFits("context: no context fits the budgets (raise --gpu-mem, --host-mem or --disk-mem)")
         work = Workload(largest, work.decode_tokens, work.batch)
     warnings = context_warnings(spec, work)
     decision = d.decide(spec, work, profile, budgets, req)
@@ -164,6 +165,7 @@ def run(options: RunOptions | None = None, /, *, prompt_ids: list[int] | None = 
     from kvpipe.hw_profiles import load_profile
     dev = session.resolve_device(opts.device)
     spec = load_model(opts.model, opts.dtype)
+    _check_files(opts, session)
     attention = kernel_label(dev, session.TORCH_DTYPES[spec.dtype])  # validates KVPIPE_ATTN
     prompt, work = _prompt(opts, spec, session, prompt_ids)
     profile = load_profile(opts.hw or session.guess_profile(dev) or DEFAULT_HW)
@@ -174,13 +176,15 @@ def run(options: RunOptions | None = None, /, *, prompt_ids: list[int] | None = 
     decision = decide(spec, work, profile, budgets, req, Target(dev.type, session.h2d_codec_runs(dev)))
     session.check_runnable(decision.plan, dev)
     if decision.predicted.problems:   # refused before anything is allocated
-        raise ValueError(f"budget: the plan does not fit: {'; '.join(decision.predicted.problems)}")
+        raise NoPlanFits(f"budget: the plan does not fit: {'; '.join(decision.predicted.problems)}")
     warnings = context_warnings(spec, work) + room_warning(spec, work, decision.predicted, budgets,
                                                            req.chunk is not None)
     if decision.plan.lossy is not None and decision.plan.resident >= spec.units:
         warnings += _logged(["lossy: every KV unit is resident on the GPU; nothing is quantised (the run is exact)"])
     from kvpipe.pipeline.builder import build
-    hf = session.load_hf_model(opts.model, opts.random_weights, dev, session.TORCH_DTYPES[spec.dtype], opts.seed)
+    from kvpipe.executor.layers.loader import progress_bars
+    with progress_bars(opts.progress):
+        hf = session.load_hf_model(opts.model, opts.random_weights, dev, session.TORCH_DTYPES[spec.dtype], opts.seed)
     ids = session.prompt_tensor(prompt, work.batch, work.context, spec.vocab, opts.seed)
     measured = session.run_graph(build(spec, work, decision.plan), hf, ids, dev, budgets["gpu"],
                                  progress=opts.progress, warmup=opts.warmup, replay=decision.plan.replay,
@@ -197,6 +201,21 @@ def run(options: RunOptions | None = None, /, *, prompt_ids: list[int] | None = 
                       "sparse": res.sparse_paths, "dequant": res.dequant_paths},
                      res.disk, decision.search, res.lossy_error,
                      decision.lossy_choice.describe() if decision.lossy_choice else None)
+
+
+def _check_files(opts: RunOptions, session) -> None:
+    """Before any work: the weights files open, and the disk tier's folder is rid of the files of
+    runs that died without removing theirs (said in one line)."""
+    import tempfile
+    from kvpipe.executor.disk.io import reclaim
+    from kvpipe.executor.layers.loader import check_weight_files
+    if not opts.random_weights and session.has_weights(opts.model):
+        check_weight_files(opts.model)
+    kv_dir = tempfile.gettempdir() if opts.kv_dir is None else str(opts.kv_dir)
+    n, nbytes = reclaim(kv_dir)
+    if n:
+        print(f"kvpipe: removed {n} KV file{'s' if n > 1 else ''} ({fmt_bytes(nbytes)}) left in {kv_dir} "
+              "by runs that ended without cleanup", file=sys.stderr, flush=True)
 
 
 def _as_ran(spec, work, profile, budgets, req, predicted: Predicted, res) -> tuple[Predicted, tuple[str, ...]]:
