@@ -96,6 +96,15 @@ def room_warning(model: ModelSpec, work: Workload, pred: Predicted, budgets: dic
                     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"])
 
 
+def _profile(name):
+    """The hardware profile `name`, a ValueError naming `hw` when there is none."""
+    from kvpipe.hw_profiles import load_profile
+    try:
+        return load_profile(name)
+    except ValueError as e:
+        raise ValueError(str(e) if str(e).startswith("hw") else f"hw: {e}") from None
+
+
 def plan(options: PlanOptions | None = None, /, **kwargs) -> PlanResult:
     """Predict latency and memory of `model` on hardware profile `hw` (no GPU, no torch); the
     fields of PlanOptions say what each argument does. Budgets default to the profile's.
@@ -106,11 +115,10 @@ def plan(options: PlanOptions | None = None, /, **kwargs) -> PlanResult:
     replayed and eager decode (its choice is the plan's `replay`), on/off pin it. `max_context`
     answers the largest context that fits; `out` writes the plan for `run(plan=...)`; `trace` and
     `plot` paths are checked first and written last. ValueError names the argument for bad input."""
-    from kvpipe.hw_profiles import load_profile
     from kvpipe.sim import decide as d
     opts = _options(PlanOptions, options, kwargs)
     paths = opts.output_paths()
-    spec, profile = load_model(opts.model), load_profile(opts.hw)
+    spec, profile = load_model(opts.model), _profile(opts.hw)
     work = Workload.parse(opts.context, opts.decode_tokens, opts.batch)
     disk = free_disk(opts.kv_dir) if opts.kv_dir is not None else profile.disk_bytes
     budgets = opts.budgets(profile.gpu_mem_bytes, profile.host_mem_bytes, disk)
@@ -162,13 +170,12 @@ def run(options: RunOptions | None = None, /, *, prompt_ids: list[int] | None = 
     paths = opts.output_paths()
     session = _executor()
     from kvpipe.executor.layers.attention import kernel_label
-    from kvpipe.hw_profiles import load_profile
     dev = session.resolve_device(opts.device)
     spec = load_model(opts.model, opts.dtype)
     _check_files(opts, session)
     attention = kernel_label(dev, session.TORCH_DTYPES[spec.dtype])  # validates KVPIPE_ATTN
     prompt, work = _prompt(opts, spec, session, prompt_ids)
-    profile = load_profile(opts.hw or session.guess_profile(dev) or DEFAULT_HW)
+    profile = _profile(opts.hw or session.guess_profile(dev) or DEFAULT_HW)
     budgets = opts.budgets(session.device_budget(dev), session.host_ram_bytes(), free_disk(opts.kv_dir))
     check_weights(spec, budgets)
     req = opts.request(spec)
