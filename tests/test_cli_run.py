@@ -252,5 +252,5 @@ def test_cuda_oom_during_a_run_is_one_line_with_exit_3(monkeypatch, capsys):
     monkeypatch.setattr(api, "run", oom)
     assert cli.main(["run", "--model", "llama-3-8b", "--random-weights"]) == 3
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("kvpipe: error: gpu-mem: CUDA out of memory")
+    assert len(err) == 1 and err[0].startswith("kvpipe: error: --gpu-mem: CUDA out of memory")
     assert "896.00 MiB" in err[0] and "2.76 GiB reserved but unallocated" in err[0]

@@ -208,7 +208,7 @@ def test_fuse_flag_on_plan_and_run(tiny_config, capsys):
               "--context", "64", "--decode-tokens", "2"]
     rc = main(common + ["--fuse", "on"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) == 1 and err[0].startswith("kvpipe: error: fuse: on needs decode steps replayed"), err
+    assert rc == 2 and len(err) == 1 and err[0].startswith("kvpipe: error: --fuse: on needs decode steps replayed"), err
     rc = main(common + ["--json"])
     out, err = capsys.readouterr()
     assert rc == 0, err
