@@ -109,8 +109,7 @@ mem_bytes = 1
     (["--context", "lots"], "context"),
     (["--group", "3"], "group"),
     (["--context", "4K", "--chunk", "8K"], "chunk"),
-    (["--gpu-mem", "8GB"], "gpu-mem"),
-    (["--resident", "many"], "resident"),
+    (["--resident", "many"], "resident"),   # (weights over --gpu-mem: exit 3, test_cli_errors.py)
     (["--model", "/nonexistent/config.json"], "config.json"),
 ])
 def test_bad_input_is_one_line_exit_2(args, field):
