@@ -352,7 +352,7 @@ def test_help_shows_defaults_batch_and_units(capsys, command):
     assert "(default: llama-3-8b)" in text and "(default: 32)" in text and "(default: auto)" in text
     batch = text[text.index("--batch BATCH"):text.index("--gpu-mem GPU_MEM ")]
     assert "sequences" in batch and "(default: 1)" in batch
-    for needle in ("128K = 131072", "24GB = 24e9", "24GiB = 24 * 2^30", "3 the plan does not fit"):
+    for needle in ("128K = 131072", "24GB = 24e9", "24GiB = 24 * 2^30", "3 valid input but nothing fits"):
         assert needle in text, needle
 
 

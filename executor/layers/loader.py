@@ -15,8 +15,8 @@ _MODEL_TYPES = {family: cls for cls, family in FAMILIES.items()}  # HF model_typ
 
 def _check_type(model_type) -> None:
     if model_type not in _MODEL_TYPES:
-        raise ValueError(f"model_type: unsupported architecture {model_type!r} "
-                         f"(supported: {', '.join(sorted(_MODEL_TYPES))})")
+        raise ValueError(f"model: unsupported architecture (model_type {model_type!r}; "
+                         f"supported: {', '.join(sorted(_MODEL_TYPES))})")
 
 
 def _config(config):
