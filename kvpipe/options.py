@@ -199,7 +199,7 @@ class RunOptions(Options):
     """`kvpipe run`: the shared flags (no default profile or context: this GPU's, the prompt's)
     and what only an execution does."""
 
-    hw: str | None = None             # None: the bundled profile of this GPU, else rtx4090
+    hw: str | os.PathLike | None = None   # None: the bundled profile of this GPU, else rtx4090
     context: str | int | None = None  # None: the prompt file's length, else 32K
     random_weights: bool = False      # the model's shapes with random weights
     device: str | None = None         # cpu, cuda or cuda:N; None: cuda when available
