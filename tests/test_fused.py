@@ -214,7 +214,7 @@ def test_fuse_flag_on_plan_and_run(tiny_config, capsys):
     assert rc == 0, err
     res = json.loads(out)
     assert res["decode_issue"]["fuse"] == "auto" and res["decode_issue"]["fused"] is False
-    assert res["predicted"]["fused_decode"] is False and res["decode_issue"]["compile_s"] == 0.0
+    assert res["predicted"] is None and res["decode_issue"]["compile_s"] == 0.0   # no profile predicts a CPU
 
 
 # ---- CUDA: fused decode under replay -------------------------------------------------------------
