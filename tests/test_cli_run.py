@@ -68,6 +68,18 @@ def assert_in_process_exit_2(rc: int, err: str, needle: str) -> None:
 
 
 @pytest.mark.parametrize("args, needle", [
+    (["--context", "64", "--gpu-mem", "100KB"], "--gpu-mem: "),
+    (["--context", "4000", "--gpu-mem", "1MB", "--resident", "all"], "gpu needs"),
+])
+def test_a_run_nothing_fits_is_one_line_exit_3(tiny_config, capsys, args, needle):
+    """Fault caught: weights over --gpu-mem, or a plan over it, exiting 2 (bad input) where the
+    rule says 3 (valid input, nothing fits the budgets), or more than one line."""
+    rc, _, err = cli(capsys, "--model", tiny_config, "--random-weights", *args)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc == 3 and len(lines) == 1 and needle in lines[0], (rc, err[-2000:])
+
+
+@pytest.mark.parametrize("args, needle", [
     (["--model", "llama-3-8b", "--context", "64"], "--random-weights"),
     (["--model", "/no/such/dir", "--random-weights"], "/no/such/dir"),
     (["--model", "{gpt2}", "--random-weights", "--context", "64"], "supported"),
@@ -81,18 +93,6 @@ def assert_in_process_exit_2(rc: int, err: str, needle: str) -> None:
      "resident: method standard"),
     (["--model", "{tiny}", "--random-weights", "--context", "64", "--plan", "{plan}", "--chunk", "16"], "drop --chunk"),
 ])
-@pytest.mark.parametrize("args, needle", [
-    (["--context", "64", "--gpu-mem", "100KB"], "--gpu-mem: "),
-    (["--context", "4000", "--gpu-mem", "1MB", "--resident", "all"], "gpu needs"),
-])
-def test_a_run_nothing_fits_is_one_line_exit_3(tiny_config, capsys, args, needle):
-    """Fault caught: weights over --gpu-mem, or a plan over it, exiting 2 (bad input) where the
-    rule says 3 (valid input, nothing fits the budgets), or more than one line."""
-    rc, _, err = cli(capsys, "--model", tiny_config, "--random-weights", *args)
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert rc == 3 and len(lines) == 1 and needle in lines[0], (rc, err[-2000:])
-
-
 def test_bad_run_input_is_one_line_exit_2(tiny_config, tmp_path, capsys, args, needle):
     gpt2 = tmp_path / "gpt2.json"
     gpt2.write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
