@@ -29,6 +29,11 @@ for spec in "$@"; do
     robustres) timeout "$lim" python3 -m benchmarks.robust_decode --rows 8k-max,32k-max --processes ${P:-3} --out "$OUT/robust-decode-resident.json" 2>&1 | tail -4 ;;
     hfgen32) timeout "$lim" python3 -m benchmarks.hf_generate --context 32K --cases stream,resident-max --gpu-mem 24GB --out "$OUT/hf-generate-32k.json" 2>&1 | tail -8 ;;
     hfgen128) timeout "$lim" python3 -m benchmarks.hf_generate --context 128K --cases stream,resident-max --gpu-mem 24GB --out "$OUT/hf-generate-128k.json" 2>&1 | tail -8 ;;
+    smollm) timeout "$lim" python3 -m benchmarks.smollm2_gpu --out "$OUT/smollm2-gpu.json" 2>&1 | grep -v Warning | tail -15 ;;
+    savekv) timeout "$lim" python3 -m benchmarks.savekv --gpu-mem 24GB --contexts ${SAVEKV_CONTEXTS:-32K} --kv-dir /dev/shm --out "$OUT/savekv.json" 2>&1 | grep -v Warning | tail -8 ;;
+    serve) timeout "$lim" python3 -m benchmarks.serve_doc ${SERVE_ARGS:-} --out "$OUT/serve-doc.json" 2>&1 | grep -v Warning | tail -10 ;;
+    hybrid) timeout "$lim" python3 -m benchmarks.hybrid 128k 2>&1 | grep -v Warning | tail -12 ;;
+    stash) echo "stashed: $(ls -la /tmp/gguf_aa 2>&1)" ;;
     *) echo "unknown step $step" ;;
   esac
 done
