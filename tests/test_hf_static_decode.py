@@ -23,7 +23,7 @@ def prompt(seed: int, ctx: int = CTX) -> torch.Tensor:
 
 def test_static_greedy_equals_dynamic_cache(tiny_model):
     """Faults caught: the new K/V written at the wrong device-held position, the length mask off
-    by one (a key too many or too few attended), the loop's cache length not advanced."""
+    by one (a key too many or too few attended), the cache's length after generate() not HF's."""
     model = tiny_model("qwen2", kv_heads=2, q_heads=4, head_dim=32, layers=3)
     ids = prompt(1)
     ref = model.generate(ids, max_new_tokens=NEW, **GREEDY)

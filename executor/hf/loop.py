@@ -81,8 +81,9 @@ def make_decode(cache, argument: str, streamer):
 def _pick(processors, ids: torch.Tensor, logits: torch.Tensor, sample: bool) -> torch.Tensor:
     """HF's token choice from the step's logits [1, V] -> token [1] (device; no host sync)."""
     scores = processors(ids, logits[:, -1].to(copy=True, dtype=torch.float32))
-    if sample:
-        return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+    if sample:   # torch.multinomial's own one-sample draw, without its validity check (an .item() per token)
+        probs = torch.softmax(scores, dim=-1)
+        return (probs / torch.empty_like(probs).exponential_(1)).argmax(dim=-1)
     return torch.argmax(scores, dim=-1)
 
 

@@ -8,6 +8,8 @@ it is captured once as a CUDA graph and replayed for every decode token; issued 
 with a length-masked attention of the same meaning."""
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from kvpipe.executor.hf.attention import PendingKV
@@ -65,8 +67,11 @@ class StaticStep:
         self.lens.copy_(position.view(1) + 1)
 
     def _forward(self, model, cache, argument: str) -> torch.Tensor:
-        out = model(input_ids=self.ids, position_ids=self.pos.view(1, 1), cache_position=self.pos,
-                    use_cache=True, logits_to_keep=1, return_dict=True, **{argument: cache})
+        extra = {argument: cache}
+        if "cache_position" in inspect.signature(type(model).forward).parameters:   # older transformers
+            extra["cache_position"] = self.pos
+        out = model(input_ids=self.ids, position_ids=self.pos.view(1, 1), use_cache=True, logits_to_keep=1,
+                    return_dict=True, **extra)
         return out.logits
 
     def run(self, model, cache, argument: str) -> torch.Tensor:
