@@ -137,13 +137,14 @@ class HeadwiseCache(Cache):
                              f"batch={sequences}")
         if not chunked and tokens - self.get_seq_length() > self.plan.prefill.chunk:
             kwargs["prefill_chunk_size"] = self.plan.prefill.chunk
-        loop.choose(self, kwargs, sequences, hfgen.cache_argument(self.model))
+        loop.choose(self, args, kwargs, sequences, hfgen.cache_argument(self.model))
 
     # ---- the static decode step (executor/hf/static.py) ---------------------------------
     def _open_static(self) -> StaticStep:
         if self.static is None or self.static.store is not self.stream.store:
             self._drop_static()
-            self.static = StaticStep(self.stream, graph=self.decode_path == "graph")
+            self.static = StaticStep(self.stream, graph=True)
+        self.static.graph_wanted = self.decode_path == "graph"
         return self.static
 
     def _static_step(self, argument: str) -> torch.Tensor:
@@ -164,8 +165,7 @@ class HeadwiseCache(Cache):
             layer.length = tokens
 
     @property
-    def replays(self) -> int:
-        """Decode steps run by CUDA graph replay over this cache's life."""
+    def replays(self) -> int:   # decode steps run by CUDA graph replay over the cache's life
         return self._replays + (self.static.replays if self.static is not None else 0)
 
     # ---- called by the layers ----------------------------------------------------------

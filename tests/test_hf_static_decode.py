@@ -97,8 +97,8 @@ def test_static_equals_offloaded_eager_and_reuses_the_cache(tiny_model):
 
 
 def test_decode_setting_is_checked_and_recorded(tiny_model):
-    """Faults caught: a static step run where it cannot be (offloaded units, several sequences)
-    instead of refused or left to HF's loop, and `decode_note` not saying why."""
+    """Faults caught: a static step run where it cannot be (offloaded units, several sequences,
+    padding HF infers from pad tokens) instead of refused or left to HF's loop, and `decode_note` not saying why."""
     model = tiny_model("llama", kv_heads=2, q_heads=8, head_dim=16)
     ids = prompt(6)
     with pytest.raises(ValueError, match="^decode: expected"):
@@ -113,6 +113,11 @@ def test_decode_setting_is_checked_and_recorded(tiny_model):
     with kvpipe.HeadwiseCache(model, max_length=CTX + NEW, resident="none", decode="static") as cache:
         with pytest.raises(ValueError, match="offloaded units"):
             model.generate(ids, cache=cache, max_new_tokens=NEW, **GREEDY)
+    padded = ids.clone()
+    padded[0, :3] = 127   # HF infers left padding from the pad id when no attention_mask is given
+    with kvpipe.HeadwiseCache(model, max_length=CTX + NEW, resident="all", decode="static") as cache:
+        with pytest.raises(ValueError, match="padded attention_mask"):
+            model.generate(padded, cache=cache, max_new_tokens=NEW, **GREEDY)
     with kvpipe.HeadwiseCache(model, max_length=CTX + NEW, resident="all", batch=2, decode="static") as cache:
         with pytest.raises(ValueError, match="batch 1"):
             model.generate(ids.repeat(2, 1), cache=cache, max_new_tokens=NEW, **GREEDY)

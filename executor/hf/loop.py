@@ -50,11 +50,16 @@ def blocker(cache, model, kwargs: dict, sequences: int, unpadded: bool, graph: b
     return None
 
 
-def choose(cache, kwargs: dict, sequences: int, argument: str) -> None:
+def choose(cache, args: tuple, kwargs: dict, sequences: int, argument: str) -> None:
     """Hand generate() the static-step decode loop where it can run; sets the cache's
     `decode_path` (graph, static or eager) and `decode_note` (why not the static step)."""
-    mask = kwargs.get("attention_mask")
-    unpadded = mask is None or bool(mask.all())
+    mask, ids = kwargs.get("attention_mask"), args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    if mask is not None:
+        unpadded = bool(mask.all())
+    else:   # HF infers a padding mask from pad tokens in the prompt
+        config = kwargs.get("generation_config") or cache.model.generation_config
+        pad = kwargs.get("pad_token_id", getattr(config, "pad_token_id", None))
+        unpadded = pad is None or not torch.is_tensor(ids) or not bool((ids == pad).any())
     graph = cache.decode in ("auto", "graph")
     why = "decode='eager'" if cache.decode == "eager" else None
     why = why or blocker(cache, cache.model, kwargs, sequences, unpadded, graph)

@@ -76,7 +76,7 @@ class StaticStep:
 
     def run(self, model, cache, argument: str) -> torch.Tensor:
         """The step for the inputs set: by graph replay once captured, else issued -> logits [1, 1, V]."""
-        if self.graph is not None:
+        if self.graph is not None and self.graph_wanted:
             self.graph.replay()
             self.replays += 1
             return self.logits
