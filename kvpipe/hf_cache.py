@@ -143,7 +143,7 @@ class HeadwiseCache(Cache):
     def _open_static(self) -> StaticStep:
         if self.static is None or self.static.store is not self.stream.store:
             self._drop_static()
-            self.static = StaticStep(self.stream, graph=True)
+            self.static = StaticStep(self.stream, self.plan.decode.group)
         self.static.graph_wanted = self.decode_path == "graph"
         return self.static
 
@@ -185,7 +185,7 @@ class HeadwiseCache(Cache):
         from dataclasses import replace
         self.layout = replace(lo, batch=B)
         groups = {True: self.plan.prefill.group, False: self.plan.decode.group}
-        self.stream = HeadStream(self.layout, groups, self.device, self.dtype).open()
+        self.stream = HeadStream(self.layout, groups, self.device, self.dtype, self.decode != "eager").open()
 
     def _write(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor, start: int) -> PendingKV:
         B, T = key_states.shape[0], key_states.shape[2]

@@ -21,6 +21,17 @@ def prompt(seed: int, ctx: int = CTX) -> torch.Tensor:
     return torch.randint(0, 127, (1, ctx), generator=torch.Generator().manual_seed(seed))
 
 
+class Record(LogitsProcessor):
+    """Keeps each step's scores (a device copy: no host sync)."""
+
+    def __init__(self) -> None:
+        self.scores: list = []
+
+    def __call__(self, input_ids, scores):
+        self.scores.append(scores.clone())
+        return scores
+
+
 def test_static_greedy_equals_dynamic_cache(tiny_model):
     """Faults caught: the new K/V written at the wrong device-held position, the length mask off
     by one (a key too many or too few attended), the cache's length after generate() not HF's."""
@@ -67,6 +78,27 @@ def test_static_seeded_sampling_equals_hf(tiny_model):
     assert torch.equal(out, ref), (out, ref)
 
 
+@pytest.mark.parametrize("resident,group", [("none", 1), (5, 2), ("all", 4)])
+def test_static_offloaded_equals_resident_bitwise(tiny_model, resident, group):
+    """Faults caught: an offloaded group's prefix fetched short (the bucket), its new token not in
+    the slot, a mixed group's resident heads missing, the new K/V of offloaded heads not written
+    back to host RAM (the next step reads a stale row): logits then differ from the all-resident
+    static step's, and tokens from HF's DynamicCache."""
+    model = tiny_model("llama", kv_heads=4, q_heads=8, head_dim=16, layers=3)
+    ids = prompt(8, ctx=140)   # a prefix past one bucket of prefix tokens (128)
+    ref = model.generate(ids, max_new_tokens=NEW, **GREEDY)
+    scores = {}
+    for res, g in ((resident, group), ("all", 4)):
+        rec = Record()
+        with kvpipe.HeadwiseCache(model, max_length=140 + NEW, resident=res, group=g, decode="static") as cache:
+            out = model.generate(ids, cache=cache, max_new_tokens=NEW, prefill_chunk_size=64,
+                                 logits_processor=LogitsProcessorList([rec]), **GREEDY)
+            assert cache.decode_path == "static"
+        assert torch.equal(out, ref), (res, out, ref)
+        scores[res] = torch.stack(rec.scores)
+    assert torch.equal(scores[resident], scores["all"])
+
+
 def test_static_equals_offloaded_eager_and_reuses_the_cache(tiny_model):
     """Faults caught: the static step reading other K/V than the streamed eager path (tokens of
     an offloaded plan differ), a reset cache's second generate() attending the first prompt's
@@ -97,7 +129,7 @@ def test_static_equals_offloaded_eager_and_reuses_the_cache(tiny_model):
 
 
 def test_decode_setting_is_checked_and_recorded(tiny_model):
-    """Faults caught: a static step run where it cannot be (offloaded units, several sequences,
+    """Faults caught: a static step run where it cannot be (several sequences,
     padding HF infers from pad tokens) instead of refused or left to HF's loop, and `decode_note` not saying why."""
     model = tiny_model("llama", kv_heads=2, q_heads=8, head_dim=16)
     ids = prompt(6)
@@ -110,9 +142,6 @@ def test_decode_setting_is_checked_and_recorded(tiny_model):
         cache.decode = "auto"
         model.generate(ids, cache=cache, max_new_tokens=NEW, **GREEDY)
         assert cache.decode_path == "eager" and "needs a CUDA device" in cache.decode_note
-    with kvpipe.HeadwiseCache(model, max_length=CTX + NEW, resident="none", decode="static") as cache:
-        with pytest.raises(ValueError, match="offloaded units"):
-            model.generate(ids, cache=cache, max_new_tokens=NEW, **GREEDY)
     padded = ids.clone()
     padded[0, :3] = 127   # HF infers left padding from the pad id when no attention_mask is given
     with kvpipe.HeadwiseCache(model, max_length=CTX + NEW, resident="all", decode="static") as cache:
@@ -121,17 +150,6 @@ def test_decode_setting_is_checked_and_recorded(tiny_model):
     with kvpipe.HeadwiseCache(model, max_length=CTX + NEW, resident="all", batch=2, decode="static") as cache:
         with pytest.raises(ValueError, match="batch 1"):
             model.generate(ids.repeat(2, 1), cache=cache, max_new_tokens=NEW, **GREEDY)
-
-
-class Record(LogitsProcessor):
-    """Keeps each step's scores (a device copy: no host sync)."""
-
-    def __init__(self) -> None:
-        self.scores: list = []
-
-    def __call__(self, input_ids, scores):
-        self.scores.append(scores.clone())
-        return scores
 
 
 def _cuda_run(model, ids, decode: str, cache=None, new: int = NEW):

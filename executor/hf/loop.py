@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from kvpipe.executor.engine.decoding import LAG
+from kvpipe.executor.hf import static
 from kvpipe.pipeline.replay import shape_blocker
 
 DECODE = ("auto", "graph", "static", "eager")   # HeadwiseCache(decode=...)
@@ -32,8 +33,6 @@ def blocker(cache, model, kwargs: dict, sequences: int, unpadded: bool, graph: b
             return f"graph replay {why}"
     if sequences != 1:
         return f"the static step runs batch 1, generate() runs {sequences} sequences"
-    if any(n < lo.kv_heads for n in lo.resident):
-        return "offloaded units are streamed through host RAM by the eager step (the static step needs every unit resident)"
     if not unpadded:
         return "a padded attention_mask (the static step runs un-padded prompts)"
     for k in ("custom_generate", "assistant_model", "synced_gpus", "prefix_allowed_tokens_fn"):
@@ -97,6 +96,7 @@ def run(cache, argument: str, model, input_ids, processors, criteria, config, st
     device = input_ids.device
     outputs = model._prefill(input_ids, config, model_kwargs, is_first_iteration=True)
     step = cache._open_static()
+    static.join(cache.stream)
     P = cache.get_seq_length()
     limit = criteria.max_length if criteria.max_length is not None else cache.max_length + 1
     budget = limit - input_ids.shape[1]                     # MaxLengthCriteria: tokens still allowed
@@ -118,10 +118,12 @@ def run(cache, argument: str, model, input_ids, processors, criteria, config, st
         stop = stops.first(k - LAG)
         if stop is not None or k + 1 == budget:
             break
-        step.set_inputs(token, positions[k])
+        step.set_inputs(token, positions[k], P + k)
         logits = cache._static_step(argument)
+        step.write_back(P + k)
         cache._set_length(P + k + 1)
         k += 1
+    static.hand_back(cache.stream)
     if stop is None:
         stop = stops.first(k)
     made = k + 1 if stop is None else stop + 1
