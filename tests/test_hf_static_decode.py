@@ -152,10 +152,11 @@ def test_decode_setting_is_checked_and_recorded(tiny_model):
             model.generate(ids.repeat(2, 1), cache=cache, max_new_tokens=NEW, **GREEDY)
 
 
-def _cuda_run(model, ids, decode: str, cache=None, new: int = NEW):
+def _cuda_run(model, ids, decode: str, cache=None, new: int = NEW, resident="all"):
     rec = Record()
     own = cache is None
-    cache = cache or kvpipe.HeadwiseCache(model, max_length=ids.shape[1] + 32, resident="all", decode=decode)
+    cache = cache or kvpipe.HeadwiseCache(model, max_length=ids.shape[1] + 32, resident=resident, group=2,
+                                          decode=decode)
     out = model.generate(ids, cache=cache, max_new_tokens=new, logits_processor=LogitsProcessorList([rec]), **GREEDY)
     path, replays = cache.decode_path, cache.replays
     if own:
@@ -164,19 +165,25 @@ def _cuda_run(model, ids, decode: str, cache=None, new: int = NEW):
 
 
 @pytest.mark.gpu
-def test_cuda_graph_replays_equal_static_issue_bitwise(tiny_model):
+@pytest.mark.parametrize("resident", ["all", "none", 5])
+def test_cuda_graph_replays_equal_static_issue_bitwise(tiny_model, resident):
     """Faults caught: a replay reading a stale input buffer (the token or position of the captured
-    step), a write outside the captured pool, the graph not engaging (replays not counted); the
-    logits of every step equal the same step issued without a graph, and the tokens the eager path's."""
+    step), a write outside the captured pool, a bucket's graph replayed past its prefix (the decode
+    crosses 256 tokens), a write-back racing the next step's fetch, the graph not engaging (replays
+    not counted): the logits of every step equal the same step issued without a graph, the tokens
+    the eager path's, and (offloaded) the all-resident graph's."""
     model = tiny_model("llama", kv_heads=4, q_heads=8, head_dim=32, layers=4, dtype=torch.bfloat16, device="cuda")
-    ids = prompt(9, ctx=300).cuda()
-    g_out, g_scores, path, replays = _cuda_run(model, ids, "auto")
+    ids = prompt(9, ctx=250).cuda()
+    g_out, g_scores, path, replays = _cuda_run(model, ids, "auto", resident=resident)
     assert path == "graph" and replays == NEW - 1, (path, replays)
-    s_out, s_scores, path, replays = _cuda_run(model, ids, "static")
+    s_out, s_scores, path, replays = _cuda_run(model, ids, "static", resident=resident)
     assert path == "static" and replays == 0
     assert torch.equal(g_scores, s_scores) and torch.equal(g_out, s_out)
-    e_out, _, path, _ = _cuda_run(model, ids, "eager")
+    e_out, _, path, _ = _cuda_run(model, ids, "eager", resident=resident)
     assert path == "eager" and torch.equal(e_out, g_out), (e_out, g_out)
+    if resident != "all":
+        a_out, a_scores, _, _ = _cuda_run(model, ids, "auto", resident="all")
+        assert torch.equal(a_scores, g_scores) and torch.equal(a_out, g_out)
 
 
 @pytest.mark.gpu
