@@ -12,6 +12,8 @@ Where the step cannot be captured or run static, `blocker` says why and generate
 loop (the cache records the reason)."""
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from kvpipe.executor.engine.decoding import LAG
@@ -24,9 +26,9 @@ _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
 
 def blocker(cache, model, kwargs: dict, sequences: int, unpadded: bool, graph: bool) -> str | None:
     """Why this generate() call's decode cannot run the static step (graph: nor be captured), or None."""
-    from transformers.generation.configuration_utils import GenerationMode
-
     lo = cache.layout
+    if graph and getattr(cache.plan, "replay_blocker", None):   # pipeline/replay.py's rule: the plan's own reasons
+        return f"graph replay: {cache.plan.replay_blocker}"
     if graph:
         why = shape_blocker(_DTYPES.get(cache.dtype, str(cache.dtype)), sequences, lo.head_dim, cache.device.type)
         if why:
@@ -35,6 +37,8 @@ def blocker(cache, model, kwargs: dict, sequences: int, unpadded: bool, graph: b
         return f"the static step runs batch 1, generate() runs {sequences} sequences"
     if not unpadded:
         return "a padded attention_mask (the static step runs un-padded prompts)"
+    if not hasattr(model, "_prefill") or "custom_generate" not in inspect.signature(type(model).generate).parameters:
+        return "this transformers version takes no custom_generate callable (or has no _prefill)"
     for k in ("custom_generate", "assistant_model", "synced_gpus", "prefix_allowed_tokens_fn"):
         if kwargs.get(k) not in (None, False):
             return f"generate() was given {k}"
@@ -44,8 +48,6 @@ def blocker(cache, model, kwargs: dict, sequences: int, unpadded: bool, graph: b
         return "return_dict_in_generate (scores, logits and hidden states are kept by HF's loop)"
     if (get("num_beams") or 1) > 1 or get("prompt_lookup_num_tokens") or get("dola_layers") or get("penalty_alpha"):
         return "not greedy or multinomial sampling (beam, assisted, DoLa or contrastive decoding)"
-    if getattr(GenerationMode, "GREEDY_SEARCH", None) is None:
-        return "this transformers version names no greedy mode"
     return None
 
 
