@@ -78,7 +78,7 @@ def summary(res: gen.GenerateResult) -> list[str]:
              f"kvpipe: KV (layer, head) units: {kv['gpu']} on {where}, {kv['host']} in host RAM, {kv['disk']} on disk",
              f"kvpipe: plan: {res.plan.describe()}"]
     if res.plan.lossy is not None:
-        lines.append(f"kvpipe: LOSSY: {res.plan.lossy.describe()}")
+        lines.append(f"kvpipe: LOSSY: {res.plan.lossy.describe(res.run.workload.context)}")
     return lines
 
 

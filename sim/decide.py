@@ -98,7 +98,8 @@ def decide(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dict[
         def candidate(p: Plan) -> Predicted:
             return exact if p is exact.plan else predict(model, work, p, hw, budgets, req, target, fuse=unfused)
         refuse = "not with --replay on (the lossy choice runs under --replay auto)" if req.replay is Replay.ON else None
-        pred, choice = choose_lossy(exact.plan, req.max_error, req.objective, candidate, refuse=refuse, replay=pin)
+        pred, choice = choose_lossy(exact.plan, req.max_error, req.objective, candidate, refuse=refuse, replay=pin,
+                                   context=work.context)
     if req.replay is Replay.ON and pred.plan.replay_blocker:
         raise ValueError(f"replay: {pred.plan.replay_blocker}; use --replay off or auto")
     return Decision(pred, found, choice)
