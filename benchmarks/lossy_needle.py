@@ -129,8 +129,8 @@ def summary(done: list[dict]) -> dict:
              "attn_rel_err": attn_error(name, rows)}
         if name != "exact":
             s["token_agreement"] = statistics.fmean(r["agreement"] for r in rows)
-            s["needle_kept"] = sum(r["hit"] for r, d in zip(rows, done) if d["options"]["exact"]["hit"]) / \
-                max(1, sum(d["options"]["exact"]["hit"] for d in done if name in d["options"]))
+            found = [r["hit"] for r, d in zip(rows, done) if d["options"]["exact"]["hit"]]
+            s["needle_kept"] = sum(found) / len(found) if found else None   # of the needles exact found
         for k in ("effective_fraction", "forced_fraction"):
             if all(k in r for r in rows):
                 s[k] = statistics.fmean(r[k] for r in rows)
@@ -183,6 +183,7 @@ def print_summary(result: dict) -> None:
     print(f"{'option':22}{'needle acc':>11}{'kept':>7}{'agree':>8}{'attn err':>10}{'eff. frac':>10}")
     for name, s in result["summary"].items():
         err = s["attn_rel_err"]
-        print(f"{name:22}{s['needle_accuracy']:>11.0%}{s.get('needle_kept', 1):>7.0%}"
+        kept = s.get("needle_kept", 1)
+        print(f"{name:22}{s['needle_accuracy']:>11.0%}{'-' if kept is None else f'{kept:.0%}':>7}"
               f"{s.get('token_agreement', 1):>8.0%}{'-' if err is None else f'{err:.3g}':>10}"
               f"{s.get('effective_fraction', float('nan')):>10.2f}")

@@ -66,7 +66,9 @@ class Option:
     def spec(self, max_error: float) -> LossySpec:
         basis = f"chosen under --max-error {max_error:g}: {self.measured.describe()}"
         err = (("attn_rel_err", self.measured.worst), ("needle_rel_err", self.measured.needle),
-               ("probe_rel_err", self.measured.probe))
+               ("probe_rel_err", self.measured.probe)) + \
+            ((("model_rel_err", self.measured.model), ("model_needle_accuracy", self.measured.accuracy))
+             if self.measured.model is not None else ())
         if self.sparse is None:
             return LossySpec(self.quant, error=err, basis=basis)
         return LossySpec(self.quant, sparse=self.sparse, sketch=SPARSE_SKETCH, error=err, basis=basis)
