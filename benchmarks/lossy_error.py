@@ -17,6 +17,12 @@ The random-weights probe (`probe_cases`) measures each quantisation and sparse d
 --probe-sparse fractions (the executor's token-sketch selection, alone and over int4 blocks)
 against float64 attention. Sparse over int4 (`sparse F + int4, 32-token blocks`): whole quantised
 blocks selected by the executor's rule, read back dequantised, the exact tail attended.
+On the trained model (`--model-needles`, benchmarks/lossy_needle.py): a needle in a haystack of
+prose through `kvpipe.generate`, greedy, exact and with each option; needle accuracy, token
+agreement with exact and the attention-output error the runs measure.
+
+  python -m benchmarks.lossy_error --model-needles --needle-prompts 30 --needle-contexts 2K,2K,4K,8K
+
 The table is printed last; JSON (with the command and date) goes to
 benchmarks/results/cpu-<date>-lossy-error.json (or --out)."""
 from __future__ import annotations
@@ -433,6 +439,36 @@ def print_probe(probe: dict, rows: dict, context: int | None, cases_: int, token
                   f"{p['rel_err_mean']:>10.2e}{p['rel_err_max']:>10.2e}")
 
 
+def needle_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model-needles", action="store_true",
+                    help="only the trained-model needle set (SmolLM2-135M, kvpipe.generate)")
+    ap.add_argument("--needle-prompts", type=int, default=30, help="trained-model needle set: prompts")
+    ap.add_argument("--needle-contexts", default="2K,2K,4K,8K",
+                    help="trained-model needle set: prompt tokens, cycled over the prompts (comma list)")
+    ap.add_argument("--device", default="cpu", help="trained-model needle set: the device kvpipe runs on")
+    ap.add_argument("--cache", help="trained-model needle set: GGUF conversion cache (default: kvpipe's)")
+
+
+def model_needles(args, argv: list[str]) -> int:
+    """The trained-model needle set (benchmarks/lossy_needle.py), its JSON and its table."""
+    from benchmarks import lossy_needle
+    from benchmarks.result_file import result_file
+    try:
+        contexts = [parse_tokens(c) for c in args.needle_contexts.split(",") if c.strip()]
+    except ValueError:
+        contexts = []
+    if not contexts or args.needle_prompts < 1:
+        print("--needle-contexts: expected token counts (e.g. 2K,4K) and --needle-prompts >= 1", file=sys.stderr)
+        return 2
+    out = Path(args.out or result_file("lossy-needle", args.device))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = lossy_needle.run(contexts, args.needle_prompts, args.seed, args.device, out,
+                             Path(args.cache) if args.cache else None, argv)
+    lossy_needle.print_summary(result)
+    print(f"json: {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--context", default="32K")
@@ -450,7 +486,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny-decode", type=int, default=32, help="tiny random model: decode steps")
     ap.add_argument("--only", default="", help="needle set: only the rows whose name holds one of these "
                                                "comma-separated strings (default: every row)")
+    needle_args(ap)
     args = ap.parse_args(argv)
+    if args.model_needles:
+        return model_needles(args, argv if argv is not None else sys.argv[1:])
     spec = NeedleSpec(context=parse_tokens(args.context), cases=args.cases, steps=args.steps, seed=args.seed)
     torch.manual_seed(0)
     fractions = fractions_arg(args.fraction)

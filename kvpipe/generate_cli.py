@@ -94,7 +94,7 @@ def summary(res: gen.GenerateResult) -> list[str]:
     if t.get("reused_tokens"):
         lines.append(f"kvpipe: kept KV: {t['reused_tokens']} tokens were home, {t['prefill_tokens']} new tokens prefilled")
     if res.plan.lossy is not None:
-        lines.append(f"kvpipe: LOSSY: {res.plan.lossy.describe()}")
+        lines.append(f"kvpipe: LOSSY: {res.plan.lossy.describe(res.run.workload.context)}")
     return lines
 
 

@@ -62,7 +62,8 @@ class GenerateResult:
                 "timings": dict(self.timings), "plan": r.plan.to_json(r.model), "plan_line": r.plan.describe(),
                 "kv_units": self.kv_placement, "device": r.device, "decode": (r.decode_issue or {}).get("mode"),
                 "chat_template": self.chat_template, "sampling": self.sampling.to_json(),
-                "output_digest": self.output_digest, "lossy": lossy_json(r.plan, r.lossy_error, run=True),
+                "output_digest": self.output_digest, "lossy": lossy_json(r.plan, r.lossy_error, run=True,
+                                                                context=r.workload.context),
                 "warnings": list(r.warnings)}
 
 

@@ -69,7 +69,7 @@ class PlanResult:
         p = self.predicted
         out.update(plan=p.plan.to_json(self.model), fits=p.fits, problems=list(p.problems),
                    predicted=p.report_json(), budgets_bytes=dict(self.budgets), warnings=list(self.warnings),
-                   lossy=lossy_json(p.plan))
+                   lossy=lossy_json(p.plan, context=self.workload.context))
         out.update(_search_json(self.search, self.model))
         out["lossy_choice"] = self.lossy_choice
         if self.max_context is not None:
@@ -81,12 +81,12 @@ class PlanResult:
         return out
 
 
-def lossy_json(plan: Plan, measured: dict | None = None, run: bool = False) -> dict | None:
+def lossy_json(plan: Plan, measured: dict | None = None, run: bool = False, context: int | None = None) -> dict | None:
     """None for an exact plan; else what is lossy and its measured error (a plan measures none;
-    a run passes what it measured)."""
+    a run passes what it measured); with `context`, what a sparse step there selects."""
     if plan.lossy is None:
         return None
-    out = plan.lossy.to_json()
+    out = plan.lossy.to_json(context)
     if measured and "sparse_recall_mean" in measured and "k_rel_err" in measured:   # sparse over int8/int4
         out["measured_error"] = dict(measured)
         out["error_note"] = ("measured in this run: k/v/attn_rel_err on the first prefill chunk's first offloaded "
@@ -162,7 +162,8 @@ class RunResult:
                    predicted=self.predicted.report_json() if self.modelled else None,
                    measured=measured, tokens=[list(t) for t in self.tokens], output_digest=self.output_digest,
                    device=self.device, attention=self.attention, budgets_bytes=dict(self.budgets),
-                   warnings=list(self.warnings), disk=self.disk, lossy=lossy_json(self.plan, self.lossy_error, run=True))
+                   warnings=list(self.warnings), disk=self.disk, lossy=lossy_json(self.plan, self.lossy_error, run=True,
+                                                                        context=self.workload.context))
         out["lossy_choice"] = self.lossy_choice
         if self.decode_issue is not None:
             out["decode_issue"] = dict(self.decode_issue)

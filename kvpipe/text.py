@@ -33,7 +33,7 @@ def _print_search(search, plan) -> None:
 
 def print_plan(res: PlanResult) -> None:
     hw, p = res.hardware, res.predicted
-    lossy = f"LOSSY ({p.plan.lossy.describe()}) " if p.plan.lossy else ""
+    lossy = f"LOSSY ({p.plan.lossy.describe(res.workload.context)}) " if p.plan.lossy else ""
     print(f"kvpipe plan: {lossy}{res.model.name} on {hw.name} — {hw.description}")
     if res.max_context is not None:
         print(f"max context: {fmt_tokens(res.max_context)} ({res.max_context} tokens) fits the budgets")
@@ -111,7 +111,7 @@ def _print_cpu_run(res: RunResult) -> None:
 
 
 def print_run(res: RunResult) -> None:
-    lossy = f"LOSSY ({res.plan.lossy.describe()}) " if res.plan.lossy else ""
+    lossy = f"LOSSY ({res.plan.lossy.describe(res.workload.context)}) " if res.plan.lossy else ""
     where = f"predicted on profile {res.hardware.name}" if res.modelled else "measured on CPU, nothing predicted"
     print(f"kvpipe run: {lossy}{res.model.name} on {res.device} ({res.weights}); "
           f"attention kernel {res.attention}; {where}")

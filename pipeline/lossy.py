@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .lossy_select import selection
+
 QUANT_BITS = {"int8": 8, "int4": 4}
 # Default values per scale/zero-point. int4: group 32, the largest group within 1e-1 mean
 # attention-output error on the needle set (figures: docs/PERFORMANCE.md).
@@ -251,7 +253,8 @@ class LossySpec:
                 "small_ops": SELECT_KERNELS + extra_ops,
                 "small_bytes": units * ranked * SELECT_BYTES_PER_TOKEN + extra_bytes}
 
-    def describe(self) -> str:
+    def describe(self, context: int | None = None) -> str:
+        """The options; with `context`, what a sparse step there selects (`selection`)."""
         parts = []
         if self.quant:
             parts.append(f"{self.quant} KV (group {self.group}" + (f", V groups of {self.vgroup} channels"
@@ -261,12 +264,19 @@ class LossySpec:
                          + (f", whole {self.group}-token blocks by {BLOCK_RANK} of token shares" if self.blocks else "")
                          + f", {self.sketch}-bit token sketch"
                          + f", sink {self.sink}, recent {self.recent})")
+            sel = selection(self, context) if context else None
+            if sel and sel["effective_fraction"] is not None:
+                parts.append(f"at {context} tokens {sel['selected_tokens']} of {sel['eligible_tokens']} eligible "
+                             f"tokens selected by score (effective {sel['effective_fraction']:.1%}), "
+                             f"{sel['forced_tokens']} forced ({sel['forced_fraction']:.0%})")
         if self.basis:
             parts.append(self.basis)
         return ", ".join(parts)
 
-    def to_json(self) -> dict:
-        return {"quant": self.quant, "group": self.group if self.quant else None,
+    def to_json(self, context: int | None = None) -> dict:
+        """The spec; with `context`, a sparse spec's `selection` there (effective and forced part)."""
+        sel = selection(self, context) if context and self.sparse is not None else None
+        return {**({"selection": sel} if sel else {}), "quant": self.quant, "group": self.group if self.quant else None,
                 "vgroup": self.vgroup if self.quant else None, "sparse": self.sparse,
                 "chunk": self.chunk if self.sparse is not None else None,
                 "sink": self.sink if self.sparse is not None else None,

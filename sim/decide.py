@@ -100,7 +100,7 @@ def decide(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dict[
             return exact if p is exact.plan else predict(model, work, p, hw, budgets, req, target, fuse=unfused)
         refuse = "not with --replay on (the lossy choice runs under --replay auto)" if req.replay is Replay.ON else None
         pred, choice = choose_lossy(exact.plan, req.max_error, req.objective, candidate, refuse=refuse, replay=pin,
-                                    quantile=req.quantile)
+                                    quantile=req.quantile, context=work.context)
     if req.replay is Replay.ON and pred.plan.replay_blocker:
         raise ValueError(f"replay: {pred.plan.replay_blocker}; use --replay off or auto")
     return Decision(pred, found, choice)

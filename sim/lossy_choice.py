@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from kvpipe.pipeline.lossy import DEFAULT_GROUP, QUANT_BITS, LossySpec
+from kvpipe.pipeline.lossy_select import check_selects, min_selecting_context, selects
 from kvpipe.pipeline.lossy_measured import (MEASURED, SPARSE_MEASURED, SPARSE_QUANT_MEASURED, SPARSE_SKETCH,
                                             MeasuredError)
 from kvpipe.pipeline.memory import breakdown, gpu_usable
@@ -65,7 +66,9 @@ class Option:
     def spec(self, max_error: float) -> LossySpec:
         basis = f"chosen under --max-error {max_error:g}: {self.measured.describe()}"
         err = (("attn_rel_err", self.measured.worst), ("needle_rel_err", self.measured.needle),
-               ("probe_rel_err", self.measured.probe))
+               ("probe_rel_err", self.measured.probe)) + \
+            ((("model_rel_err", self.measured.model), ("model_needle_accuracy", self.measured.accuracy))
+             if self.measured.model is not None else ())
         if self.sparse is None:
             return LossySpec(self.quant, error=err, basis=basis)
         return LossySpec(self.quant, sparse=self.sparse, sketch=SPARSE_SKETCH, error=err, basis=basis)
@@ -84,24 +87,32 @@ def options() -> list[Option]:
                   for (f, q), m in sorted(SPARSE_QUANT_MEASURED.items())]
 
 
-def excluded(plan: Plan, option: Option | None = None) -> str | None:
+def excluded(plan: Plan, option: Option | None = None, context: int | None = None) -> str | None:
     """Why `option` (any lossy option if None) cannot run over `plan`, or None: quantised records
-    and sparse gathers cross the links as they are (no codec on a link), and sparse decode reads
-    every offloaded unit from host RAM (no disk units; executor/sparse/homes.py)."""
+    and sparse gathers cross the links as they are (no codec on a link), sparse decode reads
+    every offloaded unit from host RAM (no disk units; executor/sparse/homes.py), and a sparse
+    fraction whose forced tokens fill its budget at `context` selects nothing (its measured
+    error is of a scored selection, which that run would not be; pipeline/lossy_select.py)."""
     if any(name != "none" for pp in (plan.prefill, plan.decode) for _, name in pp.codecs):
         return "not with a codec on a link"
     if option is not None and option.sparse is not None and plan.disk:
         return "not with disk units (sparse decode reads every offloaded unit from host RAM)"
+    if option is not None and option.sparse is not None and context is not None:
+        spec = option.spec(0.5)
+        if not selects(spec, context):
+            return (f"selects nothing at {context} tokens (the sink and recent window fill its budget; "
+                    f"it selects from {min_selecting_context(spec, context)})")
     return None
 
 
 def choose_lossy(plan: Plan, max_error: float, objective: str, predict: Callable,
                  refuse: str | None = None, replay: Replay = Replay.AUTO,
-                 quantile: str = "p50") -> tuple[object, LossyChoice]:
+                 quantile: str = "p50", context: int | None = None) -> tuple[object, LossyChoice]:
     """The best of `plan` (exact) and its admitted lossy variants. `predict(plan)` returns an
     object with `problems` (budget misses) and the simulator's `report` (sim/decide.predict).
     `refuse`: why the caller cannot run a lossy plan at all (e.g. --replay on), or None.
     `replay`: the --replay pin; each candidate's replay choice is made again (Plan.with_lossy).
+    `context`: the prompt's tokens; a sparse option that selects nothing there is not a candidate.
     Candidates are tried exact first, then by measured error (smallest first), and one replaces
     the best so far only when strictly faster: ties go to exact, then to the smaller error.
     `quantile`: the run the objective is ranked on (Predicted.timing_at)."""
@@ -109,7 +120,7 @@ def choose_lossy(plan: Plan, max_error: float, objective: str, predict: Callable
     rows: dict[str, tuple[str, float | None, str]] = {}
     tried: list[tuple[str, Plan, float | None]] = [("exact", plan, None)]
     for opt in options():
-        why = refuse or excluded(plan, opt)
+        why = refuse or excluded(plan, opt, context)
         if opt.measured.worst > max_error:
             rows[opt.name] = (opt.name, opt.measured.worst, f"above the budget ({opt.measured.describe()})")
         elif why:
@@ -142,7 +153,9 @@ def lossy_opt_in(model: ModelSpec, work: Workload, budgets: dict[str, int], exac
     refused (run). Where the planner chose, the replay choice is made again (`Plan.with_lossy`,
     `pin` the --replay pin): an exact decode at the PCIe floor hides the host's issue cost, a
     sparse one moves a fraction of the bytes and is host-bound unless replayed. A user's plan
-    keeps its own."""
+    keeps its own. A sparse `spec` that selects nothing at the context is refused (ValueError
+    naming --sparse, pipeline/lossy_select.check_selects)."""
+    check_selects(spec, work.context)
     if rechoose is None:
         return exact.with_(lossy=spec), None
     plan, extra, found = exact.with_lossy(spec, pin), 0, None

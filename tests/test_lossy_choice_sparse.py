@@ -99,7 +99,8 @@ def test_a_budget_admitting_sparse_on_a_plan_where_it_is_faster_picks_it_labelle
     lossy = json.loads(capsys.readouterr().out)["lossy"]
     assert lossy["sparse"] == 0.2 and lossy["quant"] is None and lossy["sketch"] == SPARSE_SKETCH
     assert lossy["measured_error"] == {"attn_rel_err": S20.worst, "needle_rel_err": S20.needle,
-                                       "probe_rel_err": S20.probe}
+                                       "probe_rel_err": S20.probe, "model_rel_err": S20.model,
+                                       "model_needle_accuracy": S20.accuracy}
     assert SOURCE in lossy["basis"]
 
 

@@ -278,7 +278,7 @@ def test_cli_run_and_plan_label_both_lossy_options(tmp_path, capsys):
     # CPU every call eager, "not CUDA"; tests/test_dequant_paths.py checks the counts).
     from kvpipe.cli import main
     model = _cfg(tmp_path)
-    args = ["run", "--model", model, "--random-weights", "--context", "700", "--chunk", "128",
+    args = ["run", "--model", model, "--random-weights", "--context", "1700", "--chunk", "128",
             "--decode-tokens", "2", "--device", "cpu", "--no-progress", "--resident", "none",
             "--sparse", "0.2", "--lossy", "int4"]
     assert main(args + ["--json"]) == 0
@@ -290,7 +290,7 @@ def test_cli_run_and_plan_label_both_lossy_options(tmp_path, capsys):
     assert lossy["sparse"] == 0.2 and lossy["quant"] == "int4" and lossy["group"] == 32 and lossy["sketch"] == 2
     err = lossy["measured_error"]
     spec = LossySpec("int4", sparse=0.2)
-    assert err["fetched_tokens"] == spec.fetched_tokens(700) < 700 and err["sparse_probe_tokens"] == 700
+    assert err["fetched_tokens"] == spec.fetched_tokens(1700) < 1700 and err["sparse_probe_tokens"] == 1700
     assert 0 < err["sparse_recall_mean"] < 1 and err["attn_rel_err"] > 0 and "int4" not in err
     assert main(args) == 0
     first = capsys.readouterr().out.splitlines()[0]

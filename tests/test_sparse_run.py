@@ -128,7 +128,7 @@ def test_run_json_labels_the_sparse_run(tmp_path, capsys):
     cfg = dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                num_attention_heads=8, num_key_value_heads=2, head_dim=16, torch_dtype="float32")
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    args = ["run", "--model", str(tmp_path / "config.json"), "--random-weights", "--context", "700", "--chunk", "128",
+    args = ["run", "--model", str(tmp_path / "config.json"), "--random-weights", "--context", "1700", "--chunk", "128",
             "--decode-tokens", "2", "--device", "cpu", "--no-progress", "--resident", "none", "--sparse", "0.2"]
     assert main(args + ["--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -137,8 +137,9 @@ def test_run_json_labels_the_sparse_run(tmp_path, capsys):
     # and which paths it took (a slow fallback, e.g. a staged gather, must be visible in the JSON)
     assert out["decode_issue"]["sparse"] == {"gather": "cpu", "score": "torch", "threshold": "radix",
                                              "note": "the Triton ranking runs on CUDA only (CPU keeps the torch path)"}
-    err = lossy["measured_error"]          # the run's own probe: 320 of 700 tokens (sink 64 + recent 256)
-    assert err["fetched_tokens"] == 320 and err["probe_tokens"] == 700
+    err = lossy["measured_error"]          # the run's own probe: 340 of 1700 (sink 64 + recent 256 + 20 by score)
+    assert err["fetched_tokens"] == 340 and err["probe_tokens"] == 1700
+    assert lossy["selection"]["selected_tokens"] == 20 and lossy["selection"]["forced_tokens"] == 320
     assert 0 < err["sparse_recall_mean"] < 1 and err["sparse_attn_rel_err"] > 0
     assert main(args) == 0
     assert capsys.readouterr().out.splitlines()[0].startswith("kvpipe run: LOSSY")
