@@ -175,6 +175,12 @@ class HardwareProfile:
     # decode-attention rate (9x too fast on the H200: 0.056 ms predicted, 0.558 measured at 128K).
     sparse_score_call_s: float | None = None
     sparse_score_bytes_per_s: float | None = None
+    # Several GPUs of one host ([multi_gpu], sim/multi.py): the host memory bandwidth every link's
+    # copies share (None: links independent); one collective on the GPU-to-GPU link costs
+    # `peer_alpha_s + bytes / peer_bytes_per_s` (NCCL bus bandwidth; None: no figures, --gpus refused).
+    host_mem_bytes_per_s: float | None = None
+    peer_alpha_s: float | None = None
+    peer_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         for f in ("name", "description"):
@@ -201,6 +207,11 @@ class HardwareProfile:
                   "host_prefill_issue_gap_s"):
             if getattr(self, f) is not None:
                 object.__setattr__(self, f, _number(f, getattr(self, f), f != "sparse_score_bytes_per_s"))
+        for f in ("host_mem_bytes_per_s", "peer_alpha_s", "peer_bytes_per_s"):
+            if getattr(self, f) is not None:
+                object.__setattr__(self, f, _number(f, getattr(self, f), f == "peer_alpha_s"))
+        if (self.peer_alpha_s is None) != (self.peer_bytes_per_s is None):
+            raise HardwareFieldError("peer_bytes_per_s", "peer_alpha_s and peer_bytes_per_s come together or not at all")
         if (self.sparse_score_call_s is None) != (self.sparse_score_bytes_per_s is None):
             raise HardwareFieldError("sparse_score_bytes_per_s", "sparse_score_call_s and sparse_score_bytes_per_s "
                                      "come together (both measured by benchmarks/sparse_score.py) or not at all")
