@@ -69,12 +69,13 @@ def _stop(procs: list) -> None:
             p.join()
 
 
-def launch(job: RankJob, world: int, announce=None) -> list[dict]:
-    """Run `job` on `world` spawned ranks; each rank's results ({"rank", "runs": [...]}). RankFailed
-    names the first rank that failed. `announce(line)` hears when every rank is executing."""
+def launch(job: RankJob, world: int, announce=None, start: str = "spawn") -> list[dict]:
+    """Run `job` on `world` new processes (`start`: multiprocessing's start method; fork only
+    where the caller has started no threads); each rank's results ({"rank", "runs": [...]}).
+    RankFailed names the first rank that failed. `announce(line)` hears when every rank executes."""
     folder = Path(tempfile.mkdtemp(prefix="kvpipe-ranks-"))
     job = RankJob(**{**job.__dict__, "init_method": f"file://{folder / 'rendezvous'}"})
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(start)
     procs = [ctx.Process(target=_entry, args=(r, world, job, str(folder)), daemon=True) for r in range(world)]
     announced = False
     try:
