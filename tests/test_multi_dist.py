@@ -37,6 +37,7 @@ def _plans(tp: int, group: int = 1) -> tuple[Plan, ...]:
 @pytest.fixture(scope="module")
 def ranks():
     """tp -> each rank's results of the offloaded and the resident plan."""
+    random_model(CFG, "cpu", torch.float32, SEED)   # transformers' modules imported before the fork
     return {tp: launch(RankJob(CFG, "fp32", WORK, _plans(tp), seed=SEED, threads=1), tp, start=START)
             for tp in (2, 4)}
 
