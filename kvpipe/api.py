@@ -173,6 +173,9 @@ def run(options: RunOptions | None = None, /, *, prompt_ids: list[int] | None = 
     and `decoding` (executor/engine/decoding.py: token choice and early stop) serve `generate`."""
     from kvpipe.sim.decide import Target, decide
     opts = _options(RunOptions, options, kwargs)
+    if (opts.gpus or 1) > 1:
+        from .multi_run import run_gpus
+        return run_gpus(opts)
     paths = opts.output_paths()
     session = _executor()
     from kvpipe.executor.layers.attention import kernel_label

@@ -230,8 +230,12 @@ def cmd_plan(args) -> int:
 
 def cmd_run(args) -> int:
     res = api.run(RunOptions.from_args(args))
+    if res is None:   # a torchrun rank other than 0: rank 0 prints
+        return 0
     if args.json:
         print(json.dumps(res.to_json(), indent=2))
+    elif hasattr(res, "lines"):   # --gpus N
+        print("\n".join(res.lines()))
     else:
         text.print_run(res)
     _print_files(args)

@@ -12,7 +12,7 @@ from kvpipe.pipeline.model import ModelSpec
 from kvpipe.pipeline.units import fmt_bytes
 from kvpipe.pipeline.workload import Workload
 
-from .decide import Decision, Request, decide
+from .decide import Decision, Request, Target, decide
 from .multi import (Collectives, Layout, collectives, combined_report, layouts, peer_problem, rank_budgets,
                     rank_hardware, shard)
 from .predicted import Predicted
@@ -96,7 +96,7 @@ def _key(objective: str) -> Callable[[LayoutOption], tuple]:
 
 
 def consider(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dict[str, int], layout: Layout,
-             request: Callable[[ModelSpec], Request]) -> LayoutOption:
+             request: Callable[[ModelSpec], Request], target: Target = Target()) -> LayoutOption:
     """One layout: refused where the GPU link has no figures or a rank's weights exceed the GPU
     budget, else its rank decided and the machine's time predicted."""
     rank, rb, rhw = shard(model, layout), rank_budgets(budgets, layout), rank_hardware(hw, layout)
@@ -108,7 +108,7 @@ def consider(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dic
     if why is not None:
         return replace(base, why=why)
     try:
-        dec = decide(rank, work, rhw, rb, request(rank))
+        dec = decide(rank, work, rhw, rb, request(rank), target)
     except ValueError as e:   # a pin this rank's shard cannot take
         return replace(base, why=str(e).splitlines()[0])
     coll = collectives(model, work, dec.plan, hw, layout)
@@ -118,10 +118,10 @@ def consider(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dic
 
 def decide_multi(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dict[str, int], gpus: int,
                  request: Callable[[ModelSpec], Request], tp: int | None = None, pp: int | None = None,
-                 objective: str = "total") -> MultiDecision:
+                 objective: str = "total", target: Target = Target()) -> MultiDecision:
     """The best layout of `gpus` GPUs for `model` (fits first, then `objective`, then fewer
     stages); ValueError naming the flag where no layout can be considered at all."""
-    opts = tuple(consider(model, work, hw, budgets, lay, request) for lay in layouts(model, gpus, tp, pp))
+    opts = tuple(consider(model, work, hw, budgets, lay, request, target) for lay in layouts(model, gpus, tp, pp))
     ranked = sorted((o for o in opts if o.predicted is not None), key=_key(objective))
     if not ranked:
         raise ValueError(opts[0].why)

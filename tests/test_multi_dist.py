@@ -65,8 +65,8 @@ def test_tokens_equal_one_process(ranks):
 
 
 def test_killed_rank_ends_every_rank(tmp_path):
-    """Fault: the launcher waits on the survivors (they hang in a collective until its timeout),
-    names the wrong rank, or leaves the ranks' folder (KV files) behind."""
+    """Fault: the launcher lets the run end without an error (a dead rank unnoticed), names the
+    wrong rank, or leaves the ranks' folder (KV files) behind."""
     before = set(glob.glob(os.path.join(tempfile.gettempdir(), "kvpipe-ranks-*")))
     killed = {}
 
