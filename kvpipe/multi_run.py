@@ -64,7 +64,7 @@ def run_gpus(opts: RunOptions) -> GpusRunResult | None:
     if multi.predicted.problems:
         raise ValueError(f"budget: the plan does not fit: {'; '.join(multi.predicted.problems)}")
     job = RankJob(config, spec.dtype, work, (multi.chosen.decision.plan,), opts.seed, dev.type,
-                  whole_weights=dev.type == "cpu")
+                  whole_weights=dev.type == "cpu", gpu_budget=budgets["gpu"])
     if under_torchrun():
         rank = int(os.environ["RANK"])
         folder = tempfile.mkdtemp(prefix=f"kvpipe-rank{rank}-")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -34,7 +34,7 @@ class RankJob:
     threads: int | None = None       # torch threads per rank on CPU
     prompt: tuple[int, ...] | None = None
     init_method: str = "env://"
-    extra: dict = field(default_factory=dict)
+    gpu_budget: int | None = None    # CUDA: the allocator's cap per GPU (bytes)
 
 
 def _device(job: RankJob, local: int) -> torch.device:
@@ -47,7 +47,7 @@ def _device(job: RankJob, local: int) -> torch.device:
 def rank_main(rank: int, world: int, job: RankJob, folder: str, local: int | None = None) -> None:
     """Rank `rank` of `world`: results in `folder`/rank-<r>.json, KV files under `folder`/kv-<r>."""
     from kvpipe.executor.engine.runner import execute
-    from kvpipe.executor.engine.session import TORCH_DTYPES, output_digest, prompt_tensor
+    from kvpipe.executor.engine.session import TORCH_DTYPES, output_digest, prompt_tensor, warm_up
     from kvpipe.executor.kv.layout import DiskOptions
     from kvpipe.executor.layers.adapter import HFAdapter
     from kvpipe.executor.layers.loader import random_model
@@ -56,6 +56,9 @@ def rank_main(rank: int, world: int, job: RankJob, folder: str, local: int | Non
     if job.threads and job.device == "cpu":
         torch.set_num_threads(job.threads)
     dev = _device(job, rank if local is None else local)
+    if dev.type == "cuda" and job.gpu_budget:
+        total = torch.cuda.get_device_properties(dev).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, job.gpu_budget / total), dev)
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=job.init_method, rank=rank,
                             world_size=world, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     reduce = lambda t: dist.all_reduce(t)   # noqa: E731  (sum; gloo's order is fixed by the layout)
@@ -76,7 +79,9 @@ def rank_main(rank: int, world: int, job: RankJob, folder: str, local: int | Non
     dist.barrier()
     out = []
     for plan in job.plans:
-        res = execute(build(spec, w, plan), model, ids, dev, disk=DiskOptions(str(kv_dir)))
+        if dev.type == "cuda":   # untimed, as kvpipe run warms up
+            warm_up(build(spec, w, plan), model, ids, dev, replay=plan.replay, disk=DiskOptions(str(kv_dir)))
+        res = execute(build(spec, w, plan), model, ids, dev, replay=plan.replay, disk=DiskOptions(str(kv_dir)))
         t = _timing(res)
         out.append({"tokens": res.tokens.cpu().tolist(), "digest": output_digest(res), **t,
                     "peak_gpu_bytes": res.peak_gpu_bytes, "host_pinned_bytes": res.host_pinned_bytes,
