@@ -56,6 +56,12 @@ def concurrent_h2d(gpus: int, repeats: int = 5) -> float:
     return min(sorted(r)[len(r) // 2] for r in rates)
 
 
+def host_ram() -> str:
+    """This machine's RAM in bytes, less a tenth for the processes themselves."""
+    import os
+    return str(int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 0.9))
+
+
 def kvpipe(command: str, model: str, context: str, gpus: int, budget: str, extra: list[str]) -> dict:
     argv = [sys.executable, "-m", "kvpipe", command, "--model", model, "--context", context, "--gpu-mem", budget,
             "--decode-tokens", str(DECODE_TOKENS), "--replay", "off", "--json", *extra]
@@ -71,7 +77,7 @@ def kvpipe(command: str, model: str, context: str, gpus: int, budget: str, extra
 
 def row(name: str, hw: str, resident: str) -> dict:
     model, context, gpus, budget = ROWS[name]
-    extra = ["--hw", hw, "--resident", resident]
+    extra = ["--hw", hw, "--resident", resident, "--host-mem", host_ram()]   # plan and run: this host's RAM
     plan = kvpipe("plan", model, context, gpus, budget, extra)
     ran = kvpipe("run", model, context, gpus, budget, extra)
     out = {"row": name, "model": model, "context": context, "gpus": gpus, "gpu_mem": budget}
