@@ -170,3 +170,12 @@ def test_cli_bad_layout_is_one_line(argv, flag):
     r = subprocess.run([sys.executable, "-m", "kvpipe", "plan", "--context", "8K", *argv], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and flag.lstrip("-") in r.stderr, r.stderr
+
+
+def test_plan_gpus_never_imports_torch():
+    """Fault: sim/multi.py or the --gpus path imports torch (kvpipe plan must start on a laptop)."""
+    code = ("import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None\n"
+            "from kvpipe.cli import main\n"
+            "assert main(['plan', '--gpus', '2', '--context', '8K', '--decode-tokens', '2', '--json']) == 0\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
