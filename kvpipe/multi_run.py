@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,14 +22,15 @@ class GpusRunResult:
     """What `kvpipe run --gpus N` prints: the machine's prediction and each rank's measurement."""
 
     multi: object          # sim.multi_choice.MultiDecision
-    ranks: list[dict]      # executor/dist/rank.py's results, one per rank
+    ranks: list[dict]      # executor/dist/rank.py's results: every rank's, or rank 0's under torchrun
     device: str
+    world: int
 
     def to_json(self) -> dict:
         runs = [r["runs"][0] for r in self.ranks]
         return {"multi_gpu": self.multi.to_json(), "plan": self.multi.chosen.decision.plan.to_json(),
                 "predicted": self.multi.predicted.report_json(), "device": self.device,
-                "tokens": runs[0]["tokens"], "ranks_agree": len({r["digest"] for r in runs}) == 1,
+                "tokens": runs[0]["tokens"], "ranks_agree": len({r["digest"] for r in runs}) == 1 if len(runs) == self.world else None,
                 "ranks": [{"rank": r["rank"], **r["runs"][0]} for r in self.ranks]}
 
     def lines(self) -> list[str]:
@@ -65,13 +67,16 @@ def run_gpus(opts: RunOptions) -> GpusRunResult | None:
         raise ValueError(f"budget: the plan does not fit: {'; '.join(multi.predicted.problems)}")
     job = RankJob(config, spec.dtype, work, (multi.chosen.decision.plan,), opts.seed, dev.type,
                   whole_weights=dev.type == "cpu", gpu_budget=budgets["gpu"])
-    if under_torchrun():
+    if under_torchrun():   # torchrun watches the ranks and ends the others when one dies
         rank = int(os.environ["RANK"])
         folder = tempfile.mkdtemp(prefix=f"kvpipe-rank{rank}-")
-        rank_main(rank, int(os.environ["WORLD_SIZE"]), job, folder, int(os.environ.get("LOCAL_RANK", rank)))
-        return GpusRunResult(multi, [json.loads((Path(folder) / f"rank-{rank}.json").read_text())], str(dev)) \
-            if rank == 0 else None
-    return GpusRunResult(multi, launch(job, opts.gpus), str(dev))
+        try:
+            rank_main(rank, int(os.environ["WORLD_SIZE"]), job, folder, int(os.environ.get("LOCAL_RANK", rank)))
+            mine = json.loads((Path(folder) / f"rank-{rank}.json").read_text())
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        return GpusRunResult(multi, [mine], str(dev), opts.gpus) if rank == 0 else None
+    return GpusRunResult(multi, launch(job, opts.gpus), str(dev), opts.gpus)
 
 
 def _config_path(model: str) -> Path:
