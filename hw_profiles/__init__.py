@@ -53,6 +53,9 @@ _OPTIONAL = {   # TOML key -> HardwareProfile field: absent means the field's de
     "host.issue_p90": "host_issue_p90",
     "gpu.sparse_score_call_s": "sparse_score_call_s",
     "gpu.sparse_score_bytes_per_s": "sparse_score_bytes_per_s",
+    "multi_gpu.host_mem_bytes_per_s": "host_mem_bytes_per_s",
+    "multi_gpu.peer_alpha_s": "peer_alpha_s",
+    "multi_gpu.peer_bytes_per_s": "peer_bytes_per_s",
 }
 _COMPUTE = {"peak_flops_per_s": "flops_peak_per_s", "effective_flops_per_s": "flops_eff_per_s"}
 _CODEC = ("compress_bytes_per_s", "decompress_bytes_per_s", "ratio")   # [codec.<name>] fields

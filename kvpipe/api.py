@@ -122,6 +122,8 @@ def plan(options: PlanOptions | None = None, /, **kwargs) -> PlanResult:
     work = Workload.parse(opts.context, opts.decode_tokens, opts.batch)
     disk = free_disk(opts.kv_dir) if opts.kv_dir is not None else profile.disk_bytes
     budgets = opts.budgets(profile.gpu_mem_bytes, profile.host_mem_bytes, disk)
+    if (opts.gpus or 1) > 1:
+        return _plan_gpus(opts, paths, spec, profile, work, budgets)
     check_weights(spec, budgets)
     req = opts.request(spec, full=opts.full_sim)
     largest = None
@@ -137,6 +139,19 @@ def plan(options: PlanOptions | None = None, /, **kwargs) -> PlanResult:
     _write_plan_outputs(paths, spec, profile, work, decision.predicted)
     return PlanResult(spec, profile, work, budgets, decision.predicted, methods, warnings, decision.search, largest,
                       decision.lossy_choice.describe() if decision.lossy_choice else None)
+
+
+def _plan_gpus(opts: PlanOptions, paths: dict, spec, profile, work, budgets) -> PlanResult:
+    """`plan` on several GPUs (sim/multi_choice.py): budgets per GPU, host RAM and disk shared."""
+    from kvpipe.sim.multi_choice import decide_multi
+    if opts.compare or opts.max_context:
+        raise ValueError(f"gpus: --{'compare' if opts.compare else 'max-context'} answers for one GPU; drop --gpus")
+    objective = opts.objective
+    multi = decide_multi(spec, work, profile, budgets, opts.gpus, lambda rank: opts.request(rank, full=opts.full_sim),
+                         opts.tp, opts.pp, objective)
+    warnings = context_warnings(spec, work)
+    _write_plan_outputs(paths, spec, profile, work, multi.predicted)
+    return PlanResult(spec, profile, work, budgets, multi.predicted, None, warnings, multi=multi)
 
 
 def _write_plan_outputs(paths: dict, spec, profile, work, pred: Predicted) -> None:
@@ -167,6 +182,9 @@ def run(options: RunOptions | None = None, /, *, prompt_ids: list[int] | None = 
     and `decoding` (executor/engine/decoding.py: token choice and early stop) serve `generate`."""
     from kvpipe.sim.decide import Target, decide
     opts = _options(RunOptions, options, kwargs)
+    if (opts.gpus or 1) > 1:
+        from .multi_run import run_gpus
+        return run_gpus(opts)
     paths = opts.output_paths()
     session = _executor()
     from kvpipe.executor.layers.attention import kernel_label

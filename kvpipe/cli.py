@@ -99,6 +99,10 @@ def add_workload_flags(p: argparse.ArgumentParser, *, context: str | None, hw: s
     p.add_argument("--decode-tokens", type=int, default=DEFAULT_DECODE_TOKENS,
                    help="decode steps after the prompt (each one generated token)")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together, each with the full context")
+    p.add_argument("--gpus", type=int, help="GPUs of one host: KV heads split across them (tensor parallel), "
+                   "optionally layers in stages; budgets per GPU, host RAM shared (default: one)")
+    p.add_argument("--tp", type=int, help="pin the tensor-parallel ranks (a divisor of --gpus; default: searched)")
+    p.add_argument("--pp", type=int, help="pin the pipeline stages by layers (a divisor of --gpus; default: searched)")
     add_plan_flags(p)
 
 
@@ -246,6 +250,8 @@ def cmd_plan(args) -> int:
         print(json.dumps(res.to_json(), indent=2))
     else:
         text.print_plan(res)
+        for line in res.multi.describe() if res.multi else ():
+            print(line)
         if args.compare:
             text.print_compare(res)
     _print_files(args)
@@ -256,8 +262,12 @@ def cmd_run(args) -> int:
     if args.json:   # one JSON object, and no bars around it (ours or transformers')
         args.progress = False
     res = api.run(RunOptions.from_args(args))
+    if res is None:   # a torchrun rank other than 0: rank 0 prints
+        return 0
     if args.json:
         print(json.dumps(res.to_json(), indent=2))
+    elif hasattr(res, "lines"):   # --gpus N
+        print("\n".join(res.lines()))
     else:
         text.print_run(res)
     _print_files(args)

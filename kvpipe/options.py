@@ -89,6 +89,9 @@ class Options:
     replay: str | Replay = "auto"         # auto|on|off
     trace: Path_ = None
     plot: Path_ = None
+    gpus: int | None = None               # GPUs of one host (sim/multi.py); None: one
+    tp: int | None = None                 # pins of the layout: tensor-parallel ranks, pipeline stages
+    pp: int | None = None
 
     def __post_init__(self) -> None:
         check_types(self)                    # a wrong type is a ValueError naming it, not a crash later
@@ -96,6 +99,7 @@ class Options:
             if isinstance(getattr(self, name), os.PathLike):
                 object.__setattr__(self, name, os.fspath(getattr(self, name)))
         self.output_paths()                  # before any work, so a bad path costs nothing
+        self._layout_pins()
         if self.max_error is not None:
             from kvpipe.sim.lossy_choice import check_budget
             check_budget(self.max_error)
@@ -131,6 +135,14 @@ class Options:
     def output_paths(self) -> dict:
         """flag -> checked path (or None): a file in a folder that exists, of the right format."""
         return {f: output_path(getattr(self, f), f) for f in ("trace", "plot", "out") if hasattr(self, f)}
+
+    def _layout_pins(self) -> None:
+        for flag in ("gpus", "tp", "pp"):
+            v = getattr(self, flag)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+                raise ValueError(f"{flag}: must be a positive integer, got {v!r}")
+        if self.gpus is None and (self.tp is not None or self.pp is not None):
+            raise ValueError(f"{'tp' if self.tp is not None else 'pp'}: a layout pin needs --gpus N")
 
     def _size(self, field: str) -> int | None:
         value = getattr(self, field)

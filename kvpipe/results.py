@@ -55,6 +55,7 @@ class PlanResult:
     search: object = None            # sim.planner.PlannerResult when the planner chose the plan
     max_context: int | None = None   # set by max_context=True: the workload's context is it
     lossy_choice: str | None = None  # --max-error: the options, their measured errors and the pick
+    multi: object = None             # sim.multi_choice.MultiDecision for --gpus N > 1 (plan: one rank's)
 
     @property
     def plan(self) -> Plan:
@@ -74,6 +75,8 @@ class PlanResult:
         out["lossy_choice"] = self.lossy_choice
         if self.max_context is not None:
             out["max_context"] = self.max_context
+        if self.multi is not None:
+            out["multi_gpu"] = self.multi.to_json()
         if self.methods is not None:
             out["methods"] = {n: {"fits": r.fits, "problems": list(r.problems), "plan": r.plan.to_json(self.model),
                                   "predicted": r.report.to_json(), "max_context": r.max_context}

@@ -186,6 +186,12 @@ class HardwareProfile:
     # spread known). Plans are ranked at that percentile (`at_quantile`): a plan that is fast
     # only on a good run is exposed to it.
     host_issue_p90: float = 1.0
+    # Several GPUs of one host ([multi_gpu], sim/multi.py): the host memory bandwidth every link's
+    # copies share (None: links independent); one collective on the GPU-to-GPU link costs
+    # `peer_alpha_s + bytes / peer_bytes_per_s` (NCCL bus bandwidth; None: no figures, --gpus refused).
+    host_mem_bytes_per_s: float | None = None
+    peer_alpha_s: float | None = None
+    peer_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         for f in ("name", "description"):
@@ -216,6 +222,11 @@ class HardwareProfile:
                   "host_prefill_issue_gap_s"):
             if getattr(self, f) is not None:
                 object.__setattr__(self, f, _number(f, getattr(self, f), f != "sparse_score_bytes_per_s"))
+        for f in ("host_mem_bytes_per_s", "peer_alpha_s", "peer_bytes_per_s"):
+            if getattr(self, f) is not None:
+                object.__setattr__(self, f, _number(f, getattr(self, f), f == "peer_alpha_s"))
+        if (self.peer_alpha_s is None) != (self.peer_bytes_per_s is None):
+            raise HardwareFieldError("peer_bytes_per_s", "peer_alpha_s and peer_bytes_per_s come together or not at all")
         if (self.sparse_score_call_s is None) != (self.sparse_score_bytes_per_s is None):
             raise HardwareFieldError("sparse_score_bytes_per_s", "sparse_score_call_s and sparse_score_bytes_per_s "
                                      "come together (both measured by benchmarks/sparse_score.py) or not at all")
