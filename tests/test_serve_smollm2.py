@@ -22,7 +22,7 @@ def client(smollm2):  # noqa: F811
     s = ServerProcess(["--model", str(smollm2[0]), "--served-model-name", NAME, "--device", "cpu"],
                       env={"KVPIPE_CACHE_DIR": str(smollm2[1])})
     yield openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    assert s.stop() == 0
+    assert s.stop() in (-15, 143)   # SIGTERM's own code once shut down, as kvpipe run's
 
 
 def reference(smollm2, prompt, **kw):  # noqa: F811
@@ -63,10 +63,10 @@ def test_completion_whole_and_streamed_with_stop_are_generates_text(client, smol
     ref = reference(smollm2, p, chat=False, max_new_tokens=10)
     assert whole.choices[0].text == ref.text and whole.object == "text_completion"
     assert whole.choices[0].finish_reason == ref.finish_reason == "length"
-    stream = client.completions.create(model=NAME, prompt=p, max_tokens=10, stop=[","], stream=True)
+    stream = client.completions.create(model=NAME, prompt=p, max_tokens=10, stop=[":"], stream=True)
     text = "".join(c.choices[0].text for c in stream)
-    ref = reference(smollm2, p, chat=False, max_new_tokens=10, stop=[","])
-    assert text == ref.text and "," not in text and ref.finish_reason == "stop"
+    ref = reference(smollm2, p, chat=False, max_new_tokens=10, stop=[":"])
+    assert text == ref.text and ":" not in text and ref.finish_reason == "stop"
 
 
 def test_models_and_errors_through_the_client(client):
