@@ -181,10 +181,9 @@ def test_disconnect_mid_stream_stops_and_frees_the_kv(server):
     body = {**CHAT, "max_tokens": 4000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.url + C, json=body, headers=AUTH, timeout=60) as r:
         lines = r.iter_lines()
-        for _ in range(6):
-            next(lines)
+        seen = [next(lines) for _ in range(6)]
         m = metrics()
-        assert metric(m, "kvpipe_running") == 1 and metric(m, 'kvpipe_kv_bytes{tier="disk"}') > 0, m
+        assert metric(m, "kvpipe_running") == 1 and metric(m, 'kvpipe_kv_bytes{tier="disk"}') > 0, seen
         assert list(server.kv.iterdir())      # the run's disk-tier file, while it streams
         next(lines)
     deadline = time.monotonic() + 30

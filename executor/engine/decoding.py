@@ -13,6 +13,7 @@ at most `LAG` decode steps run past the end and are discarded."""
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Callable
 
 import torch
@@ -124,6 +125,7 @@ class Decoding:
         self.made = 0          # tokens copied (or being copied) to `host`
         self.seen = 0          # tokens handed to `take`
         self.stop_at: int | None = None   # the first decode step not needed
+        self.lock = threading.Lock()      # host lanes (disk, cpu) ask `halted` from their own threads
 
     def pick(self, logits: torch.Tensor, i: int | torch.Tensor) -> torch.Tensor:
         return self.sampler(logits, i)
@@ -161,6 +163,14 @@ class Decoding:
 
     def _drain(self, until: int) -> None:
         """Hand over the tokens that have reached the host, waiting for those up to `until`."""
+        if not self.lock.acquire(blocking=until >= 0):
+            return      # another lane is handing them over; a caller that does not wait moves on
+        try:
+            self._drain_locked(until)
+        finally:
+            self.lock.release()
+
+    def _drain_locked(self, until: int) -> None:
         while self.stop_at is None and self.seen < self.made:
             ev = self.events[self.seen]
             if ev is not None and not ev.query():

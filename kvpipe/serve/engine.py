@@ -9,12 +9,15 @@ after its next token, and the run's own cleanup frees its KV (the disk tier's fi
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
 
 from .protocol import ApiError, Query
+
+log = logging.getLogger("kvpipe")
 
 
 @dataclass
@@ -116,6 +119,7 @@ class Engine:
         except ValueError as e:   # the run's own refusal (its plan does not fit after all, ...)
             job.push("error", ApiError(400, str(e).splitlines()[0], code="refused"))
         except Exception as e:    # noqa: BLE001  (answered as 500, never a dropped connection)
+            log.exception("kvpipe serve: generation failed")
             job.push("error", ApiError(500, f"generation failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
                                        code="engine_error"))
         finally:
