@@ -71,6 +71,8 @@ def build(args: argparse.Namespace):
     from .metrics import Metrics
     sizes = _checked(args)
     options = {k: v for k, v in vars(args).items() if k in generation.RUN_OPTIONS and k not in OWN}
+    if not os.path.exists(str(args.model)):
+        raise ValueError(f"model: no file or folder {str(args.model)!r} (serve needs a tokenizer beside the model)")
     ck = checkpoint.resolve(args.model, args.dtype, args.random_weights)
     if ck.tokenizer is None:
         raise ValueError("model: kvpipe serve needs a tokenizer beside the model (tokenizer.json)")
