@@ -50,6 +50,7 @@ _OPTIONAL = {   # TOML key -> HardwareProfile field: absent means the field's de
     "host.prefill_issue_s_per_launch": "host_prefill_issue_s_per_launch",
     "host.prefill_issue_gap_s": "host_prefill_issue_gap_s",
     "host.compile_s": "compile_s",
+    "host.issue_p90": "host_issue_p90",
     "gpu.sparse_score_call_s": "sparse_score_call_s",
     "gpu.sparse_score_bytes_per_s": "sparse_score_bytes_per_s",
 }

@@ -17,9 +17,10 @@ from kvpipe.api import PlanResult, Predicted, RunResult, plan, run  # noqa: E402
 from kvpipe.options import PlanOptions, RunOptions  # noqa: E402
 from kvpipe.pipeline.replay import Replay  # noqa: E402
 from kvpipe.generation import GenerateResult, generate  # noqa: E402
+from kvpipe.conversation import Conversation  # noqa: E402
 
 __all__ = ["__version__", "plan", "run", "generate", "PlanOptions", "RunOptions", "Replay", "PlanResult", "RunResult",
-           "GenerateResult", "Predicted", "HeadwiseCache"]
+           "GenerateResult", "Predicted", "HeadwiseCache", "Conversation"]
 
 
 def __getattr__(name: str):

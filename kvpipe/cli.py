@@ -101,6 +101,9 @@ def add_plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan", metavar="PLAN.json", help="a plan.json (written by plan --out); replaces the search and --group/--chunk/--resident")
     p.add_argument("--objective", default="total", choices=["total", "ttft", "decode"],
                    help="what the planner minimises: total time, time to first token or decode time per token")
+    p.add_argument("--quantile", default="p90", choices=["p50", "p90"],
+                   help="the run it is minimised on: p90 (default) a slow run of the host's issue speed, where the "
+                        "profile knows its spread, so a plan fast only on a good run is not picked; p50 a median run")
     p.add_argument("--fuse", type=str.lower, choices=["auto", "on", "off"],
                    help="fused decode: the elementwise work of replayed decode steps compiled by torch.compile "
                         "(auto: where it runs, CUDA + Triton; on: refused where it cannot; off: HF's modules). "
@@ -118,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="kvpipe", description="Long-context inference with the KV cache split by head "
                                            "across GPU, pinned host RAM and disk.", epilog=UNITS)
     ap.add_argument("--version", action="version", version=f"kvpipe {__version__}")
-    sub = ap.add_subparsers(dest="command", parser_class=_Parser, metavar="{plan,run,generate,serve,calibrate,codecs}")
+    sub = ap.add_subparsers(dest="command", parser_class=_Parser, metavar="{plan,run,generate,chat,serve,calibrate,codecs}")
     p = sub.add_parser("plan", help="predict latency and memory on a hardware profile (no GPU needed)",
                        formatter_class=_Help, epilog=UNITS)
     add_workload_flags(p, context=DEFAULT_PLAN_CONTEXT, hw=DEFAULT_HW)
@@ -144,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     from kvpipe.generate_cli import add_parser
     add_parser(sub)
+    from kvpipe.chat_cli import add_parser as add_chat
+    add_chat(sub)
     from kvpipe.serve.cli import add_parser as add_serve
     add_serve(sub)
     sub.add_parser("codecs", help="list the codecs: lossless or lossy, where each runs, which links")
@@ -213,6 +218,9 @@ def cmd_codecs(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    from kvpipe import buyers
+    if buyers.wants_table(args):   # several --hw or --host-mem: the buyer's table
+        return buyers.cmd_table(args)
     res = api.plan(PlanOptions.from_args(args))
     if args.json:
         print(json.dumps(res.to_json(), indent=2))
@@ -248,10 +256,12 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger("kvpipe")
     log.addHandler(handler)
     try:
+        from kvpipe.chat_cli import cmd_chat
         from kvpipe.generate_cli import cmd_generate
         from kvpipe.serve.cli import cmd_serve
         return {"plan": cmd_plan, "run": cmd_run, "calibrate": cmd_calibrate,
-                "codecs": cmd_codecs, "generate": cmd_generate, "serve": cmd_serve}[args.command](args)
+                "codecs": cmd_codecs, "generate": cmd_generate, "chat": cmd_chat,
+                "serve": cmd_serve}[args.command](args)
     except BrokenPipeError:   # the reader went away (`| head`): stop quietly, and keep Python's
         # exit-time flush of stdout from failing again (the Python docs' recipe for SIGPIPE)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

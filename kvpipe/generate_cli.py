@@ -19,7 +19,8 @@ EPILOG = ("Greedy by default (or as the model's generation_config.json samples: 
 
 # the flags that are generate's own keyword arguments (the rest are kvpipe.run's options)
 OWN = ("model", "prompt", "prompt_file", "prompt_format", "chat", "system", "max_new_tokens", "stop",
-       "ignore_eos", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+       "ignore_eos", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "save_kv", "load_kv",
+       "max_context")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -51,10 +52,23 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--min-p", type=float, help="drop tokens below this fraction of the likeliest one's probability")
     g.add_argument("--repetition-penalty", type=float, help="HF's repetition penalty over prompt and output (1: off)")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampling (and of random weights)")
+    add_kept_flags(g)
+    g.add_argument("--save-kv", metavar="DIR",
+                   help="write the prompt's KV (every tier) and a manifest to DIR, for a later --load-kv")
+    g.add_argument("--load-kv", metavar="DIR",
+                   help="continue from a saved KV: the prompt is a new turn after the saved conversation, "
+                        "and only its tokens are prefilled")
     g.add_argument("--hw", help="hardware profile of the prediction (default: this GPU's bundled profile, else rtx4090)")
     cli.add_plan_flags(g)
     cli.add_run_flags(g)
     return g
+
+
+def add_kept_flags(g) -> None:
+    """The capacity of a kept conversation (generate --save-kv/--load-kv, chat)."""
+    g.add_argument("--max-context", type=int, metavar="TOKENS",
+                   help="tokens the kept KV can hold, planned up front (generate: prompt + --max-new-tokens; "
+                        "chat: the model's positions, at most 32K)")
 
 
 def _options(args: argparse.Namespace) -> dict:
@@ -77,6 +91,8 @@ def summary(res: gen.GenerateResult) -> list[str]:
              f"decode {rate(t['decode_tokens_per_s'])}, {decode}",
              f"kvpipe: KV (layer, head) units: {kv['gpu']} on {where}, {kv['host']} in host RAM, {kv['disk']} on disk",
              f"kvpipe: plan: {res.plan.describe()}"]
+    if t.get("reused_tokens"):
+        lines.append(f"kvpipe: kept KV: {t['reused_tokens']} tokens were home, {t['prefill_tokens']} new tokens prefilled")
     if res.plan.lossy is not None:
         lines.append(f"kvpipe: LOSSY: {res.plan.lossy.describe()}")
     return lines

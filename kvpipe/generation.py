@@ -103,33 +103,47 @@ def _stops(stop) -> tuple[str, ...]:
     return stops
 
 
-def prepare(model, prompt, prompt_file, prompt_format, chat, system, dtype, random_weights, stdin=None):
-    """(checkpoint, its ModelSpec, tokenizer or None, prompt ids, chat template applied), checked
-    before any run."""
+def load(model, dtype, random_weights):
+    """(checkpoint, its ModelSpec, tokenizer or None) of `model`."""
     from kvpipe.pipeline.model import load_model
     if model is None:
         raise ValueError("model: give --model: a model directory, a .gguf file, or a preset / config.json "
                          "with --random-weights")
-    if prompt_format not in textio.FORMATS:
-        raise ValueError(f"prompt-format: expected text or ids, got {prompt_format!r}")
-    text = textio.read_prompt(prompt, prompt_file, stdin)
     ck = checkpoint.resolve(model, dtype, random_weights)
     spec = load_model(ck.model, dtype)
     tok = None
     if ck.tokenizer is not None:
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(ck.tokenizer, local_files_only=True)
+    return ck, spec, tok
+
+
+def prepare(model, prompt, prompt_file, prompt_format, chat, system, dtype, random_weights, stdin=None):
+    """(checkpoint, its ModelSpec, tokenizer or None, prompt ids, chat template applied), checked
+    before any run."""
+    if model is None:
+        load(model, dtype, random_weights)
+    if prompt_format not in textio.FORMATS:
+        raise ValueError(f"prompt-format: expected text or ids, got {prompt_format!r}")
+    text = textio.read_prompt(prompt, prompt_file, stdin)
+    ck, spec, tok = load(model, dtype, random_weights)
+    ids, templated = encode(text, prompt_format, tok, spec, chat, system, "prompt-file" if prompt_file else "prompt")
+    return ck, spec, tok, ids, templated
+
+
+def encode(text, prompt_format, tok, spec, chat, system, flag="prompt"):
+    """(prompt ids, chat template applied) of the prompt's text."""
     if prompt_format == "ids":
         if system is not None:
             raise ValueError("system: needs a text prompt (--prompt-format text)")
-        return ck, spec, tok, textio.parse_ids(text, spec.vocab, "prompt-file" if prompt_file else "prompt"), False
+        return textio.parse_ids(text, spec.vocab, flag), False
     if tok is None:
         raise ValueError("prompt-format: the model has no tokenizer; give token ids with --prompt-format ids")
     ids, templated = textio.encode(tok, text, chat, system)
     bad = [i for i in ids if i >= spec.vocab]
     if bad:
         raise ValueError(f"model: its tokenizer gives id {bad[0]}, outside the model's vocabulary ({spec.vocab})")
-    return ck, spec, tok, ids, templated
+    return ids, templated
 
 
 def generate(model: str | os.PathLike | None = None, prompt: str | None = None, *,
@@ -138,7 +152,8 @@ def generate(model: str | os.PathLike | None = None, prompt: str | None = None, 
              stop: str | list[str] | tuple = (), ignore_eos: bool = False, temperature: float | None = None,
              top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
              repetition_penalty: float | None = None, seed: int = 0,
-             stream: Callable[[str], None] | None = None, stdin=None,
+             stream: Callable[[str], None] | None = None, stdin=None, save_kv: str | os.PathLike | None = None,
+             load_kv: str | os.PathLike | None = None, max_context: int | None = None,
              cancel: Callable[[], bool] | None = None, **options) -> GenerateResult:
     """Generate a completion of `prompt` (or the text of `prompt_file`, or `stdin`) with `model`:
     a local HF directory, a .gguf file (converted once into a cache, checkpoint.py), or a preset /
@@ -148,14 +163,23 @@ def generate(model: str | os.PathLike | None = None, prompt: str | None = None, 
     config's EOS ids (unless `ignore_eos`), at any `stop` string, or after `max_new_tokens`
     tokens. Sampling fields left None come from the generation config where it samples
     (`do_sample`), else greedy; temperature 0 is greedy. `stream(text)` receives the text as it
-    is generated. `cancel()`, asked after each token, True stops the generation there (finish
-    reason "cancelled": a server's client went away). `options`: kvpipe.run's plan, budget,
-    device and LOSSY arguments (`resident`, `group`, `gpu_mem`, `lossy`, ...). ValueError names the argument for bad input."""
+    is generated. `options`: kvpipe.run's plan, budget, device and LOSSY arguments (`resident`,
+    `group`, `gpu_mem`, `lossy`, ...). `save_kv` writes the prompt's KV to a KV directory and
+    `load_kv` continues from one, the prompt a new user turn after the saved conversation (only its
+    tokens prefilled; kvpipe/kept.py); `max_context` their capacity (default: prompt + max_new_tokens).
+    `cancel()`, asked after each token, True stops the generation there (finish reason
+    "cancelled": a server's client went away). ValueError names the argument for bad input."""
     _check_options(options)
     n = _max_new(max_new_tokens)
     stops = _stops(stop)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed: expected an integer, got {seed!r}")
+    if save_kv is not None or load_kv is not None:
+        from .kept import generate_kept
+        return generate_kept(model, prompt, prompt_file, prompt_format, chat, system, n, stdin, save_kv, load_kv,
+                             max_context, dict(stop=stops, ignore_eos=ignore_eos, temperature=temperature,
+                                               top_k=top_k, top_p=top_p, min_p=min_p, stream=stream,
+                                               repetition_penalty=repetition_penalty, seed=seed), options)
     ck, spec, tok, ids, templated = prepare(model, prompt, prompt_file, prompt_format, chat, system,
                                       options.get("dtype"), options.get("random_weights", False), stdin)
     sampling = Sampling.choose(dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,

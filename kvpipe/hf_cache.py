@@ -9,49 +9,49 @@ streamed to the device group by group, and attention is kvpipe's exact chunked a
 
 Only public transformers extension points are used: `Cache`/`CacheLayerMixin` for the cache, and
 an attention implementation registered with `AttentionInterface` (`kvpipe_headwise`, see
-`kvpipe.executor.hf.attention`). The constructor switches the model to that implementation with
-`model.set_attn_implementation`; `close()` (or leaving a `with` block) frees the KV buffers and
-switches the model back."""
+`kvpipe.executor.hf.attention`). While a cache is live its model runs that implementation and a
+`generate` that checks each call up front (executor/hf/generate.py); the last live cache's
+`close()` (or leaving a `with` block) gives both back. `copy.deepcopy` copies the KV, never the
+model. Beam search, `crop` (assisted and prompt-lookup decoding), `batch_repeat_interleave` and
+`batch_select_indices` act on every unit's home, in whichever tier it lives."""
 from __future__ import annotations
 
-from dataclasses import replace
+import copy
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpipe.executor.layers.adapter import HFAdapter
+from kvpipe.executor.hf import generate as hfgen
+from kvpipe.executor.hf.attention import IMPLEMENTATION, PendingKV
 from kvpipe.executor.hf.headstream import HeadStream
-from kvpipe.executor.hf.attention import IMPLEMENTATION, PendingKV, register
-from kvpipe.executor.kv.layout import KVLayout
-from kvpipe.pipeline.memory import allocator_allowance, breakdown, gpu_usable
-from kvpipe.pipeline.model import ModelSpec
-from kvpipe.pipeline.plan import Method, Plan, Tier, placement
-from kvpipe.pipeline.rules import default_plan, max_resident, spill_to_disk
+from kvpipe.executor.hf.homes import duplicate, materialise, regather
+from kvpipe.executor.hf.knobs import budgets, knob_plan, layout
+from kvpipe.pipeline.plan import Plan
 from kvpipe.pipeline.workload import Workload
 
 
 class HeadwiseCache(Cache):
-    """KV cache for `model.generate(..., past_key_values=cache)` placed and streamed by a kvpipe plan.
+    """KV cache for `model.generate(..., cache=cache)` (`past_key_values=` before transformers 5.2x;
+    either name works while the cache is live) placed and streamed by a kvpipe plan.
 
     `max_length`: tokens per sequence the cache holds (prompt + new tokens); buffers of that size
-    are allocated at the first forward. `batch`: sequences per call (un-padded, one length).
+    are allocated at the first forward, and generate() is refused up front when it would need more.
+    `batch`: the most sequences per call (prompts × num_beams or num_return_sequences).
     Plan knobs, as in `kvpipe run`: `resident` units kept on the device ("none", "all", "max" = as
     many as `gpu_mem` holds, "auto" = the rule's, or a count), `group` KV heads per streamed group,
-    `chunk` prefill tokens per step the plan budgets for, `depth` transfer slots; `gpu_mem` /
-    `host_mem` budgets in bytes (default: the whole device / host RAM). Or `plan=` a kvpipe `Plan`
-    instead of the knobs. HF chunks the prompt only when asked: pass
-    `prefill_chunk_size=cache.plan.prefill.chunk` to `generate` for long prompts.
-
-    Changes the model's attention implementation to `kvpipe_headwise` (kvpipe's exact attention;
-    with other caches it still runs un-padded causal attention exactly); `close()` restores it."""
+    `chunk` prefill tokens per step (generate() prefills the prompt in chunks of it unless given
+    `prefill_chunk_size`), `depth` transfer slots; `gpu_mem` / `host_mem` budgets in bytes or as
+    the CLI writes them ("24GB"; default: the whole device / host RAM). Or `plan=` a kvpipe `Plan`."""
 
     def __init__(self, model: torch.nn.Module, max_length: int, *, resident: str | int = "auto",
                  group: int | None = None, chunk: int | None = None, depth: int | None = None,
-                 batch: int = 1, gpu_mem: int | None = None, host_mem: int | None = None,
+                 batch: int = 1, gpu_mem: int | str | None = None, host_mem: int | str | None = None,
                  plan: Plan | None = None) -> None:
         adapter = HFAdapter(model)
-        if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length <= 0:
-            raise ValueError(f"max_length: must be a positive token count, got {max_length!r}")
+        for name, v in (("max_length", max_length), ("batch", batch)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name}: must be a positive count, got {v!r}")
         spec, work = adapter.spec(), Workload(max_length, 0, batch)
         adapter.check(spec, max_length)
         if plan is not None:
@@ -63,27 +63,32 @@ class HeadwiseCache(Cache):
             if plan.disk:
                 raise ValueError(f"plan: {plan.disk} disk units; the executor has no disk tier yet")
         else:
-            plan = _knob_plan(spec, work, _budgets(adapter.device, gpu_mem, host_mem), resident, group,
-                              chunk, depth)
-        self.plan, self.model, self.max_length = plan, model, max_length
-        self.layout = _layout(spec, plan, batch, max_length)
+            plan = knob_plan(spec, work, budgets(adapter.device, gpu_mem, host_mem), resident, group,
+                             chunk, depth)
+        self.plan, self.model, self.max_length, self.batch = plan, model, max_length, batch
+        self.layout = layout(spec, plan, batch, max_length)
         self.device, self.dtype = adapter.device, adapter.dtype
         self.stream: HeadStream | None = None
+        self._live = False
         super().__init__(layers=[HeadwiseLayer(self, i) for i in range(spec.layers)])
-        self._previous_attention = model.config._attn_implementation
-        model.set_attn_implementation(register())
+        self._attach()
 
     # ---- lifetime ----------------------------------------------------------------------
+    def _attach(self) -> None:
+        hfgen.attach(self.model, lambda c: isinstance(c, HeadwiseCache))
+        self._live = True
+
     def close(self) -> None:
-        """Free the KV buffers and give the model back its previous attention implementation."""
+        """Free the KV buffers; the last live cache of the model gives it back its previous
+        attention implementation and its own generate."""
         if self.stream is not None:
             self.stream.close()
             self.stream = None
         for layer in self.layers:
             layer.reset()
-            layer.is_initialized = False
-        if self.model.config._attn_implementation == IMPLEMENTATION:
-            self.model.set_attn_implementation(self._previous_attention)
+        if self._live:
+            self._live = False
+            hfgen.detach(self.model)
 
     def __enter__(self) -> "HeadwiseCache":
         return self
@@ -91,30 +96,87 @@ class HeadwiseCache(Cache):
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def __deepcopy__(self, memo: dict) -> "HeadwiseCache":
+        """A live cache holding a copy of every unit's K/V, sharing the model (never copied)."""
+        new = type(self).__new__(type(self))
+        memo[id(self)], memo[id(self.model)] = new, self.model
+        state = {k: v for k, v in self.__dict__.items() if k not in ("stream", "_live")}
+        new.__dict__.update(copy.deepcopy(state, memo))
+        new.stream = None if self.stream is None else duplicate(self.stream, self.get_seq_length())
+        new._live = False
+        new._attach()
+        return new
+
+    # ---- generate() ------------------------------------------------------------------
+    def prepare_generate(self, args: tuple, kwargs: dict) -> None:
+        """Check one generate() call before any work; default its prefill chunk to the plan's."""
+        prompts, tokens, written, sequences, chunked = hfgen.request(self.model, args, kwargs)
+        config = kwargs.get("generation_config") or self.model.generation_config
+        if kwargs.get("output_attentions", getattr(config, "output_attentions", False)):
+            raise ValueError("output_attentions: not supported with HeadwiseCache (its attention "
+                             "computes no weight matrix)")
+        if written > self.max_length:
+            raise ValueError(f"max_length: generate() writes up to {written} tokens per sequence (a prompt "
+                             f"of {tokens} and max_new_tokens), the cache holds {self.max_length}; "
+                             f"build it with max_length={written}")
+        if sequences > self.batch:
+            raise ValueError(f"batch: generate() runs {sequences} sequences ({prompts} prompts × num_beams "
+                             f"or num_return_sequences), the cache holds {self.batch}; build it with "
+                             f"batch={sequences}")
+        if not chunked and tokens - self.get_seq_length() > self.plan.prefill.chunk:
+            kwargs["prefill_chunk_size"] = self.plan.prefill.chunk
+
     # ---- called by the layers ----------------------------------------------------------
     def _open(self, key_states: torch.Tensor) -> None:
         """Allocate every buffer of the plan at the first forward (HF's lazy initialisation)."""
         lo = self.layout
         B, H, _, D = key_states.shape
-        if (B, H, D) != (lo.batch, lo.kv_heads, lo.head_dim):
+        if B > self.batch or (H, D) != (lo.kv_heads, lo.head_dim):
             raise ValueError(f"batch: the cache was built for [batch, kv heads, head dim] = "
-                             f"[{lo.batch}, {lo.kv_heads}, {lo.head_dim}], the model passes [{B}, {H}, {D}]")
+                             f"[{self.batch}, {lo.kv_heads}, {lo.head_dim}], the model passes [{B}, {H}, {D}]")
         if key_states.device != self.device or key_states.dtype != self.dtype:
             raise ValueError(f"device: K/V on {key_states.device} {key_states.dtype}, the cache expects "
                              f"{self.device} {self.dtype}")
-        if self.model.config._attn_implementation != IMPLEMENTATION:
+        if not self._live or self.model.config._attn_implementation != IMPLEMENTATION:
             raise ValueError(f"attention: the model runs {self.model.config._attn_implementation!r}, not "
                              f"{IMPLEMENTATION!r} (was the cache closed?)")
+        from dataclasses import replace
+        self.layout = replace(lo, batch=B)
         groups = {True: self.plan.prefill.group, False: self.plan.decode.group}
-        self.stream = HeadStream(lo, groups, self.device, self.dtype).open()
+        self.stream = HeadStream(self.layout, groups, self.device, self.dtype).open()
 
     def _write(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor, start: int) -> PendingKV:
-        T = key_states.shape[2]
+        B, T = key_states.shape[0], key_states.shape[2]
         if start + T > self.max_length:
             raise ValueError(f"max_length: {start + T} tokens exceed the cache's {self.max_length}")
+        if B != self.layout.batch:
+            raise ValueError(f"batch: the cache holds {self.layout.batch} sequences, the model passes {B} "
+                             "(num_return_sequences over a filled cache: call cache.batch_repeat_interleave)")
         kv = torch.stack((key_states, value_states), dim=3)   # [B, H, T, 2, D], contiguous
         self.stream.write(layer, kv, start)
         return PendingKV(self.stream, layer, kv)
+
+    # ---- whole-cache operations (every unit, every tier) ------------------------------
+    def _regather(self, index: torch.Tensor) -> None:
+        if self.stream is None:
+            return
+        if index.numel() > self.batch:
+            raise ValueError(f"batch: {index.numel()} sequences exceed the cache's batch={self.batch}")
+        self.stream = regather(self.stream, index.reshape(-1).long())
+        self.layout = self.stream.layout
+        for layer in self.layers:
+            layer.batch_size = self.layout.batch
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._regather(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.stream is not None:
+            self._regather(torch.arange(self.layout.batch).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.stream is not None:
+            self._regather(torch.arange(self.layout.batch)[indices.cpu() if torch.is_tensor(indices) else indices])
 
     @property
     def is_compileable(self) -> bool:
@@ -122,15 +184,28 @@ class HeadwiseCache(Cache):
 
 
 class HeadwiseLayer(CacheLayerMixin):
-    """One layer's view of a HeadwiseCache: its length; the data lives in the cache's stream."""
+    """One layer's view of a HeadwiseCache: its length; the data lives in the cache's stream.
+    `keys` / `values` are a copy ([B, H, length, D] on the device) read from the tiers on access."""
 
     is_compileable = False
     is_sliding = False
-    is_croppable = False
+    is_croppable = True
 
     def __init__(self, owner: HeadwiseCache, layer: int) -> None:
         super().__init__()
         self.owner, self.layer, self.length = owner, layer, 0
+
+    def _read(self, which: int) -> torch.Tensor | None:
+        if not self.is_initialized or self.owner.stream is None:
+            return None
+        return materialise(self.owner.stream, self.layer, self.length)[:, :, :, which]
+
+    def _set(self, value) -> None:
+        if value is not None:   # CacheLayerMixin's constructor sets None; real writes go through update()
+            raise ValueError("keys/values: a HeadwiseCache layer's K/V are a read-only copy; write through update()")
+
+    keys = property(lambda self: self._read(0), _set)
+    values = property(lambda self: self._read(1), _set)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if self.owner.stream is None:
@@ -148,8 +223,10 @@ class HeadwiseLayer(CacheLayerMixin):
         self.length += key_states.shape[2]
         return pending, pending
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        """(keys, offset) of a step of `query_length` tokens (older transformers pass cache_position)."""
+        q = query_length.shape[0] if torch.is_tensor(query_length) else query_length
+        return self.length + q, 0
 
     def get_seq_length(self) -> int:
         return self.length
@@ -157,62 +234,21 @@ class HeadwiseLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.owner.max_length
 
+    get_max_cache_shape = get_max_length
+
     def reset(self) -> None:
         self.length = 0
+        self.is_initialized = False
 
-    def _unsupported(self, *args, **kwargs) -> None:
-        raise ValueError("HeadwiseCache: beam search, num_return_sequences > 1 and cache cropping "
-                         "(assisted decoding) are not supported")
+    def crop(self, tokens: int) -> None:
+        """Drop the last -tokens tokens (tokens < 0), or keep the first `tokens` (> 0, the older
+        transformers form). The homes stay: later writes overwrite the dropped positions."""
+        tokens = int(tokens)   # assisted decoding passes a 0-d tensor
+        keep = self.length + tokens if tokens < 0 else min(self.length, tokens) if tokens > 0 else self.length
+        self.length = max(0, keep)
 
-    reorder_cache = batch_repeat_interleave = batch_select_indices = crop = _unsupported
+    def _whole_cache(self, *args, **kwargs) -> None:
+        raise ValueError("HeadwiseCache: reorder or resize the batch on the cache (cache.reorder_cache, "
+                         "batch_repeat_interleave, batch_select_indices), not on one layer")
 
-
-def _budgets(device: torch.device, gpu_mem: int | None, host_mem: int | None) -> dict[str, int]:
-    from kvpipe.executor.engine.session import device_budget, host_ram_bytes
-
-    for name, v in (("gpu_mem", gpu_mem), ("host_mem", host_mem)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
-            raise ValueError(f"{name}: must be a positive byte count, got {v!r}")
-    return {"gpu": gpu_mem or device_budget(device), "host": host_mem or host_ram_bytes(), "disk": 0}
-
-
-def _knob_plan(spec: ModelSpec, work: Workload, budgets: dict[str, int], resident, group, chunk,
-               depth) -> Plan:
-    """The head-wise rule plan with the knobs applied, checked against the budgets (as `kvpipe run`)."""
-    plan = default_plan(Method.HEADWISE, spec, work, budgets)
-    pre, dec = plan.prefill, plan.decode
-    if group is not None:
-        pre, dec = replace(pre, group=group), replace(dec, group=group)
-    if chunk is not None:
-        pre = replace(pre, chunk=chunk)
-    if depth is not None:
-        pre, dec = replace(pre, depth=depth), replace(dec, depth=depth)
-    named = {"auto": plan.resident, "none": 0, "all": spec.units, "max": 0}
-    if isinstance(resident, str) and resident in named:
-        count = named[resident]
-    elif isinstance(resident, int) and not isinstance(resident, bool) and 0 <= resident <= spec.units:
-        count = resident
-    else:
-        raise ValueError(f"resident: expected none, all, max, auto or a count in 0..{spec.units}, got {resident!r}")
-    plan = Plan(Method.HEADWISE, pre, dec, count, 0, "HeadwiseCache knobs over " + plan.source)
-    plan.check(spec, work)
-    if resident == "max":
-        plan = max_resident(spec, work, plan, budgets["gpu"])
-    if plan.resident < spec.units and spill_to_disk(spec, work, plan, budgets["host"]).disk:
-        raise ValueError(f"host_mem: the offloaded KV does not fit in {budgets['host']} bytes "
-                         "(the executor has no disk tier yet)")
-    need = breakdown(spec, work, plan).gpu
-    if need > gpu_usable(budgets["gpu"]):
-        raise ValueError(f"gpu_mem: the plan needs {need} bytes on the device and the "
-                         f"allocator's allowance {allocator_allowance(budgets['gpu'])}, the budget is {budgets['gpu']}")
-    return plan
-
-
-def _layout(spec: ModelSpec, plan: Plan, batch: int, capacity: int) -> KVLayout:
-    """The KV store layout of `plan` (as KVLayout.of, for a workload HF drives)."""
-    tiers = placement(spec, plan)
-    resident = tuple(sum(tiers[(layer, h)] is Tier.GPU for h in range(spec.kv_heads)) for layer in range(spec.layers))
-    offloaded = any(n < spec.kv_heads for n in resident)
-    phases = (plan.prefill, plan.decode)
-    return KVLayout(batch, spec.kv_heads, spec.head_dim, capacity, resident,
-                    max(p.depth for p in phases) if offloaded else 0, max(p.group for p in phases))
+    reorder_cache = batch_repeat_interleave = batch_select_indices = _whole_cache

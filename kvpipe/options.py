@@ -48,6 +48,7 @@ class Options:
     kv_dir: Path_ = None                  # the disk tier's folder; its free space is the disk budget
     codec: str | list[str] | tuple[str, ...] = ()   # LINK=NAME, NAME auto: the simulator decides
     objective: str = "total"
+    quantile: str = "p90"                 # the run the objective is ranked on: p50 (median) or p90 (a slow one)
     lossy: str | None = None              # LOSSY opt-in: int8 / int4
     sparse: float | None = None           # LOSSY opt-in: a fraction of the offloaded tokens per decode step
     max_error: float | None = None        # LOSSY only within this error budget
@@ -80,6 +81,9 @@ class Options:
         from kvpipe.sim.planner import OBJECTIVES
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective: {self.objective!r} is not one of {', '.join(OBJECTIVES)}")
+        from kvpipe.pipeline.hardware import QUANTILES
+        if self.quantile not in QUANTILES:
+            raise ValueError(f"quantile: {self.quantile!r} is not one of {', '.join(QUANTILES)}")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace | dict) -> "Options":
@@ -144,7 +148,8 @@ class Options:
                              f"{self.resident} needs --method layerwise or headwise")
         disk = model.units if k["disk"] == "all" else k["disk"]
         return Request(method, k["group"], k["chunk"], resident, given, disk, k["codecs"], self.objective, full,
-                       self.lossy, self.sparse, self.max_error, fuse_mode(self.fuse), Replay.parse(self.replay))
+                       self.lossy, self.sparse, self.max_error, fuse_mode(self.fuse), Replay.parse(self.replay),
+                       self.quantile)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from kvpipe.pipeline.hardware import HardwareProfile
 from kvpipe.pipeline.model import ModelSpec
 from kvpipe.pipeline.plan import Plan
-from kvpipe.pipeline.report import Report
+from kvpipe.pipeline.report import Report, decode_step_stats
 from kvpipe.pipeline.trace import Trace
 from kvpipe.pipeline.workload import Workload
 from kvpipe.sim.predicted import Predicted
@@ -31,7 +31,7 @@ def _search_json(search, model: ModelSpec) -> dict:
         return {}
     return {"alternatives": [{"plan": a.plan.to_json(model), "predicted": a.prediction.report.to_json()}
                              for a in search.alternatives],
-            "planner": {"objective": search.objective, "reason": search.reason, "fitting_plans": search.fitting,
+            "planner": {"objective": search.objective, "ranked_on": search.ranked_on, "reason": search.reason, "fitting_plans": search.fitting,
                         "simulated": search.simulated, "pruned": search.pruned,
                         "unexplored": search.unexplored}}
 
@@ -143,6 +143,7 @@ class RunResult:
         out = _head(self.model, self.hardware, self.workload)
         measured = self.measured.to_json()
         measured.pop("gpu_breakdown_bytes")
+        measured["decode_steps"] = decode_step_stats(self.real_trace)
         out.update(_search_json(self.search, self.model))
         out.update(plan=self.plan.to_json(self.model), fits=True, predicted=self.predicted.report_json(),
                    measured=measured, tokens=[list(t) for t in self.tokens], output_digest=self.output_digest,

@@ -2,7 +2,7 @@
 (and measured) table, and the side-by-side table of `--compare`."""
 from __future__ import annotations
 
-from kvpipe.pipeline.report import fmt_s, format_report
+from kvpipe.pipeline.report import decode_step_stats, fmt_s, format_report
 from kvpipe.pipeline.units import fmt_bytes, fmt_tokens
 
 from .results import PlanResult, RunResult
@@ -27,7 +27,8 @@ def _print_search(search, plan) -> None:
         t = alt.prediction.report.timing
         print(f"  runner-up {i}: {alt.plan.describe()}")
         print(f"      prefill {fmt_s(t.prefill_s)}, first token {fmt_s(t.ttft_s)}, decode "
-              f"{fmt_s(t.decode_s_per_token)}/token, total {fmt_s(t.total_s)}")
+              f"{fmt_s(t.decode_s_per_token)}/token, total {fmt_s(t.total_s)}"
+              + (f" (a {search.ranked_on} run)" if search.ranked_on != "p50" else ""))
 
 
 def print_plan(res: PlanResult) -> None:
@@ -45,7 +46,7 @@ def print_plan(res: PlanResult) -> None:
         print(f"fits: yes   (budgets: {budget})")
     else:
         print(f"fits: NO — {'; '.join(p.problems)}")
-    for line in format_report(p.report):
+    for line in format_report(p.report, p90=p.p90):
         print(line)
     _print_fused(p)
     for note in p.report.notes:
@@ -89,7 +90,7 @@ def print_run(res: RunResult) -> None:
     _print_search(res.search, res.plan)
     if res.lossy_choice:
         print(f"lossy choice: {res.lossy_choice}")
-    for line in format_report(res.predicted.report, res.measured):
+    for line in format_report(res.predicted.report, res.measured, res.predicted.p90):
         print(line)
     _print_fused(res.predicted)
     d = res.decode_issue or {}
@@ -97,6 +98,11 @@ def print_run(res: RunResult) -> None:
         print(f"  measured: decode fused; compile in the timed run {fmt_s(d.get('compile_s') or 0.0)} "
               "(the warm-up compiles first)")
     print(f"  measured critical lane: {res.measured.critical_lane}; {res.real_trace.note}")
+    steps = decode_step_stats(res.real_trace)
+    if steps:
+        q, h = steps["step_s"], steps["host_issue_s"]
+        print(f"  measured decode steps ({steps['steps']}): p50 {fmt_s(q['p50'])}, p90 {fmt_s(q['p90'])}, "
+              f"max {fmt_s(q['max'])}; host issue per step p50 {fmt_s(h['p50'])}, p90 {fmt_s(h['p90'])}")
     tokens = res.tokens[0]
     print(f"tokens: {tokens[:16]}{' ...' if len(tokens) > 16 else ''}")
     print(f"output digest: {res.output_digest}")

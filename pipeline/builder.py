@@ -231,12 +231,14 @@ def _small(ops: layer_ops.SmallOps) -> dict:
 
 
 def build(model: ModelSpec, work: Workload, plan: Plan, *, prefill: bool | range = True,
-          decode: range | None = None, fused: bool = False) -> Graph:
+          decode: range | None = None, fused: bool = False, starts: tuple[int, ...] | None = None) -> Graph:
     """The graph of the prefill (if `prefill`; a range: those prefill chunks only) and the decode
     steps in `decode` (default: all). A graph that starts past chunk 0 or with a decode window
     starts with the cache before it already home (used by the simulator's steady-state shortcuts).
     `fused`: decode steps run the fused decode pieces (replayed decode, pipeline/fusion.py); only
-    their small-kernel counts differ, the stages are the same."""
+    their small-kernel counts differ, the stages are the same. `starts`: the prefill chunks' first
+    tokens, ascending (default: every `chunk` tokens from 0); a first start past 0 continues a cache
+    whose tokens before it are home (a conversation's next turn, executor/engine/live.py)."""
     plan.check(model, work)
     b = _Builder(model, work, plan, fused)
     mem = breakdown(model, work, plan)
@@ -246,10 +248,11 @@ def build(model: ModelSpec, work: Workload, plan: Plan, *, prefill: bool | range
     last = None
     if prefill is not False:
         chunk = plan.prefill.chunk
-        starts = range(0, work.context, chunk)
+        starts = range(0, work.context, chunk) if starts is None else tuple(starts)
+        assert all(0 <= a < b for a, b in zip(starts, tuple(starts[1:]) + (work.context,))), starts
         for i in (range(len(starts)) if prefill is True else prefill):
             start = starts[i]
-            n = min(chunk, work.context - start)
+            n = min(chunk, (starts[i + 1] if i + 1 < len(starts) else work.context) - start)
             last = b.step(Phase.PREFILL, i, start, n, plan.prefill, i == len(starts) - 1, None)
     for k in (range(work.decode_tokens) if decode is None else decode):
         last = b.step(Phase.DECODE, k, work.context + k, 1, plan.decode, True, last)

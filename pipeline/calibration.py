@@ -146,6 +146,16 @@ def host_issue_fields(record: dict, gap: bool = True) -> dict[str, float]:
     return out
 
 
+def issue_spread(step_seconds: Sequence[float]) -> float:
+    """The host's issue spread from repeated host-bound runs of one plan: the p90 (nearest rank)
+    of their step times over the median, at least 1 (HardwareProfile.host_issue_p90)."""
+    xs = sorted(step_seconds)
+    if len(xs) < 2:
+        raise ValueError(f"step_seconds: at least two runs are needed, got {len(xs)}")
+    p90 = xs[min(len(xs) - 1, math.ceil(0.9 * len(xs)) - 1)]
+    return max(1.0, p90 / statistics.median(xs))
+
+
 def half_rate_flops(points: Sequence[tuple[float, ...]], eff_flops_per_s: float) -> float:
     """FLOPs per kernel at which a kernel reaches half of `eff_flops_per_s`, from measured
     (kernel_flops, seconds[, memory_seconds]) points under the model rate(f) = eff * f / (f + h):

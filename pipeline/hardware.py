@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 DTYPES = ("bf16", "fp16", "fp32")  # same names as ModelSpec.dtype
+# The host's issue figures (seconds of host time per stage, launch, copy call, replayed step or
+# attention plan), which `at_quantile` scales by the run-to-run spread.
+HOST_ISSUE_FIELDS = ("host_issue_s_per_stage", "host_issue_s_per_op", "graph_replay_s", "attention_plan_s",
+                     "host_copy_s_per_stage", "host_copy_s_per_op", "host_prefill_issue_s_per_stage",
+                     "host_prefill_issue_s_per_launch", "host_prefill_issue_gap_s")
+QUANTILES = ("p50", "p90")   # the runs a plan is ranked on: a median one, or a slow (90th percentile) one
 _INT_FIELDS = ("gpu_mem_bytes", "host_mem_bytes", "disk_bytes")
 _RATE_FIELDS = ("hbm_peak_bytes_per_s", "hbm_eff_bytes_per_s", "h2d_bytes_per_s",
                 "d2h_bytes_per_s", "disk_read_bytes_per_s", "disk_write_bytes_per_s",
@@ -175,6 +181,11 @@ class HardwareProfile:
     # decode-attention rate (9x too fast on the H200: 0.056 ms predicted, 0.558 measured at 128K).
     sparse_score_call_s: float | None = None
     sparse_score_bytes_per_s: float | None = None
+    # The host's issue speed varies from run to run on a shared machine: the 90th percentile of a
+    # run's host issue times as a multiple of the figures above, which are a median run's (1: no
+    # spread known). Plans are ranked at that percentile (`at_quantile`): a plan that is fast
+    # only on a good run is exposed to it.
+    host_issue_p90: float = 1.0
 
     def __post_init__(self) -> None:
         for f in ("name", "description"):
@@ -196,6 +207,10 @@ class HardwareProfile:
         if isinstance(ew, bool) or not isinstance(ew, (int, float)) or not 0 < ew <= 1:
             raise HardwareFieldError("elementwise_efficiency", f"must be a number in (0, 1], got {ew!r}")
         object.__setattr__(self, "elementwise_efficiency", float(ew))
+        spread = self.host_issue_p90
+        if isinstance(spread, bool) or not isinstance(spread, (int, float)) or not 1 <= spread < 100:
+            raise HardwareFieldError("host_issue_p90", f"must be a number >= 1, got {spread!r}")
+        object.__setattr__(self, "host_issue_p90", float(spread))
         for f in ("host_copy_s_per_stage", "host_copy_s_per_op", "compile_s", "sparse_score_call_s",
                   "sparse_score_bytes_per_s", "host_prefill_issue_s_per_stage", "host_prefill_issue_s_per_launch",
                   "host_prefill_issue_gap_s"):
@@ -229,6 +244,17 @@ class HardwareProfile:
         if self.hbm_eff_bytes_per_s > self.hbm_peak_bytes_per_s:
             raise HardwareFieldError("hbm_eff_bytes_per_s", f"{self.hbm_eff_bytes_per_s!r} exceeds "
                                      f"the peak {self.hbm_peak_bytes_per_s!r}")
+
+    def at_quantile(self, quantile: str) -> HardwareProfile:
+        """This machine on a run at `quantile` (QUANTILES) of the host's issue speed: every host
+        issue figure scaled by its spread (p50: the profile as it is). Run time grows with the
+        host's issue time, so a run's time at the host's p90 is the run's p90."""
+        if quantile not in QUANTILES:
+            raise ValueError(f"quantile: {quantile!r} is not one of {', '.join(QUANTILES)}")
+        if quantile == "p50" or self.host_issue_p90 == 1.0:
+            return self
+        scaled = {f: getattr(self, f) * self.host_issue_p90 for f in HOST_ISSUE_FIELDS if getattr(self, f) is not None}
+        return replace(self, **scaled)
 
     def decode_attention_seconds(self, group: int, kv_bytes: float) -> float | None:
         """GPU seconds of one replayed decode attention call of `group` KV heads reading `kv_bytes`

@@ -2,6 +2,7 @@
 memory per pool; plus the budget check that says which pool does not fit."""
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 
@@ -26,6 +27,31 @@ def decode_head_ends(tr: Trace) -> list[float]:
     """End times of the decode steps' `head` stages (each step's token ready), in order."""
     st = tr.graph.stages
     return sorted(sp.end_s for sp in tr.spans if st[sp.stage].phase is Phase.DECODE and st[sp.stage].tag == "head")
+
+
+def decode_step_stats(tr: Trace) -> dict | None:
+    """Per decode step of a measured trace: the step's time (from the previous step's token to its
+    own; the first step follows the prefill and is left out) and the host seconds spent issuing
+    its stages, each as p50 / p90 / max, so a slow run shows whether its host was slow. None
+    with fewer than two decode steps."""
+    ends = decode_head_ends(tr)
+    if len(ends) < 2:
+        return None
+    steps = [b - a for a, b in zip(ends, ends[1:])]
+    host: dict[int, float] = {}
+    for sp in tr.spans:
+        st = tr.graph.stages[sp.stage]
+        if st.phase is Phase.DECODE:
+            host[st.step] = host.get(st.step, 0.0) + sp.host_s
+    issue = [host[k] for k in sorted(host)[1:]]
+    return {"steps": len(steps), "step_s": _quantiles(steps), "host_issue_s": _quantiles(issue)}
+
+
+def _quantiles(xs: list[float]) -> dict:
+    """p50 / p90 (nearest rank) and max of `xs`."""
+    xs = sorted(xs)
+    rank = lambda q: xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]  # noqa: E731
+    return {"p50": rank(0.5), "p90": rank(0.9), "max": xs[-1]}
 
 
 def timing_from_trace(tr: Trace) -> Timing:
@@ -96,15 +122,15 @@ def fmt_s(x: float | None) -> str:
     return fmt_seconds(x)   # ms / s / min s / h min: see units.fmt_seconds
 
 
-def format_report(rep: Report, measured: Report | None = None) -> list[str]:
-    """Rows of the report table; with `measured`, predicted and measured side by side."""
+def format_report(rep: Report, measured: Report | None = None, p90: Timing | None = None) -> list[str]:
+    """Rows of the report table; with `measured`, predicted and measured side by side; with `p90`,
+    the prediction of a slow run (the host's p90 issue speed) beside the median one's."""
     t, m = rep.timing, measured.timing if measured else None
-    rows = [("prefill", t.prefill_s, m and m.prefill_s), ("time to first token", t.ttft_s, m and m.ttft_s),
-            ("decode per token", t.decode_s_per_token, m and m.decode_s_per_token),
-            ("total", t.total_s, m and m.total_s)]
-    out = [f"  {'':22}{'predicted':>14}" + (f"{'measured':>14}" if m else "")]
-    for label, p, q in rows:
-        out.append(f"  {label:22}{fmt_s(p):>14}" + (f"{fmt_s(q):>14}" if m else ""))
+    times = lambda x: (x.prefill_s, x.ttft_s, x.decode_s_per_token, x.total_s) if x else (None,) * 4  # noqa: E731
+    labels = ("prefill", "time to first token", "decode per token", "total")
+    out = [f"  {'':22}{'predicted':>14}" + (f"{'p90 run':>14}" if p90 else "") + (f"{'measured':>14}" if m else "")]
+    for label, a, b, c in zip(labels, times(t), times(p90), times(m)):
+        out.append(f"  {label:22}{fmt_s(a):>14}" + (f"{fmt_s(b):>14}" if p90 else "") + (f"{fmt_s(c):>14}" if m else ""))
     for pool in ("gpu", "host", "disk"):
         line = f"  {'peak ' + pool:22}{fmt_bytes(rep.peak_bytes[pool]):>14}"
         if measured and pool in measured.peak_bytes:

@@ -37,13 +37,14 @@ class Request:
     plan: Plan | None = None            # a given plan: replaces the search and the rule
     disk: int | None = None             # offloaded units on disk; None: what host RAM cannot hold
     codecs: tuple[tuple[str, str], ...] = ()   # (link, codec); codec "auto": the simulator picks
-    objective: str = "total"            # what the planner minimises (sim/planner.OBJECTIVES)
+    objective: str = "total"            # what the planner minimises (sim/planner.OBJECTIVES), on a `quantile` run
     full: bool = False                  # simulate every prefill chunk and decode step
     lossy: str | None = None            # LOSSY opt-in: "int8" or "int4"
     sparse: float | None = None         # LOSSY opt-in: the fraction of offloaded tokens per decode step
     max_error: float | None = None      # LOSSY only within this attention-output error budget
     fuse: str = "auto"                  # pipeline/fusion.MODES
     replay: Replay = Replay.AUTO        # the user's setting
+    quantile: str = "p90"               # rank on a median (p50) or a slow run (p90; pipeline/hardware.QUANTILES)
 
     @property
     def searches(self) -> bool:
@@ -98,7 +99,8 @@ def decide(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dict[
         def candidate(p: Plan) -> Predicted:
             return exact if p is exact.plan else predict(model, work, p, hw, budgets, req, target, fuse=unfused)
         refuse = "not with --replay on (the lossy choice runs under --replay auto)" if req.replay is Replay.ON else None
-        pred, choice = choose_lossy(exact.plan, req.max_error, req.objective, candidate, refuse=refuse, replay=pin)
+        pred, choice = choose_lossy(exact.plan, req.max_error, req.objective, candidate, refuse=refuse, replay=pin,
+                                    quantile=req.quantile)
     if req.replay is Replay.ON and pred.plan.replay_blocker:
         raise ValueError(f"replay: {pred.plan.replay_blocker}; use --replay off or auto")
     return Decision(pred, found, choice)
@@ -106,18 +108,22 @@ def decide(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dict[
 
 def predict(model: ModelSpec, work: Workload, plan: Plan, hw: HardwareProfile, budgets: dict[str, int],
             req: Request, target: Target = Target(), *, pred=None, fuse: str | None = None,
-            replayed: bool | None = None) -> Predicted:
+            replayed: bool | None = None, slow=None) -> Predicted:
     """`plan` simulated as `target` runs it: decode replayed as its replay choice or the rule
     says (`replayed` overrides: what a run reported it did), fused under `fuse` (default the
-    request's; `on` refused where decode is not replayed). `pred`: the planner's simulation."""
+    request's; `on` refused where decode is not replayed); on a median run and, where the profile
+    knows the host's spread, on a slow one (`Predicted.p90`). `pred` / `slow`: the planner's
+    simulation of it on a median / slow run."""
     fuse = req.fuse if fuse is None else fuse
     plan.check(model, work)
     problems = tuple(budget_problems(breakdown(model, work, plan), budgets))
     if replayed is None:
         replayed = decode_replayed(model, work, plan, target.device)
     refuse_unfusable(fuse, replayed)
-    pred = pred or simulate(model, work, plan, hw, full=req.full, replay=replayed, fuse=decode_fused(fuse, replayed))
-    return Predicted(plan, problems, pred.report, pred.trace, None, pred.fused, pred.compile_s)
+    run = lambda h: simulate(model, work, plan, h, full=req.full, replay=replayed, fuse=decode_fused(fuse, replayed))  # noqa: E731
+    pred = pred or run(hw)
+    p90 = (slow or run(hw.at_quantile("p90"))).report.timing if hw.host_issue_p90 > 1 else None
+    return Predicted(plan, problems, pred.report, pred.trace, None, pred.fused, pred.compile_s, p90)
 
 
 def _choose(model, work, hw, budgets, req: Request, target: Target, pin: Replay) -> tuple[Predicted, object]:
@@ -126,9 +132,13 @@ def _choose(model, work, hw, budgets, req: Request, target: Target, pin: Replay)
     if req.searches:
         pins = replace(pins_of(req), replay=pin)
         h2d = target.h2d_codecs and not req.opted_lossy and not any(link == "h2d" for link, _ in req.codecs)
-        found = search(model, work, hw, budgets, pins, req.objective, full=req.full, h2d_codecs=h2d, fuse=req.fuse)
+        found = search(model, work, hw, budgets, pins, req.objective, full=req.full, h2d_codecs=h2d, fuse=req.fuse,
+                       quantile=req.quantile)
+        ranked = hw.at_quantile(req.quantile)   # the run the search simulated its plans on
         if req.disk is None and not req.codecs:
-            return predict(model, work, found.best.plan, hw, budgets, req, target, pred=found.best.prediction), found
+            sim = found.best.prediction
+            return predict(model, work, found.best.plan, hw, budgets, req, target, pred=sim if ranked is hw else None,
+                           slow=sim if ranked is not hw else None), found
         plan = found.best.plan
     else:
         plan, found = rule_plan(model, work, budgets, req), None
@@ -212,7 +222,7 @@ def compare(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dict
     plan (replayed where it can be, unless --replay off), each with its largest context."""
     out = {}
     for m in Method:
-        other = Request(m, objective=req.objective, full=req.full, fuse=req.fuse,
+        other = Request(m, objective=req.objective, quantile=req.quantile, full=req.full, fuse=req.fuse,
                         replay=Replay.OFF if req.replay is Replay.OFF else Replay.AUTO)
         pred = chosen if m is chosen.plan.method else _choose(model, work, hw, budgets, other, Target(), other.replay)[0]
         ctx = max_context(model, work, budgets, req if m is chosen.plan.method else other)

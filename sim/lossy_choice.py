@@ -96,13 +96,15 @@ def excluded(plan: Plan, option: Option | None = None) -> str | None:
 
 
 def choose_lossy(plan: Plan, max_error: float, objective: str, predict: Callable,
-                 refuse: str | None = None, replay: Replay = Replay.AUTO) -> tuple[object, LossyChoice]:
+                 refuse: str | None = None, replay: Replay = Replay.AUTO,
+                 quantile: str = "p50") -> tuple[object, LossyChoice]:
     """The best of `plan` (exact) and its admitted lossy variants. `predict(plan)` returns an
     object with `problems` (budget misses) and the simulator's `report` (sim/decide.predict).
     `refuse`: why the caller cannot run a lossy plan at all (e.g. --replay on), or None.
     `replay`: the --replay pin; each candidate's replay choice is made again (Plan.with_lossy).
     Candidates are tried exact first, then by measured error (smallest first), and one replaces
-    the best so far only when strictly faster: ties go to exact, then to the smaller error."""
+    the best so far only when strictly faster: ties go to exact, then to the smaller error.
+    `quantile`: the run the objective is ranked on (Predicted.timing_at)."""
     max_error = check_budget(max_error)
     rows: dict[str, tuple[str, float | None, str]] = {}
     tried: list[tuple[str, Plan, float | None]] = [("exact", plan, None)]
@@ -117,7 +119,7 @@ def choose_lossy(plan: Plan, max_error: float, objective: str, predict: Callable
     best, best_v, pick = None, math.inf, None
     for name, p, err in sorted(tried, key=lambda t: -1.0 if t[2] is None else t[2]):
         pred = predict(p)
-        v = objective_value(pred, objective)
+        v = objective_value(pred, objective, quantile)
         fits = not pred.problems
         rows[name] = (name, err, f"predicted {objective} {v:.3g} s" + ("" if fits else ", does not fit"))
         if fits and v < best_v * (1 - 1e-9):     # strictly better than all before it

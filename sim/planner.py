@@ -72,14 +72,17 @@ class PlannerResult:
     simulated: int
     pruned: int                        # skipped because their lower bound could not win
     unexplored: int = 0                # neither simulated nor pruned: the simulation budget ran out
+    ranked_on: str = "p50"             # the run every simulation here is of (p90: the host's slow run)
 
 
 class NoPlanFits(ValueError):
     """No plan of the space fits; the message names the smallest budget that would."""
 
 
-def objective_value(pred: Prediction, objective: str) -> float:
-    t = pred.report.timing
+def objective_value(pred: Prediction, objective: str, quantile: str = "p50") -> float:
+    """`objective` of a prediction; a decision layer's prediction (sim/predicted.Predicted) at
+    `quantile`, a simulation as it was run (the planner runs it at the quantile it ranks on)."""
+    t = pred.timing_at(quantile) if hasattr(pred, "timing_at") else pred.report.timing
     if objective == "ttft":
         return t.ttft_s
     if objective == "decode" and t.decode_s_per_token is not None:
@@ -90,7 +93,7 @@ def objective_value(pred: Prediction, objective: str) -> float:
 def search(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dict[str, int],
            pins: Pins = Pins(), objective: str = "total", *, sim_budget: int = SIM_BUDGET,
            full: bool = False, h2d_codecs: bool = True, fuse: str = "auto",
-           eager_budget: int = EAGER_SIM_BUDGET) -> PlannerResult:
+           eager_budget: int = EAGER_SIM_BUDGET, quantile: str = "p50") -> PlannerResult:
     """The best plan the simulator finds for `objective`, with the two runners-up. Plans are
     simulated best estimate first until every other one is pruned by its lower bound or the
     stages simulated pass `sim_budget` (then the search is anytime, not exhaustive); then the
@@ -98,7 +101,9 @@ def search(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dict[
     (the module docstring says when). `pins.replay` fixes replay instead (on: plans that cannot
     replay are left out). `h2d_codecs`: try the profile's lossless GPU codecs on h2d for the
     winner (`_h2d_codec`). `fuse`: the fuse setting (auto|on|off), applied to every plan whose
-    decode is replayed."""
+    decode is replayed. `quantile`: the run plans are simulated and ranked on (a median one, or
+    one at the host's p90 issue speed: HardwareProfile.at_quantile), named in the reason."""
+    hw = hw.at_quantile(quantile)
     if objective not in OBJECTIVES:
         raise ValueError(f"objective: {objective!r} is not one of {', '.join(OBJECTIVES)}")
     why = blocker(model, work) if work.decode_tokens else "there are no decode tokens"
@@ -121,9 +126,10 @@ def search(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dict[
     rest = order[1:1 + RUNNERS_UP]
     if h2d_codecs:
         best = _h2d_codec(s, best, objective, full, rest)
-    reason = _reason(s, best, rest, objective, _replay_note(s, best, done, objective, eager_skip))
+    label = objective if hw.host_issue_p90 == 1 or quantile == "p50" else f"{objective} at {quantile}"
+    reason = _reason(s, best, rest, label, _replay_note(s, best, done, label, eager_skip))
     return PlannerResult(best, tuple(rest), reason, objective, len(plans) + len(twins), len(done), pruned,
-                         unexplored)
+                         unexplored, "p50" if label == objective else quantile)
 
 
 def _branch_and_bound(s: _Search, plans: list[Plan], done: dict, objective: str, budget: int,

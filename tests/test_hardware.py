@@ -14,7 +14,8 @@ from kvpipe.hw_profiles import ProfileError, known_profiles, load_profile
 from kvpipe.pipeline.hardware import HardwareProfile
 
 ROOT = Path(__file__).resolve().parents[1]
-BUNDLED = ["a100-80g", "h100-sxm", "h200", "h200-testbox", "rtx4060", "rtx4090"]
+BUNDLED = ["a100-80g", "h100-sxm", "h200", "h200-testbox", "l40s", "rtx3090", "rtx4060", "rtx4060ti-16g", "rtx4090", "rtx5090",
+           "rtx6000-ada"]
 H200_TEXT = (ROOT / "hw_profiles" / "h200.toml").read_text()
 
 
@@ -79,8 +80,7 @@ def test_unknown_name_lists_known_ones():
     """Fault caught: an unknown profile name failing without listing the known ones."""
     with pytest.raises(ProfileError) as e:
         load_profile("foo")
-    assert str(e.value) == ("unknown hardware 'foo' (known: a100-80g, h100-sxm, h200, h200-testbox, rtx4060, "
-                            "rtx4090); or give a path to a .toml file")
+    assert str(e.value) == f"unknown hardware 'foo' (known: {', '.join(BUNDLED)}); or give a path to a .toml file"
 
 
 def test_unknown_dtype_raises():

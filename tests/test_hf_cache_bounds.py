@@ -47,10 +47,11 @@ def test_the_gpu_budget_keeps_the_allocators_allowance(tiny_model):
 
 
 def test_an_exactly_full_cache_is_accepted_and_one_token_less_refused(tiny_model):
-    """Fault caught: `max_length` checked with >= (a cache filled exactly to its length refused).
-    generate() with NEW new tokens writes the prompt and NEW - 1 of them (the last is sampled,
-    never attended): a cache of CTX + NEW - 1 tokens must give HF's own greedy tokens; one of
-    CTX + NEW - 2 must be refused."""
+    """Fault caught: `max_length` checked with >= (a cache filled exactly to its length refused),
+    or checked only once exceeded, after the work. generate() with NEW new tokens writes the
+    prompt and NEW - 1 of them (the last is sampled, never attended): a cache of CTX + NEW - 1
+    tokens must give HF's own greedy tokens; one of CTX + NEW - 2 must be refused before any
+    forward runs."""
     model = tiny_model("llama", kv_heads=2)
     ids = torch.randint(0, 127, (1, CTX), generator=torch.Generator().manual_seed(3))
     ref = model.generate(ids, past_key_values=DynamicCache(), max_new_tokens=NEW, **GREEDY)[:, CTX:]
@@ -59,5 +60,6 @@ def test_an_exactly_full_cache_is_accepted_and_one_token_less_refused(tiny_model
         assert cache.get_seq_length() == CTX + NEW - 1 == cache.max_length
     assert torch.equal(out, ref)
     with kvpipe.HeadwiseCache(model, max_length=CTX + NEW - 2, resident="none", group=1) as cache:
-        with pytest.raises(ValueError, match=f"^max_length: {CTX + NEW - 1} tokens exceed"):
+        with pytest.raises(ValueError, match=f"^max_length: generate\\(\\) writes up to {CTX + NEW - 1} tokens"):
             model.generate(ids, past_key_values=cache, max_new_tokens=NEW, **GREEDY)
+        assert cache.stream is None   # refused before the first forward allocated anything

@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from kvpipe.pipeline.calibration import Calibration, host_issue_fields
+from kvpipe.pipeline.calibration import Calibration, host_issue_fields, issue_spread
 
 
 def step_counts(graph) -> tuple[float, float]:
@@ -193,6 +193,33 @@ def host_issue(cal: Calibration) -> None:
     cal.set("host.graph_replay_s", statistics.median(r["host_s_per_step"] for r in replay if r["resident"]),
             "host seconds of one replayed decode step (same model, resident plans), median")
     cal.extra["issue_probe"] = {"eager": eager, "replay": replay}
+
+
+SPREAD_RUNS = 10   # timed runs of one host-bound plan for the issue spread
+
+
+def host_spread(cal: Calibration, runs: int = SPREAD_RUNS) -> None:
+    """The host's issue spread (`host.issue_p90`): one host-bound eager plan of the probe model
+    (group 1, every unit resident: a step takes the host's time) decoded `runs` times in this
+    process, the p90 step time over the median. It sees this machine's jitter during the
+    calibration only; a shared machine's run-to-run spread can be larger (docs/PERFORMANCE.md)."""
+    from kvpipe.executor.layers.adapter import HFAdapter
+    from kvpipe.executor.engine.runner import execute
+    from kvpipe.pipeline.builder import build
+    from kvpipe.pipeline.plan import Method, PhasePlan, Plan
+    from kvpipe.pipeline.report import timing_from_trace
+    from kvpipe.pipeline.workload import Workload
+    model = probe_model("cuda")
+    spec = HFAdapter(model).spec()
+    graph = build(spec, Workload(1024, 16, 1), Plan(Method.HEADWISE, PhasePlan(1, 1024, 2), PhasePlan(1, 1, 2),
+                                                     spec.units, 0))
+    ids = torch.randint(0, spec.vocab, (1, 1024), generator=torch.Generator().manual_seed(0))
+    execute(graph, model, ids, "cuda", replay="off")   # warm
+    steps = [timing_from_trace(execute(graph, model, ids, "cuda", replay="off").trace).decode_s_per_token
+             for _ in range(runs)]
+    cal.set("host.issue_p90", issue_spread(steps), f"p90 over the median decode step of {runs} eager runs of a "
+            "host-bound plan (2-layer Llama-3-8B-shaped model, group 1, all resident) in this calibration")
+    cal.extra["host_spread_steps_s"] = steps
 
 
 def host_stage_costs(cal: Calibration, context: int = 2048, chunk: int = 512) -> None:

@@ -21,7 +21,7 @@ from kvpipe.pipeline.hardware import HardwareProfile
 
 from kvpipe.executor.calibrate.attention import attention, decode_attention
 from kvpipe.executor.calibrate.gpu import gemm, hbm, launch, small_kernels
-from kvpipe.executor.calibrate.host_issue import host_issue, host_stage_costs
+from kvpipe.executor.calibrate.host_issue import host_issue, host_spread, host_stage_costs
 from kvpipe.executor.calibrate.links import disk, link_series, links
 
 
@@ -136,6 +136,7 @@ def calibrate(base: HardwareProfile, name: str, kv_dir: str | None = None, quick
     steps.append(("disk", lambda: disk(cal, kv_dir, quick)))
     steps.append(("host issue", lambda: host_issue(cal)))
     steps.append(("host issue per stage", lambda: host_stage_costs(cal)))
+    steps.append(("host issue spread", lambda: host_spread(cal)))
     steps.append(("codecs", lambda: link_codecs(cal, quick)))
     for i, (label, step) in enumerate(steps, 1):
         t0 = time.perf_counter()

@@ -233,6 +233,18 @@ class DiskFile:
         self.stats.add(write_bytes=len(buf), write_s=time.perf_counter() - t1, checksum_s=t1 - t0,
                        checksum_bytes=len(buf) if checksum else 0)
 
+    def truncate(self, row: int, nbytes: int) -> None:
+        """Keep the row's first `nbytes`; a cut inside a written block brings it back to the tail."""
+        if nbytes >= self.fill[row]:
+            return
+        B, k = self.block_bytes, nbytes // self.block_bytes
+        if nbytes % B and (k + 1) * B <= self.fill[row]:
+            tail = self._tail(row)
+            if self.io.pread(tail, self._offset(row, k)) != B:
+                raise DiskError(errno.EIO, f"disk: short read of {self.path} at offset {self._offset(row, k)}")
+            self._verify(row, k, tail)
+        self.fill[row] = nbytes
+
     def read(self, items: list[tuple[int, memoryview]]) -> int:
         """Fill each (row, dst) with the row's first len(dst) bytes, which must be all it holds;
         dst must start ALIGN-aligned. Raises DiskError naming file and offset on a bad checksum.

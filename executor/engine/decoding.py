@@ -125,7 +125,8 @@ class Decoding:
         self.made = 0          # tokens copied (or being copied) to `host`
         self.seen = 0          # tokens handed to `take`
         self.stop_at: int | None = None   # the first decode step not needed
-        self.lock = threading.Lock()      # host lanes (disk, cpu) ask `halted` from their own threads
+        # the disk lane's stages pass the gate on worker threads: one drain at a time hands each token over once
+        self.lock = threading.Lock()
 
     def pick(self, logits: torch.Tensor, i: int | torch.Tensor) -> torch.Tensor:
         return self.sampler(logits, i)
@@ -145,7 +146,7 @@ class Decoding:
         """Whether decode step `step` is past the end. `wait`: this step's issue may wait for the
         token `LAG` steps back (the compute lane's embed; never inside a graph capture)."""
         if self.stop_at is None:
-            self._drain(step - self.lag if wait else -1)
+            self._drain(step - self.lag if wait else -1, block=wait)
         return self.stop_at is not None and step >= self.stop_at
 
     def gate(self, issue: Callable[[Stage], None]) -> Callable[[Stage], None]:
@@ -161,10 +162,11 @@ class Decoding:
         self._drain(self.made)
         return self.made if self.stop_at is None else self.stop_at + 1
 
-    def _drain(self, until: int) -> None:
-        """Hand over the tokens that have reached the host, waiting for those up to `until`."""
-        if not self.lock.acquire(blocking=until >= 0):
-            return      # another lane is handing them over; a caller that does not wait moves on
+    def _drain(self, until: int, block: bool = True) -> None:
+        """Hand over the tokens that have reached the host, waiting for those up to `until`
+        (`block` False: nothing when another thread is already handing them over)."""
+        if not self.lock.acquire(blocking=block):
+            return
         try:
             self._drain_locked(until)
         finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -91,7 +92,7 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
             device: str | torch.device | None = None, *, keep_logits: bool = False,
             stage_hook: Callable[[Stage], None] | None = None, turns: random.Random | None = None,
             replay: Replay | str = Replay.OFF, disk: DiskOptions | None = None, fuse: str | None = None,
-            decoding=None) -> RunResult:
+            decoding=None, store: KVStore | None = None) -> RunResult:
     """Run `graph` with `hf_model` (already on `device`, default: the model's) on `prompt_ids`
     [B, context]. Greedy decoding; bitwise independent of where the KV cache lives.
     `stage_hook(stage)` is called on the stage's lane (its stream current) after the stage's
@@ -104,7 +105,9 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
     steps with fused elementwise work (executor/layers/fused.py); eager decode is never fused.
     `disk` says where the disk units' file goes (default: the system temp dir); it is removed
     when the run ends, however it ends. `decoding` (engine/decoding.py, None: greedy) picks each
-    token and skips the decode steps past the end of a generation."""
+    token and skips the decode steps past the end of a generation. `store`: an open KVStore whose
+    tokens before the graph's first prefill chunk are home (engine/live.py), left open; None: one
+    is opened for the graph and closed when it ends."""
     adapter = HFAdapter(hf_model)
     device = adapter.device if device is None else torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -130,8 +133,9 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
         step_logits = (torch.empty(n_decode + 1, w.batch, graph.model.vocab, device=device)
                        if keep_logits else None)
         extra = {}
-        with sigterm_raises(), KVStore(KVLayout.of(graph), device, adapter.dtype, disk,
-                                       replay=mode is not Replay.OFF) as store, Lanes(device, turns=turns) as lanes:
+        own = KVStore(KVLayout.of(graph), device, adapter.dtype, disk, replay=mode is not Replay.OFF) \
+            if store is None else nullcontext(store)
+        with sigterm_raises(), own as store, Lanes(device, turns=turns) as lanes:
             why = lossy_blocker(graph, store) if mode is not Replay.OFF else None   # LOSSY sparse: known once the store is open
             if why and not auto:
                 raise ValueError(f"replay: {why}; use --replay off")

@@ -6,18 +6,24 @@ attention function as `key`/`value`. A kvpipe cache returns a `PendingKV` there 
 K/V and the stream that holds the prefix), and `headwise_attention` attends head group by head
 group through that stream. Given plain tensors instead (no cache, or HF's own caches), it runs
 the same exact chunked attention over them: the last T keys are the chunk, the rest its prefix.
-No mask is ever materialised: attention is causal by construction, and `headwise_mask` refuses
-what it cannot express (padding, custom or packed masks) with a ValueError."""
+Un-padded, no mask is materialised: attention is causal by construction. A left-padded batch gets
+its key padding mask [B, kv] from `headwise_mask` (executor/hf/masked.py attends with it). A
+sliding window that covers every key is full attention; `headwise_mask` refuses what it cannot
+express (a window smaller than the keys, custom or packed masks) with a ValueError."""
 from __future__ import annotations
 
+import contextvars
 from dataclasses import dataclass
 
 import torch
 
 from kvpipe.executor.layers.attention import attend_chunk
 from kvpipe.executor.hf.headstream import HeadStream
+from kvpipe.executor.hf.masked import attend_padded
 
 IMPLEMENTATION = "kvpipe_headwise"
+# Set by generate() given an all-ones mask: no step checks the mask again (a host sync per token).
+UNPADDED = contextvars.ContextVar("kvpipe_unpadded", default=False)
 
 
 @dataclass(frozen=True)
@@ -35,13 +41,13 @@ def headwise_attention(module: torch.nn.Module, query: torch.Tensor, key, value,
     """query [B, Hq, T, D] -> ([B, T, Hq, D], None), as transformers' attention functions return."""
     if module.training or dropout:
         raise ValueError(f"{IMPLEMENTATION}: inference only (dropout={dropout}, training={module.training})")
-    if attention_mask is not None:
-        raise ValueError(f"{IMPLEMENTATION}: attention_mask: a prepared mask was passed; only "
-                         "causal attention over un-padded sequences is supported")
+    if attention_mask is not None and (attention_mask.dtype != torch.bool or attention_mask.dim() != 2):
+        raise ValueError(f"{IMPLEMENTATION}: attention_mask: a prepared {attention_mask.dim()}-D mask was "
+                         "passed; only causal attention with a 2-D padding mask is supported")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if isinstance(key, PendingKV):
         assert key is value, "update() returns the same PendingKV as key and value"
-        return key.stream.attend(key.layer, query, key.kv, scale), None
+        return key.stream.attend(key.layer, query, key.kv, scale, attention_mask), None
     T, S = query.shape[2], key.shape[2]          # plain tensors: key, value [B, Hkv, S, D]
     if sliding_window is not None and sliding_window < S:
         raise ValueError(f"sliding_window: {sliding_window} < {S} keys; not supported")
@@ -49,22 +55,35 @@ def headwise_attention(module: torch.nn.Module, query: torch.Tensor, key, value,
         raise ValueError(f"{IMPLEMENTATION}: {S} keys for {T} queries")
     q = query.contiguous()
     k, v = key.contiguous(), value.contiguous()
+    if attention_mask is not None:
+        return attend_padded(q, k, v, attention_mask, scale).contiguous(), None
     out = attend_chunk(q, k[:, :, :S - T], v[:, :, :S - T], k[:, :, S - T:], v[:, :, S - T:], scale)
     return out.transpose(1, 2).contiguous(), None
 
 
-def headwise_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
-                  mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs) -> None:
-    """The mask for `kvpipe_headwise`: none (causal is built in). Refuses padding and custom masks."""
+def headwise_mask(batch_size: int, q_length: int | None = None, kv_length: int = 0, q_offset=0, kv_offset: int = 0,
+                  mask_function=None, attention_mask: torch.Tensor | None = None, local_size=None,
+                  **kwargs) -> torch.Tensor | None:
+    """The mask for `kvpipe_headwise`: None (causal is built in), or the keys' padding mask
+    [B, kv_length] of a left-padded batch. A sliding window counts as full attention when it covers
+    all kv_length keys; smaller windows, custom and packed masks are refused."""
     from transformers.masking_utils import causal_mask_function
 
     if mask_function is not None and mask_function is not causal_mask_function:
-        raise ValueError(f"{IMPLEMENTATION}: only the plain causal mask is supported (got a custom, "
-                         "packed or sliding-window mask function)")
-    if attention_mask is not None and not bool(attention_mask.all()):
-        raise ValueError(f"{IMPLEMENTATION}: attention_mask: padded sequences are not supported; "
-                         "pass un-padded prompts of one length")
-    return None
+        if local_size is None:
+            raise ValueError(f"{IMPLEMENTATION}: only the causal mask (or a sliding window covering "
+                             "the whole cache) is supported; got a custom or packed mask function")
+        if local_size < kv_length:
+            raise ValueError(f"sliding_window: {local_size} < {kv_length} keys; HeadwiseCache attends "
+                             "to the whole cache (sliding windows are not supported)")
+    if attention_mask is None or attention_mask.dim() != 2:
+        return attention_mask   # a prepared mask is refused by the attention function
+    if UNPADDED.get():
+        return None
+    from kvpipe.executor.hf.masked import padding_mask
+
+    valid = padding_mask(attention_mask, kv_length, kv_offset)
+    return None if bool(valid.all()) else valid
 
 
 def register() -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from kvpipe.executor.hf.masked import attend_padded
 from kvpipe.executor.layers.attention import attend_chunk
 from kvpipe.executor.kv.layout import KVLayout
 from kvpipe.executor.kv.store import KVStore, k_of, v_of
@@ -32,7 +33,8 @@ class HeadStream:
 
     # ---- lifetime ----------------------------------------------------------------------
     def open(self) -> "HeadStream":
-        self.store.open()
+        with torch.inference_mode(False):   # plain tensors: cache operations run outside inference mode too
+            self.store.open()
         if self.cuda:
             self.h2d, self.d2h = torch.cuda.Stream(self.store.device), torch.cuda.Stream(self.store.device)
         self._stored: list = [None] * self.layout.layers           # per layer: its last d2h store
@@ -114,8 +116,10 @@ class HeadStream:
             self.fetched.append(None)
         self.issued += 1
 
-    def attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [B, Hq, T, D] of the step's tokens, kv [B, H, T, 2, D] as written -> [B, T, Hq, D]."""
+    def attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor, scale: float,
+               valid: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B, Hq, T, D] of the step's tokens, kv [B, H, T, 2, D] as written -> [B, T, Hq, D];
+        `valid` [B, P + T]: the keys' padding mask of a left-padded batch (None: no padding)."""
         lo = self.layout
         B, Hq, T, D = q.shape
         assert kv.shape == (B, lo.kv_heads, T, 2, D) and T == self.tokens, (q.shape, kv.shape, self.tokens)
@@ -140,8 +144,12 @@ class HeadStream:
                 self.store.fill_resident(layer, heads, slot, P)        # mixed group: its resident heads
                 pre = self.store.slot_prefix(slot, G, P)               # [B, G, P, 2, D]
             qs = slice(h0 * r, (h0 + G) * r)
-            o = attend_chunk(q[:, qs], k_of(pre), v_of(pre), k_of(new), v_of(new), scale)
-            out[:, :, qs] = o.transpose(1, 2)                          # [B, T, G*r, D]
+            if valid is None:
+                o = attend_chunk(q[:, qs], k_of(pre), v_of(pre), k_of(new), v_of(new), scale).transpose(1, 2)
+            else:
+                whole = torch.cat([pre, new], dim=2)                   # [B, G, P + T, 2, D]
+                o = attend_padded(q[:, qs], k_of(whole), v_of(whole), valid, scale)
+            out[:, :, qs] = o                                          # [B, T, G*r, D]
             if job is not None:
                 self.consumed += 1
                 if self.cuda:   # the slot is free once this group's attention is done: refill it

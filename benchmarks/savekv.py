@@ -1,0 +1,110 @@
+"""A second question over a saved document: first-question TTFT (the document's prefill, then
+--save-kv) against the second question's (--load-kv: the KV load plus the question's prefill
+only), the KV load rate against the disk's O_DIRECT read rate probed on the same file in the same
+run, and a chat's second turn in one session (no load: the KV stayed where the plan put it).
+Targets: (load + second TTFT) <= 5% of the first TTFT at 128K; load >= 80% of the link's rate.
+
+    python -m benchmarks.savekv --gpu-mem 24GB --contexts 32K,128K --kv-dir /dev/shm   # KV dir in host RAM
+    python -m benchmarks.savekv --gpu-mem 24GB --contexts 32K,128K --kv-dir /path/on/nvme
+    python -m benchmarks.savekv --model tests-like/config.json --contexts 1K --device cpu   # CPU smoke
+
+Prints and writes one JSON object (benchmarks/results/<machine>-<date>-savekv.json)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+import kvpipe
+from kvpipe.conversation import Conversation
+from kvpipe.executor.disk.tier import aligned_buffer
+from kvpipe.pipeline.model import load_model
+from kvpipe.pipeline.units import parse_tokens
+
+from .result_file import result_file
+
+
+def read_rate(path: Path, threads: int = 8, request: int = 8 << 20) -> float:
+    """Bytes per second reading `path` with O_DIRECT into aligned buffers (the link's floor)."""
+    size = path.stat().st_size
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    except OSError:      # tmpfs (/dev/shm: the host-RAM case) refuses O_DIRECT
+        fd = os.open(path, os.O_RDONLY)
+    bufs = [aligned_buffer(request) for _ in range(threads)]
+
+    def part(i: int) -> None:
+        view = memoryview(bufs[i % threads].numpy())
+        for at in range(i * request, size, threads * request):
+            os.preadv(fd, [view[:min(request, size - at) // 4096 * 4096 or 4096]], at)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(part, range(threads)))
+    os.close(fd)
+    return size / (time.perf_counter() - t0)
+
+
+def row(args, context: int) -> dict:
+    g = torch.Generator().manual_seed(context)
+    vocab = load_model(args.model).vocab
+    doc = torch.randint(0, vocab, (context,), generator=g).tolist()
+    q = torch.randint(0, vocab, (args.question,), generator=g).tolist()
+    kv = Path(tempfile.mkdtemp(prefix="kvpipe-savekv-", dir=args.kv_dir))
+    opts = dict(random_weights=True, prompt_format="ids", max_new_tokens=args.new, ignore_eos=True,
+                device=args.device, gpu_mem=args.gpu_mem, kv_dir=args.kv_dir)
+    ids = lambda t: " ".join(map(str, t))   # noqa: E731
+    first = kvpipe.generate(args.model, ids(doc), save_kv=kv, **opts)
+    second = kvpipe.generate(args.model, ids(q), load_kv=kv, **opts)
+    man = json.loads((kv / "manifest.json").read_text())
+    link = read_rate(kv / man["data"])
+    t = second.timings
+    with Conversation(args.model, max_context=context + 2 * args.new + args.question, max_new_tokens=args.new,
+                      random_weights=True, device=args.device, gpu_mem=args.gpu_mem, kv_dir=args.kv_dir) as c:
+        one = c.append(doc, max_new_tokens=args.new, ignore_eos=True)
+        two = c.append(c.tokens + one.tokens[-1:] + q, max_new_tokens=args.new, ignore_eos=True)
+    for f in kv.iterdir():
+        f.unlink()
+    kv.rmdir()
+    return {"context": context, "question_tokens": args.question, "plan": first.plan.describe(),
+            "kv_units": first.kv_placement, "first_ttft_s": first.timings["ttft_s"],
+            "second_ttft_s": t["ttft_s"], "second_prefill_tokens": t["prefill_tokens"],
+            "kv_load_s": t["kv_load_s"], "kv_bytes": t["kv_load_bytes"],
+            "kv_load_rate": t["kv_load_bytes"] / t["kv_load_s"], "link_read_rate": link,
+            "load_vs_link": t["kv_load_bytes"] / t["kv_load_s"] / link,
+            "second_vs_first": (t["ttft_s"] + t["kv_load_s"]) / first.timings["ttft_s"],
+            "chat_turn1_ttft_s": one.timings["ttft_s"], "chat_turn2_ttft_s": two.timings["ttft_s"],
+            "chat_turn2_prefill_tokens": two.timings["prefill_tokens"],
+            "chat_turn2_vs_turn1": two.timings["ttft_s"] / one.timings["ttft_s"],
+            "decode_s_per_token": first.timings["decode_s_per_token"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama-3-8b", help="preset or config.json (random weights)")
+    ap.add_argument("--contexts", default="32K,128K")
+    ap.add_argument("--question", type=int, default=64, help="tokens of the second question")
+    ap.add_argument("--new", type=int, default=8, help="tokens generated per question")
+    ap.add_argument("--gpu-mem", default=None)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--kv-dir", default=None, help="where the KV directory and the disk tier go")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    rows = [row(args, parse_tokens(c, "contexts")) for c in args.contexts.split(",")]
+    out = {"benchmark": "savekv", "device": torch.cuda.get_device_name() if dev.startswith("cuda") else "cpu",
+           "model": args.model, "gpu_mem": args.gpu_mem, "rows": rows,
+           "targets": {"second_vs_first": 0.05, "load_vs_link": 0.80}}
+    path = Path(args.out) if args.out else result_file("savekv", dev)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""A conversation's KV kept on the engine between calls: one KVStore opened for `capacity` tokens
+in the plan's placement (GPU, pinned host RAM, disk) and left open, so every (layer, KV head) unit
+stays where the plan put it; each `extend` runs a graph whose prefill starts past the tokens
+already home, so a next turn or a next question prefills only its new tokens. A KV directory
+(executor/kv/saved.py) loads into the same store: `kvpipe generate --load-kv`, `kvpipe chat` and a
+server's prefix reuse share this one mechanism.
+
+Chunking: the new tokens are prefilled in the plan's chunks counted from the first new token (and
+from each of `breaks`). On CPU and GPU a matmul's bits can depend on the chunk's shape, so the
+continuation equals bit for bit an uninterrupted run whose chunks break at the same tokens
+(`chunk_starts`); where the saved length is a multiple of the chunk, that is the plain run."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from kvpipe.pipeline.builder import build
+from kvpipe.pipeline.model import ModelSpec
+from kvpipe.pipeline.plan import Plan
+from kvpipe.pipeline.replay import Replay, blocker, resolve
+from kvpipe.pipeline.stage import Graph
+from kvpipe.pipeline.workload import Workload
+
+from kvpipe.executor.engine.runner import MODES, RunResult, execute
+from kvpipe.executor.kv.layout import DiskOptions, KVLayout
+from kvpipe.executor.kv.store import KVStore
+from kvpipe.executor.layers.adapter import HFAdapter, spec_dtype
+
+
+def chunk_starts(start: int, total: int, chunk: int, breaks=()) -> tuple[int, ...]:
+    """First tokens of the prefill chunks over [start, total): every `chunk` tokens from `start`
+    and again from each break inside the range."""
+    marks = sorted({start, *(b for b in breaks if start < b < total)})
+    ends = marks[1:] + [total]
+    return tuple(s for a, b in zip(marks, ends) for s in range(a, b, chunk))
+
+
+def unsupported(layout: KVLayout) -> str | None:
+    """Why a kept conversation cannot run this layout (None: it can)."""
+    if layout.quant_bits or layout.sparse is not None:
+        return "its KV is LOSSY (--lossy/--sparse)"
+    if layout.h2d_codec != "none" or layout.disk_codec != "none":
+        return "it stores the KV through a codec (--codec)"
+    if layout.batch != 1:
+        return "its batch is not 1"
+    return None
+
+
+class LiveSession:
+    """The engine side of a conversation (batch 1); a context manager (the store opens on enter).
+    `tokens` are the ids whose K/V is home, positions 0 .. len(tokens) - 1."""
+
+    def __init__(self, spec: ModelSpec, plan: Plan, hf_model: torch.nn.Module, device: torch.device,
+                 capacity: int, kv_dir: str | None = None, replay: Replay | str = Replay.OFF,
+                 fuse: str | None = None) -> None:
+        if capacity < 2:
+            raise ValueError(f"max-context: must be at least 2 tokens, got {capacity}")
+        self.spec, self.plan, self.hf, self.device = spec, plan, hf_model, torch.device(device)
+        self.capacity, self.kv_dir, self.replay, self.fuse = capacity, kv_dir, replay, fuse
+        self.tokens: list[int] = []
+        self.store: KVStore | None = None
+        self.layout = KVLayout.of(Graph(spec, Workload(capacity - 1, 1, 1), plan))
+        why = unsupported(self.layout)
+        if why:
+            raise ValueError(f"plan: a kept conversation (save-kv, load-kv, chat) needs an exact plan "
+                             f"without codecs, and {why}")
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    def open(self) -> "LiveSession":
+        dtype = HFAdapter(self.hf).dtype
+        work = Workload(self.capacity - 1, 1, 1)
+        mode = resolve(Replay.parse(self.replay, MODES),
+                       blocker(self.spec, work, self.plan, self.device.type, spec_dtype(dtype)), 1)
+        self.store = KVStore(self.layout, self.device, dtype, DiskOptions(self.kv_dir),
+                             replay=mode is not Replay.OFF).open()
+        return self
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+        self.store, self.tokens = None, []
+
+    def __enter__(self) -> "LiveSession":
+        return self.open()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def extend(self, ids: list[int], decode_tokens: int = 0, decoding=None, breaks=(),
+               keep_logits: bool = False, stage_hook=None) -> RunResult:
+        """Prefill `ids` past the tokens already home (they must start with them), then run
+        `decode_tokens` decode steps (`decoding` picks the tokens, engine/decoding.py; None: greedy).
+        Afterwards the K/V of `ids` and of every kept generated token but the last is home."""
+        ids = [int(i) for i in ids]
+        if ids[:self.length] != self.tokens:
+            raise ValueError("tokens: the conversation's tokens are not a prefix of the new ones")
+        if len(ids) + decode_tokens > self.capacity:
+            raise ValueError(f"max-context: the conversation is full: {len(ids)} tokens + {decode_tokens} "
+                             f"to generate exceed its {self.capacity}-token capacity")
+        if len(ids) == self.length:      # the next token needs the last one's logits: run it again
+            self.rewind(self.length - 1)
+        total, plan = len(ids), self.plan
+        if plan.prefill.chunk > total:   # one chunk; the store was sized for the plan's chunk
+            plan = replace(plan, prefill=replace(plan.prefill, chunk=total))
+        starts = chunk_starts(self.length, total, plan.prefill.chunk, breaks)
+        graph = build(self.spec, Workload(total, decode_tokens, 1), plan, starts=starts)
+        prompt = torch.tensor([ids], dtype=torch.long)
+        try:
+            res = execute(graph, self.hf, prompt, self.device, keep_logits=keep_logits, stage_hook=stage_hook,
+                          replay=self.replay, fuse=self.fuse, decoding=decoding, store=self.store)
+        except BaseException:    # Ctrl-C, an error: what is home stays the conversation so far
+            if self.store.cuda:
+                torch.cuda.synchronize(self.device)   # no copy of the stopped run still in flight
+            self._truncate_disk()
+            raise
+        kept = decoding.finish() if decoding is not None else decode_tokens + 1
+        made = res.tokens[0, :kept].cpu().tolist()
+        self.tokens = ids + made[:kept - 1]
+        self._truncate_disk()
+        return res
+
+    def rewind(self, n: int) -> None:
+        """Keep the first `n` tokens' K/V (a conversation whose later tokens changed)."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"rewind: {n} is outside 0..{self.length}")
+        self.tokens = self.tokens[:n]
+        self._truncate_disk()
+
+    def _truncate_disk(self) -> None:
+        """Disk rows are append-only: decode steps run past the end (engine/decoding.LAG) wrote
+        tokens the conversation does not keep; their rows are cut back to its length."""
+        disk = self.store.disk
+        if disk is not None:
+            for row in range(disk.rows):
+                disk.truncate(row, self.length * self.store.token_bytes)

@@ -1,0 +1,164 @@
+"""A KV directory: the K/V of a conversation's first `n` tokens, every (layer, KV head) unit of
+every tier (GPU-resident units too), written out so a later run continues from it.
+
+    DIR/manifest.json       what `manifest(...)` returns, plus "data" and "units" (below)
+    DIR/kv-<id>.bin         unit u's n tokens x [K; V] x head_dim in the model's dtype, at an
+                            ALIGN-aligned offset (O_DIRECT-friendly); each BLOCK bytes of it
+                            has its crc32c in the manifest
+
+Each save writes a new data file, then the manifest, each to a temporary name first, fsynced and
+renamed, then removes the data files the manifest no longer names: a crash leaves the previous
+save whole, or no manifest at all, never a half one. `load` verifies every block and names the
+file and byte offset of a corrupt one."""
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import crc32c
+import torch
+
+from kvpipe.executor.disk.tier import ALIGN, aligned_buffer
+from kvpipe.executor.kv.store import KVStore
+
+FORMAT = "kvpipe-kv"
+VERSION = 1
+MANIFEST = "manifest.json"
+BLOCK = 4 << 20          # checksummed span of a unit's bytes
+THREADS = 8
+
+
+def _units(store: KVStore) -> list[tuple[int, int]]:
+    lo = store.layout
+    return [(layer, h) for layer in range(lo.layers) for h in range(lo.kv_heads)]
+
+
+def _stride(store: KVStore, n: int) -> int:
+    return -(-n * store.token_bytes // ALIGN) * ALIGN
+
+
+def _tensor(buf: torch.Tensor, store: KVStore, n: int) -> torch.Tensor:
+    return buf[:n * store.token_bytes].view(store.dtype).view(n, 2, store.layout.head_dim)
+
+
+def _get(store: KVStore, layer: int, h: int, n: int, length: int, buf: torch.Tensor) -> None:
+    """Unit (layer, h)'s first n tokens into `buf` (the row holds `length`)."""
+    lo = store.layout
+    if h >= lo.first_disk(layer):
+        row = aligned_buffer(_stride(store, length))
+        store.disk.read([(store._row(layer, 0, h), memoryview(row[:length * store.token_bytes].numpy()))])
+        buf[:n * store.token_bytes].copy_(row[:n * store.token_bytes])
+        return
+    n_res = lo.resident[layer]
+    src = store.gpu[layer][0, h, :n] if h < n_res else store.host[layer][0, h - n_res, :n]
+    _tensor(buf, store, n).copy_(src)
+
+
+def _put(store: KVStore, layer: int, h: int, n: int, buf: torch.Tensor) -> None:
+    lo = store.layout
+    if h >= lo.first_disk(layer):
+        store.disk.append([(store._row(layer, 0, h), memoryview(buf[:n * store.token_bytes].numpy()))])
+        return
+    n_res = lo.resident[layer]
+    dst = store.gpu[layer][0, h, :n] if h < n_res else store.host[layer][0, h - n_res, :n]
+    dst.copy_(_tensor(buf, store, n))
+
+
+def _crcs(view: memoryview) -> list[int]:
+    return [crc32c.crc32c(view[i:i + BLOCK]) for i in range(0, len(view), BLOCK)]
+
+
+def _write_atomic(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        write(fd)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def save(store: KVStore, n: int, length: int, directory: str | os.PathLike, meta: dict) -> dict:
+    """Write the first `n` tokens of every unit (the store holds `length`) and a manifest of
+    `meta` plus the data file's units and checksums; returns the manifest."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    units, stride, nb = _units(store), _stride(store, n), n * store.token_bytes
+    if store.cuda:
+        torch.cuda.synchronize(store.device)
+    name = f"kv-{uuid.uuid4().hex[:12]}.bin"
+    rows: list[dict] = [{}] * len(units)
+
+    def write(fd: int) -> None:
+        def one(i: int) -> None:
+            buf = aligned_buffer(stride)
+            buf[nb:].zero_()
+            _get(store, *units[i], n, length, buf)
+            view = memoryview(buf.numpy())
+            os.pwrite(fd, view, i * stride)
+            rows[i] = {"layer": units[i][0], "head": units[i][1], "offset": i * stride, "crc32c": _crcs(view[:nb])}
+        with ThreadPoolExecutor(THREADS) as pool:
+            list(pool.map(one, range(len(units))))
+    _write_atomic(d / name, write)
+    man = dict(meta, format=FORMAT, version=VERSION, data=name, tokens_saved=n, unit_bytes=nb,
+               block_bytes=BLOCK, units=rows)
+    text = json.dumps(man).encode()
+    _write_atomic(d / MANIFEST, lambda fd: os.write(fd, text))
+    for old in d.glob("kv-*.bin"):
+        if old.name != name:
+            old.unlink()
+    return man
+
+
+def read_manifest(directory: str | os.PathLike, flag: str = "load-kv") -> dict:
+    """The manifest of a KV directory; ValueError naming `flag` when it is not one."""
+    path = Path(directory) / MANIFEST
+    try:
+        man = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{flag}: {str(directory)!r} holds no {MANIFEST} (not a saved KV directory)") from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{flag}: cannot read {path} ({e})") from None
+    if not isinstance(man, dict) or man.get("format") != FORMAT or man.get("version") != VERSION:
+        raise ValueError(f"{flag}: {path} is not a {FORMAT} manifest of version {VERSION}")
+    return man
+
+
+def load(store: KVStore, directory: str | os.PathLike, man: dict, flag: str = "load-kv") -> int:
+    """Fill an empty store with the directory's units (each block verified); returns the tokens."""
+    n, lo = man["tokens_saved"], store.layout
+    nb, stride = n * store.token_bytes, _stride(store, n)
+    if nb != man["unit_bytes"] or len(man["units"]) != lo.layers * lo.kv_heads:
+        raise ValueError(f"{flag}: the saved units ({len(man['units'])} of {man['unit_bytes']} bytes) do not "
+                         f"match this model's ({lo.layers * lo.kv_heads} of {nb} bytes)")
+    path = Path(directory) / man["data"]
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    except OSError:
+        try:
+            fd = os.open(path, os.O_RDONLY)   # O_DIRECT refused by the file system
+        except OSError as e:
+            raise ValueError(f"{flag}: cannot open {path} ({e.strerror})") from None
+
+    def one(u: dict) -> None:
+        buf = aligned_buffer(stride)
+        view = memoryview(buf.numpy())
+        if os.preadv(fd, [view], u["offset"]) != stride:
+            raise ValueError(f"{flag}: {path} is truncated: short read at offset {u['offset']}")
+        for k, crc in enumerate(u["crc32c"]):
+            if crc32c.crc32c(view[k * BLOCK:min((k + 1) * BLOCK, nb)]) != crc:
+                raise ValueError(f"{flag}: checksum mismatch in {path} at offset {u['offset'] + k * BLOCK} "
+                                 f"(block of {min(BLOCK, nb - k * BLOCK)} bytes): the saved KV is corrupt")
+        _put(store, u["layer"], u["head"], n, buf)
+    try:
+        with ThreadPoolExecutor(THREADS) as pool:
+            list(pool.map(one, man["units"]))
+    finally:
+        os.close(fd)
+    if store.cuda:
+        torch.cuda.synchronize(store.device)
+    return n

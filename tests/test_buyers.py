@@ -1,0 +1,76 @@
+"""The buyer's table (kvpipe/buyers.py): list flags, one row per (card, budget), the binding budget."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvpipe import buyers
+from kvpipe.options import PlanOptions
+
+GiB = 2**30
+KV_PER_TOKEN = 2 * 32 * 8 * 128 * 2   # Llama-3-8B: K and V, 32 layers, 8 KV heads, head dim 128, bf16
+
+
+def test_split_list_reads_commas_and_refuses_empty_items():
+    """Fault caught: a comma list read as one name, spaces kept, or an empty item let through."""
+    assert buyers.split_list("rtx4090, rtx5090,a100-80g", "--hw") == ["rtx4090", "rtx5090", "a100-80g"]
+    assert buyers.split_list(None, "--host-mem") == [None]
+    with pytest.raises(ValueError, match="--host-mem"):
+        buyers.split_list("64GB,,128GB", "--host-mem")
+
+
+def test_binding_pools_names_only_the_pools_that_raise_the_context():
+    """Fault caught: a pool reported as binding although raising it alone lets no longer context fit
+    (here the context is min(gpu / 10, host + disk): host and disk bind, the GPU does not)."""
+    largest_of = lambda b: min(b["gpu"] // 10, b["host"] + b["disk"])  # noqa: E731
+    budgets = {"gpu": 1000, "host": 30, "disk": 20}
+    assert buyers.binding_pools(largest_of, budgets, largest_of(budgets)) == ("host", "disk")
+    budgets = {"gpu": 100, "host": 30, "disk": 20}     # now gpu / 10 = 10 < 50: only the GPU binds
+    assert buyers.binding_pools(largest_of, budgets, largest_of(budgets)) == ("gpu",)
+
+
+def test_all_on_gpu_method_is_bound_by_the_gpu_alone():
+    """Fault caught: host or disk reported as binding for a plan that keeps every byte on the GPU, or a
+    longest context whose K/V alone overflows the GPU budget left after the weights (hand-worked:
+    24 GiB - 16.06 GB of bf16 weights leaves under 74K tokens of 128 KiB each)."""
+    opts = PlanOptions(model="llama-3-8b", hw="rtx4090", method="standard", gpu_mem="24GiB", host_mem="8GiB")
+    row = buyers.row(opts, contexts=())
+    assert row.binds == ("gpu",)
+    weights = 8_030_261_248 * 2
+    assert 0 < row.max_context * KV_PER_TOKEN <= 24 * GiB - weights
+
+
+def test_table_has_one_row_per_card_and_budget_in_order():
+    """Fault caught: rows missing, repeated or out of order when several cards and budgets are given;
+    a context past the longest that fits predicted instead of marked as no fit."""
+    opts = PlanOptions(model="llama-3-8b", method="standard")
+    rows = buyers.table(opts, ["rtx4090", "rtx5090"], ["32GB", "64GB"], contexts=(8192, 1 << 20))
+    assert [(r.hw, r.budgets["host"]) for r in rows] == [
+        ("rtx4090", 32 * 10**9), ("rtx4090", 64 * 10**9), ("rtx5090", 32 * 10**9), ("rtx5090", 64 * 10**9)]
+    for r in rows:
+        short, long_ = r.exact
+        assert short.decode_s_per_token is not None and short.ttft_s > 0
+        assert long_.ttft_s is None and long_.decode_s_per_token is None   # 1M is past the GPU alone
+    text = "\n".join(buyers.lines(rows, "llama-3-8b"))
+    assert text.count("rtx4090") == 2 and "no fit" in text
+
+
+def test_cli_lists_go_to_the_table_and_json():
+    """Fault caught: `kvpipe plan` with a comma list failing as one profile name or one size."""
+    r = subprocess.run([sys.executable, "-m", "kvpipe", "plan", "--hw", "rtx4090,rtx3090", "--host-mem", "64GB",
+                        "--method", "standard", "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert [row["hw"] for row in out["rows"]] == ["rtx4090", "rtx3090"]
+    assert all(row["binds"] == ["gpu"] for row in out["rows"])
+
+
+def test_an_unknown_card_in_the_list_fails_in_one_line_naming_it():
+    """Fault caught: a bad name in --hw failing with a traceback instead of one line naming it."""
+    r = subprocess.run([sys.executable, "-m", "kvpipe", "plan", "--hw", "rtx4090,nope", "--method", "standard"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and "'nope'" in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,182 @@
+"""Prefilled KV kept for the next question (`generate --save-kv/--load-kv`, kvpipe/conversation.py,
+executor/engine/live.py, executor/kv/saved.py) with tiny random models on the CPU (prompts as ids)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+import kvpipe
+from kvpipe.cli import main
+from kvpipe.conversation import Conversation
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+P = [(7 * i + 3) % 256 for i in range(40)]       # the document: not a multiple of the chunk
+Q = [(5 * i + 1) % 256 for i in range(13)]       # the next question
+COMMON = dict(random_weights=True, device="cpu", prompt_format="ids", chunk=16, seed=5)
+# (resident units, group, disk units) over 2 layers x 3 KV heads: none, all, a mix, disk, group 1 and 3
+PLACEMENTS = [("none", 1, None), ("all", 1, None), ("2", 1, None), ("none", 1, "2"), ("none", 3, None),
+              ("3", 3, "3"), ("all", 3, None)]
+
+
+def ids(t: list[int]) -> str:
+    return " ".join(map(str, t))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny Llama with 3 KV heads (group 3 runs) as a config.json folder."""
+    from conftest import TINY_LLAMA
+    d = tmp_path_factory.mktemp("kv3")
+    (d / "config.json").write_text(json.dumps(dict(TINY_LLAMA, num_key_value_heads=3, num_attention_heads=6, hidden_size=96)))
+    return d
+
+
+def place(resident, group, disk) -> dict:
+    return dict(COMMON, resident=resident, group=group, **({"disk": disk} if disk else {}))
+
+
+def reference(model_dir, prompt, breaks, n, **opts):
+    """One uninterrupted run over `prompt` whose prefill chunks also break at `breaks`."""
+    kw = {k: v for k, v in opts.items() if k != "prompt_format"}
+    with Conversation(str(model_dir), max_context=len(prompt) + n, max_new_tokens=n, **kw) as c:
+        return c.append(prompt, breaks=breaks, max_new_tokens=n)
+
+
+@pytest.mark.parametrize("resident,group,disk", PLACEMENTS)
+def test_continuation_is_the_uninterrupted_run_bit_for_bit(model_dir, tmp_path, resident, group, disk):
+    """Fault caught: a unit of some tier (GPU-resident, host, disk) not written or not loaded, a
+    loaded unit at the wrong place, the new tokens prefilled from 0 (not only the new ones), or the
+    continuation's chunks differing from the uninterrupted run's with the same break."""
+    opts = place(resident, group, disk)
+    kvpipe.generate(str(model_dir), ids(P), max_new_tokens=5, save_kv=tmp_path / "kv", **opts)
+    got = kvpipe.generate(str(model_dir), ids(Q), max_new_tokens=6, load_kv=tmp_path / "kv", **opts)
+    ref = reference(model_dir, P + Q, (len(P),), 6, **opts)
+    assert got.tokens == ref.tokens and got.output_digest == ref.output_digest
+    assert got.timings["prefill_tokens"] == len(Q) and got.timings["reused_tokens"] == len(P)
+    first = reference(model_dir, P + Q, (len(P),), 6, **place("all", 1, None))
+    assert got.output_digest == first.output_digest   # the placement never changes a bit
+
+
+def test_at_a_chunk_multiple_the_continuation_is_the_plain_run(model_dir, tmp_path):
+    """Fault caught: the kept-session path computing other bits than `kvpipe generate`'s own run
+    (the definition of exactness resting only on the session's reference)."""
+    opts = place("2", 1, "2")
+    doc = P[:32]
+    kvpipe.generate(str(model_dir), ids(doc), max_new_tokens=4, save_kv=tmp_path / "kv", **opts)
+    got = kvpipe.generate(str(model_dir), ids(Q), max_new_tokens=6, load_kv=tmp_path / "kv", **opts)
+    plain = kvpipe.generate(str(model_dir), ids(doc + Q), max_new_tokens=6, **opts)
+    assert got.tokens == plain.tokens and got.output_digest == plain.output_digest
+
+
+def test_manifest_names_model_dtype_tokens_plan_and_checksums(model_dir, tmp_path):
+    """Fault caught: a manifest missing the fingerprint, dtype, tokens, plan or block checksums,
+    or GPU-resident units left out of the file."""
+    kvpipe.generate(str(model_dir), ids(P), max_new_tokens=3, save_kv=tmp_path / "kv", **place("all", 1, None))
+    man = json.loads((tmp_path / "kv" / "manifest.json").read_text())
+    assert set(man["model"]) >= {"config_sha256", "weights_sha256"} and man["dtype"] == "fp32"
+    assert man["tokens"] == P and man["plan"]["resident"] == 6 and len(man["units"]) == 6
+    assert all(u["crc32c"] for u in man["units"])
+    assert os.path.getsize(tmp_path / "kv" / man["data"]) >= 6 * man["unit_bytes"]
+
+
+@pytest.mark.parametrize("change,words", [
+    (dict(seed=6), "other weights"),
+    (dict(dtype="bf16"), "saved in fp32"),
+    (dict(max_context=len(P)), "no room"),
+])
+def test_loading_into_another_model_dtype_or_a_short_context_is_refused(model_dir, tmp_path, change, words):
+    """Fault caught: a KV loaded into other weights, another dtype or a capacity that cannot hold
+    it (silently wrong text, or a shape error deep in the run)."""
+    opts = place("2", 1, None)
+    kvpipe.generate(str(model_dir), ids(P), max_new_tokens=3, save_kv=tmp_path / "kv", **opts)
+    with pytest.raises(ValueError, match=f"load-kv: .*{words}"):
+        kvpipe.generate(str(model_dir), ids(Q), max_new_tokens=3, load_kv=tmp_path / "kv", **dict(opts, **change))
+
+
+def test_another_config_is_refused_on_one_line_by_the_cli(model_dir, tmp_path, capsys):
+    """Fault caught: another model's KV loaded (or a traceback, or an exit code other than 2)."""
+    kvpipe.generate(str(model_dir), ids(P), max_new_tokens=3, save_kv=tmp_path / "kv", **place("2", 1, None))
+    other = tmp_path / "other"
+    other.mkdir()
+    cfg = json.loads((model_dir / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=3)))
+    code = main(["generate", "--model", str(other), "--random-weights", "--device", "cpu", "--prompt-format", "ids",
+                 "--prompt", ids(Q), "--load-kv", str(tmp_path / "kv"), "--max-new-tokens", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("kvpipe: error: load-kv: saved with another model")
+
+
+def test_a_corrupt_block_names_the_file_and_offset(model_dir, tmp_path):
+    """Fault caught: a flipped byte loaded silently (no checksum verified), or an error that
+    names neither the file nor where."""
+    opts = place("none", 1, "2")
+    kvpipe.generate(str(model_dir), ids(P), max_new_tokens=3, save_kv=tmp_path / "kv", **opts)
+    man = json.loads((tmp_path / "kv" / "manifest.json").read_text())
+    data, at = tmp_path / "kv" / man["data"], man["units"][4]["offset"]
+    raw = bytearray(data.read_bytes())
+    raw[at + 100] ^= 0x10
+    data.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=f"checksum mismatch in {data} at offset {at} "):
+        kvpipe.generate(str(model_dir), ids(Q), max_new_tokens=3, load_kv=tmp_path / "kv", **opts)
+
+
+def test_a_crash_while_saving_leaves_the_previous_save_whole(model_dir, tmp_path, monkeypatch):
+    """Fault caught: a save that overwrites the data file the manifest names before the new
+    manifest is in place (a crash leaves a manifest over other bytes), or a half-written manifest."""
+    from kvpipe.executor.kv import saved
+    opts = place("2", 1, None)
+    kvpipe.generate(str(model_dir), ids(P), max_new_tokens=3, save_kv=tmp_path / "kv", **opts)
+    before = (tmp_path / "kv" / "manifest.json").read_text()
+    real = saved._write_atomic
+
+    def crash(path, write):
+        if path.name == saved.MANIFEST:
+            raise KeyboardInterrupt("killed while writing the manifest")
+        real(path, write)
+    monkeypatch.setattr(saved, "_write_atomic", crash)
+    with pytest.raises(KeyboardInterrupt):
+        kvpipe.generate(str(model_dir), ids(P[:20]), max_new_tokens=3, save_kv=tmp_path / "kv", **opts)
+    monkeypatch.undo()
+    assert (tmp_path / "kv" / "manifest.json").read_text() == before
+    got = kvpipe.generate(str(model_dir), ids(Q), max_new_tokens=4, load_kv=tmp_path / "kv", **opts)
+    assert got.output_digest == reference(model_dir, P + Q, (len(P),), 4, **opts).output_digest
+
+
+def test_tokens_that_do_not_extend_the_saved_ones_are_refused(model_dir, tmp_path):
+    """Fault caught: a continuation over tokens that do not start with the saved ones (the KV of
+    another text attended to as if it were this one's)."""
+    opts = {k: v for k, v in place("2", 1, None).items() if k != "prompt_format"}
+    kvpipe.generate(str(model_dir), ids(P), max_new_tokens=3, save_kv=tmp_path / "kv", prompt_format="ids", **opts)
+    with Conversation(str(model_dir), max_context=80, max_new_tokens=3, **opts) as c:
+        c.load(tmp_path / "kv")
+        with pytest.raises(ValueError, match="not a prefix .* differ at token 3"):
+            c.append(P[:3] + [9] + P[4:] + Q, max_new_tokens=3)
+
+
+def test_a_missing_directory_is_one_line_naming_the_flag(model_dir, tmp_path, capsys):
+    """Fault caught: a traceback or an unnamed flag for a --load-kv that is not a KV directory."""
+    code = main(["generate", "--model", str(model_dir), "--random-weights", "--device", "cpu", "--prompt-format",
+                 "ids", "--prompt", ids(Q), "--load-kv", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "load-kv:" in err[0] and "manifest.json" in err[0]
+    shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("resident,group,disk", [("none", 1, None), ("all", 3, None), ("2", 1, "2"), ("3", 3, None)])
+def test_continuation_is_the_uninterrupted_run_on_the_gpu(model_dir, tmp_path, resident, group, disk):
+    """Fault caught: on CUDA (bf16, replayed decode where the plan replays), a unit saved or
+    loaded with a copy still in flight, or a continuation whose bits differ from the uninterrupted
+    run broken at the same token, under any placement."""
+    opts = dict(place(resident, group, disk), device="cuda", dtype="bf16")
+    kvpipe.generate(str(model_dir), ids(P), max_new_tokens=5, save_kv=tmp_path / "kv", **opts)
+    got = kvpipe.generate(str(model_dir), ids(Q), max_new_tokens=6, load_kv=tmp_path / "kv", **opts)
+    ref = reference(model_dir, P + Q, (len(P),), 6, **opts)
+    assert got.tokens == ref.tokens and got.output_digest == ref.output_digest
+    first = reference(model_dir, P + Q, (len(P),), 6, **dict(place("all", 1, None), device="cuda", dtype="bf16"))
+    assert got.output_digest == first.output_digest
