@@ -57,8 +57,8 @@ def _checked(args: argparse.Namespace) -> dict:
     sizes = {f: parse_bytes(getattr(args, f), f.replace("_", "-")) if getattr(args, f) else None
              for f in ("max_body", "cache_mem", "cache_disk")}
     if sizes["cache_mem"] or sizes["cache_disk"]:
-        raise ValueError("cache-mem: prefix reuse waits on the saved-KV mechanism of kvpipe generate; "
-                         "not available in this build")
+        raise ValueError("cache-mem: prefix reuse across requests is not wired into kvpipe serve yet "
+                         "(kvpipe generate --save-kv/--load-kv keeps a document's KV meanwhile)")
     return sizes
 
 
