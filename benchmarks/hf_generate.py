@@ -7,9 +7,12 @@ same plan, random weights and prompt: TTFT and decode ms/token of both and their
 
 Per case, `kvpipe.generate` runs first (its own untimed warm-up; TTFT and decode from its measured
 trace); its plan is handed to `HeadwiseCache(model, plan=...)` and HF's `generate()` runs with no
-`prefill_chunk_size` (the cache chunks the prompt by the plan), after an untimed warm-up, timed
-by a streamer that synchronizes the device at each token: TTFT = prompt -> first token, decode =
-mean step after the first decode step. Both sides use --ignore-eos semantics (no early stop)."""
+`prefill_chunk_size` (the cache chunks the prompt by the plan) on one cache (reset between calls,
+so the decode step captured by the warm-up is replayed by every timed call): TTFT = prompt ->
+first token, timed by a streamer that synchronizes at each token; decode = the difference of two
+runs without a streamer (new tokens and a quarter of them) per token, the prefill cancelling. The
+JSON says which decode path generate() ran (`decode_path`: graph, static or eager), why not the
+graph (`decode_note`), and the graph replays. Both sides use --ignore-eos semantics (no early stop)."""
 from __future__ import annotations
 
 import argparse
@@ -63,21 +66,28 @@ def hf_side(args, context: int, plan) -> dict:
         def end(self) -> None:
             pass
 
-    def once(n_ids, new, streamer=None):
-        with kvpipe.HeadwiseCache(model, max_length=n_ids.shape[1] + new, plan=plan) as cache:
-            out = model.generate(n_ids, attention_mask=torch.ones_like(n_ids), max_new_tokens=new,
-                                 streamer=streamer, **{cache_argument(model): cache}, **greedy)
-        return out
+    def once(cache, n_ids, new, streamer=None):
+        cache.reset()   # the same buffers (and the captured decode step) for every call
+        sync()
+        t0 = time.perf_counter()
+        out = model.generate(n_ids, attention_mask=torch.ones_like(n_ids), max_new_tokens=new,
+                             streamer=streamer, **{cache_argument(model): cache}, **greedy)
+        sync()
+        return out, time.perf_counter() - t0
 
-    once(ids[:, :min(plan.prefill.chunk + 1, context)], 3)   # warm-up: kernels, handles, both step kinds
-    sync()
-    clock = Clock()
-    out = once(ids, args.new_tokens, clock)
-    steps = [b - a for a, b in zip(clock.t[1:], clock.t[2:])]
-    res = {"ttft_s": clock.t[1] - clock.t[0],
-           "decode_s_per_token": sum(steps[1:]) / len(steps[1:]) if len(steps) > 1 else None,
-           "tokens": out[0, context:].cpu().tolist(),
-           "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0}
+    few = max(2, args.new_tokens // 4)
+    with kvpipe.HeadwiseCache(model, max_length=context + args.new_tokens, plan=plan, decode=args.decode) as cache:
+        once(cache, ids[:, :min(plan.prefill.chunk + 1, context)], 3)   # warm-up: kernels, the graph's capture
+        clock = Clock()
+        once(cache, ids, 2, clock)                                      # TTFT: prompt -> first token
+        once(cache, ids, args.new_tokens)                               # untimed: every prefix bucket's graph captured
+        out, t_all = once(cache, ids, args.new_tokens)                  # decode: no streamer, no per-token sync
+        _, t_few = once(cache, ids, few)
+        res = {"ttft_s": clock.t[1] - clock.t[0],
+               "decode_s_per_token": (t_all - t_few) / (args.new_tokens - few) if args.new_tokens > few else None,
+               "tokens": out[0, context:].cpu().tolist(),
+               "decode_path": cache.decode_path, "decode_note": cache.decode_note, "replays": cache.replays,
+               "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0}
     del model
     return res
 
@@ -99,6 +109,7 @@ def main(argv=None) -> None:
     ap.add_argument("--gpu-mem", default="24GB")
     ap.add_argument("--device", default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--decode", default="auto", help="HeadwiseCache(decode=...): auto, graph, static, eager")
     ap.add_argument("--out", required=True, help="JSON path")
     args = ap.parse_args(argv)
     from kvpipe.pipeline.units import parse_tokens
@@ -117,7 +128,8 @@ def main(argv=None) -> None:
         print(f"{case:13} context {context}: TTFT kvpipe {engine['ttft_s']:.3f} s, generate() {gen['ttft_s']:.3f} s "
               f"({ratio['ttft_s']:.2f}x); decode kvpipe {1e3 * engine['decode_s_per_token']:.2f} ms/token, "
               f"generate() {1e3 * gen['decode_s_per_token']:.2f} ms/token ({ratio['decode_s_per_token']:.2f}x); "
-              f"tokens {'equal' if rows[-1]['tokens_equal'] else 'DIFFER'}", flush=True)
+              f"tokens {'equal' if rows[-1]['tokens_equal'] else 'DIFFER'}; generate() decode path {gen['decode_path']}"
+              f" ({gen['replays']} replays{'; ' + gen['decode_note'] if gen['decode_note'] else ''})", flush=True)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"command": " ".join(["python -m benchmarks.hf_generate", *sys.argv[1:]]),
                                               "gpu_mem": args.gpu_mem, "model": args.model, "rows": rows}, indent=2))

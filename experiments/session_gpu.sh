@@ -25,10 +25,15 @@ for spec in "$@"; do
   case $step in
     gputests) timeout "$lim" python3 -m pytest -q -m gpu -p no:cacheprovider --rootdir "$R" "$R/tests" ${GPU_TESTS:-} > "$OUT/gpu-tests.log" 2>&1
               grep -E "passed|failed" "$OUT/gpu-tests.log" | tail -1; grep -E "^FAILED|^ERROR" "$OUT/gpu-tests.log" | head -20 ;;
-    robust32) timeout "$lim" python3 -m benchmarks.robust_decode --rows 32k-g1-none,32k-g2-none,32k-g4-none,32k-g8-none --processes ${P:-3} --out "$OUT/robust-decode-32k.json" 2>&1 | tail -6 ;;
+    robust32) timeout "$lim" python3 -m benchmarks.robust_decode --rows ${ROWS:-32k-g1-none,32k-g2-none,32k-g4-none,32k-g8-none} --processes ${P:-3} --out "$OUT/robust-decode-32k.json" 2>&1 | tail -6 ;;
     robustres) timeout "$lim" python3 -m benchmarks.robust_decode --rows 8k-max,32k-max --processes ${P:-3} --out "$OUT/robust-decode-resident.json" 2>&1 | tail -4 ;;
     hfgen32) timeout "$lim" python3 -m benchmarks.hf_generate --context 32K --cases stream,resident-max --gpu-mem 24GB --out "$OUT/hf-generate-32k.json" 2>&1 | tail -8 ;;
     hfgen128) timeout "$lim" python3 -m benchmarks.hf_generate --context 128K --cases stream,resident-max --gpu-mem 24GB --out "$OUT/hf-generate-128k.json" 2>&1 | tail -8 ;;
+    smollm) timeout "$lim" python3 -m benchmarks.smollm2_gpu --out "$OUT/smollm2-gpu.json" 2>&1 | grep -v Warning | tail -15 ;;
+    savekv) timeout "$lim" python3 -m benchmarks.savekv --gpu-mem 24GB --contexts ${SAVEKV_CONTEXTS:-32K} --kv-dir /dev/shm --out "$OUT/savekv.json" 2>&1 | grep -v Warning | tail -8 ;;
+    serve) timeout "$lim" python3 -m benchmarks.serve_doc ${SERVE_ARGS:-} --out "$OUT/serve-doc.json" 2>&1 | grep -v Warning | tail -10 ;;
+    hybrid) timeout "$lim" python3 -m benchmarks.hybrid 128k 2>&1 | grep -v Warning | tail -12 ;;
+    stash) echo "stashed: $(ls -la /tmp/gguf_aa 2>&1)" ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -23,6 +23,7 @@ from kvpipe.pipeline.model import ModelSpec, load_model
 from kvpipe.pipeline.replay import Replay
 from kvpipe.pipeline.units import fmt_bytes, fmt_tokens
 from kvpipe.pipeline.workload import Workload
+from kvpipe.sim.planner import NoPlanFits   # a ValueError: valid input, nothing fits the budgets
 
 from .inputs import check_weights, free_disk, write_output
 from .options import DEFAULT_HW, DEFAULT_RUN_CONTEXT, PlanOptions, RunOptions
@@ -52,7 +53,7 @@ def _options(cls, options, kwargs):
     if isinstance(options, str):   # plan("llama-3-8b"): the model, as the CLI's first choice
         return cls(model=options, **kwargs)
     if not isinstance(options, cls):
-        raise TypeError(f"expected {cls.__name__} or a model name, got {type(options).__name__}")
+        raise ValueError(f"options: expected {cls.__name__} or a model name, got {type(options).__name__}")
     return replace(options, **kwargs) if kwargs else options
 
 
@@ -95,6 +96,15 @@ def room_warning(model: ModelSpec, work: Workload, pred: Predicted, budgets: dic
                     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"])
 
 
+def _profile(name):
+    """The hardware profile `name`, a ValueError naming `hw` when there is none."""
+    from kvpipe.hw_profiles import load_profile
+    try:
+        return load_profile(name)
+    except ValueError as e:
+        raise ValueError(str(e) if str(e).startswith("hw") else f"hw: {e}") from None
+
+
 def plan(options: PlanOptions | None = None, /, **kwargs) -> PlanResult:
     """Predict latency and memory of `model` on hardware profile `hw` (no GPU, no torch); the
     fields of PlanOptions say what each argument does. Budgets default to the profile's.
@@ -105,11 +115,10 @@ def plan(options: PlanOptions | None = None, /, **kwargs) -> PlanResult:
     replayed and eager decode (its choice is the plan's `replay`), on/off pin it. `max_context`
     answers the largest context that fits; `out` writes the plan for `run(plan=...)`; `trace` and
     `plot` paths are checked first and written last. ValueError names the argument for bad input."""
-    from kvpipe.hw_profiles import load_profile
     from kvpipe.sim import decide as d
     opts = _options(PlanOptions, options, kwargs)
     paths = opts.output_paths()
-    spec, profile = load_model(opts.model), load_profile(opts.hw)
+    spec, profile = load_model(opts.model), _profile(opts.hw)
     work = Workload.parse(opts.context, opts.decode_tokens, opts.batch)
     disk = free_disk(opts.kv_dir) if opts.kv_dir is not None else profile.disk_bytes
     budgets = opts.budgets(profile.gpu_mem_bytes, profile.host_mem_bytes, disk)
@@ -119,7 +128,7 @@ def plan(options: PlanOptions | None = None, /, **kwargs) -> PlanResult:
     if opts.max_context:
         largest = d.max_context(spec, work, budgets, req)
         if not largest:
-            raise ValueError("context: no context fits the budgets (raise --gpu-mem, --host-mem or --disk-mem)")
+            raise NoPlanFits("context: no context fits the budgets (raise --gpu-mem, --host-mem or --disk-mem)")
         work = Workload(largest, work.decode_tokens, work.batch)
     warnings = context_warnings(spec, work)
     decision = d.decide(spec, work, profile, budgets, req)
@@ -161,12 +170,12 @@ def run(options: RunOptions | None = None, /, *, prompt_ids: list[int] | None = 
     paths = opts.output_paths()
     session = _executor()
     from kvpipe.executor.layers.attention import kernel_label
-    from kvpipe.hw_profiles import load_profile
     dev = session.resolve_device(opts.device)
     spec = load_model(opts.model, opts.dtype)
+    _check_files(opts, session)
     attention = kernel_label(dev, session.TORCH_DTYPES[spec.dtype])  # validates KVPIPE_ATTN
     prompt, work = _prompt(opts, spec, session, prompt_ids)
-    profile = load_profile(opts.hw or session.guess_profile(dev) or DEFAULT_HW)
+    profile = _profile(opts.hw or session.guess_profile(dev) or DEFAULT_HW)
     budgets = opts.budgets(session.device_budget(dev), session.host_ram_bytes(), free_disk(opts.kv_dir))
     check_weights(spec, budgets)
     req = opts.request(spec)
@@ -174,13 +183,15 @@ def run(options: RunOptions | None = None, /, *, prompt_ids: list[int] | None = 
     decision = decide(spec, work, profile, budgets, req, Target(dev.type, session.h2d_codec_runs(dev)))
     session.check_runnable(decision.plan, dev)
     if decision.predicted.problems:   # refused before anything is allocated
-        raise ValueError(f"budget: the plan does not fit: {'; '.join(decision.predicted.problems)}")
+        raise NoPlanFits(f"budget: the plan does not fit: {'; '.join(decision.predicted.problems)}")
     warnings = context_warnings(spec, work) + room_warning(spec, work, decision.predicted, budgets,
                                                            req.chunk is not None)
     if decision.plan.lossy is not None and decision.plan.resident >= spec.units:
         warnings += _logged(["lossy: every KV unit is resident on the GPU; nothing is quantised (the run is exact)"])
     from kvpipe.pipeline.builder import build
-    hf = session.load_hf_model(opts.model, opts.random_weights, dev, session.TORCH_DTYPES[spec.dtype], opts.seed)
+    from kvpipe.executor.layers.loader import progress_bars
+    with progress_bars(opts.progress):
+        hf = session.load_hf_model(opts.model, opts.random_weights, dev, session.TORCH_DTYPES[spec.dtype], opts.seed)
     ids = session.prompt_tensor(prompt, work.batch, work.context, spec.vocab, opts.seed)
     measured = session.run_graph(build(spec, work, decision.plan), hf, ids, dev, budgets["gpu"],
                                  progress=opts.progress, warmup=opts.warmup, replay=decision.plan.replay,
@@ -197,6 +208,21 @@ def run(options: RunOptions | None = None, /, *, prompt_ids: list[int] | None = 
                       "sparse": res.sparse_paths, "dequant": res.dequant_paths},
                      res.disk, decision.search, res.lossy_error,
                      decision.lossy_choice.describe() if decision.lossy_choice else None)
+
+
+def _check_files(opts: RunOptions, session) -> None:
+    """Before any work: the weights files open, and the disk tier's folder is rid of the files of
+    runs that died without removing theirs (said in one line)."""
+    import tempfile
+    from kvpipe.executor.disk.io import reclaim
+    from kvpipe.executor.layers.loader import check_weight_files
+    if not opts.random_weights and session.has_weights(opts.model):
+        check_weight_files(opts.model)
+    kv_dir = tempfile.gettempdir() if opts.kv_dir is None else str(opts.kv_dir)
+    n, nbytes = reclaim(kv_dir)
+    if n:
+        print(f"kvpipe: removed {n} KV file{'s' if n > 1 else ''} ({fmt_bytes(nbytes)}) left in {kv_dir} "
+              "by runs that ended without cleanup", file=sys.stderr, flush=True)
 
 
 def _as_ran(spec, work, profile, budgets, req, predicted: Predicted, res) -> tuple[Predicted, tuple[str, ...]]:

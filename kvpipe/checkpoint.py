@@ -65,12 +65,20 @@ def convert_gguf(path: str | os.PathLike, dtype: str | None = None, root: Path |
     from transformers import AutoModelForCausalLM, AutoTokenizer
     if not quiet:
         print(f"kvpipe: converting {path.name} to safetensors in {out} (once)", file=sys.stderr, flush=True)
+    from transformers.utils import logging as hf_logging
     kw = dict(gguf_file=path.name, local_files_only=True)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()    # the line above says what happens; no bar under --json
     try:
         tok = AutoTokenizer.from_pretrained(path.parent, **kw)
         model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=_DTYPE_NAMES[dtype or "fp32"], **kw)
-    except (OSError, ValueError, KeyError) as e:
+    except Exception as e:   # a corrupt file fails anywhere in the GGUF reader (struct, numpy, KeyError...)
+        if isinstance(e, MemoryError):
+            raise
         raise ValueError(f"model: cannot read {str(path)!r} as GGUF ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     _write_plain(model, tmp)

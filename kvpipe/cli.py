@@ -3,8 +3,10 @@ on any hardware profile without a GPU; `run` executes it on this machine (torch 
 there). Each flag is the field of the same name of the options the API takes (kvpipe/options.py:
 `--decode-tokens` is `decode_tokens`), and `--json` prints `result.to_json()`.
 
-Exit codes: 0 done; 2 bad input (one line on stderr naming the flag); 3 `plan` ran but the plan
-does not fit the budgets ("fits: NO"); 130 interrupted (Ctrl-C)."""
+Exit codes, one rule for plan, run and generate: 0 done; 2 bad input (one line on stderr naming
+the flag); 3 valid input, but nothing fits the budgets (`plan`'s "fits: NO", a planner that finds
+no plan, weights over --gpu-mem, a CUDA out-of-memory during a run); 130 interrupted (Ctrl-C);
+141 broken pipe; 143 stopped by SIGTERM."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +20,7 @@ from kvpipe import __version__, api, text
 from kvpipe.options import DEFAULT_DECODE_TOKENS, DEFAULT_HW, DEFAULT_MODEL, DEFAULT_PLAN_CONTEXT, PlanOptions, RunOptions
 from kvpipe.pipeline.plan import Method
 from kvpipe.pipeline.replay import FLAGS as REPLAY_FLAGS
+from kvpipe.sim.planner import NoPlanFits
 
 EXIT_BAD_INPUT = 2
 EXIT_DOES_NOT_FIT = 3
@@ -26,15 +29,19 @@ EXIT_BROKEN_PIPE = 141   # 128 + SIGPIPE, as a C tool killed by it: `kvpipe plan
 
 UNITS = ("units: token counts take binary K/M (128K = 131072, 1M = 1048576); sizes are decimal with "
          "KB/MB/GB/TB (24GB = 24e9 bytes) or binary with KiB/MiB/GiB/TiB (24GiB = 24 * 2^30); sizes "
-         "print in GiB. Exit codes: 0 done, 2 bad input, 3 the plan does not fit (fits: NO), "
-         "130 interrupted. Design notes: docs/DESIGN.md in the repository.")
+         "print in GiB. Exit codes: 0 done; 2 bad input (one line naming the flag); 3 valid input but "
+         "nothing fits the budgets (fits: NO, no plan fits, weights over --gpu-mem, CUDA out of memory); "
+         "130 interrupted (Ctrl-C); 141 broken pipe; 143 stopped by SIGTERM. "
+         "Design notes: docs/DESIGN.md in the repository.")
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, no usage dump
         if message.endswith("expected one argument"):   # argparse reads `--gpu-mem -1GB` as two flags
             message += " (a value starting with '-' is written --flag=VALUE)"
-        raise SystemExit(_fail(f"{self.prog}: {message}"))
+        # argparse says "argument --flag: ..."; the line names the flag once, after one prefix
+        message = re.sub(r"^argument \{[^}]*\}: ", "command: ", message)
+        raise SystemExit(_fail(re.sub(r"^argument ([^:]+): ", r"\1: ", message)))
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
@@ -46,9 +53,24 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def _fail(message: str) -> int:
+def _fail(message: str, code: int = EXIT_BAD_INPUT) -> int:
     print(f"kvpipe: error: {message}", file=sys.stderr)
-    return EXIT_BAD_INPUT
+    return code
+
+
+def flag_named(message: str, flags: set[str]) -> str:
+    """The API's `decode_tokens: ...` (or `decode-tokens: ...`) as the CLI's `--decode-tokens: ...`
+    where that is a flag of the command (other leading words are left as they are)."""
+    m = re.match(r"([a-z][a-z0-9_-]*):", message)
+    flag = m and "--" + m.group(1).replace("_", "-")
+    return flag + message[m.end() - 1:] if flag in flags else message
+
+
+def _flags(parser: argparse.ArgumentParser, command: str | None) -> set[str]:
+    """The long flags of `command`'s parser (every flag a user can type there)."""
+    sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    target = sub.choices.get(command, parser) if sub is not None and command else parser
+    return {o for a in target._actions for o in a.option_strings if o.startswith("--")}
 
 
 def oom_line(message: str) -> str:
@@ -57,7 +79,7 @@ def oom_line(message: str) -> str:
     so this is a miss of the prediction, reported with exit code 3 (does not fit)."""
     asked = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", message)
     frag = re.search(r"([\d.]+ [KMGT]?i?B) is reserved by PyTorch but unallocated", message)
-    parts = ["gpu-mem: CUDA out of memory during the run"]
+    parts = ["--gpu-mem: CUDA out of memory during the run"]
     if asked:
         parts.append(f"asking {asked.group(1)}")
     if frag:
@@ -233,6 +255,8 @@ def cmd_plan(args) -> int:
 
 
 def cmd_run(args) -> int:
+    if args.json:   # one JSON object, and no bars around it (ours or transformers')
+        args.progress = False
     res = api.run(RunOptions.from_args(args))
     if args.json:
         print(json.dumps(res.to_json(), indent=2))
@@ -266,7 +290,10 @@ def main(argv: list[str] | None = None) -> int:
         # exit-time flush of stdout from failing again (the Python docs' recipe for SIGPIPE)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
-    except (ValueError, OSError) as e:
+    except ValueError as e:   # valid input that no plan fits is exit 3, bad input exit 2
+        line = flag_named(str(e).splitlines()[0], _flags(parser, args.command)) if str(e) else type(e).__name__
+        return _fail(line, EXIT_DOES_NOT_FIT if isinstance(e, NoPlanFits) else EXIT_BAD_INPUT)
+    except OSError as e:
         return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     except RuntimeError as e:
         if type(e).__name__ != "OutOfMemoryError":   # torch's CUDA OOM (torch is not imported by plan)

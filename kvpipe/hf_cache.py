@@ -26,6 +26,8 @@ from kvpipe.executor.hf import generate as hfgen
 from kvpipe.executor.hf.attention import IMPLEMENTATION, PendingKV
 from kvpipe.executor.hf.headstream import HeadStream
 from kvpipe.executor.hf.homes import duplicate, materialise, regather
+from kvpipe.executor.hf import loop
+from kvpipe.executor.hf.static import StaticStep
 from kvpipe.executor.hf.knobs import budgets, knob_plan, layout
 from kvpipe.pipeline.plan import Plan
 from kvpipe.pipeline.workload import Workload
@@ -42,13 +44,19 @@ class HeadwiseCache(Cache):
     many as `gpu_mem` holds, "auto" = the rule's, or a count), `group` KV heads per streamed group,
     `chunk` prefill tokens per step (generate() prefills the prompt in chunks of it unless given
     `prefill_chunk_size`), `depth` transfer slots; `gpu_mem` / `host_mem` budgets in bytes or as
-    the CLI writes them ("24GB"; default: the whole device / host RAM). Or `plan=` a kvpipe `Plan`."""
+    the CLI writes them ("24GB"; default: the whole device / host RAM). Or `plan=` a kvpipe `Plan`.
+    `decode`: "auto" (decode tokens by the static-shape step replayed as a CUDA graph where it can
+    be captured, else HF's own loop), "graph" (refused where it cannot), "static" (the same step
+    without a graph: the graph's reference, and the path on CPU), "eager" (HF's loop). After a
+    generate(), `decode_path` says which ran and `decode_note` why not the graph; `replays` counts."""
 
     def __init__(self, model: torch.nn.Module, max_length: int, *, resident: str | int = "auto",
                  group: int | None = None, chunk: int | None = None, depth: int | None = None,
                  batch: int = 1, gpu_mem: int | str | None = None, host_mem: int | str | None = None,
-                 plan: Plan | None = None) -> None:
+                 plan: Plan | None = None, decode: str = "auto") -> None:
         adapter = HFAdapter(model)
+        if decode not in loop.DECODE:
+            raise ValueError(f"decode: expected one of {', '.join(loop.DECODE)}, got {decode!r}")
         for name, v in (("max_length", max_length), ("batch", batch)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name}: must be a positive count, got {v!r}")
@@ -69,6 +77,8 @@ class HeadwiseCache(Cache):
         self.layout = layout(spec, plan, batch, max_length)
         self.device, self.dtype = adapter.device, adapter.dtype
         self.stream: HeadStream | None = None
+        self.decode, self.static, self._in_static = decode, None, False
+        self.decode_path, self.decode_note, self._replays = None, None, 0
         self._live = False
         super().__init__(layers=[HeadwiseLayer(self, i) for i in range(spec.layers)])
         self._attach()
@@ -81,6 +91,7 @@ class HeadwiseCache(Cache):
     def close(self) -> None:
         """Free the KV buffers; the last live cache of the model gives it back its previous
         attention implementation and its own generate."""
+        self._drop_static()
         if self.stream is not None:
             self.stream.close()
             self.stream = None
@@ -100,8 +111,9 @@ class HeadwiseCache(Cache):
         """A live cache holding a copy of every unit's K/V, sharing the model (never copied)."""
         new = type(self).__new__(type(self))
         memo[id(self)], memo[id(self.model)] = new, self.model
-        state = {k: v for k, v in self.__dict__.items() if k not in ("stream", "_live")}
+        state = {k: v for k, v in self.__dict__.items() if k not in ("stream", "_live", "static")}
         new.__dict__.update(copy.deepcopy(state, memo))
+        new.static = None
         new.stream = None if self.stream is None else duplicate(self.stream, self.get_seq_length())
         new._live = False
         new._attach()
@@ -125,6 +137,36 @@ class HeadwiseCache(Cache):
                              f"batch={sequences}")
         if not chunked and tokens - self.get_seq_length() > self.plan.prefill.chunk:
             kwargs["prefill_chunk_size"] = self.plan.prefill.chunk
+        loop.choose(self, args, kwargs, sequences, hfgen.cache_argument(self.model))
+
+    # ---- the static decode step (executor/hf/static.py) ---------------------------------
+    def _open_static(self) -> StaticStep:
+        if self.static is None or self.static.store is not self.stream.store:
+            self._drop_static()
+            self.static = StaticStep(self.stream, self.plan.decode.group)
+        self.static.graph_wanted = self.decode_path == "graph"
+        return self.static
+
+    def _static_step(self, argument: str) -> torch.Tensor:
+        self._in_static = True
+        try:
+            return self.static.run(self.model, self, argument)
+        finally:
+            self._in_static = False
+
+    def _drop_static(self) -> None:
+        if self.static is not None:
+            self._replays += self.static.replays
+            self.static.close()
+            self.static = None
+
+    def _set_length(self, tokens: int) -> None:
+        for layer in self.layers:
+            layer.length = tokens
+
+    @property
+    def replays(self) -> int:   # decode steps run by CUDA graph replay over the cache's life
+        return self._replays + (self.static.replays if self.static is not None else 0)
 
     # ---- called by the layers ----------------------------------------------------------
     def _open(self, key_states: torch.Tensor) -> None:
@@ -143,7 +185,7 @@ class HeadwiseCache(Cache):
         from dataclasses import replace
         self.layout = replace(lo, batch=B)
         groups = {True: self.plan.prefill.group, False: self.plan.decode.group}
-        self.stream = HeadStream(self.layout, groups, self.device, self.dtype).open()
+        self.stream = HeadStream(self.layout, groups, self.device, self.dtype, self.decode != "eager").open()
 
     def _write(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor, start: int) -> PendingKV:
         B, T = key_states.shape[0], key_states.shape[2]
@@ -153,6 +195,8 @@ class HeadwiseCache(Cache):
             raise ValueError(f"batch: the cache holds {self.layout.batch} sequences, the model passes {B} "
                              "(num_return_sequences over a filled cache: call cache.batch_repeat_interleave)")
         kv = torch.stack((key_states, value_states), dim=3)   # [B, H, T, 2, D], contiguous
+        if self._in_static:
+            return self.static.write(layer, kv)
         self.stream.write(layer, kv, start)
         return PendingKV(self.stream, layer, kv)
 
@@ -162,6 +206,7 @@ class HeadwiseCache(Cache):
             return
         if index.numel() > self.batch:
             raise ValueError(f"batch: {index.numel()} sequences exceed the cache's batch={self.batch}")
+        self._drop_static()
         self.stream = regather(self.stream, index.reshape(-1).long())
         self.layout = self.stream.layout
         for layer in self.layers:
@@ -220,7 +265,8 @@ class HeadwiseLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         pending = self.owner._write(self.layer, key_states, value_states, self.length)
-        self.length += key_states.shape[2]
+        if not self.owner._in_static:   # the static step's length is set by its loop (a replay runs no Python)
+            self.length += key_states.shape[2]
         return pending, pending
 
     def get_mask_sizes(self, query_length) -> tuple[int, int]:

@@ -28,8 +28,10 @@ def budget(value: str | int | None, default: int, field: str) -> int:
 
 
 def check_weights(model: ModelSpec, budgets: dict[str, int]) -> None:
+    """NoPlanFits (a ValueError, exit 3) when the GPU budget cannot hold the weights."""
+    from kvpipe.sim.planner import NoPlanFits
     if model.weight_bytes > budgets["gpu"]:
-        raise ValueError(f"gpu-mem: {fmt_bytes(budgets['gpu'])} cannot hold the weights of {model.name} "
+        raise NoPlanFits(f"gpu-mem: {fmt_bytes(budgets['gpu'])} cannot hold the weights of {model.name} "
                          f"({fmt_bytes(model.weight_bytes)})")
 
 
@@ -86,6 +88,28 @@ def free_disk(kv_dir: str | os.PathLike | None) -> int:
     if not os.path.isdir(d):
         raise ValueError(f"kv-dir: {d!r} is not a directory")
     return shutil.disk_usage(d).free
+
+
+def kv_dir_problem(kv_dir: str | os.PathLike) -> str | None:
+    """Why `kv_dir` cannot hold the disk tier's file (not a directory, or nothing can be created
+    there: a read-only mount, mode 555), or None. Tried for real with a file created and removed,
+    since permission bits do not tell (root ignores them, a read-only mount ignores them)."""
+    import tempfile
+    d = Path(kv_dir)
+    if not d.is_dir():
+        up = next((p for p in d.parents if p.exists()), None)
+        if d.exists():
+            return f"{str(d)!r} is not a directory"
+        if up is not None and not up.is_dir():
+            return f"{str(d)!r} is not a directory ({str(up)!r} is a file)"
+        return f"{str(d)!r} does not exist"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".kvpipe-probe-", dir=d)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return f"cannot create files in {str(d)!r} ({e.strerror or e})"
+    return None
 
 
 def units(value: Knob, field: str = "resident") -> int | str | None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import types
+import typing
 from dataclasses import dataclass, fields
 
 from kvpipe.pipeline.codecs import parse_codec
@@ -17,7 +19,8 @@ from kvpipe.pipeline.replay import Replay
 from kvpipe.pipeline.units import parse_bytes
 from kvpipe.pipeline.workload import Workload
 
-from .inputs import Knob, PlanArg, codec_args, is_auto, method_of, output_path, positive, read_plan, tokens, units
+from .inputs import (Knob, PlanArg, codec_args, is_auto, kv_dir_problem, method_of, output_path, positive, read_plan,
+                     tokens, units)
 
 DEFAULT_MODEL = "llama-3-8b"
 DEFAULT_HW = "rtx4090"           # plan's profile; run picks this machine's GPU, else this
@@ -27,12 +30,42 @@ DEFAULT_DECODE_TOKENS = 32       # the same for plan and run
 Path_ = str | os.PathLike | None
 
 
+def _classes(hint) -> tuple[type, ...]:
+    """The runtime classes a type hint admits (`int | None` -> (int, NoneType); `list[str]` -> list)."""
+    if hint is None or hint is type(None):
+        return (type(None),)
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return tuple(c for h in typing.get_args(hint) for c in _classes(h))
+    return (typing.get_origin(hint) or hint,)
+
+
+def _type_names(classes: tuple[type, ...]) -> str:
+    names = {type(None): "None", os.PathLike: "a path"}
+    return " or ".join(dict.fromkeys(names.get(c, c.__name__) for c in classes))
+
+
+def check_types(opts) -> None:
+    """Each field holds a value of its annotated type (ints where an int is due, never a bool;
+    an int where a float is due), else a ValueError naming the field as the API spells it."""
+    hints = typing.get_type_hints(type(opts))
+    for f in fields(opts):
+        value, ok = getattr(opts, f.name), _classes(hints[f.name])
+        if isinstance(value, bool):
+            good = bool in ok
+        else:
+            good = isinstance(value, ok) or (float in ok and isinstance(value, int))
+        if good and isinstance(value, (list, tuple)) and str in ok:   # --codec given as a list
+            good = all(isinstance(v, str) for v in value)
+        if not good:
+            raise ValueError(f"{f.name}: expected {_type_names(ok)}, got {value!r} ({type(value).__name__})")
+
+
 @dataclass(frozen=True)
 class Options:
     """The flags `plan` and `run` share: model, hardware, workload, budgets, plan knobs, outputs."""
 
-    model: str = DEFAULT_MODEL
-    hw: str | None = DEFAULT_HW
+    model: str | os.PathLike = DEFAULT_MODEL
+    hw: str | os.PathLike | None = DEFAULT_HW
     context: str | int | None = DEFAULT_PLAN_CONTEXT
     decode_tokens: int = DEFAULT_DECODE_TOKENS
     batch: int = 1
@@ -58,6 +91,10 @@ class Options:
     plot: Path_ = None
 
     def __post_init__(self) -> None:
+        check_types(self)                    # a wrong type is a ValueError naming it, not a crash later
+        for name in ("model", "hw"):         # a pathlib.Path works where the text of a path does
+            if isinstance(getattr(self, name), os.PathLike):
+                object.__setattr__(self, name, os.fspath(getattr(self, name)))
         self.output_paths()                  # before any work, so a bad path costs nothing
         if self.max_error is not None:
             from kvpipe.sim.lossy_choice import check_budget
@@ -77,7 +114,7 @@ class Options:
             Workload.parse(self.context, self.decode_tokens, self.batch)
         self._knobs()
         if self.kv_dir is not None and not os.path.isdir(str(self.kv_dir)):
-            raise ValueError(f"kv-dir: {str(self.kv_dir)!r} is not a directory")
+            raise ValueError(f"kv-dir: {kv_dir_problem(self.kv_dir)}")
         from kvpipe.sim.planner import OBJECTIVES
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective: {self.objective!r} is not one of {', '.join(OBJECTIVES)}")
@@ -167,7 +204,7 @@ class RunOptions(Options):
     """`kvpipe run`: the shared flags (no default profile or context: this GPU's, the prompt's)
     and what only an execution does."""
 
-    hw: str | None = None             # None: the bundled profile of this GPU, else rtx4090
+    hw: str | os.PathLike | None = None   # None: the bundled profile of this GPU, else rtx4090
     context: str | int | None = None  # None: the prompt file's length, else 32K
     random_weights: bool = False      # the model's shapes with random weights
     device: str | None = None         # cpu, cuda or cuda:N; None: cuda when available
@@ -176,3 +213,9 @@ class RunOptions(Options):
     prompt_file: Path_ = None         # token ids or text (with the model's tokenizer)
     progress: bool = True
     warmup: bool = True               # one untimed prefill chunk and decode step first (CUDA)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        problem = kv_dir_problem(self.kv_dir) if self.kv_dir is not None else None
+        if problem:   # a run writes there: found before the model loads, not by the disk tier
+            raise ValueError(f"kv-dir: {problem}")

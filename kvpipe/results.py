@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpipe.pipeline.hardware import HardwareProfile
+from kvpipe.pipeline.memory import kv_by_kind
 from kvpipe.pipeline.model import ModelSpec
 from kvpipe.pipeline.plan import Plan
 from kvpipe.pipeline.report import Report, decode_step_stats
@@ -15,12 +16,16 @@ from kvpipe.sim.predicted import Predicted
 
 __all__ = ["PlanResult", "Predicted", "RunResult", "lossy_json"]
 
+CPU_NOTE = ("measured only: no hardware profile models a CPU run (`kvpipe plan --hw NAME` predicts a GPU); "
+            "on CPU the resident units live in this process's memory")
+
 
 def _head(model: ModelSpec, hw: HardwareProfile, work: Workload) -> dict:
     return {"model": {"name": model.name, "family": model.family, "layers": model.layers,
                       "kv_heads": model.kv_heads, "q_heads": model.q_heads, "head_dim": model.head_dim,
                       "dtype": model.dtype, "weight_bytes": model.weight_bytes,
                       "kv_bytes_per_token": model.kv_bytes_per_token},
+            **({"kv_per_layer_kind": kv_by_kind(model, work)} if model.windows else {}),
             "hardware": {"name": hw.name, "description": hw.description},
             "workload": {"context": work.context, "decode_tokens": work.decode_tokens, "batch": work.batch}}
 
@@ -139,13 +144,22 @@ class RunResult:
     def plan(self) -> Plan:
         return self.predicted.plan
 
+    @property
+    def modelled(self) -> bool:
+        """Whether the prediction speaks for this run: hardware profiles model GPUs, not a CPU."""
+        return not self.device.startswith("cpu")
+
     def to_json(self) -> dict:
         out = _head(self.model, self.hardware, self.workload)
         measured = self.measured.to_json()
         measured.pop("gpu_breakdown_bytes")
         measured["decode_steps"] = decode_step_stats(self.real_trace)
-        out.update(_search_json(self.search, self.model))
-        out.update(plan=self.plan.to_json(self.model), fits=True, predicted=self.predicted.report_json(),
+        if self.modelled:
+            out.update(_search_json(self.search, self.model))
+        else:   # no profile predicts a CPU run: no figures in its name
+            out.update(hardware=None, prediction_note=CPU_NOTE)
+        out.update(plan=self.plan.to_json(self.model), fits=True,
+                   predicted=self.predicted.report_json() if self.modelled else None,
                    measured=measured, tokens=[list(t) for t in self.tokens], output_digest=self.output_digest,
                    device=self.device, attention=self.attention, budgets_bytes=dict(self.budgets),
                    warnings=list(self.warnings), disk=self.disk, lossy=lossy_json(self.plan, self.lossy_error, run=True))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvpipe.pipeline.report import decode_step_stats, fmt_s, format_report
 from kvpipe.pipeline.units import fmt_bytes, fmt_tokens
 
-from .results import PlanResult, RunResult
+from .results import CPU_NOTE, PlanResult, RunResult
 
 
 def _print_workload_plan(work, plan) -> None:
@@ -48,9 +48,22 @@ def print_plan(res: PlanResult) -> None:
         print(f"fits: NO — {'; '.join(p.problems)}")
     for line in format_report(p.report, p90=p.p90):
         print(line)
+    _print_kinds(res.model, res.workload)
     _print_fused(p)
     for note in p.report.notes:
         print(f"  note: {note}")
+
+
+def _print_kinds(model, work) -> None:
+    """The KV per layer kind of a model with sliding-window layers (memory.kv_by_kind)."""
+    if not model.windows:
+        return
+    from kvpipe.pipeline.memory import kv_by_kind
+    rows = [f"{r['kind']} x{r['layers']} {fmt_bytes(r['kv_bytes'])}"
+            + (f" (its window sees {fmt_bytes(r['window_bytes'])})" if r["window_bytes"] < r["kv_bytes"] else "")
+            for r in kv_by_kind(model, work)]
+    print("  kv per layer kind: " + "; ".join(rows))
+    print("    window layers keep every token and mask it out: the KV held is the full length")
 
 
 def _print_fused(p) -> None:
@@ -82,17 +95,37 @@ def print_compare(res: PlanResult) -> None:
             print(f"  {n} does not fit at {fmt_tokens(res.workload.context)}: {'; '.join(r.problems)}")
 
 
+def _print_cpu_run(res: RunResult) -> None:
+    """A CPU run measured, nothing predicted (no profile models a CPU), each tier by its name."""
+    m, p, units = res.measured, res.plan, res.model.units
+    print(f"      on CPU: {p.resident} of {units} units resident in this process's memory, "
+          f"{units - p.resident - p.disk} in the host tier, {p.disk} on disk")
+    print(f"  {'':22}{'measured':>14}")
+    t = m.timing
+    for label, v in (("prefill", t.prefill_s), ("time to first token", t.ttft_s),
+                     ("decode per token", t.decode_s_per_token), ("total", t.total_s)):
+        print(f"  {label:22}{fmt_s(v):>14}")
+    print(f"  {'host tier KV':22}{fmt_bytes(m.peak_bytes['host']):>14}")
+    print(f"  {'disk tier KV':22}{fmt_bytes(m.peak_bytes['disk']):>14}")
+    print(f"  note: {CPU_NOTE}")
+
+
 def print_run(res: RunResult) -> None:
     lossy = f"LOSSY ({res.plan.lossy.describe()}) " if res.plan.lossy else ""
+    where = f"predicted on profile {res.hardware.name}" if res.modelled else "measured on CPU, nothing predicted"
     print(f"kvpipe run: {lossy}{res.model.name} on {res.device} ({res.weights}); "
-          f"attention kernel {res.attention}; predicted on profile {res.hardware.name}")
+          f"attention kernel {res.attention}; {where}")
     _print_workload_plan(res.workload, res.plan)
-    _print_search(res.search, res.plan)
+    if res.modelled:
+        _print_search(res.search, res.plan)
     if res.lossy_choice:
         print(f"lossy choice: {res.lossy_choice}")
-    for line in format_report(res.predicted.report, res.measured, res.predicted.p90):
-        print(line)
-    _print_fused(res.predicted)
+    if not res.modelled:
+        _print_cpu_run(res)
+    else:
+        for line in format_report(res.predicted.report, res.measured, res.predicted.p90):
+            print(line)
+        _print_fused(res.predicted)
     d = res.decode_issue or {}
     if d.get("fused"):
         print(f"  measured: decode fused; compile in the timed run {fmt_s(d.get('compile_s') or 0.0)} "

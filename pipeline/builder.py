@@ -214,12 +214,13 @@ class _Builder:
         ws = attn_ws_bytes(m, B, n, pp.group)
         q_heads = pp.group * m.gqa_ratio
         copy_in = 2 * B * start * (len(heads) - len(off)) * unit_tok if off else 0  # resident heads of a mixed group
+        flops, keys = m.attn_work(layer, start, n, q_heads)   # a window layer reads its visible keys only
         attn = self.add(Kind.COMPUTE, "attn", phase, idx, layer, g, (start, start + n), (qkv, fetch),
-                        heads=heads, slot=slot, flops=B * m.attn_flops(start, start + n, start + n, q_heads),
-                        mem_bytes=B * (start + n) * len(heads) * unit_tok
+                        heads=heads, slot=slot, flops=B * flops,
+                        mem_bytes=B * keys * len(heads) * unit_tok
                         + 2 * B * n * q_heads * m.head_dim * m.dtype_bytes + 2 * ws + copy_in,
                         ops=5 if start else 2, takes=((Pool.GPU, ws),), frees=((Pool.GPU, ws + deq),),
-                        kv_bytes=B * (start + n) * len(heads) * unit_tok,
+                        kv_bytes=B * keys * len(heads) * unit_tok,
                         **_small(layer_ops.attn(m, B * n, pp.group, start)))
         if fetch is not None:
             self.slot_user[slot] = attn

@@ -189,3 +189,18 @@ def h2d_codec_bytes(m: ModelSpec, work: Workload, plan: Plan, host_units: int) -
     group = max(plan.prefill.group, plan.decode.group)
     tail = min(H2D_BLOCK_TOKENS, plan.prefill.chunk, work.context, work.kv_capacity)   # h2d_store's block
     return slot_bytes(m, work, group) + host_units * work.batch * tail * m.kv_unit_bytes_per_token
+
+
+def kv_by_kind(m: ModelSpec, work: Workload) -> list[dict]:
+    """The KV cache per layer kind ('full', 'sliding W'), in the order the kinds first appear:
+    `layers`, `kv_bytes` the executor holds for them (every tier together; a window layer keeps
+    every token and masks, so this is its full length), and `window_bytes`, what their windows can
+    still see at the end of the run (the floor of a store that drops what no query sees again)."""
+    per_layer = work.batch * m.kv_heads * m.kv_unit_bytes_per_token
+    out: dict[str, dict] = {}
+    for kind, w in zip(m.layer_kinds, m.windows or (0,) * m.layers):
+        row = out.setdefault(kind, {"kind": kind, "layers": 0, "kv_bytes": 0, "window_bytes": 0})
+        row["layers"] += 1
+        row["kv_bytes"] += per_layer * work.kv_capacity
+        row["window_bytes"] += per_layer * (min(w, work.kv_capacity) if w else work.kv_capacity)
+    return list(out.values())

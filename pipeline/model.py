@@ -1,15 +1,21 @@
-"""The model as the planner sees it: shapes of a decoder-only transformer (Llama, Mistral, Qwen2/3)
-and the FLOPs and bytes they imply. Built from a Hugging Face `config.json` or a named preset."""
+"""The model as the planner sees it: shapes of a decoder-only transformer (Llama, Mistral, Qwen2/3,
+Gemma 2/3, Phi-3/4), the attention kind of each layer (full, or a sliding window) and the FLOPs and
+bytes they imply. Built from a Hugging Face `config.json` or a named preset."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from .layer_kinds import kind_names, layer_kinds, refuse_model_type
+
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 _HF_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 # HF `model_type` -> the adapter family that runs it.
-FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+            "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
+_NORMS = {"gemma2": 4, "gemma3": 4}
+BANDED_ROWS = 4096   # queries per masked call of a window layer's chunk (executor/layers/banded.py)   # RMSNorms per layer (Gemma: around attention and MLP both)
 
 
 @dataclass(frozen=True)
@@ -32,6 +38,11 @@ class ModelSpec:
     # Positions the model was trained for (HF `max_position_embeddings`); None when unknown
     # (presets). Not part of the shapes: two specs with equal shapes compare equal.
     max_positions: int | None = field(default=None, compare=False)
+    # Tokens each layer attends to (its own included), 0 for full attention; () when every layer
+    # is full. The executor keeps every token of a window layer and masks (memory.kv_by_kind).
+    windows: tuple[int, ...] = ()
+    softcap: float = 0.0   # attention logit softcap (Gemma 2), 0.0 for none
+    rope: str = field(default="default", compare=False)   # HF rope type (layer_kinds.EXACT_ROPE)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES.values():
@@ -45,6 +56,8 @@ class ModelSpec:
             raise ValueError(f"model.kv_heads: {self.kv_heads} does not divide q_heads {self.q_heads}")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"model.dtype: {self.dtype!r} not one of {sorted(DTYPE_BYTES)}")
+        if self.windows and (len(self.windows) != self.layers or any(type(w) is not int or w < 0 for w in self.windows)):
+            raise ValueError(f"model.windows: {self.layers} window sizes >= 0 expected, got {self.windows!r}")
         if self.max_positions is not None and (type(self.max_positions) is not int or self.max_positions <= 0):
             raise ValueError(f"model.max_positions: must be a positive integer, got {self.max_positions!r}")
 
@@ -63,7 +76,7 @@ class ModelSpec:
         q, kv = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
         attn = self.hidden * q + 2 * self.hidden * kv + q * self.hidden
         mlp = 3 * self.hidden * self.intermediate
-        extra = 2 * self.hidden + (q + 2 * kv if self.qkv_bias else 0) + (2 * self.head_dim if self.qk_norm else 0)
+        extra = _NORMS.get(self.family, 2) * self.hidden + (q + 2 * kv if self.qkv_bias else 0) + (2 * self.head_dim if self.qk_norm else 0)
         return attn + mlp + extra
 
     @property
@@ -96,6 +109,22 @@ class ModelSpec:
         return self.layers * self.kv_heads * self.kv_unit_bytes_per_token
 
     @property
+    def layer_kinds(self) -> list[str]:
+        """Each layer's kind: 'full' or 'sliding W'."""
+        return kind_names(self.windows, self.layers)
+
+    def eager_reason(self, capacity: int) -> str | None:
+        """Why decode of this model to `capacity` tokens cannot be replayed as a CUDA graph (its
+        FA2 call attends every cached key, unmasked, uncapped), or None."""
+        if any(0 < w < capacity for w in self.windows):
+            return "runs eagerly for sliding-window layers"
+        if self.softcap:
+            return "runs eagerly for softcapped attention"
+        if self.rope == "longrope":
+            return "runs eagerly for longrope (its frequencies follow the position)"
+        return None
+
+    @property
     def units(self) -> int:
         """Number of (layer, KV head) units the KV cache is split into."""
         return self.layers * self.kv_heads
@@ -125,6 +154,26 @@ class ModelSpec:
         h = self.q_heads if q_heads is None else q_heads
         return 4 * self.head_dim * h * causal_pairs(q_start, q_end, k_end)
 
+    def attn_work(self, layer: int, start: int, n: int, q_heads: int | None = None) -> tuple[int, int]:
+        """(FLOPs, keys read per head) of the executor's attention of the chunk [start, start+n) at
+        `layer`: the causal pairs over [0, start+n) for a full layer (or a window none of its
+        queries outgrows); for a window layer the visible keys from the chunk's first query on,
+        every pair of the chunk's banded call counted, masked ones too (executor/layers/banded.py)."""
+        w = self.windows[layer] if self.windows else 0
+        if not w or start + n <= w:
+            return self.attn_flops(start, start + n, start + n, q_heads), start + n
+        h = self.q_heads if q_heads is None else q_heads
+        keys = start + n - max(0, start - w + 1)
+        pairs = sum(min(n - a, BANDED_ROWS) * (start + min(n, a + BANDED_ROWS) - max(0, start + a - w + 1))
+                    for a in range(0, n, BANDED_ROWS)) if n > 1 else keys   # the banded call's blocks
+        return 4 * self.head_dim * h * pairs, keys
+
+    def attn_work_floor(self, start: int, n: int, q_heads: int | None = None) -> tuple[int, int]:
+        """The least attn_work of any layer kind (a bound for estimates that cost every layer alike)."""
+        firsts = {w: i for i, w in reversed(list(enumerate(self.windows)))} if self.windows else {0: 0}
+        works = [self.attn_work(i, start, n, q_heads) for i in firsts.values()]
+        return min(f for f, _ in works), min(k for _, k in works)
+
 
 def causal_pairs(q_start: int, q_end: int, k_end: int) -> int:
     """Number of (i, j) with q_start <= i < q_end, 0 <= j < k_end, j <= i."""
@@ -139,6 +188,13 @@ def causal_pairs(q_start: int, q_end: int, k_end: int) -> int:
 
 
 _LLAMA3 = dict(family="llama", vocab=128256, head_dim=128)
+
+
+def _every(layers: int, period: int, window: int) -> tuple[int, ...]:
+    """Windows of a local:global pattern: every `period`-th layer full, the others `window` (HF's)."""
+    return tuple(0 if (i + 1) % period == 0 else window for i in range(layers))
+
+
 PRESETS: dict[str, ModelSpec] = {
     "llama-3-8b": ModelSpec("llama-3-8b", layers=32, hidden=4096, q_heads=32, kv_heads=8,
                             intermediate=14336, **_LLAMA3),
@@ -149,6 +205,20 @@ PRESETS: dict[str, ModelSpec] = {
     "mistral-7b": ModelSpec("mistral-7b", "mistral", 32, 4096, 32, 8, 128, 14336, 32000),
     "qwen2-7b": ModelSpec("qwen2-7b", "qwen2", 28, 3584, 28, 4, 128, 18944, 152064, qkv_bias=True),
     "longchat-7b-32k": ModelSpec("longchat-7b-32k", "llama", 32, 4096, 32, 32, 128, 11008, 32000),
+    "llama-3.1-8b": ModelSpec("llama-3.1-8b", layers=32, hidden=4096, q_heads=32, kv_heads=8,
+                              intermediate=14336, rope="llama3", **_LLAMA3),
+    "mistral-7b-v0.1": ModelSpec("mistral-7b-v0.1", "mistral", 32, 4096, 32, 8, 128, 14336, 32000,
+                                 windows=(4096,) * 32),
+    "gemma-2-2b": ModelSpec("gemma-2-2b", "gemma2", 26, 2304, 8, 4, 256, 9216, 256000, softcap=50.0,
+                            windows=_every(26, 2, 4096), tie_embeddings=True),
+    "gemma-2-9b": ModelSpec("gemma-2-9b", "gemma2", 42, 3584, 16, 8, 256, 14336, 256000, softcap=50.0,
+                            windows=_every(42, 2, 4096), tie_embeddings=True),
+    "gemma-3-4b": ModelSpec("gemma-3-4b", "gemma3", 34, 2560, 8, 4, 256, 10240, 262208, qk_norm=True,
+                            windows=_every(34, 6, 1024), tie_embeddings=True),
+    "gemma-3-12b": ModelSpec("gemma-3-12b", "gemma3", 48, 3840, 16, 8, 256, 15360, 262208, qk_norm=True,
+                             windows=_every(48, 6, 1024), tie_embeddings=True),
+    "phi-3-mini-128k": ModelSpec("phi-3-mini-128k", "phi3", 32, 3072, 32, 32, 96, 8192, 32064, rope="longrope"),
+    "phi-4": ModelSpec("phi-4", "phi3", 40, 5120, 40, 10, 128, 17920, 100352),
 }
 
 
@@ -158,10 +228,14 @@ def preset(spec: str) -> ModelSpec | None:
 
 
 def from_hf_config(cfg: dict, name: str = "config") -> ModelSpec:
-    """ModelSpec from a parsed Hugging Face config.json (Llama, Mistral, Qwen2/2.5, Qwen3)."""
+    """ModelSpec from a parsed Hugging Face config.json (one of FAMILIES' model types)."""
     if not isinstance(cfg, dict):
         raise ValueError(f"{name}: expected a JSON object of config fields, got a {type(cfg).__name__}")
     mtype = cfg.get("model_type")
+    refuse_model_type(mtype)
+    if mtype == "gemma3" and isinstance(cfg.get("text_config"), dict):   # the multimodal checkpoint's text model
+        raise ValueError("model_type: 'gemma3' is the image-text model; pass its text_config as a "
+                         "config.json with model_type 'gemma3_text' (the gemma-3-* presets have its shapes)")
     if mtype not in FAMILIES:
         raise ValueError(f"model_type: unsupported architecture {mtype!r} "
                          f"(supported: {', '.join(sorted(FAMILIES))})")
@@ -181,13 +255,16 @@ def from_hf_config(cfg: dict, name: str = "config") -> ModelSpec:
     head_dim = count("head_dim", hidden // q_heads)
     dtype = _HF_DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"), "bf16")
     max_pos = cfg.get("max_position_embeddings")
+    layers = count("num_hidden_layers")
+    kinds = layer_kinds(cfg, mtype, layers)
     return ModelSpec(
-        name=name, family=FAMILIES[mtype], layers=count("num_hidden_layers"), hidden=hidden,
+        name=name, family=FAMILIES[mtype], layers=layers, hidden=hidden,
         q_heads=q_heads, kv_heads=count("num_key_value_heads", q_heads), head_dim=head_dim,
         intermediate=count("intermediate_size"), vocab=count("vocab_size"), dtype=dtype,
-        qkv_bias=bool(cfg.get("attention_bias", mtype == "qwen2")), qk_norm=mtype == "qwen3",
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=bool(cfg.get("attention_bias", mtype == "qwen2")), qk_norm=mtype in ("qwen3", "gemma3_text"),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", mtype in ("gemma2", "gemma3_text"))),
         max_positions=count("max_position_embeddings") if max_pos is not None else None,
+        windows=kinds.windows, softcap=kinds.softcap, rope=kinds.rope,
     )
 
 

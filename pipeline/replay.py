@@ -81,7 +81,7 @@ def blocker(model: "ModelSpec", work: "Workload", plan: "Plan | None" = None, de
     device and the model's shape (`dtype`: the weights' where they differ from the spec's)."""
     if plan is not None and plan.replay_blocker:
         return plan.replay_blocker
-    why = shape_blocker(dtype or model.dtype, work.batch, model.head_dim, device)
+    why = model.eager_reason(work.kv_capacity) or shape_blocker(dtype or model.dtype, work.batch, model.head_dim, device)
     return None if why is None else f"decode replay {why}"
 
 

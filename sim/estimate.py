@@ -74,7 +74,8 @@ def step_busy(model: ModelSpec, work: Workload, hw: HardwareProfile, layout: tup
     la, ma = layer_act_bytes(m, B, n), mlp_act_bytes(m, B, n)
     q_heads = G * m.gqa_ratio
     ws = attn_ws_bytes(m, B, n, G)
-    attn_flops = B * m.attn_flops(start, start + n, start + n, q_heads)
+    attn_flops, keys = m.attn_work_floor(start, n, q_heads)   # every layer costed as the cheapest kind: a bound
+    attn_flops *= B
     mlp = compute_seconds(B * n * m.mlp_flops_per_token, mlp_w + ma + la, 8, hw, dt, "mlp", replayed) \
         + _small(mlp_ops(m, B * n), hw, replayed)
     for count, n_off, n_dsk, kinds in layout:
@@ -84,8 +85,8 @@ def step_busy(model: ModelSpec, work: Workload, hw: HardwareProfile, layout: tup
         h2d = disk = 0.0
         for (o, d), k in kinds:
             copy_in = 2 * B * start * (G - o) * ut if o else 0
-            mem = B * (start + n) * G * ut + 2 * B * n * q_heads * m.head_dim * b + 2 * ws + copy_in
-            table = (replayed_decode_attention_seconds(G, B * (start + n) * G * ut, mem, hw)
+            mem = B * keys * G * ut + 2 * B * n * q_heads * m.head_dim * b + 2 * ws + copy_in
+            table = (replayed_decode_attention_seconds(G, B * keys * G * ut, mem, hw)
                      if replayed and not prefill else None)   # the measured call, as cost.stage_seconds
             kernel = table if table is not None else compute_seconds(
                 attn_flops, mem, 5 if start else 2, hw, dt, "attn", replayed,

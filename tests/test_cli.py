@@ -109,8 +109,7 @@ mem_bytes = 1
     (["--context", "lots"], "context"),
     (["--group", "3"], "group"),
     (["--context", "4K", "--chunk", "8K"], "chunk"),
-    (["--gpu-mem", "8GB"], "gpu-mem"),
-    (["--resident", "many"], "resident"),
+    (["--resident", "many"], "resident"),   # (weights over --gpu-mem: exit 3, test_cli_errors.py)
     (["--model", "/nonexistent/config.json"], "config.json"),
 ])
 def test_bad_input_is_one_line_exit_2(args, field):
@@ -353,7 +352,7 @@ def test_help_shows_defaults_batch_and_units(capsys, command):
     assert "(default: llama-3-8b)" in text and "(default: 32)" in text and "(default: auto)" in text
     batch = text[text.index("--batch BATCH"):text.index("--gpu-mem GPU_MEM ")]
     assert "sequences" in batch and "(default: 1)" in batch
-    for needle in ("128K = 131072", "24GB = 24e9", "24GiB = 24 * 2^30", "3 the plan does not fit"):
+    for needle in ("128K = 131072", "24GB = 24e9", "24GiB = 24 * 2^30", "3 valid input but nothing fits"):
         assert needle in text, needle
 
 

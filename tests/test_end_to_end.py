@@ -125,7 +125,7 @@ def test_random_model_is_seeded_and_leaves_the_rng_alone():
 def test_unsupported_architectures_are_named():
     """Fault caught: an unsupported model run anyway, or refused without naming it and the supported
     list."""
-    with pytest.raises(ValueError, match="gpt2.*supported: llama, mistral, qwen2, qwen3"):
+    with pytest.raises(ValueError, match="gpt2.*supported: gemma2, gemma3_text, llama, mistral, phi3, qwen2, qwen3"):
         random_model(dict(model_type="gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=64))
     from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -208,13 +208,13 @@ def test_fuse_flag_on_plan_and_run(tiny_config, capsys):
               "--context", "64", "--decode-tokens", "2"]
     rc = main(common + ["--fuse", "on"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) == 1 and err[0].startswith("kvpipe: error: fuse: on needs decode steps replayed"), err
+    assert rc == 2 and len(err) == 1 and err[0].startswith("kvpipe: error: --fuse: on needs decode steps replayed"), err
     rc = main(common + ["--json"])
     out, err = capsys.readouterr()
     assert rc == 0, err
     res = json.loads(out)
     assert res["decode_issue"]["fuse"] == "auto" and res["decode_issue"]["fused"] is False
-    assert res["predicted"]["fused_decode"] is False and res["decode_issue"]["compile_s"] == 0.0
+    assert res["predicted"] is None and res["decode_issue"]["compile_s"] == 0.0   # no profile predicts a CPU
 
 
 # ---- CUDA: fused decode under replay -------------------------------------------------------------

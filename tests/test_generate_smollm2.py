@@ -121,4 +121,4 @@ def test_bad_input_with_a_real_model_names_the_flag(smollm2, capsys, monkeypatch
     monkeypatch.setenv("KVPIPE_CACHE_DIR", str(smollm2[1]))
     rc = main(["generate", "--model", str(smollm2[0]), "--device", "cpu", "--prompt", "hi", *argv])
     err = capsys.readouterr()[1]
-    assert rc == 2 and err.count("\n") == 1 and f"error: {flag}:" in err, err
+    assert rc == 2 and err.count("\n") == 1 and f"error: --{flag}:" in err, err

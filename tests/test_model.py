@@ -133,9 +133,11 @@ def test_from_hf_config_llama():
 
 
 def test_from_hf_config_mistral():
-    """Fault caught: a Mistral config.json field misread."""
-    m = from_hf_config(MISTRAL_7B_CFG, name="mistral-7b")
-    assert m == PRESETS["mistral-7b"]
+    """Fault caught: a Mistral config.json field misread (v0.1: a 4096-token window on every
+    layer; v0.2 on: sliding_window null, no window)."""
+    m = from_hf_config(MISTRAL_7B_CFG, name="mistral-7b-v0.1")
+    assert m == PRESETS["mistral-7b-v0.1"]
+    assert from_hf_config(dict(MISTRAL_7B_CFG, sliding_window=None), name="mistral-7b") == PRESETS["mistral-7b"]
     assert m.family == "mistral"
 
 

@@ -32,7 +32,7 @@ def test_workload_parse():
 @pytest.mark.parametrize("args, field", [
     (["--batch", "0"], "batch"),
     (["--batch", "-2"], "batch"),
-    (["--decode-tokens", "-1"], "decode_tokens"),
+    (["--decode-tokens", "-1"], "--decode-tokens"),
 ])
 def test_plan_refuses_bad_workload(capsys, args, field):
     """Fault caught: `kvpipe plan --batch 0` (or a negative decode count) planning an empty

@@ -12,8 +12,11 @@ else posix), "posix" or "kvikio"; None reads the KVPIPE_DISK_IO environment vari
 (default auto). Both return the bytes moved; a short count is the caller's error to raise."""
 from __future__ import annotations
 
+import errno
+import fcntl
 import importlib.util
 import os
+import re
 
 KINDS = ("auto", "posix", "kvikio")
 ENV = "KVPIPE_DISK_IO"
@@ -105,3 +108,54 @@ def open_io(kind: str | None, path: str, fd: int, threads: int) -> PosixIO | Kvi
         io = PosixIO(fd)
         io.why = f" (kvikio unusable: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})"
         return io
+
+
+FILE_NAME = re.compile(r"kvpipe-(\d+)-[0-9a-f]+\.kv")   # the tier's file: kvpipe-PID-RANDOM.kv
+
+
+def lock(fd: int) -> None:
+    """Mark the tier's file as in use for as long as `fd` is open: an exclusive flock, which the
+    kernel drops however the process ends (SIGKILL too), so a later run can tell it was left."""
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:     # someone else's live process
+        return True
+    return True
+
+
+def reclaim(kv_dir: str) -> tuple[int, int]:
+    """Remove the tier's files in `kv_dir` left by runs that died without cleanup (SIGKILL, a
+    crash): one whose process is gone and whose lock nobody holds. The pid alone could be
+    reused by another process, and a new run creates its file a moment before it locks it: both
+    checks keep a live run's file. Returns (files removed, their bytes)."""
+    removed = nbytes = 0
+    try:
+        names = os.listdir(kv_dir)
+    except OSError:
+        return 0, 0
+    for name in names:
+        m = FILE_NAME.fullmatch(name)
+        if m is None or int(m.group(1)) == os.getpid() or _alive(int(m.group(1))):
+            continue
+        path = os.path.join(kv_dir, name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            size = os.fstat(fd).st_size
+            os.unlink(path)
+            removed, nbytes = removed + 1, nbytes + size
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EACCES, errno.ENOENT, errno.EPERM):
+                raise
+        finally:
+            os.close(fd)
+    return removed, nbytes

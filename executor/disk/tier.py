@@ -25,7 +25,7 @@ import torch
 
 from kvpipe.pipeline.units import fmt_bytes
 
-from kvpipe.executor.disk.io import PosixIO, open_io
+from kvpipe.executor.disk.io import PosixIO, lock, open_io
 from kvpipe.executor.kv.pinned import ALIGN   # O_DIRECT alignment of addresses, offsets and lengths (safe for 512e and 4Kn disks)
 
 IO_BYTES = 8 << 20      # one read request covers at most this many bytes (several blocks)
@@ -124,6 +124,7 @@ class DiskFile:
         self.path = os.path.join(self.kv_dir, f"kvpipe-{os.getpid()}-{uuid.uuid4().hex[:8]}.kv")
         try:
             self._create()
+            lock(self.fd)   # held while the run lives: a file without it was left by a dead run
             self.io = open_io(self.io_kind, self.path, self.fd, self.threads)
             self.stats.io = self.io.describe()
             self.tails = aligned_buffer(self.rows * self.block_bytes, pin=False)   # [rows * block]

@@ -77,7 +77,7 @@ class Interpreter:
         else:
             assert (start, end) == (self.context + s.step, self.context + s.step + 1), s.tokens
             ids = self.tokens[:, s.step:s.step + 1]            # [B, 1]: stays on the device
-        hidden, rope = self.adapter.embed(ids, start)
+        hidden, rope = self.adapter.embed(ids, start, seen=self.context if s.phase is Phase.PREFILL else None)
         self._cur = _Step(s.phase, s.step, start, hidden, rope)
 
     def _qkv(self, s: Stage) -> None:

@@ -101,14 +101,19 @@ def host_ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def has_weights(model_arg: str) -> bool:
+    """A directory with safetensors files: `run` loads its weights (unless --random-weights)."""
+    path = Path(model_arg)
+    return path.is_dir() and any(path.glob("*.safetensors"))
+
+
 def load_hf_model(model_arg: str, random_weights: bool, device: torch.device, dtype: torch.dtype,
                   seed: int) -> torch.nn.Module:
     """A local HF directory with safetensors, or random weights from a preset / config.json."""
     from kvpipe.pipeline.model import preset
     from kvpipe.executor.layers.loader import load_pretrained, random_model
     path = Path(model_arg)
-    has_weights = path.is_dir() and any(path.glob("*.safetensors"))
-    if has_weights and not random_weights:
+    if has_weights(model_arg) and not random_weights:
         return load_pretrained(path, device, dtype)
     if not random_weights:
         where = "a preset" if preset(model_arg) else f"{model_arg!r}"
@@ -134,7 +139,8 @@ def preset_config(spec) -> dict:
         cfg["sliding_window"] = None
     if spec.family == "qwen2":
         cfg["use_sliding_window"] = False
-    return cfg
+    from kvpipe.pipeline.layer_kinds import hf_fields
+    return {**cfg, **hf_fields(spec)}   # the family's layer kinds (windows, softcaps, rope)
 
 
 def read_prompt(prompt_file: str | os.PathLike, model_arg: str, vocab: int) -> list[int]:
@@ -218,6 +224,8 @@ def run_graph(graph: Graph, hf_model: torch.nn.Module, ids: torch.Tensor, device
     """Execute with the GPU allocator capped at `gpu_budget` and a progress bar over steps (on
     CUDA after an untimed warm-up unless `warmup` is False); `replay`, `fuse` and `decoding` as
     in `runner.execute` (the warm-up decodes greedily)."""
+    from kvpipe.executor.layers.adapter import HFAdapter
+    HFAdapter(hf_model).check(graph.model, graph.workload.kv_capacity)   # refused before any work
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_budget / total), device)
@@ -231,7 +239,8 @@ def run_graph(graph: Graph, hf_model: torch.nn.Module, ids: torch.Tensor, device
     last_layer = graph.model.layers - 1
     # Announced before the bar exists: a line printed after it would land on the bar's line and
     # be overwritten by its next refresh on a terminal.
-    print(f"kvpipe: executing {steps} steps on {device} (Ctrl-C stops cleanly)", file=sys.stderr, flush=True)
+    what = f"{steps} steps" if decoding is None else f"up to {graph.workload.decode_tokens + 1} new tokens"   # may stop early
+    print(f"kvpipe: executing {what} on {device} (Ctrl-C stops cleanly)", file=sys.stderr, flush=True)
     bar = None
     if progress:
         from tqdm import tqdm

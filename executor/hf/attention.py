@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpipe.executor.layers.attention import attend_chunk
+from kvpipe.executor.layers.banded import attend_kind
 from kvpipe.executor.hf.headstream import HeadStream
 from kvpipe.executor.hf.masked import attend_padded
 
@@ -37,7 +38,8 @@ class PendingKV:
 
 def headwise_attention(module: torch.nn.Module, query: torch.Tensor, key, value, attention_mask,
                        dropout: float = 0.0, scaling: float | None = None,
-                       sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                       sliding_window: int | None = None, softcap: float | None = None,
+                       **kwargs) -> tuple[torch.Tensor, None]:
     """query [B, Hq, T, D] -> ([B, T, Hq, D], None), as transformers' attention functions return."""
     if module.training or dropout:
         raise ValueError(f"{IMPLEMENTATION}: inference only (dropout={dropout}, training={module.training})")
@@ -47,6 +49,9 @@ def headwise_attention(module: torch.nn.Module, query: torch.Tensor, key, value,
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if isinstance(key, PendingKV):
         assert key is value, "update() returns the same PendingKV as key and value"
+        if softcap:   # the stream's group-by-group attention has no capped form: refused, never ignored
+            raise ValueError(f"{IMPLEMENTATION}: softcap: attention logit softcapping ({softcap}) is not "
+                             "supported through HeadwiseCache; run the model with kvpipe run/generate")
         return key.stream.attend(key.layer, query, key.kv, scale, attention_mask), None
     T, S = query.shape[2], key.shape[2]          # plain tensors: key, value [B, Hkv, S, D]
     if sliding_window is not None and sliding_window < S:
@@ -55,8 +60,13 @@ def headwise_attention(module: torch.nn.Module, query: torch.Tensor, key, value,
         raise ValueError(f"{IMPLEMENTATION}: {S} keys for {T} queries")
     q = query.contiguous()
     k, v = key.contiguous(), value.contiguous()
+    if attention_mask is not None and softcap:
+        raise ValueError(f"{IMPLEMENTATION}: softcap with a padding mask is not supported; pass unpadded prompts")
     if attention_mask is not None:
         return attend_padded(q, k, v, attention_mask, scale).contiguous(), None
+    if softcap:   # Gemma 2: the capped scores (executor/layers/banded.py)
+        out = attend_kind(q, k[:, :, :S - T], v[:, :, :S - T], k[:, :, S - T:], v[:, :, S - T:], scale, 0, softcap)
+        return out.transpose(1, 2).contiguous(), None
     out = attend_chunk(q, k[:, :, :S - T], v[:, :, :S - T], k[:, :, S - T:], v[:, :, S - T:], scale)
     return out.transpose(1, 2).contiguous(), None
 

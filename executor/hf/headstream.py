@@ -23,10 +23,10 @@ class HeadStream:
     A context manager: buffers and streams are taken in `open()` and given back in `close()`."""
 
     def __init__(self, layout: KVLayout, groups: dict[bool, int], device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, replay: bool = False) -> None:
         assert all(layout.kv_heads % g == 0 and g <= layout.slot_heads for g in groups.values()), groups
-        self.layout, self.groups = layout, groups
-        self.store = KVStore(layout, device, dtype)
+        self.layout, self.groups, self.replay = layout, groups, replay
+        self.store = KVStore(layout, device, dtype, replay=replay)   # replay: host homes a graph can copy from
         self.cuda = self.store.cuda
         self.h2d = self.d2h = None
         self._reset_step(0, 0)

@@ -36,7 +36,7 @@ def regather(stream: HeadStream, index: torch.Tensor) -> HeadStream:
     lo, n = stream.layout, int(index.numel())
     same = n == lo.batch
     out = stream if same else HeadStream(replace(lo, batch=n), stream.groups, stream.store.device,
-                                         stream.store.dtype).open()
+                                         stream.store.dtype, stream.replay).open()
     try:
         for layer in range(lo.layers):
             for src, dst in zip(homes(stream, layer), homes(out, layer)):
@@ -55,7 +55,7 @@ def duplicate(stream: HeadStream, length: int) -> HeadStream:
     """A new stream of the same layout holding a copy of the first `length` tokens of every home."""
     settle(stream)
     lo = stream.layout
-    out = HeadStream(lo, stream.groups, stream.store.device, stream.store.dtype).open()
+    out = HeadStream(lo, stream.groups, stream.store.device, stream.store.dtype, stream.replay).open()
     for layer in range(lo.layers):
         for src, dst in zip(homes(stream, layer), homes(out, layer)):
             dst[:, :, :length].copy_(src[:, :, :length])

@@ -151,8 +151,13 @@ class FusedDecode:
 
 
 # ---- where it runs, and the fallback ----------------------------------------------------------------
+_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")   # separate q/k/v and gate/up projections, two norms
+
+
 def unavailable(adapter) -> str | None:
     """Why the fused pieces cannot run for `adapter`'s model and device, or None when they can."""
+    if adapter.family not in _FAMILIES:
+        return f"the {adapter.family} family has no fused form (supported: {', '.join(_FAMILIES)})"
     act = getattr(adapter.model.config, "hidden_act", None)
     if act not in _ACTS:
         return f"hidden_act {act!r} has no fused form (supported: {', '.join(_ACTS)})"

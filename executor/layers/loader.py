@@ -3,19 +3,22 @@ downloaded) or random weights from a config, seeded, built directly on the targe
 target dtype (an 8B model never passes through CPU memory)."""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from kvpipe.executor.layers.adapter import FAMILIES, check_supported
+from kvpipe.pipeline.layer_kinds import refuse_model_type
+from kvpipe.pipeline.model import FAMILIES as _MODEL_TYPES   # HF model_type -> family
 
-_MODEL_TYPES = {family: cls for cls, family in FAMILIES.items()}  # HF model_type -> class name
+from kvpipe.executor.layers.adapter import check_supported
 
 
 def _check_type(model_type) -> None:
+    refuse_model_type(model_type)
     if model_type not in _MODEL_TYPES:
-        raise ValueError(f"model_type: unsupported architecture {model_type!r} "
-                         f"(supported: {', '.join(sorted(_MODEL_TYPES))})")
+        raise ValueError(f"model: unsupported architecture (model_type {model_type!r}; "
+                         f"supported: {', '.join(sorted(_MODEL_TYPES))})")
 
 
 def _config(config):
@@ -47,22 +50,57 @@ def random_model(config, device: str | torch.device = "cpu", dtype: torch.dtype 
     return model.eval()
 
 
+@contextmanager
+def progress_bars(on: bool):
+    """transformers' own bars ("Loading weights") on or off for the block (--no-progress, --json)."""
+    from transformers.utils import logging as hf_logging
+    was = hf_logging.is_progress_bar_enabled()
+    if not on:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was and not on:
+            hf_logging.enable_progress_bar()
+
+
+def check_weight_files(path: str | Path) -> None:
+    """Every *.safetensors file of directory `path` opens (its header parses and covers the file):
+    a truncated or corrupt file is a ValueError naming it, before any work."""
+    from safetensors import safe_open
+    for f in sorted(Path(path).glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt"):
+                pass
+        except Exception as e:   # safetensors raises its own SafetensorError (and OSError)
+            raise ValueError(f"model: {str(f)!r} is not a readable safetensors file "
+                             f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+
+
 def load_pretrained(path: str | Path, device: str | torch.device = "cpu",
                     dtype: torch.dtype | None = None) -> torch.nn.Module:
     """A causal LM from a local directory (config.json + safetensors), loaded straight onto
-    `device`; `dtype` defaults to the checkpoint's. Never downloads."""
+    `device`; `dtype` defaults to the checkpoint's. Never downloads. A config or weights file
+    transformers cannot read is a ValueError naming the file."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import is_accelerate_available
 
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ValueError(f"model: no config.json in {str(path)!r}")
-    _check_type(AutoConfig.from_pretrained(path, local_files_only=True).model_type)
+    check_weight_files(path)
+    try:
+        _check_type(AutoConfig.from_pretrained(path, local_files_only=True).model_type)
+    except OSError as e:     # transformers' words for a config.json that is not JSON
+        raise ValueError(f"model: cannot read {str(path / 'config.json')!r} ({str(e).splitlines()[0]})") from None
     device = torch.device(device)
     # Straight onto the device where transformers can (it needs accelerate for a device_map).
     direct = device.type != "cpu" and is_accelerate_available()
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype or "auto",
-                                                 use_safetensors=True,
-                                                 **({"device_map": device} if direct else {}))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype or "auto",
+                                                     use_safetensors=True,
+                                                     **({"device_map": device} if direct else {}))
+    except OSError as e:     # no weights file it can use, or one it cannot read
+        raise ValueError(f"model: cannot load the weights in {str(path)!r} ({str(e).splitlines()[0]})") from None
     check_supported(model)
     return model.to(device).eval()

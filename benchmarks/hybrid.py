@@ -1,0 +1,152 @@
+"""A hybrid local/global model on the GPU: Gemma 3 shapes (5 sliding-window layers to 1 global)
+with random bf16 weights, kvpipe capped at a 24 GB GPU, against HF all on the GPU (uncapped,
+where it fits), decode against the floor of the bytes it must move, the simulator against the
+measurement. Gemma 3 12B's weights alone (23.5 GB) leave no room under 24 GB: the default model is
+gemma-3-4b (7.8 GB of weights), the same layer kinds.
+
+  python -m benchmarks.hybrid 128k             # link, HF all-on-GPU, kvpipe streamed and resident-max
+  python -m benchmarks.hybrid long             # the longest context this machine's RAM and disk hold
+                                               # (kvpipe plan --max-context), capped by --max-tokens
+  python -m benchmarks.hybrid all --model gemma-3-12b --gpu-mem 40GB
+
+Each measurement runs in its own process. Two decode floors: the bytes this plan moves (a window
+layer keeps every token and its offloaded heads fetch all of them), and the bytes a store that
+drops what no window sees would move. Results: benchmarks/results/<machine>-<date>-hybrid-<stage>.json."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+from benchmarks.result_file import result_file
+from benchmarks.vs_hf import sh
+
+
+def kvpipe(model: str, context: int, decode: int, gpu_mem: str, *knobs: str, timeout: int = 560) -> dict:
+    return sh([sys.executable, "-m", "kvpipe", "run", "--model", model, "--random-weights", "--context",
+               str(context), "--decode-tokens", str(decode), "--gpu-mem", gpu_mem, "--device", "cuda",
+               "--hw", "h200", "--json", "--no-progress", *knobs], timeout)
+
+
+def floors(run: dict, h2d: float | None) -> dict:
+    """Decode floors (seconds per step) from the plan's offloaded units: the bytes they move as
+    kvpipe stores them, and as a window-trimmed store would (disk units counted at the h2d rate)."""
+    from kvpipe.pipeline.model import load_model
+    m = load_model(run["model"]["name"])
+    resident = run["plan"]["resident"]
+    w = run["workload"]
+    mean_len = w["context"] + w["decode_tokens"] / 2
+    # placement's order: units are spread over layers, resident first (`resident // layers` per layer)
+    per_layer_resident = [resident // m.layers + (i < resident % m.layers) for i in range(m.layers)]
+    unit = m.kv_unit_bytes_per_token
+    windows = m.windows or (0,) * m.layers
+    moved = sum((m.kv_heads - r) * mean_len * unit for r in per_layer_resident)
+    trimmed = sum((m.kv_heads - r) * (min(wd, mean_len) if wd else mean_len) * unit
+                  for r, wd in zip(per_layer_resident, windows))
+    return {"bytes_per_step": moved, "trimmed_bytes_per_step": trimmed,
+            "floor_s": moved / h2d if h2d else None, "trimmed_floor_s": trimmed / h2d if h2d else None}
+
+
+def hf_gpu(model: str, context: int, decode: int) -> dict:
+    """HF's own forward and DynamicCache all on the GPU (a child process: clean peak counters)."""
+    code = ("import json,statistics,time,torch;"
+            "from transformers import AutoModelForCausalLM, DynamicCache, AutoConfig;"
+            "from kvpipe.pipeline.model import load_model;"
+            "from kvpipe.executor.engine.session import preset_config;"
+            f"spec=load_model({model!r}); c=dict(preset_config(spec)); t=c.pop('model_type');"
+            "cfg=AutoConfig.for_model(t, **c); cfg._attn_implementation='sdpa';"
+            "torch.manual_seed(0);\n"
+            "with torch.device('cuda'): m=AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()\n"
+            f"ids=torch.randint(0, cfg.vocab_size, (1, {context}), device='cuda')\n"
+            "def timed(f):\n torch.cuda.synchronize(); t0=time.perf_counter(); o=f(); torch.cuda.synchronize(); "
+            "return o, time.perf_counter()-t0\n"
+            "with torch.inference_mode():\n"
+            " m(ids[:, :512], past_key_values=DynamicCache(config=cfg), use_cache=True, logits_to_keep=1)\n"
+            " cache=DynamicCache(config=cfg); torch.cuda.reset_peak_memory_stats()\n"
+            " out, pre=timed(lambda: m(ids, past_key_values=cache, use_cache=True, logits_to_keep=1))\n"
+            " tok=out.logits[:, -1].argmax(-1, keepdim=True); steps=[]\n"
+            f" for _ in range({decode}):\n"
+            "  out, dt=timed(lambda: m(tok, past_key_values=cache, use_cache=True)); "
+            "tok=out.logits[:, -1].argmax(-1, keepdim=True); steps.append(dt)\n"
+            "print(json.dumps({'prefill_s': pre, 'decode_s_per_token': statistics.median(steps), "
+            "'peak_gpu_bytes': torch.cuda.max_memory_allocated()}))\n")
+    return sh([sys.executable, "-c", code], 560)
+
+
+def summarise(name: str, run: dict, h2d: float | None, hf: dict | None) -> None:
+    if "measured" not in run:
+        print(f"{name}: {run.get('error')}")
+        return
+    m, p = run["measured"], run["predicted"]
+    run["floors"] = floors(run, h2d)
+    run["ratios"] = {
+        "prefill_sim_over_measured": p["prefill_s"] / m["prefill_s"],
+        "decode_sim_over_measured": p["decode_s_per_token"] / m["decode_s_per_token"],
+        "decode_over_floor": m["decode_s_per_token"] / run["floors"]["floor_s"] if run["floors"]["floor_s"] else None,
+        "prefill_over_hf_gpu": m["prefill_s"] / hf["prefill_s"] if hf and "prefill_s" in hf else None,
+    }
+    r, f = run["ratios"], run["floors"]
+    print(f"{name}: {run['workload']['context']} tokens, plan {run['plan']['resident']} resident units, "
+          f"{run['plan']['disk']} on disk; prefill {m['prefill_s']:.1f} s (sim {p['prefill_s']:.1f}, "
+          f"{r['prefill_sim_over_measured']:.3f}x), decode {m['decode_s_per_token'] * 1e3:.1f} ms/token "
+          f"(sim {p['decode_s_per_token'] * 1e3:.1f}, {r['decode_sim_over_measured']:.3f}x); floor "
+          f"{(f['floor_s'] or 0) * 1e3:.1f} ms (trimmed store {(f['trimmed_floor_s'] or 0) * 1e3:.1f} ms); "
+          f"peak GPU {m['peak_bytes']['gpu'] / 1e9:.1f} GB" +
+          (f"; prefill / HF all-on-GPU {r['prefill_over_hf_gpu']:.2f}" if r["prefill_over_hf_gpu"] else ""))
+
+
+def stage_128k(res: dict, save, args) -> None:
+    res["link"] = res.get("link") or sh([sys.executable, "-m", "benchmarks.link"], 120)
+    h2d = res["link"].get("h2d_bytes_per_s")
+    ctx = 131072
+    res["hf_gpu"] = hf_gpu(args.model, ctx, 4)
+    save()
+    res["kvpipe_stream"] = kvpipe(args.model, ctx, 8, args.gpu_mem, "--resident", "none")
+    save()
+    res["kvpipe_planner"] = kvpipe(args.model, ctx, 8, args.gpu_mem)
+    save()
+    for key in ("kvpipe_stream", "kvpipe_planner"):
+        summarise(key, res[key], h2d, res["hf_gpu"])
+    print(f"hf_gpu: {res['hf_gpu']}")
+
+
+def stage_long(res: dict, save, args) -> None:
+    res["link"] = res.get("link") or sh([sys.executable, "-m", "benchmarks.link"], 120)
+    h2d = res["link"].get("h2d_bytes_per_s")
+    plan = sh([sys.executable, "-m", "kvpipe", "plan", "--model", args.model, "--hw", "h200", "--gpu-mem",
+               args.gpu_mem, "--max-context", "--json", *args.plan_args], 300)
+    res["max_context_plan"] = {k: plan.get(k) for k in ("max_context", "plan", "kv_per_layer_kind", "error")}
+    ctx = min(plan.get("max_context") or 0, args.max_tokens)
+    res["long_context"] = ctx
+    save()
+    if ctx:
+        res["kvpipe_long"] = kvpipe(args.model, ctx, 4, args.gpu_mem, *args.plan_args)
+        save()
+        summarise("kvpipe_long", res["kvpipe_long"], h2d, None)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("stage", choices=["128k", "long", "all"])
+    ap.add_argument("--model", default="gemma-3-4b")
+    ap.add_argument("--gpu-mem", default="24GB")
+    ap.add_argument("--max-tokens", type=int, default=1 << 20, help="cap on the long stage's context")
+    ap.add_argument("--plan-args", nargs="*", default=[], help="extra plan/run flags (e.g. --host-mem 100GB)")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    res = {"command": "python -m benchmarks.hybrid " + " ".join(sys.argv[1:]), "model": args.model,
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "gpu_budget": args.gpu_mem}
+    out = Path(args.out or result_file(f"hybrid-{args.stage}", "cuda"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save = lambda: out.write_text(json.dumps(res, indent=2))
+    for stage in {"128k": [stage_128k], "long": [stage_long], "all": [stage_128k, stage_long]}[args.stage]:
+        stage(res, save, args)
+    save()
+    print(f"results: {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""The static-shape decode step of a `HeadwiseCache`: one token through HF's own model forward with
+every input the step reads in fixed device buffers (token id, position, keys attended), its new
+K/V written at the device-held position (as HF's StaticCache indexes its writes) and attention
+over the whole capacity with the length read on the device (`attend_decode`, the kernel graph
+replay captures in executor/replay/). Offloaded head groups are fetched into the transfer slots
+as the engine's replayed steps fetch them: a prefix rounded up to a bucket of tokens (the only host
+integer a step bakes in, so one graph serves a bucket's steps), and each step's new K/V of
+offloaded heads written back to host RAM after the step, on the same stream. On CUDA each bucket's
+step is captured once as a CUDA graph and replayed; issued without a graph the same step is the
+reference the replay equals bit for bit, and on CPU it runs with a length-masked attention of the
+same meaning."""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from kvpipe.executor.hf.attention import PendingKV
+from kvpipe.executor.layers.attention import attend_decode
+from kvpipe.executor.replay.capture import BUCKET_TOKENS, bucket_len
+
+
+def attend_masked(q: torch.Tensor, kv: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """`attend_decode`'s meaning without FA2 (CPU, other dtypes): q [1, Hq, 1, D], kv [1, H, S, 2, D],
+    keys [0, lens) attended -> [1, 1, Hq, D]. Unwritten rows are zeroed first (they may hold NaN)."""
+    H, S = kv.shape[1], kv.shape[2]
+    valid = (torch.arange(S, device=kv.device) < lens.to(kv.device))        # [S]
+    k = torch.where(valid[:, None], kv[0, :, :, 0], 0).repeat_interleave(q.shape[1] // H, dim=0)
+    v = torch.where(valid[:, None], kv[0, :, :, 1], 0).repeat_interleave(q.shape[1] // H, dim=0)
+    out = torch.nn.functional.scaled_dot_product_attention(q[0], k, v, attn_mask=valid[None, None], scale=scale)
+    return out.view(1, q.shape[1], 1, -1).transpose(1, 2)
+
+
+class StaticStep:
+    """The decode step's device buffers over an opened HeadStream (batch 1), and the step itself:
+    `run(model, cache, argument)` issues it, or replays the graph captured for its bucket.
+    `group`: KV heads per attended group (the plan's decode group)."""
+
+    def __init__(self, stream, group: int) -> None:
+        store, lo = stream.store, stream.layout
+        assert lo.batch == 1 and lo.kv_heads % group == 0, (lo.batch, group)
+        dev = store.device
+        self.store, self.layout, self.group, self.graph_wanted = store, lo, group, True
+        self.ids = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.lens = torch.ones(1, dtype=torch.int32, device=dev)
+        self.cu_q = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+        self.cu_k = torch.tensor([0, lo.capacity], dtype=torch.int32, device=dev)
+        self.fa2 = store.cuda and store.dtype in (torch.bfloat16, torch.float16)
+        self.offloaded = any(n < lo.kv_heads for n in lo.resident)
+        self.copy_len = 0                     # tokens each prefix fetch moves (the step's bucket)
+        self.kv: dict[int, torch.Tensor] = {}   # layer -> the step's new K/V, for the write-back
+        self.graphs: dict[int, tuple] = {}    # bucket -> (graph, its logits, its kv)
+        self.pool = None
+        self.replays = 0
+
+    # ---- called by the cache's layers inside the model forward ------------------------
+    def write(self, layer: int, kv: torch.Tensor) -> PendingKV:
+        """kv [1, H, 1, 2, D]: the token's K/V; resident heads' part written home at the
+        device-held position, offloaded heads' part kept for `write_back`."""
+        n = self.layout.resident[layer]
+        if n:
+            self.store.gpu[layer].index_copy_(2, self.pos, kv[:, :n])
+        if n < self.layout.kv_heads:
+            self.kv[layer] = kv
+        return PendingKV(self, layer, kv)
+
+    def attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor, scale: float, valid=None) -> torch.Tensor:
+        """q [1, Hq, 1, D] -> [1, 1, Hq, D], group by group: a resident group over its home, another
+        over a slot holding its fetched prefix, its resident heads' prefix and the new token."""
+        assert valid is None, "the static step runs un-padded batches only"
+        lo, G, store = self.layout, self.group, self.store
+        n, r, q = lo.resident[layer], q.shape[1] // lo.kv_heads, q.contiguous()
+        out = q.new_empty(1, 1, q.shape[1], q.shape[-1])
+        for g in range(lo.kv_heads // G):
+            h0 = g * G
+            if h0 + G <= n:
+                buf = store.gpu[layer][:, h0:h0 + G]                        # [1, G, S, 2, D]
+            else:
+                slot = g % lo.slots   # one stream: a slot is refilled only after its last reader
+                store.fetch(layer, tuple(range(max(h0, n), h0 + G)), h0, slot, self.copy_len)
+                store.fill_resident(layer, tuple(range(h0, h0 + G)), slot, self.copy_len)
+                buf = store.slots[slot][:, :G]
+                buf.index_copy_(2, self.pos, kv[:, h0:h0 + G])
+            qs = slice(h0 * r, (h0 + G) * r)
+            if self.fa2:
+                out[:, :, qs] = attend_decode(q[:, qs], buf, self.lens, self.cu_q, self.cu_k, scale)
+            else:
+                out[:, :, qs] = attend_masked(q[:, qs], buf, self.lens, scale)
+        return out
+
+    # ---- the step --------------------------------------------------------------------
+    def set_inputs(self, token: torch.Tensor, position: torch.Tensor, prefix: int) -> None:
+        """Token [1] or [1, 1] long and position [1] long (device tensors: copies, no host sync);
+        `prefix`: the same position as a host int, for the bucket of the prefix fetches."""
+        self.ids.copy_(token.view(1, 1))
+        self.pos.copy_(position.view(1))
+        self.lens.copy_(position.view(1) + 1)
+        self.copy_len = bucket_len(prefix, BUCKET_TOKENS, self.layout.capacity) if self.offloaded else 0
+
+    def write_back(self, position: int) -> None:
+        """The step's new K/V of offloaded heads to their host homes at `position` (same stream:
+        the next step's fetches read them after)."""
+        lo = self.layout
+        for layer, kv in self.kv.items():
+            self.store.store(layer, tuple(range(lo.resident[layer], lo.kv_heads)), kv, position)
+
+    def _forward(self, model, cache, argument: str) -> torch.Tensor:
+        extra = {argument: cache}
+        if "cache_position" in inspect.signature(type(model).forward).parameters:   # older transformers
+            extra["cache_position"] = self.pos
+        out = model(input_ids=self.ids, position_ids=self.pos.view(1, 1), use_cache=True, logits_to_keep=1,
+                    return_dict=True, **extra)
+        return out.logits
+
+    def run(self, model, cache, argument: str) -> torch.Tensor:
+        """The step for the inputs set: by its bucket's graph once captured, else issued -> logits [1, 1, V]."""
+        if not (self.graph_wanted and self.store.cuda):
+            return self._forward(model, cache, argument)
+        if self.copy_len not in self.graphs:
+            self._capture(model, cache, argument)
+        graph, logits, self.kv = self.graphs[self.copy_len]
+        graph.replay()
+        self.replays += 1
+        return logits
+
+    def _capture(self, model, cache, argument: str) -> None:
+        """Warm up on a side stream (the step issued for real: every write it makes the replay
+        makes again with the same values), then capture the same step into the graphs' pool."""
+        main = torch.cuda.current_stream(self.store.device)
+        side = torch.cuda.Stream(self.store.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            self._forward(model, cache, argument)
+        main.wait_stream(side)
+        self.pool = self.pool or torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self._forward(model, cache, argument)
+        self.graphs[self.copy_len] = (graph, logits, dict(self.kv))
+
+    def close(self) -> None:
+        if self.graphs:
+            torch.cuda.synchronize(self.store.device)
+            for graph, _, _ in self.graphs.values():
+                graph.reset()
+            self.graphs.clear()
+
+
+def join(stream) -> None:
+    """Before the first static step: the stream's prefill copies (h2d fetches, d2h stores) done."""
+    if stream.cuda:
+        main = torch.cuda.current_stream(stream.store.device)
+        main.wait_stream(stream.h2d)
+        main.wait_stream(stream.d2h)
+
+
+def hand_back(stream) -> None:
+    """After the last static step: the stream's own copies start after its slot and host writes."""
+    if stream.cuda:
+        main = torch.cuda.current_stream(stream.store.device)
+        stream.h2d.wait_stream(main)
+        stream.d2h.wait_stream(main)

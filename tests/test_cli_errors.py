@@ -1,0 +1,142 @@
+"""Bad input as a new user types it, through the API and the CLI: every option of kvpipe/options.py
+given a wrong type is a ValueError naming the argument; the CLI's line names the flag
+(`--decode-tokens`), once, after one `kvpipe: error:` prefix; and one exit-code rule: bad input 2,
+valid input that nothing fits 3."""
+from __future__ import annotations
+
+import typing
+from dataclasses import fields
+
+import pytest
+
+import kvpipe
+from conftest import write_config
+from kvpipe.options import PlanOptions, RunOptions
+
+
+class _Odd:
+    """A value of no type any option takes."""
+
+    def __repr__(self) -> str:
+        return "<odd>"
+
+
+def _wrong_values(cls, name: str) -> list:
+    """Wrong values for field `name`: an object of no type, and a bool or text where an int or float is due."""
+    hint = str(typing.get_type_hints(cls)[name])
+    out = [_Odd()]
+    if "int" in hint or "float" in hint:
+        out.append("abc" if "str" not in hint else [1])
+    if "bool" not in hint and ("int" in hint or "float" in hint):
+        out.append(True)
+    if "bool" in hint:
+        out.append(1)
+    return out
+
+
+CASES = [(cls, f.name, v) for cls in (PlanOptions, RunOptions) for f in fields(cls) for v in _wrong_values(cls, f.name)]
+
+
+@pytest.mark.parametrize("cls, name, value", CASES, ids=[f"{c.__name__}.{n}={v!r}" for c, n, v in CASES])
+def test_every_option_of_a_wrong_type_is_a_value_error_naming_it(cls, name, value):
+    """Fault caught: an option of the wrong type reaching the code that uses it (an
+    AttributeError from `.strip()`, `open(42)` reading file descriptor 42, `int('abc')`
+    unnamed, True taken as 1)."""
+    with pytest.raises(ValueError, match=f"^{name}: expected "):
+        cls(**{name: value})
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda: kvpipe.plan(model=123), "model"),
+    (lambda: kvpipe.plan(model=None), "model"),
+    (lambda: kvpipe.plan(plan=42), "plan: expected"),
+    (lambda: kvpipe.plan(decode_tokens="abc"), "decode_tokens"),
+    (lambda: kvpipe.run(seed="x"), "seed"),
+    (lambda: kvpipe.run(decode_tokens="abc"), "decode_tokens"),
+    (lambda: kvpipe.plan(42), "options"),
+])
+def test_the_reported_api_calls_raise_value_error_naming_the_argument(call, name):
+    """Fault caught: plan(model=123 / None) an AttributeError, plan(plan=42) opening file
+    descriptor 42, decode_tokens='abc' an unnamed int() error, seed='x' found after the model
+    loaded, plan(42) a TypeError."""
+    with pytest.raises(ValueError, match=f"^{name}[: ]"):
+        call()
+
+
+def test_a_path_object_is_a_model(tmp_path_factory):
+    """Fault caught: the type check refusing pathlib.Path for --model (or passing it on to code
+    that calls .strip() on it)."""
+    from pathlib import Path
+    assert kvpipe.plan(model=Path(write_config(tmp_path_factory)), context="1K").fits
+
+
+def _main(capsys, *argv):
+    from kvpipe.cli import main
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["plan", "--decode-tokens", "abc"], "--decode-tokens"),
+    (["plan", "--decode-tokens=-1"], "--decode-tokens"),
+    (["plan", "--batch", "0"], "--batch"),
+    (["plan", "--hw", "nope"], "--hw"),
+    (["plan", "--model", "nope"], "--model"),
+    (["plan", "--kv-dir", "/nonexistent/kv"], "--kv-dir"),
+    (["run", "--decode-tokens", "x"], "--decode-tokens"),
+    (["run", "--device", "tpu"], "--device"),
+    (["generate", "--max-new-tokens", "x"], "--max-new-tokens"),
+    (["generate", "--prompt", "hi"], "--model"),
+    (["calibrate", "--out", "x.txt"], "--out"),
+    (["codecs", "--bogus"], None),
+    (["plan", "--bogus"], None),
+    (["nope"], "command"),
+])
+def test_each_subcommand_names_the_flag_once_after_one_prefix(capsys, argv, flag):
+    """Fault caught: `kvpipe: error: kvpipe plan: argument --decode-tokens: ...` (the prefix
+    doubled), `decode_tokens:` or `model:` (the API's name, not the flag), a traceback, or an
+    exit code other than 2 for bad input."""
+    rc, _, err = _main(capsys, *argv)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, (rc, err)
+    assert lines[0].startswith("kvpipe: error: ") and lines[0].count("kvpipe") == 1, lines
+    if flag is not None:
+        assert lines[0].startswith(f"kvpipe: error: {flag}: "), lines
+
+
+@pytest.mark.parametrize("argv", [
+    ["plan", "--context", "1M", "--resident", "all"],   # the planner finds no plan
+    ["plan", "--gpu-mem", "1GB"],                        # the weights alone exceed the budget
+    ["plan", "--max-context", "--gpu-mem", "16GB", "--host-mem", "1GB", "--disk-mem", "1GB"],
+])
+def test_valid_input_that_nothing_fits_exits_3(capsys, argv):
+    """Fault caught: "no plan fits" exiting 2 (bad input) where the README's rule says 3 (valid
+    input, nothing fits the budgets), as a rule plan's `fits: NO` already does."""
+    rc, _, err = _main(capsys, *argv)
+    assert rc == 3 and len(err.strip().splitlines()) == 1 and err.startswith("kvpipe: error: --"), (rc, err)
+
+
+def test_a_rule_plan_that_does_not_fit_exits_3_and_prints_the_report(capsys):
+    """Fault caught: the rule plan's `fits: NO` and the planner's "no plan fits" given two codes."""
+    rc, out, _ = _main(capsys, "plan", "--method", "standard", "--context", "1M")
+    assert rc == 3 and "fits: NO" in out
+
+
+def test_run_over_budget_exits_3_before_loading(capsys, tiny_config):
+    """Fault caught: `run` with weights over --gpu-mem exiting 2, as if the input were bad."""
+    rc, _, err = _main(capsys, "run", "--model", tiny_config, "--random-weights", "--device", "cpu",
+                       "--context", "32", "--gpu-mem", "1KB")
+    assert rc == 3 and err.startswith("kvpipe: error: --gpu-mem: ") and "executing" not in err, err
+
+
+def test_help_epilog_states_the_exit_code_rule():
+    """Fault caught: --help listing other exit codes than the README (141, 143 missing; 3 only
+    for fits: NO)."""
+    from kvpipe.cli import UNITS
+    for needle in ("2 bad input", "3 valid input but nothing fits", "130", "141", "143"):
+        assert needle in UNITS, needle
+    from pathlib import Path
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    for needle in ("| 2 | bad input", "| 3 | valid input, but nothing fits", "| 141 |", "| 143 |"):
+        assert needle in readme, needle
