@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="kvpipe", description="Long-context inference with the KV cache split by head "
                                            "across GPU, pinned host RAM and disk.", epilog=UNITS)
     ap.add_argument("--version", action="version", version=f"kvpipe {__version__}")
-    sub = ap.add_subparsers(dest="command", parser_class=_Parser, metavar="{plan,run,generate,calibrate,codecs}")
+    sub = ap.add_subparsers(dest="command", parser_class=_Parser, metavar="{plan,run,generate,chat,serve,calibrate,codecs}")
     p = sub.add_parser("plan", help="predict latency and memory on a hardware profile (no GPU needed)",
                        formatter_class=_Help, epilog=UNITS)
     add_workload_flags(p, context=DEFAULT_PLAN_CONTEXT, hw=DEFAULT_HW)
@@ -175,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_parser(sub)
     from kvpipe.chat_cli import add_parser as add_chat
     add_chat(sub)
+    from kvpipe.serve.cli import add_parser as add_serve
+    add_serve(sub)
     sub.add_parser("codecs", help="list the codecs: lossless or lossy, where each runs, which links")
     c = sub.add_parser("calibrate", help="measure this machine (CUDA) and write a hardware profile TOML",
                        formatter_class=_Help)
@@ -290,8 +292,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from kvpipe.chat_cli import cmd_chat
         from kvpipe.generate_cli import cmd_generate
+        from kvpipe.serve.cli import cmd_serve
         return {"plan": cmd_plan, "run": cmd_run, "calibrate": cmd_calibrate,
-                "codecs": cmd_codecs, "generate": cmd_generate, "chat": cmd_chat}[args.command](args)
+                "codecs": cmd_codecs, "generate": cmd_generate, "chat": cmd_chat,
+                "serve": cmd_serve}[args.command](args)
     except BrokenPipeError:   # the reader went away (`| head`): stop quietly, and keep Python's
         # exit-time flush of stdout from failing again (the Python docs' recipe for SIGPIPE)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -27,8 +27,8 @@ RUN_OPTIONS = tuple(p for p in inspect.signature(api.run).parameters if p not in
 class GenerateResult:
     """One generation. `text` the completion (None without a tokenizer: `tokens` only), without
     the EOS token or the stop string; `tokens` the generated ids, ending with the one that ended
-    it; `finish_reason` stop (EOS or a stop string) or length; `timings` measured (CUDA events on
-    a GPU): ttft_s (the prefill), prefill and decode tokens per second; `output_digest` sha256 of
+    it; `finish_reason` stop (EOS or a stop string), length, or cancelled (`cancel`); `timings`
+    measured (CUDA events on a GPU): ttft_s (the prefill), prefill and decode tokens per second; `output_digest` sha256 of
     the tokens and a checksum of every step's logits (equal digests, equal bits)."""
 
     text: str | None
@@ -154,7 +154,8 @@ def generate(model: str | os.PathLike | None = None, prompt: str | None = None, 
              top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
              repetition_penalty: float | None = None, seed: int = 0,
              stream: Callable[[str], None] | None = None, stdin=None, save_kv: str | os.PathLike | None = None,
-             load_kv: str | os.PathLike | None = None, max_context: int | None = None, **options) -> GenerateResult:
+             load_kv: str | os.PathLike | None = None, max_context: int | None = None,
+             cancel: Callable[[], bool] | None = None, **options) -> GenerateResult:
     """Generate a completion of `prompt` (or the text of `prompt_file`, or `stdin`) with `model`:
     a local HF directory, a .gguf file (converted once into a cache, checkpoint.py), or a preset /
     config.json with random_weights=True. `prompt_format` "ids" takes whitespace-separated token
@@ -167,7 +168,8 @@ def generate(model: str | os.PathLike | None = None, prompt: str | None = None, 
     `group`, `gpu_mem`, `lossy`, ...). `save_kv` writes the prompt's KV to a KV directory and
     `load_kv` continues from one, the prompt a new user turn after the saved conversation (only its
     tokens prefilled; kvpipe/kept.py); `max_context` their capacity (default: prompt + max_new_tokens).
-    ValueError names the argument for bad input."""
+    `cancel()`, asked after each token, True stops the generation there (finish reason
+    "cancelled": a server's client went away). ValueError names the argument for bad input."""
     _check_options(options)
     n = _max_new(max_new_tokens)
     stops = _stops(stop)
@@ -190,13 +192,22 @@ def generate(model: str | os.PathLike | None = None, prompt: str | None = None, 
         raise ValueError(f"generate: needs torch and transformers ({e.name} missing): pip install 'kvpipe[run]'") from None
     eos = frozenset() if ignore_eos else frozenset(ck.eos_ids)
     out = textio.Output(tok, n, eos, stops, stream)
+    cancelled = []
+
+    def take(i: int, token: int) -> bool:   # the end of the output, or a cancel asked after token i
+        if out.take(i, token):
+            return True
+        if cancel is not None and cancel():
+            cancelled.append(i)
+        return bool(cancelled)
     decoding = Decoding(sampling, ids, spec.vocab, n,
-                        resolve_device(options.get("device")), out.take)
+                        resolve_device(options.get("device")), take)
     run = api.run(model=ck.model, decode_tokens=n - 1, seed=seed, prompt_ids=ids, progress=False,
                   decoding=decoding, **options)
     kept = decoding.finish()
-    if out.finish_reason is None:   # the last token was taken without ending (cannot happen with n steps)
+    if out.finish_reason is None:   # cancelled, or the last token taken without ending
         out.close()
     assert kept == len(out.tokens), (kept, len(out.tokens))
-    return GenerateResult(out.text, list(out.tokens), out.finish_reason, len(ids), templated, sampling,
+    return GenerateResult(out.text, list(out.tokens), "cancelled" if cancelled else out.finish_reason,
+                          len(ids), templated, sampling,
                           _timings(run, kept, len(ids)), decoding.digest(kept), run)

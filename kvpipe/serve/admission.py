@@ -1,0 +1,96 @@
+"""Admission by the planner: a request runs only where the plan `kvpipe generate` would run for
+its prompt and `max_tokens` fits the budgets. The decision is `sim/decide.py`'s, with the budgets,
+profile and target that `kvpipe.run` computes for this machine; a refusal names the numbers and
+the largest context that fits."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from kvpipe.pipeline.units import fmt_bytes, fmt_tokens
+from kvpipe.pipeline.workload import Workload
+
+
+class Refused(ValueError):
+    """The request does not fit the budgets; the message says by how much and what would."""
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """Everything the decision needs besides the workload, fixed when the server starts."""
+
+    spec: object        # pipeline.model.ModelSpec
+    profile: object     # pipeline.hardware.HardwareProfile
+    budgets: dict       # bytes per pool: gpu, host, disk
+    request: object     # sim.decide.Request
+    target: object      # sim.decide.Target
+
+    @classmethod
+    def of(cls, model: str, options: dict) -> "Budgets":
+        """As kvpipe.run derives them for `model` (a run's --model) and the plan options."""
+        from kvpipe import api
+        from kvpipe.hw_profiles import load_profile
+        from kvpipe.inputs import check_weights, free_disk
+        from kvpipe.options import DEFAULT_HW, RunOptions
+        from kvpipe.pipeline.model import load_model
+        from kvpipe.sim.decide import Target
+        session = api._executor()
+        opts = RunOptions(model=model, **options)
+        dev = session.resolve_device(opts.device)
+        spec = load_model(model, opts.dtype)
+        profile = load_profile(opts.hw or session.guess_profile(dev) or DEFAULT_HW)
+        budgets = opts.budgets(session.device_budget(dev), session.host_ram_bytes(), free_disk(opts.kv_dir))
+        check_weights(spec, budgets)
+        return cls(spec, profile, budgets, opts.request(spec), Target(dev.type, session.h2d_codec_runs(dev)))
+
+
+class Admission:
+    """`check(prompt_tokens, max_tokens)` raises Refused where no plan fits: the prompt against
+    decide.max_context for that many new tokens (cached per max_tokens, milliseconds). The run's
+    own decision (kvpipe.run) stays the final word. `placement` gives the KV bytes per tier of
+    the plan a workload runs with, for /metrics."""
+
+    def __init__(self, b: Budgets) -> None:
+        self.b = b
+        self.largest = lru_cache(maxsize=256)(self._largest)
+        self._decide = lru_cache(maxsize=64)(self._decision)
+
+    def _decision(self, context: int, decode: int):
+        from kvpipe.sim.decide import decide
+        return decide(self.b.spec, Workload(context, decode, 1), self.b.profile, self.b.budgets,
+                      self.b.request, self.b.target)
+
+    def _largest(self, max_tokens: int) -> int:
+        from kvpipe.sim.decide import max_context
+        try:
+            return max_context(self.b.spec, Workload(1, max_tokens - 1, 1), self.b.budgets, self.b.request)
+        except ValueError:
+            return 0
+
+    def check(self, prompt_tokens: int, max_tokens: int) -> None:
+        pos = self.b.spec.max_positions
+        if pos is not None and prompt_tokens + max_tokens > pos:
+            raise Refused(f"the prompt's {prompt_tokens} tokens plus max_tokens {max_tokens} exceed the "
+                          f"model's context of {pos} tokens")
+        fit = self.largest(max_tokens)
+        if prompt_tokens > fit:
+            budgets = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in self.b.budgets.items())
+            raise Refused(f"{prompt_tokens} prompt + {max_tokens} new tokens do not fit the budgets ({budgets}); "
+                          f"the largest prompt that fits with max_tokens {max_tokens} is {fit} tokens "
+                          f"({fmt_tokens(fit)})")
+
+    def placement(self, prompt_tokens: int, max_tokens: int) -> dict:
+        """KV bytes per tier of the plan the run decides for this workload (the same decision,
+        cached per workload; zeros where it does not fit: the run refuses it)."""
+        try:
+            pred = self._decide(prompt_tokens, max_tokens - 1).predicted
+        except ValueError:
+            return {"gpu": 0, "host": 0, "disk": 0}
+        return kv_bytes(self.b.spec, pred.plan, prompt_tokens + max_tokens)
+
+
+def kv_bytes(spec, plan, tokens: int) -> dict:
+    """KV bytes per tier of `plan` over `tokens` positions (batch 1)."""
+    unit = tokens * spec.kv_unit_bytes_per_token
+    return {"gpu": plan.resident * unit, "host": (spec.units - plan.resident - plan.disk) * unit,
+            "disk": plan.disk * unit}

@@ -1,0 +1,187 @@
+"""The HTTP routes of `kvpipe serve` (FastAPI): the OpenAI chat and completion endpoints,
+streamed as server-sent events or answered whole, `/v1/models`, `/health` and `/metrics`. Every
+failure is OpenAI error JSON with its status, never a traceback. A request's life: body read
+under the size limit, bearer key checked in constant time, fields checked (protocol.py), prompt
+tokenized and admitted by the planner (admission.py), queued on the engine (engine.py); while it
+waits or streams, a client that goes away cancels it."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from . import responses
+from .admission import Refused
+from .engine import Engine, Job
+from .metrics import CONTENT_TYPE, Metrics
+from .protocol import ApiError, parse_body, parse_query
+
+POLL_S = 0.25   # how often a waiting request checks that its client is still there
+
+
+class Disconnected(Exception):
+    """The client went away before its answer began."""
+
+
+@dataclass
+class Server:
+    """What the routes share: the served model's name and tokenizer, the engine and its parts."""
+
+    name: str
+    tokenizer: object
+    admission: object
+    engine: Engine
+    metrics: Metrics
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+
+
+def create_app(s: Server) -> FastAPI:
+    app = FastAPI(title="kvpipe", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=_lifespan(s))
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError):
+        s.metrics.request(request.url.path, e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):   # unknown route, wrong method
+        return await api_error(request, ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}"))
+
+    @app.exception_handler(Exception)
+    async def crash(request: Request, e: Exception):
+        return await api_error(request, ApiError(500, f"internal error: {type(e).__name__}"))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "stopping" if s.engine.stopping else "ok"}
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        _auth(s, request)
+        return PlainTextResponse(s.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        _auth(s, request)
+        return {"object": "list", "data": [{"id": s.name, "object": "model", "created": 0, "owned_by": "kvpipe"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await _complete(s, request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _complete(s, request, "completion")
+
+    return app
+
+
+def _lifespan(s: Server):
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def life(app):
+        s.engine.start()
+        yield
+        await asyncio.to_thread(s.engine.stop)   # in-flight work cancelled, its KV files removed
+    return life
+
+
+def _auth(s: Server, request: Request) -> None:
+    if s.api_key is None:
+        return
+    given = request.headers.get("authorization", "")
+    scheme, _, token = given.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), s.api_key.encode()):
+        raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)", code="invalid_api_key",
+                       headers={"WWW-Authenticate": "Bearer"})
+
+
+async def _body(s: Server, request: Request) -> bytes:
+    """The body, refused with 413 past the limit (by its Content-Length, or as it arrives)."""
+    size = request.headers.get("content-length")
+    too_big = ApiError(413, f"the request body exceeds {s.max_body_bytes} bytes", code="body_too_large")
+    if size is not None and size.isdigit() and int(size) > s.max_body_bytes:
+        raise too_big
+    chunks, n = [], 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > s.max_body_bytes:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _complete(s: Server, request: Request, kind: str):
+    _auth(s, request)
+    q = parse_query(parse_body(await _body(s, request)), kind, s.name)
+    ids = await asyncio.to_thread(responses.prompt_ids, s.tokenizer, q)
+    try:
+        await asyncio.to_thread(s.admission.check, len(ids), q.max_tokens)
+    except Refused as e:
+        raise ApiError(400, str(e), param="max_tokens" if q.max_tokens > 1 else "messages",
+                       code="context_length_exceeded") from None
+    job = Job(q, ids, asyncio.get_running_loop())
+    s.engine.submit(job)
+    try:
+        first = await _next(job, request)
+    except Disconnected:
+        return JSONResponse({}, status_code=499)
+    if first[0] == "error":
+        raise first[1]
+    if not q.stream:
+        parts = [first]
+        while parts[-1][0] == "text":
+            parts.append(await job.events.get())
+        if parts[-1][0] == "error":
+            raise parts[-1][1]
+        s.metrics.request(request.url.path, 200)
+        return JSONResponse(responses.whole(s.name, q, len(ids), parts[-1][1]))
+    s.metrics.request(request.url.path, 200)
+    return StreamingResponse(_events(s, q, job, len(ids), first), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _next(job: Job, request: Request):
+    """The job's next event; the job cancelled if its client leaves meanwhile."""
+    while True:
+        try:
+            return await asyncio.wait_for(job.events.get(), POLL_S)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                job.cancel()
+                raise Disconnected from None
+
+
+async def _events(s: Server, q, job: Job, prompt_tokens: int, first):
+    """The SSE stream: role, text deltas, the finish, usage if asked, `data: [DONE]`."""
+    stream = responses.Stream(s.name, q, prompt_tokens)
+    event = first
+    try:
+        yield _sse(stream.start())
+        while True:
+            kind, payload = event
+            if kind == "text":
+                yield _sse(stream.delta(payload))
+            elif kind == "error":
+                yield _sse(payload.body())
+                break
+            else:
+                for chunk in stream.end(payload):
+                    yield _sse(chunk)
+                break
+            event = await job.events.get()
+        yield "data: [DONE]\n\n"
+    finally:   # the client went away (the task is cancelled) or the stream ended: stop the generation
+        job.cancel()
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

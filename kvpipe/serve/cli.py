@@ -1,0 +1,114 @@
+"""`kvpipe serve`: the command line that starts the server. The plan, budget and LOSSY flags are
+`kvpipe generate`'s (every request runs with them); fastapi and uvicorn (the `serve` extra) are
+imported only when the server starts, so `kvpipe plan` never needs them."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+API_KEY_ENV = "KVPIPE_API_KEY"
+DEFAULT_MAX_BODY = "8MB"       # a 128K-token document is about 0.5 MB of text: room for 10x
+# flags of serve's own; the rest (plan knobs, budgets, run flags) go to every generate() call
+OWN = ("model", "host", "port", "api_key", "served_model_name", "max_queue", "max_body", "cache_mem",
+       "cache_disk", "json", "trace", "plot", "command", "log_level")
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    from kvpipe import cli
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat and completions, streamed)",
+                       formatter_class=cli._Help, epilog=cli.UNITS,
+                       description="Serves POST /v1/chat/completions and /v1/completions (streamed as "
+                                   "server-sent events or whole), GET /v1/models, /health and /metrics. "
+                                   "Requests run one at a time on the device, admitted by the planner; "
+                                   "needs the serve extra: pip install 'kvpipe[serve]'.")
+    s.add_argument("--model", help="local HF directory, a .gguf file, or a preset / config.json with "
+                                   "--random-weights (its directory holding a tokenizer)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes it to the network)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port")
+    s.add_argument("--api-key", help=f"require Authorization: Bearer KEY (default: ${API_KEY_ENV} if set)")
+    s.add_argument("--served-model-name", help="the model's id in requests (default: the --model file or folder name)")
+    s.add_argument("--max-queue", type=int, default=16, help="admitted requests that may wait; more get 429")
+    s.add_argument("--max-body", default=DEFAULT_MAX_BODY, help="largest request body; larger ones get 413")
+    s.add_argument("--cache-mem", help="host RAM budget of the kept prompt prefixes (prefix reuse)")
+    s.add_argument("--cache-disk", help="disk budget of the kept prompt prefixes (prefix reuse)")
+    s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level")
+    s.add_argument("--seed", type=int, default=0, help="seed of random weights (each request has its own sampling seed)")
+    s.add_argument("--hw", help="hardware profile of the prediction (default: this GPU's bundled profile, else rtx4090)")
+    cli.add_plan_flags(s)
+    cli.add_run_flags(s)
+    return s
+
+
+def _checked(args: argparse.Namespace) -> dict:
+    """The flags checked, one line naming the flag for each fault."""
+    from kvpipe.pipeline.units import parse_bytes
+    if args.model is None:
+        raise ValueError("model: give --model: a model directory, a .gguf file, or a preset / config.json "
+                         "with --random-weights")
+    for flag in ("json", "trace", "plot"):
+        if getattr(args, flag):
+            raise ValueError(f"{flag}: not an option of serve (its output is HTTP)")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"port: expected 1 to 65535, got {args.port}")
+    if args.max_queue < 1:
+        raise ValueError(f"max-queue: must be at least 1, got {args.max_queue}")
+    sizes = {f: parse_bytes(getattr(args, f), f.replace("_", "-")) if getattr(args, f) else None
+             for f in ("max_body", "cache_mem", "cache_disk")}
+    if sizes["cache_mem"] or sizes["cache_disk"]:
+        raise ValueError("cache-mem: prefix reuse across requests is not wired into kvpipe serve yet "
+                         "(kvpipe generate --save-kv/--load-kv keeps a document's KV meanwhile)")
+    return sizes
+
+
+def build(args: argparse.Namespace):
+    """(the FastAPI app, its Server state) for the parsed flags: checkpoint, tokenizer, budgets."""
+    from kvpipe import checkpoint, generation
+    from .admission import Admission, Budgets
+    from .app import Server, create_app
+    from .engine import Engine
+    from .metrics import Metrics
+    sizes = _checked(args)
+    options = {k: v for k, v in vars(args).items() if k in generation.RUN_OPTIONS and k not in OWN}
+    if not os.path.exists(str(args.model)):
+        raise ValueError(f"model: no file or folder {str(args.model)!r} (serve needs a tokenizer beside the model)")
+    ck = checkpoint.resolve(args.model, args.dtype, args.random_weights)
+    if ck.tokenizer is None:
+        raise ValueError("model: kvpipe serve needs a tokenizer beside the model (tokenizer.json)")
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(ck.tokenizer, local_files_only=True)
+    budgets = Budgets.of(ck.model, {**options, "seed": args.seed})
+    metrics = Metrics()
+    name = args.served_model_name or os.path.basename(os.path.normpath(str(args.model)))
+    engine = Engine(args.model, {**options}, Admission(budgets), metrics, args.max_queue)
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    server = Server(name, tok, engine.admission, engine, metrics, key, sizes["max_body"])
+    return create_app(server), server
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError as e:
+        raise ValueError(f"serve: needs fastapi and uvicorn ({e.name} missing): pip install 'kvpipe[serve]'") from None
+    app, server = build(args)
+    print(f"kvpipe: serving {server.name!r} on http://{args.host}:{args.port}/v1"
+          f"{' (API key required)' if server.api_key else ''}", file=sys.stderr, flush=True)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=30)
+    _graceful(config, server.engine).run()
+    return 0
+
+
+def _graceful(config, engine):
+    """uvicorn's server, whose SIGINT/SIGTERM handler also cancels the engine's work at once, so
+    open streams end and the in-flight run frees its KV before uvicorn waits on connections."""
+    import uvicorn
+
+    class Graceful(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            engine.cancel_all()
+            super().handle_exit(sig, frame)
+    return Graceful(config)

@@ -1,0 +1,130 @@
+"""The engine: one worker thread that runs `kvpipe.generate` for one request at a time, fed by a
+bounded queue. One at a time because one long request already saturates the host-to-GPU link
+(its offloaded KV streams through it every decode step) and the plan's budgets are sized for it
+alone: the plan has a batch dimension, but batching long requests multiplies their KV (B times
+the bytes on every tier and link) and would make each request wait for the slowest. A full
+queue is 429 with Retry-After. Text goes from the worker to the event loop through an asyncio
+queue per request; `Job.cancel()` (the client went away, the server stops) ends the generation
+after its next token, and the run's own cleanup frees its KV (the disk tier's file is removed)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from .protocol import ApiError, Query
+
+log = logging.getLogger("kvpipe")
+
+
+@dataclass
+class Job:
+    """One admitted request on its way through the engine. `events` (on the event loop) receives
+    ("text", str), then ("done", GenerateResult) or ("error", ApiError)."""
+
+    query: Query
+    ids: list[int]
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def push(self, kind: str, payload) -> None:
+        """From the worker thread: hand an event to the request's coroutine."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        except RuntimeError:   # the event loop is closed: nobody is listening any more
+            pass
+
+
+class Engine:
+    """`submit(job)` queues (ApiError 429 when full, 503 when stopping); `stop()` refuses new
+    work, cancels what is queued and running, and waits for the worker to finish its run."""
+
+    def __init__(self, model: str, options: dict, admission, metrics, max_queue: int = 16) -> None:
+        self.model, self.options, self.admission, self.metrics = model, dict(options), admission, metrics
+        self.queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self.current: Job | None = None
+        self.stopping = False
+        self.thread: threading.Thread | None = None
+        self.mean_s = 1.0   # running mean of a generation's wall time, for Retry-After
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._work, name="kvpipe-engine", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        if self.stopping:
+            raise ApiError(503, "the server is shutting down", code="shutting_down")
+        try:
+            self.queue.put_nowait(job)
+        except queue.Full:
+            wait = max(1, round(self.mean_s * (self.queue.qsize() + 1)))
+            raise ApiError(429, f"the queue is full ({self.queue.maxsize} requests waiting); retry in {wait} s",
+                           code="queue_full", headers={"Retry-After": str(wait)}) from None
+        self.metrics.queue_depth = self.queue.qsize()
+
+    def cancel_all(self) -> None:
+        """Refuse new work; cancel what is queued (answered 503) and the running generation."""
+        self.stopping = True
+        while True:
+            try:
+                job = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancel()
+                job.push("error", ApiError(503, "the server is shutting down", code="shutting_down"))
+        if self.current is not None:
+            self.current.cancel()
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        self.cancel_all()
+        self.queue.put(None)   # the worker's signal to leave (room: the queue was just emptied)
+        if self.thread is not None:
+            self.thread.join(timeout_s)
+
+    def _work(self) -> None:
+        while True:
+            job = self.queue.get()
+            self.metrics.queue_depth = self.queue.qsize()
+            if job is None:
+                return
+            if job.cancelled.is_set():   # its client left while it waited
+                job.push("error", ApiError(499, "cancelled", code="cancelled"))
+                continue
+            self.current = job
+            t0 = time.perf_counter()
+            try:
+                self._run(job)
+            finally:
+                self.current = None
+                self.mean_s = 0.8 * self.mean_s + 0.2 * (time.perf_counter() - t0)
+
+    def _run(self, job: Job) -> None:
+        from kvpipe import generation
+        q = job.query
+        self.metrics.started(self.admission.placement(len(job.ids), q.max_tokens))
+        res = None
+        try:
+            res = generation.generate(self.model, " ".join(map(str, job.ids)), prompt_format="ids",
+                                      max_new_tokens=q.max_tokens, stop=q.stop, ignore_eos=q.ignore_eos,
+                                      seed=q.seed, stream=lambda piece: job.push("text", piece),
+                                      cancel=job.cancelled.is_set, **q.sampling, **self.options)
+        except ValueError as e:   # the run's own refusal (its plan does not fit after all, ...)
+            job.push("error", ApiError(400, str(e).splitlines()[0], code="refused"))
+        except Exception as e:    # noqa: BLE001  (answered as 500, never a dropped connection)
+            log.exception("kvpipe serve: generation failed")
+            job.push("error", ApiError(500, f"generation failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                                       code="engine_error"))
+        finally:
+            t = res.timings if res is not None else {}
+            self.metrics.finished(len(job.ids) if res else 0, len(res.tokens) if res else 0, t.get("ttft_s"),
+                                  t.get("decode_s_per_token"), res is not None and res.finish_reason == "cancelled")
+        if res is not None:
+            job.push("done", res)

@@ -1,0 +1,213 @@
+"""`kvpipe serve` as a real process on loopback with a tiny random Llama (SmolLM2's tokenizer and
+chat template, random weights, KV on host RAM and disk): the SSE framing through `curl -N`, bad
+requests and their error JSON, the planner's admission, the bounded queue under 50 concurrent
+clients, a client that disconnects mid-stream, and SIGTERM. The engine runs with --resident none
+--disk 2, so every generation has a disk-tier file in the test's --kv-dir."""
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import signal
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from serve_helpers import ServerProcess, metric, tiny_dir
+from test_generate_smollm2 import smollm2  # noqa: F401  (the fixture: SmolLM2's tokenizer)
+
+KEY = "sekrit-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_BODY = 65536
+MAX_QUEUE = 2
+NAME = "tiny"
+
+
+@pytest.fixture(scope="module")
+def server(smollm2, tmp_path_factory):  # noqa: F811
+    root = tmp_path_factory.mktemp("serve")
+    kv = root / "kv"
+    kv.mkdir()
+    d = tiny_dir(root, smollm2[2])
+    s = ServerProcess(["--model", str(d), "--random-weights", "--device", "cpu", "--resident", "none",
+                       "--disk", "2", "--kv-dir", str(kv), "--gpu-mem", "400MB", "--host-mem", "4MB",
+                       "--disk-mem", "4MB", "--max-queue", str(MAX_QUEUE), "--max-body", str(MAX_BODY)],
+                      env={"KVPIPE_API_KEY": KEY})
+    s.kv = kv
+    yield s
+    s.stop()
+
+
+def post(server, path: str, body, headers=AUTH, **kw) -> httpx.Response:
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(server.url + path, content=data, headers={"content-type": "application/json", **headers},
+                      timeout=60, **kw)
+
+
+CHAT = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+COMP = {"model": NAME, "prompt": "hello there", "max_tokens": 3}
+C, P = "/v1/chat/completions", "/v1/completions"
+# (path, body, status, error.param): each a kind of bad request
+BAD = [
+    (C, b"{not json", 400, None), (C, b"[1, 2]", 400, None), (C, {"messages": CHAT["messages"]}, 400, "model"),
+    (C, {**CHAT, "model": 123}, 422, "model"), (C, {**CHAT, "model": "gpt-4o"}, 400, "model"),
+    (C, {"model": NAME}, 400, "messages"), (C, {**CHAT, "messages": []}, 400, "messages"),
+    (C, {**CHAT, "messages": "hi"}, 422, "messages"), (C, {**CHAT, "messages": ["hi"]}, 422, "messages[0]"),
+    (C, {**CHAT, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),
+    (C, {**CHAT, "messages": [{"role": "user", "content": 5}]}, 422, "messages[0].content"),
+    (C, {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, "messages[0].content"),
+    (C, {**CHAT, "messages": [{"role": "user", "content": "x", "name": "bob"}]}, 400, "messages[0].name"),
+    (C, {**CHAT, "messages": [{"role": "user", "content": "   "}]}, 400, "messages"),
+    (C, {**CHAT, "n": 2}, 400, "n"), (C, {**CHAT, "max_tokens": 0}, 400, "max_tokens"),
+    (C, {**CHAT, "max_tokens": "ten"}, 422, "max_tokens"), (C, {**CHAT, "max_completion_tokens": -1}, 400,
+                                                             "max_completion_tokens"),
+    (C, {**CHAT, "temperature": 3}, 400, "temperature"), (C, {**CHAT, "temperature": "hot"}, 422, "temperature"),
+    (C, {**CHAT, "top_p": 0}, 400, "top_p"), (C, {**CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    (C, {**CHAT, "stop": 12}, 422, "stop"), (C, {**CHAT, "stream": "yes"}, 422, "stream"),
+    (C, {**CHAT, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    (C, {**CHAT, "logprobs": True}, 400, "logprobs"), (C, {**CHAT, "tools": []}, 400, "tools"),
+    (C, {**CHAT, "presence_penalty": 0.5}, 400, "presence_penalty"), (C, {**CHAT, "seed": "x"}, 422, "seed"),
+    (P, {"model": NAME}, 400, "prompt"), (P, {**COMP, "prompt": ["a", "b"]}, 400, "prompt"),
+    (P, {**COMP, "prompt": [1, 49152]}, 400, "prompt"), (P, {**COMP, "echo": True}, 400, "echo"),
+    (P, {**COMP, "best_of": 3}, 400, "best_of"), (P, {**COMP, "messages": CHAT["messages"]}, 400, "messages"),
+    (P, {**COMP, "max_tokens": 2_000_000}, 400, "max_tokens"),      # past the model's positions
+    (P, {**COMP, "max_tokens": 100_000}, 400, "max_tokens"),        # past the budgets
+]
+
+
+@pytest.mark.parametrize("path, body, status, param", BAD, ids=[f"{i}-{b[3]}" for i, b in enumerate(BAD)])
+def test_bad_request_gets_its_status_and_error_json(server, path, body, status, param):
+    # Fault caught: a bad field accepted, ignored silently or answered with a traceback, a dropped
+    # connection or the wrong status; the error JSON without message/type/param.
+    r = post(server, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
+    assert "Traceback" not in r.text
+
+
+def test_budget_refusal_says_the_numbers(server):
+    # Fault caught: admission that queues a request no plan fits (it would fail in the run), or a
+    # refusal without the budgets and the largest context that fits.
+    msg = post(server, P, {**COMP, "max_tokens": 100_000}).json()["error"]["message"]
+    assert "do not fit the budgets" in msg and "host 3.8 MiB" in msg and "largest prompt that fits" in msg
+
+
+@pytest.mark.parametrize("headers, path, status", [
+    ({}, C, 401), ({"Authorization": "Bearer wrong"}, C, 401), ({"Authorization": KEY}, P, 401),
+    ({}, "/metrics", 401), ({}, "/v1/models", 401),
+])
+def test_api_key_is_required(server, headers, path, status):
+    # Fault caught: a route reachable without the key, or a key accepted without "Bearer".
+    r = httpx.request("GET" if not path.startswith("/v1/c") else "POST", server.url + path,
+                      content=json.dumps(CHAT), headers=headers, timeout=30)
+    assert r.status_code == status and r.json()["error"]["type"] == "authentication_error"
+
+
+def test_oversized_body_unknown_route_and_method(server):
+    # Fault caught: a body past --max-body read whole (413 missing), routes answered without JSON.
+    big = {**CHAT, "messages": [{"role": "user", "content": "x" * MAX_BODY}]}
+    r = post(server, C, big)
+    assert r.status_code == 413 and r.json()["error"]["message"].startswith("the request body exceeds")
+    assert httpx.get(server.url + "/v1/nothing", timeout=10).json()["error"]["message"]
+    r = httpx.get(server.url + C, headers=AUTH, timeout=10)
+    assert r.status_code == 405 and r.json()["error"]["message"]
+    assert httpx.get(server.url + "/health", timeout=10).json() == {"status": "ok"}
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="needs curl")
+def test_sse_framing_through_curl(server):
+    # Fault caught: events not framed as `data: ...` + blank line, no `data: [DONE]`, the usage
+    # chunk missing with include_usage, or the streamed text not the whole answer's.
+    body = {**CHAT, "max_tokens": 5, "seed": 3, "temperature": 0.8, "stream": True,
+            "stream_options": {"include_usage": True}}
+    out = subprocess.run(["curl", "-sN", server.url + C, "-H", f"Authorization: Bearer {KEY}",
+                          "-H", "content-type: application/json", "-d", json.dumps(body)],
+                         capture_output=True, text=True, timeout=60).stdout
+    blocks = out.split("\n\n")
+    assert blocks[-1] == "" and blocks[-2] == "data: [DONE]" and all(b.startswith("data: ") for b in blocks[:-1])
+    chunks = [json.loads(b[6:]) for b in blocks[:-2]]
+    assert len({c["id"] for c in chunks}) == 1 and all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length" and chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"]["completion_tokens"] == 5 and all(c["usage"] is None for c in chunks[:-1])
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1])
+    whole = post(server, C, {k: v for k, v in body.items() if k not in ("stream", "stream_options")}).json()
+    assert text == whole["choices"][0]["message"]["content"] and whole["usage"] == chunks[-1]["usage"]
+
+
+def test_fifty_concurrent_clients_are_answered_or_refused(server):
+    # Fault caught: a request that hangs, is lost or dropped under load, a full queue answered
+    # other than 429 with Retry-After, or memory that stays up after the burst.
+    post(server, P, COMP).raise_for_status()   # warm: the idle level after one generation
+    idle = server.rss_bytes()
+
+    async def one(client, i):
+        try:
+            r = await client.post(P, json={**COMP, "max_tokens": 2, "seed": i}, headers=AUTH, timeout=90)
+        except httpx.HTTPError as e:
+            return ("error", repr(e))
+        return (r.status_code, r.headers.get("retry-after"), r.json())
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=server.url, limits=httpx.Limits(max_connections=60)) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(50)))
+    t0 = time.monotonic()
+    got = asyncio.run(burst())
+    assert time.monotonic() - t0 < 90
+    codes = [g[0] for g in got]
+    assert len(got) == 50 and set(codes) <= {200, 429, 503}, codes
+    assert codes.count(200) >= MAX_QUEUE and codes.count(429) >= 1
+    for code, retry, js in got:
+        if code == 200:
+            assert js["usage"]["completion_tokens"] == 2 and js["choices"][0]["finish_reason"] == "length"
+        else:
+            assert int(retry) >= 1 and js["error"]["type"] == "rate_limit_error"
+    m = httpx.get(server.url + "/metrics", headers=AUTH, timeout=10).text
+    assert metric(m, "kvpipe_queue_depth") == 0 and metric(m, "kvpipe_running") == 0
+    assert server.rss_bytes() < idle * 1.25 + (64 << 20), (idle, server.rss_bytes())
+    assert not list(server.kv.iterdir())
+
+
+def test_disconnect_mid_stream_stops_and_frees_the_kv(server):
+    # Fault caught: a generation that runs on after its client left (the cancel not reaching the
+    # decode loop), or its disk-tier file left in --kv-dir / its KV still counted in /metrics.
+    metrics = lambda: httpx.get(server.url + "/metrics", headers=AUTH, timeout=10).text   # noqa: E731
+    before = metric(metrics(), "kvpipe_cancelled_total")
+    done = metric(metrics(), "kvpipe_completion_tokens_total")
+    body = {**CHAT, "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + C, json=body, headers=AUTH, timeout=60) as r:
+        lines = r.iter_lines()
+        seen = [next(lines) for _ in range(6)]
+        m = metrics()
+        assert metric(m, "kvpipe_running") == 1 and metric(m, 'kvpipe_kv_bytes{tier="disk"}') > 0, seen
+        assert list(server.kv.iterdir())      # the run's disk-tier file, while it streams
+        next(lines)
+    deadline = time.monotonic() + 30
+    while metric(metrics(), "kvpipe_cancelled_total") == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    m = metrics()
+    assert metric(m, "kvpipe_cancelled_total") == before + 1 and metric(m, "kvpipe_running") == 0
+    assert metric(m, 'kvpipe_kv_bytes{tier="disk"}') == 0 and metric(m, 'kvpipe_kv_bytes{tier="host"}') == 0
+    assert metric(m, "kvpipe_completion_tokens_total") - done < 4000
+    assert not list(server.kv.iterdir())
+
+
+def test_sigterm_cancels_the_stream_removes_the_kv_and_exits(server):
+    # Fault caught: SIGTERM that waits for a long generation to finish, leaves its disk file, or
+    # exits with a traceback. (Last in the module: it stops the server.)
+    body = {**CHAT, "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + C, json=body, headers=AUTH, timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(4):
+            next(lines)
+        assert list(server.kv.iterdir())
+        t0 = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        rest = list(lines)
+    assert server.proc.wait(60) in (-15, 143) and time.monotonic() - t0 < 30   # SIGTERM's code, as kvpipe run's
+    assert rest[-2:] == ["data: [DONE]", ""] or rest[-1] == "data: [DONE]", rest[-3:]
+    assert not list(server.kv.iterdir()) and "Traceback" not in server.stderr()
