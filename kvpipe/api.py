@@ -199,7 +199,7 @@ def run(options: RunOptions | None = None, /, *, prompt_ids: list[int] | None = 
     req = opts.request(spec)
     session.check_codecs(req.codecs, dev)
     decision = decide(spec, work, profile, budgets, req, Target(dev.type, session.h2d_codec_runs(dev)))
-    session.check_runnable(decision.plan, dev)
+    session.check_runnable(decision.plan, dev, spec)
     if decision.predicted.problems:   # refused before anything is allocated
         raise NoPlanFits(f"budget: the plan does not fit: {'; '.join(decision.predicted.problems)}")
     warnings = context_warnings(spec, work) + room_warning(spec, work, decision.predicted, budgets,

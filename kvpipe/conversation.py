@@ -246,7 +246,7 @@ def _start(ck, spec, capacity: int, decode: int, seed: int, options: dict) -> _E
     req = opts.request(spec)
     session.check_codecs(req.codecs, dev)
     decision = decide(spec, work, profile, budgets, req, Target(dev.type, session.h2d_codec_runs(dev)))
-    session.check_runnable(decision.plan, dev)
+    session.check_runnable(decision.plan, dev, spec)
     if decision.predicted.problems:
         raise ValueError(f"budget: the plan does not fit: {'; '.join(decision.predicted.problems)}")
     warnings = api.context_warnings(spec, work)

@@ -96,8 +96,21 @@ def test_decode_replay_refused_for_kinds_its_kernel_cannot_express():
     assert blocker(PRESETS["mistral-7b-v0.1"], Workload(1000, 8)) is None   # window > the run: full
 
 
+def test_softcapped_offload_is_refused_on_cuda():
+    """The H200 saw offloaded != resident logits for Gemma 2's capped attention: such a plan is
+    refused on CUDA on one line naming --resident, and runs with every unit resident (fault: the
+    refusal dropped, so an inexact placement runs; or it refuses the resident plan too)."""
+    from kvpipe.executor.engine.session import check_runnable
+    spec = PRESETS["gemma-2-9b"]
+    offloaded = headwise(2, 4096, 2, 0)
+    with pytest.raises(ValueError, match="--resident"):
+        check_runnable(offloaded, torch.device("cuda"), spec)
+    check_runnable(offloaded.with_(resident=spec.units), torch.device("cuda"), spec)
+    check_runnable(offloaded, torch.device("cpu"), spec)   # bit-exact on the CPU (the tests above)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3-longrope"])
+@pytest.mark.parametrize("name", ["gemma3", "phi3-longrope"])
 def test_family_on_cuda(name):
     """CUDA: fp32 against HF's greedy tokens; bf16 (FA2/cuDNN chunks, the masked window call)
     offloaded == resident bit for bit. Fault: a kernel choice that depends on where the prefix

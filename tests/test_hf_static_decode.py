@@ -174,6 +174,10 @@ def test_cuda_graph_replays_equal_static_issue_bitwise(tiny_model, resident):
     the eager path's, and (offloaded) the all-resident graph's."""
     model = tiny_model("llama", kv_heads=4, q_heads=8, head_dim=32, layers=4, dtype=torch.bfloat16, device="cuda")
     ids = prompt(9, ctx=250).cuda()
+    if resident != "all":   # offloaded heads on CUDA run HF's own loop (loop.blocker): wrong tokens at 8B shapes
+        _, _, path, _ = _cuda_run(model, ids, "auto", resident=resident)
+        assert path == "eager"
+        return
     g_out, g_scores, path, replays = _cuda_run(model, ids, "auto", resident=resident)
     assert path == "graph" and replays == NEW - 1, (path, replays)
     s_out, s_scores, path, replays = _cuda_run(model, ids, "static", resident=resident)
@@ -208,4 +212,4 @@ def test_cuda_graph_decode_has_no_per_token_sync(tiny_model):
                     torch.cuda.set_sync_debug_mode(0)
             counts[new] = sum("synchroniz" in str(w.message) for w in seen)
         assert cache.decode_path == "graph" and cache.replays == 3 + 3 + 23
-    assert counts[24] == counts[4], counts
+    assert counts[24] <= counts[4], counts   # a sync per token would add 20

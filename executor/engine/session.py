@@ -67,11 +67,15 @@ def check_codecs(codecs, device: torch.device) -> None:
             check_available(name, device)
 
 
-def check_runnable(plan: Plan, device: torch.device) -> None:
+def check_runnable(plan: Plan, device: torch.device, spec=None) -> None:
     """Refuse (ValueError naming the field) a plan this executor cannot run here: sparse decode
-    reads host-RAM units, quantised records go to disk as they are, and
-    an h2d codec needs its GPU implementation."""
+    reads host-RAM units, quantised records go to disk as they are, an h2d codec needs its GPU
+    implementation, and softcapped attention with offloaded units was not bit-exact on CUDA."""
     from kvpipe.executor.codecs.nvcomp_ans_planes import check_available
+    if spec is not None and spec.softcap and device.type == "cuda" and plan.resident < spec.units:
+        # the H200 saw offloaded != resident logits for a tiny Gemma 2 (the capped score GEMMs)
+        raise ValueError("--resident: attention logit softcapping (Gemma 2) runs on CUDA with every unit "
+                         "resident only (--resident all): offloaded, it is not yet bit-exact there")
     sp = plan.lossy
     if sp is not None and sp.sparse is not None and (plan.disk or plan.decode.codec("h2d") != "none"):
         raise ValueError("sparse: kvpipe run executes --sparse over host-RAM units: "
