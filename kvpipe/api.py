@@ -23,7 +23,7 @@ from kvpipe.pipeline.model import ModelSpec, load_model
 from kvpipe.pipeline.replay import Replay
 from kvpipe.pipeline.units import fmt_bytes, fmt_tokens
 from kvpipe.pipeline.workload import Workload
-from kvpipe.sim.planner import NoPlanFits   # a ValueError: valid input, nothing fits the budgets
+from kvpipe.pipeline.report import NoPlanFits   # a ValueError: valid input, nothing fits the budgets
 
 from .inputs import check_weights, free_disk, write_output
 from .options import DEFAULT_HW, DEFAULT_RUN_CONTEXT, PlanOptions, RunOptions

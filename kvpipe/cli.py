@@ -20,7 +20,7 @@ from kvpipe import __version__, api, text
 from kvpipe.options import DEFAULT_DECODE_TOKENS, DEFAULT_HW, DEFAULT_MODEL, DEFAULT_PLAN_CONTEXT, PlanOptions, RunOptions
 from kvpipe.pipeline.plan import Method
 from kvpipe.pipeline.replay import FLAGS as REPLAY_FLAGS
-from kvpipe.sim.planner import NoPlanFits
+from kvpipe.pipeline.report import NoPlanFits
 
 EXIT_BAD_INPUT = 2
 EXIT_DOES_NOT_FIT = 3

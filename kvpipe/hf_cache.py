@@ -62,6 +62,8 @@ class HeadwiseCache(Cache):
                 raise ValueError(f"{name}: must be a positive count, got {v!r}")
         spec, work = adapter.spec(), Workload(max_length, 0, batch)
         adapter.check(spec, max_length)
+        if any(0 < w < max_length for w in spec.windows):   # the head streams attend every cached key
+            raise ValueError(f"sliding_window: {min(w for w in spec.windows if w)} < max_length {max_length}: not supported")
         if plan is not None:
             if (resident, group, chunk, depth, gpu_mem, host_mem) != ("auto", None, None, None, None, None):
                 raise ValueError("plan: give either plan= or the knobs (resident, group, chunk, depth, budgets)")

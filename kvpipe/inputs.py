@@ -29,7 +29,7 @@ def budget(value: str | int | None, default: int, field: str) -> int:
 
 def check_weights(model: ModelSpec, budgets: dict[str, int]) -> None:
     """NoPlanFits (a ValueError, exit 3) when the GPU budget cannot hold the weights."""
-    from kvpipe.sim.planner import NoPlanFits
+    from kvpipe.pipeline.report import NoPlanFits
     if model.weight_bytes > budgets["gpu"]:
         raise NoPlanFits(f"gpu-mem: {fmt_bytes(budgets['gpu'])} cannot hold the weights of {model.name} "
                          f"({fmt_bytes(model.weight_bytes)})")

@@ -12,6 +12,10 @@ from .trace import Trace
 from .units import fmt_bytes, fmt_seconds
 
 
+class NoPlanFits(ValueError):
+    """Valid input, but no plan fits the budgets (exit 3); the message names the smallest budget that would."""
+
+
 @dataclass(frozen=True)
 class Timing:
     """Seconds: prefill until every prompt K/V is home; TTFT until the first token's logits;

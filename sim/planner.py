@@ -38,6 +38,7 @@ from kvpipe.pipeline.hardware import HardwareProfile
 from kvpipe.pipeline.memory import breakdown
 from kvpipe.pipeline.model import ModelSpec
 from kvpipe.pipeline.plan import Plan
+from kvpipe.pipeline.report import NoPlanFits  # noqa: F401  (raised here; callers import it from either)
 from kvpipe.pipeline.replay import Replay, blocker
 from kvpipe.pipeline.units import fmt_bytes
 from kvpipe.pipeline.workload import Workload
@@ -73,10 +74,6 @@ class PlannerResult:
     pruned: int                        # skipped because their lower bound could not win
     unexplored: int = 0                # neither simulated nor pruned: the simulation budget ran out
     ranked_on: str = "p50"             # the run every simulation here is of (p90: the host's slow run)
-
-
-class NoPlanFits(ValueError):
-    """No plan of the space fits; the message names the smallest budget that would."""
 
 
 def objective_value(pred: Prediction, objective: str, quantile: str = "p50") -> float:

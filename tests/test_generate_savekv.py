@@ -108,7 +108,7 @@ def test_another_config_is_refused_on_one_line_by_the_cli(model_dir, tmp_path, c
     code = main(["generate", "--model", str(other), "--random-weights", "--device", "cpu", "--prompt-format", "ids",
                  "--prompt", ids(Q), "--load-kv", str(tmp_path / "kv"), "--max-new-tokens", "2"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and err[-1].startswith("kvpipe: error: load-kv: saved with another model")
+    assert code == 2 and err[-1].startswith("kvpipe: error: --load-kv: saved with another model")
 
 
 def test_a_corrupt_block_names_the_file_and_offset(model_dir, tmp_path):

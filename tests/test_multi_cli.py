@@ -34,5 +34,5 @@ def test_run_gpus_refuses_pipeline_stages(tmp_path):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(TINY))
     r = _run(str(cfg), "--gpus", "2", "--pp", "2")
-    assert r.returncode == 2 and r.stderr.strip().startswith("kvpipe: error: pp:"), r.stderr
+    assert r.returncode == 2 and r.stderr.strip().startswith("kvpipe: error: --pp:"), r.stderr
     assert len(r.stderr.strip().splitlines()) == 1

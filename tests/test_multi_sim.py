@@ -68,7 +68,8 @@ def test_decode_link_time_halves_until_host_bandwidth_binds():
     """Fault: the rank streams the whole KV over its link (no speed-up), or the host bandwidth
     bound is ignored (2x where the host caps it), or applied though absent."""
     work = Workload(32768, 4, 1)
-    free = replace(load_profile("rtx4090"), host_mem_bytes_per_s=1e12)   # 2 x 25 GB/s << 1 TB/s
+    free = replace(load_profile("rtx4090"), host_mem_bytes_per_s=1e12,   # 2 x 25 GB/s << 1 TB/s
+                   h2d_bytes_per_s=25e9, d2h_bytes_per_s=26.5e9)
     one, two = _decode_s(L8, work, free, Layout(1)), _decode_s(L8, work, free, Layout(2))
     kv = 32768 * L8.kv_bytes_per_token   # 4 GiB a step over the link, by hand 0.172 s at 25 GB/s
     assert one == pytest.approx(kv / 25e9, rel=0.05) and two == pytest.approx(kv / 2 / 25e9, rel=0.05)

@@ -30,7 +30,7 @@ def test_python_dash_m_kvpipe(tmp_path):
     # Fault caught: no kvpipe/__main__.py, or one that does not return main()'s exit code.
     r = subprocess.run([sys.executable, "-m", "kvpipe", "plan", "--context", "8K", "--decode-tokens", "1",
                         "--gpu-mem", "1GB"], cwd=tmp_path, capture_output=True, text=True)
-    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.returncode == 3 and "Traceback" not in r.stderr
 
 
 def test_vocabulary_layer_imports_nothing_above_it():

@@ -332,7 +332,7 @@ def test_plan_out_round_trips_and_wrong_model_or_schema_is_refused(tmp_path):
 def test_no_plan_fits_names_the_smallest_budget():
     """Catches an unhelpful refusal: the message names the pool and a budget that then fits."""
     r = kvpipe("plan", "--context", "4M", "--host-mem", "10GB", "--disk-mem", "20GB")
-    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert r.returncode == 3 and len(r.stderr.strip().splitlines()) == 1
     line = r.stderr.strip()
     assert "disk-mem" in line
     need = line.split("--disk-mem ")[1].split()[0]
