@@ -157,7 +157,8 @@ class Conversation:
 
     def append(self, ids: list[int], *, reuse: bool = False, breaks=(), max_new_tokens: int = 256, **gen):
         """Generate after the prompt `ids`, which must start with `tokens` (`reuse`: the longest
-        common prefix is kept and the rest rewound); prefills only the ids past it."""
+        common prefix is kept and the rest rewound); prefills only the ids past it. A call stopped
+        by `cancel` (generate_on) is rewound to the tokens it reused."""
         from .kept import generate_on
         home = self.live.tokens
         if reuse and ids[:len(home)] != home:
@@ -170,7 +171,10 @@ class Conversation:
             raise ValueError(f"max-context: the conversation is full ({len(ids)} tokens of {self.capacity}); "
                              "/reset, or a larger --max-context")
         self.turns += 1
-        return generate_on(self, ids, min(max_new_tokens, room), breaks=breaks, **gen)
+        res = generate_on(self, ids, min(max_new_tokens, room), breaks=breaks, **gen)
+        if res.finish_reason == "cancelled":   # keep nothing of a cancelled call: only what it reused
+            self.live.rewind(res.timings["reused_tokens"])
+        return res
 
     # ---- KV directories ---------------------------------------------------------------------
     def saved_length(self, messages: list[dict] | None = None) -> int:

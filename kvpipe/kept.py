@@ -21,8 +21,9 @@ from . import api, textio
 
 def generate_on(conv, ids: list[int], n: int, *, breaks=(), stop=(), ignore_eos: bool = False,
                 temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None,
-                seed: int | None = None, stream=None):
-    """Up to `n` tokens after the prompt `ids` on `conv`'s engine session (its tokens home)."""
+                seed: int | None = None, stream=None, cancel=None):
+    """Up to `n` tokens after the prompt `ids` on `conv`'s engine session (its tokens home);
+    `cancel()`, asked after each token, True stops there (finish reason "cancelled")."""
     from kvpipe.executor.engine.decoding import Decoding
     from kvpipe.executor.engine.session import output_digest
     from .generation import GenerateResult, _stops, _timings
@@ -33,7 +34,15 @@ def generate_on(conv, ids: list[int], n: int, *, breaks=(), stop=(), ignore_eos:
     sampling = Sampling.choose(dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                     repetition_penalty=repetition_penalty, seed=seed), conv.ck.sampling)
     out = textio.Output(conv.tok, n, frozenset() if ignore_eos else frozenset(conv.ck.eos_ids), stops, stream)
-    decoding = Decoding(sampling, ids, e.spec.vocab, n, e.device, out.take)
+    cancelled = []
+
+    def take(i: int, token: int) -> bool:   # the end of the output, or a cancel asked after token i
+        if out.take(i, token):
+            return True
+        if cancel is not None and cancel():
+            cancelled.append(i)
+        return bool(cancelled)
+    decoding = Decoding(sampling, ids, e.spec.vocab, n, e.device, take)
     res = conv.live.extend(ids, n - 1, decoding, breaks=breaks)
     kept = decoding.finish()
     if out.finish_reason is None:
@@ -45,7 +54,8 @@ def generate_on(conv, ids: list[int], n: int, *, breaks=(), stop=(), ignore_eos:
                                 "fused": res.fused, "compile_s": res.compile_s, "fuse_note": res.fuse_note},
                   disk=res.disk)
     timings = dict(_timings(run, kept, len(ids) - first), prefill_tokens=len(ids) - first, reused_tokens=first)
-    return GenerateResult(out.text, list(out.tokens), out.finish_reason, len(ids), conv.chat, sampling,
+    return GenerateResult(out.text, list(out.tokens), "cancelled" if cancelled else out.finish_reason,
+                          len(ids), conv.chat, sampling,
                           timings, decoding.digest(kept), run)
 
 

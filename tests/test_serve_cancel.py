@@ -59,3 +59,22 @@ def test_cancel_stops_after_the_token_it_is_asked_on(tmp_path):
     assert res.finish_reason == "cancelled" and len(res.tokens) == 5 and not list(kv.iterdir())
     whole = kvpipe.generate(str(cfg), "1 2 3 4 5", **kw)
     assert whole.finish_reason == "length" and whole.tokens[:5] == res.tokens and len(whole.tokens) == 40
+
+
+def test_cancelled_append_keeps_only_what_it_reused(tmp_path):
+    # Fault caught: Conversation.append deaf to `cancel` (all max_new_tokens generated), or the
+    # cancelled call's prompt and tokens left home (the next call reusing them).
+    import json
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=512, tie_word_embeddings=False)))
+    asked = []
+    with kvpipe.Conversation(str(cfg), random_weights=True, device="cpu", max_context=128, chat=False) as conv:
+        first = conv.append([1, 2, 3], reuse=True, max_new_tokens=4, ignore_eos=True)
+        res = conv.append([1, 2, 3, 9, 9, 9], reuse=True, max_new_tokens=40, ignore_eos=True,
+                          cancel=lambda: asked.append(1) or len(asked) >= 3)
+        assert res.finish_reason == "cancelled" and len(res.tokens) == 3
+        assert conv.tokens == [1, 2, 3]
+        again = conv.append([1, 2, 3], reuse=True, max_new_tokens=4, ignore_eos=True)
+    assert again.tokens == first.tokens

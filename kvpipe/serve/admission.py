@@ -47,18 +47,12 @@ class Budgets:
 class Admission:
     """`check(prompt_tokens, max_tokens)` raises Refused where no plan fits: the prompt against
     decide.max_context for that many new tokens (cached per max_tokens, milliseconds). The run's
-    own decision (kvpipe.run) stays the final word. `placement` gives the KV bytes per tier of
-    the plan a workload runs with, for /metrics."""
+    own decision stays the final word; past the budgets, the prompt and max_tokens must fit the
+    server's `capacity` (the conversation planned for it)."""
 
-    def __init__(self, b: Budgets) -> None:
-        self.b = b
+    def __init__(self, b: Budgets, capacity: int | None = None) -> None:
+        self.b, self.capacity = b, capacity   # capacity: the server's context (its conversation's)
         self.largest = lru_cache(maxsize=256)(self._largest)
-        self._decide = lru_cache(maxsize=64)(self._decision)
-
-    def _decision(self, context: int, decode: int):
-        from kvpipe.sim.decide import decide
-        return decide(self.b.spec, Workload(context, decode, 1), self.b.profile, self.b.budgets,
-                      self.b.request, self.b.target)
 
     def _largest(self, max_tokens: int) -> int:
         from kvpipe.sim.decide import max_context
@@ -78,15 +72,9 @@ class Admission:
             raise Refused(f"{prompt_tokens} prompt + {max_tokens} new tokens do not fit the budgets ({budgets}); "
                           f"the largest prompt that fits with max_tokens {max_tokens} is {fit} tokens "
                           f"({fmt_tokens(fit)})")
-
-    def placement(self, prompt_tokens: int, max_tokens: int) -> dict:
-        """KV bytes per tier of the plan the run decides for this workload (the same decision,
-        cached per workload; zeros where it does not fit: the run refuses it)."""
-        try:
-            pred = self._decide(prompt_tokens, max_tokens - 1).predicted
-        except ValueError:
-            return {"gpu": 0, "host": 0, "disk": 0}
-        return kv_bytes(self.b.spec, pred.plan, prompt_tokens + max_tokens)
+        if self.capacity is not None and prompt_tokens + max_tokens > self.capacity:
+            raise Refused(f"the prompt's {prompt_tokens} tokens plus max_tokens {max_tokens} exceed the "
+                          f"server's context of {self.capacity} tokens (kvpipe serve --max-context)")
 
 
 def kv_bytes(spec, plan, tokens: int) -> dict:

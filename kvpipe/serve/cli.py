@@ -1,5 +1,6 @@
-"""`kvpipe serve`: the command line that starts the server. The plan, budget and LOSSY flags are
-`kvpipe generate`'s (every request runs with them); fastapi and uvicorn (the `serve` extra) are
+"""`kvpipe serve`: the command line that starts the server. The plan, budget and run flags are
+`kvpipe generate`'s; the model is loaded and the plan decided once, at start, for the server's
+context (`--max-context`), on the one conversation every request runs on (engine.py); fastapi and uvicorn (the `serve` extra) are
 imported only when the server starts, so `kvpipe plan` never needs them."""
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import os
 import sys
 
 API_KEY_ENV = "KVPIPE_API_KEY"
+PLANNED_NEW_TOKENS = 256      # the decode length the server's plan is decided for
 DEFAULT_MAX_BODY = "8MB"       # a 128K-token document is about 0.5 MB of text: room for 10x
-# flags of serve's own; the rest (plan knobs, budgets, run flags) go to every generate() call
-OWN = ("model", "host", "port", "api_key", "served_model_name", "max_queue", "max_body", "cache_mem",
+# flags of serve's own; the rest (plan knobs, budgets, run flags) go to the Conversation
+OWN = ("model", "max_context", "host", "port", "api_key", "served_model_name", "max_queue", "max_body", "cache_mem",
        "cache_disk", "json", "trace", "plot", "command", "log_level")
 
 
@@ -24,14 +26,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                    "needs the serve extra: pip install 'kvpipe[serve]'.")
     s.add_argument("--model", help="local HF directory, a .gguf file, or a preset / config.json with "
                                    "--random-weights (its directory holding a tokenizer)")
+    s.add_argument("--max-context", type=int, metavar="TOKENS",
+                   help="the server's context: a request's prompt plus max_tokens at most this (default: the "
+                        "model's positions, at most 32768, and what the budgets hold); the plan is decided for it")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes it to the network)")
     s.add_argument("--port", type=int, default=8000, help="TCP port")
     s.add_argument("--api-key", help=f"require Authorization: Bearer KEY (default: ${API_KEY_ENV} if set)")
     s.add_argument("--served-model-name", help="the model's id in requests (default: the --model file or folder name)")
     s.add_argument("--max-queue", type=int, default=16, help="admitted requests that may wait; more get 429")
     s.add_argument("--max-body", default=DEFAULT_MAX_BODY, help="largest request body; larger ones get 413")
-    s.add_argument("--cache-mem", help="host RAM budget of the kept prompt prefixes (prefix reuse)")
-    s.add_argument("--cache-disk", help="disk budget of the kept prompt prefixes (prefix reuse)")
+    s.add_argument("--cache-mem", help="host RAM budget of more kept prompt prefixes (not supported yet: refused)")
+    s.add_argument("--cache-disk", help="disk budget of more kept prompt prefixes (not supported yet: refused)")
     s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level")
     s.add_argument("--seed", type=int, default=0, help="seed of random weights (each request has its own sampling seed)")
@@ -52,19 +57,24 @@ def _checked(args: argparse.Namespace) -> dict:
             raise ValueError(f"{flag}: not an option of serve (its output is HTTP)")
     if not 0 < args.port < 65536:
         raise ValueError(f"port: expected 1 to 65535, got {args.port}")
+    if args.max_context is not None and args.max_context < 2:
+        raise ValueError(f"max-context: expected a token count of at least 2, got {args.max_context}")
     if args.max_queue < 1:
         raise ValueError(f"max-queue: must be at least 1, got {args.max_queue}")
     sizes = {f: parse_bytes(getattr(args, f), f.replace("_", "-")) if getattr(args, f) else None
              for f in ("max_body", "cache_mem", "cache_disk")}
     if sizes["cache_mem"] or sizes["cache_disk"]:
-        raise ValueError("cache-mem: prefix reuse across requests is not wired into kvpipe serve yet "
-                         "(kvpipe generate --save-kv/--load-kv keeps a document's KV meanwhile)")
+        flag = "cache-mem" if sizes["cache_mem"] else "cache-disk"
+        raise ValueError(f"{flag}: not supported: kvpipe serve keeps one conversation's KV live (a prompt that "
+                         "extends the previous request's prompt and answer reuses it); no further prefixes are kept")
     return sizes
 
 
 def build(args: argparse.Namespace):
-    """(the FastAPI app, its Server state) for the parsed flags: checkpoint, tokenizer, budgets."""
-    from kvpipe import checkpoint, generation
+    """(the FastAPI app, its Server state) for the parsed flags: checkpoint, tokenizer, budgets,
+    and the conversation, its model loaded and its plan decided for the server's context."""
+    from kvpipe import generation
+    from kvpipe.conversation import Conversation
     from .admission import Admission, Budgets
     from .app import Server, create_app
     from .engine import Engine
@@ -73,18 +83,32 @@ def build(args: argparse.Namespace):
     options = {k: v for k, v in vars(args).items() if k in generation.RUN_OPTIONS and k not in OWN}
     if not os.path.exists(str(args.model)):
         raise ValueError(f"model: no file or folder {str(args.model)!r} (serve needs a tokenizer beside the model)")
-    ck = checkpoint.resolve(args.model, args.dtype, args.random_weights)
-    if ck.tokenizer is None:
+    ck, spec, tok = generation.load(args.model, args.dtype, args.random_weights)
+    if tok is None:
         raise ValueError("model: kvpipe serve needs a tokenizer beside the model (tokenizer.json)")
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(ck.tokenizer, local_files_only=True)
     budgets = Budgets.of(ck.model, {**options, "seed": args.seed})
+    capacity = args.max_context or _default_context(spec, Admission(budgets))
+    try:
+        conv = Conversation(args.model, loaded=(ck, spec, tok), max_context=capacity, chat=False, seed=args.seed,
+                            max_new_tokens=PLANNED_NEW_TOKENS, **options)
+    except ValueError as e:
+        if args.max_context is not None:
+            raise
+        raise ValueError(f"max-context: the default context of {capacity} tokens does not fit ({str(e).splitlines()[0]}); "
+                         "give a smaller --max-context") from None
     metrics = Metrics()
     name = args.served_model_name or os.path.basename(os.path.normpath(str(args.model)))
-    engine = Engine(args.model, {**options}, Admission(budgets), metrics, args.max_queue)
+    engine = Engine(conv, Admission(budgets, conv.capacity), metrics, args.max_queue)
     key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     server = Server(name, tok, engine.admission, engine, metrics, key, sizes["max_body"])
     return create_app(server), server
+
+
+def _default_context(spec, admission) -> int:
+    """The model's positions, at most DEFAULT_MAX_CONTEXT, and no more than the budgets hold."""
+    from kvpipe.conversation import DEFAULT_MAX_CONTEXT
+    fit = admission.largest(PLANNED_NEW_TOKENS) + PLANNED_NEW_TOKENS
+    return max(2, min(spec.max_positions or DEFAULT_MAX_CONTEXT, DEFAULT_MAX_CONTEXT, fit))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -94,12 +118,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise ValueError(f"serve: needs fastapi and uvicorn ({e.name} missing): pip install 'kvpipe[serve]'") from None
     app, server = build(args)
+    try:
+        _serve(args, app, server)
+    finally:   # whatever ended it (a port in use, ...), the conversation's KV files are removed
+        server.engine.close()
+    return 0
+
+
+def _serve(args, app, server) -> None:
+    import uvicorn
     print(f"kvpipe: serving {server.name!r} on http://{args.host}:{args.port}/v1"
           f"{' (API key required)' if server.api_key else ''}", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=30)
     _graceful(config, server.engine).run()
-    return 0
 
 
 def _graceful(config, engine):

@@ -1,11 +1,14 @@
-"""The engine: one worker thread that runs `kvpipe.generate` for one request at a time, fed by a
-bounded queue. One at a time because one long request already saturates the host-to-GPU link
+"""The engine: one worker thread that runs the requests one at a time on the server's one
+`kvpipe.Conversation` (the model loaded and the plan decided once, for the server's context), fed
+by a bounded queue. One at a time because one long request already saturates the host-to-GPU link
 (its offloaded KV streams through it every decode step) and the plan's budgets are sized for it
 alone: the plan has a batch dimension, but batching long requests multiplies their KV (B times
 the bytes on every tier and link) and would make each request wait for the slowest. A full
-queue is 429 with Retry-After. Text goes from the worker to the event loop through an asyncio
-queue per request; `Job.cancel()` (the client went away, the server stops) ends the generation
-after its next token, and the run's own cleanup frees its KV (the disk tier's file is removed)."""
+queue is 429 with Retry-After. Each request is `append(ids, reuse=True)`: the longest common
+prefix of its prompt and the tokens home (the previous request's prompt and answer) is kept, only
+the rest prefilled, and that count is its `cached_tokens`. Text goes from the worker to the event
+loop through an asyncio queue per request; `Job.cancel()` (the client went away, the server
+stops) ends the generation after its next token, and the conversation rewinds what it added."""
 from __future__ import annotations
 
 import asyncio
@@ -15,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from .admission import kv_bytes
 from .protocol import ApiError, Query
 
 log = logging.getLogger("kvpipe")
@@ -44,10 +48,11 @@ class Job:
 
 class Engine:
     """`submit(job)` queues (ApiError 429 when full, 503 when stopping); `stop()` refuses new
-    work, cancels what is queued and running, and waits for the worker to finish its run."""
+    work, cancels what is queued and running, waits for the worker to finish its run, and closes
+    the conversation (its KV freed, the disk tier's file removed)."""
 
-    def __init__(self, model: str, options: dict, admission, metrics, max_queue: int = 16) -> None:
-        self.model, self.options, self.admission, self.metrics = model, dict(options), admission, metrics
+    def __init__(self, conv, admission, metrics, max_queue: int = 16) -> None:
+        self.conv, self.admission, self.metrics = conv, admission, metrics
         self.queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self.current: Job | None = None
         self.stopping = False
@@ -88,6 +93,17 @@ class Engine:
         self.queue.put(None)   # the worker's signal to leave (room: the queue was just emptied)
         if self.thread is not None:
             self.thread.join(timeout_s)
+        self.close()
+
+    def close(self) -> None:
+        if self.conv is not None and (self.thread is None or not self.thread.is_alive()):
+            self.conv.close()
+            self.conv = None
+
+    def kept_kv(self) -> dict:
+        """KV bytes per tier of the tokens home, as the conversation's plan places them."""
+        e = self.conv.engine
+        return kv_bytes(e.spec, e.plan, len(self.conv.live.tokens))
 
     def _work(self) -> None:
         while True:
@@ -107,15 +123,13 @@ class Engine:
                 self.mean_s = 0.8 * self.mean_s + 0.2 * (time.perf_counter() - t0)
 
     def _run(self, job: Job) -> None:
-        from kvpipe import generation
         q = job.query
-        self.metrics.started(self.admission.placement(len(job.ids), q.max_tokens))
+        self.metrics.started(kv_bytes(self.conv.engine.spec, self.conv.engine.plan, len(job.ids) + q.max_tokens))
         res = None
         try:
-            res = generation.generate(self.model, " ".join(map(str, job.ids)), prompt_format="ids",
-                                      max_new_tokens=q.max_tokens, stop=q.stop, ignore_eos=q.ignore_eos,
-                                      seed=q.seed, stream=lambda piece: job.push("text", piece),
-                                      cancel=job.cancelled.is_set, **q.sampling, **self.options)
+            res = self.conv.append(job.ids, reuse=True, max_new_tokens=q.max_tokens, stop=q.stop,
+                                   ignore_eos=q.ignore_eos, seed=q.seed, stream=lambda piece: job.push("text", piece),
+                                   cancel=job.cancelled.is_set, **q.sampling)
         except ValueError as e:   # the run's own refusal (its plan does not fit after all, ...)
             job.push("error", ApiError(400, str(e).splitlines()[0], code="refused"))
         except Exception as e:    # noqa: BLE001  (answered as 500, never a dropped connection)
@@ -125,6 +139,7 @@ class Engine:
         finally:
             t = res.timings if res is not None else {}
             self.metrics.finished(len(job.ids) if res else 0, len(res.tokens) if res else 0, t.get("ttft_s"),
-                                  t.get("decode_s_per_token"), res is not None and res.finish_reason == "cancelled")
+                                  t.get("decode_s_per_token"), res is not None and res.finish_reason == "cancelled",
+                                  cached=t.get("reused_tokens", 0), kept=len(self.conv.live.tokens), kv=self.kept_kv())
         if res is not None:
             job.push("done", res)

@@ -30,12 +30,14 @@ class Histogram:
 
 class Metrics:
     """What /metrics shows. `requests[(endpoint, status)]`; tokens; TTFT and decode time per
-    token; the running generation's KV bytes per tier; queue depth; cancels; prefix cache."""
+    token; the KV bytes per tier of the running generation (its prompt and max_tokens) or, between
+    requests, of the tokens kept home; queue depth; cancels; prompt tokens reused (prefix hits)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.requests: dict[tuple[str, int], int] = defaultdict(int)
         self.prompt_tokens = self.completion_tokens = self.cancelled = 0
+        self.cached_tokens = self.prefix_hits = self.kept_tokens = 0
         self.ttft, self.decode = Histogram(TTFT_BUCKETS_S), Histogram(DECODE_BUCKETS_S)
         self.kv = dict.fromkeys(TIERS, 0)
         self.queue_depth = self.running = 0
@@ -50,9 +52,13 @@ class Metrics:
             self.running, self.kv = 1, dict(kv)
 
     def finished(self, prompt: int, completion: int, ttft_s: float | None, per_token_s: float | None,
-                 cancelled: bool) -> None:
+                 cancelled: bool, cached: int = 0, kept: int = 0, kv: dict | None = None) -> None:
+        """`cached` prompt tokens it reused; `kept` tokens and `kv` bytes per tier home after it."""
         with self.lock:
-            self.running, self.kv = 0, dict.fromkeys(TIERS, 0)
+            self.running, self.kv = 0, dict(kv or dict.fromkeys(TIERS, 0))
+            self.cached_tokens += cached
+            self.prefix_hits += int(cached > 0)
+            self.kept_tokens = kept
             self.prompt_tokens += prompt
             self.completion_tokens += completion
             self.cancelled += int(cancelled)
@@ -69,13 +75,17 @@ class Metrics:
                   for (e, s), n in sorted(self.requests.items())]
             m += _one("prompt_tokens_total", "counter", "prompt tokens of finished generations", self.prompt_tokens)
             m += _one("completion_tokens_total", "counter", "generated tokens", self.completion_tokens)
+            m += _one("cached_prompt_tokens_total", "counter", "prompt tokens whose KV was kept from an earlier "
+                      "request (not prefilled again)", self.cached_tokens)
+            m += _one("prefix_hits_total", "counter", "requests that reused kept prompt tokens", self.prefix_hits)
+            m += _one("kept_tokens", "gauge", "tokens whose KV is kept home between requests", self.kept_tokens)
             m += _one("cancelled_total", "counter", "generations stopped because the client went away", self.cancelled)
             m += ["# HELP kvpipe_ttft_seconds time to first token (the prefill, measured by the engine)",
                   "# TYPE kvpipe_ttft_seconds histogram", *self.ttft.lines("kvpipe_ttft_seconds"),
                   "# HELP kvpipe_decode_seconds_per_token decode time per generated token",
                   "# TYPE kvpipe_decode_seconds_per_token histogram",
                   *self.decode.lines("kvpipe_decode_seconds_per_token"),
-                  "# HELP kvpipe_kv_bytes KV bytes of the running generation per tier (its plan's placement)",
+                  "# HELP kvpipe_kv_bytes KV bytes per tier of the running generation, else of the kept tokens",
                   "# TYPE kvpipe_kv_bytes gauge"]
             m += [f'kvpipe_kv_bytes{{tier="{t}"}} {self.kv[t]}' for t in TIERS]
             m += _one("queue_depth", "gauge", "admitted requests waiting for the engine", self.queue_depth)

@@ -38,6 +38,11 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict:
             "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def _cached(res) -> int:
+    """Prompt tokens whose KV was kept from an earlier request (not prefilled again)."""
+    return int(res.timings.get("reused_tokens", 0))
+
+
 def _head(q: Query, name: str, chunk: bool = False) -> dict:
     prefix, obj = ("chatcmpl", "chat.completion") if q.kind == "chat" else ("cmpl", "text_completion")
     return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": obj + (".chunk" if chunk and q.kind == "chat" else ""),
@@ -57,7 +62,7 @@ def whole(name: str, q: Query, prompt_tokens: int, res) -> dict:
                   "finish_reason": _finish(res)}
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": _finish(res)}
-    return {**out, "choices": [choice], "usage": usage(prompt_tokens, len(res.tokens))}
+    return {**out, "choices": [choice], "usage": usage(prompt_tokens, len(res.tokens), _cached(res))}
 
 
 class Stream:
@@ -90,6 +95,6 @@ class Stream:
         last = [self._piece(None, _finish(res))]
         if self.q.include_usage:
             u = self._chunk(None)
-            u["usage"] = usage(self.prompt_tokens, len(res.tokens))
+            u["usage"] = usage(self.prompt_tokens, len(res.tokens), _cached(res))
             last.append(u)
         return last
