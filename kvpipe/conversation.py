@@ -252,7 +252,8 @@ def _start(ck, spec, capacity: int, decode: int, seed: int, options: dict) -> _E
     decision = decide(spec, work, profile, budgets, req, Target(dev.type, session.h2d_codec_runs(dev)))
     session.check_runnable(decision.plan, dev, spec)
     if decision.predicted.problems:
-        raise ValueError(f"budget: the plan does not fit: {'; '.join(decision.predicted.problems)}")
+        from kvpipe.pipeline.report import NoPlanFits   # valid input, nothing fits: exit 3, as run
+        raise NoPlanFits(f"budget: the plan does not fit: {'; '.join(decision.predicted.problems)}")
     warnings = api.context_warnings(spec, work)
     hf = session.load_hf_model(opts.model, opts.random_weights, dev, session.TORCH_DTYPES[spec.dtype], seed)
     if dev.type == "cuda":
