@@ -31,6 +31,24 @@ CASES = {  # name -> `kvpipe run` knobs; the generate() side takes the plan kvpi
 }
 
 
+
+def token_clock(sync):
+    """A generate() streamer class whose instances record the host time at each token generate()
+    emits (the prompt first), after `sync()` (the device synchronized)."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class Clock(BaseStreamer):
+        def __init__(self) -> None:
+            self.t: list[float] = []
+
+        def put(self, value) -> None:
+            sync()
+            self.t.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+    return Clock
+
 def sh(args: list[str], timeout: int) -> dict:
     """One measurement process; its last stdout line is JSON (or an error record)."""
     t0 = time.time()
@@ -50,7 +68,6 @@ def worker(args) -> None:
     from dataclasses import replace
 
     import torch
-    from transformers.generation.streamers import BaseStreamer
 
     import kvpipe
     from kvpipe.executor.engine import session
@@ -72,17 +89,7 @@ def worker(args) -> None:
     greedy = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
 
-    class Clock(BaseStreamer):
-        """Host time at each token generate() emits (the prompt first), the device synchronized."""
-        def __init__(self) -> None:
-            self.t: list[float] = []
-
-        def put(self, value) -> None:
-            sync()
-            self.t.append(time.perf_counter())
-
-        def end(self) -> None:
-            pass
+    Clock = token_clock(sync)
 
     small = min(plan.prefill.chunk, 8192, args.context)   # warm-up: kernels, handles, attention plans
     warm = plan.with_(prefill=replace(plan.prefill, chunk=small))

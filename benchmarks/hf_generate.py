@@ -41,7 +41,6 @@ def engine_side(args, context: int, knobs: dict) -> tuple[dict, object]:
 
 def hf_side(args, context: int, plan) -> dict:
     import torch
-    from transformers.generation.streamers import BaseStreamer
 
     import kvpipe
     from kvpipe.executor.engine import session
@@ -55,16 +54,8 @@ def hf_side(args, context: int, plan) -> dict:
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     greedy = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
 
-    class Clock(BaseStreamer):
-        def __init__(self) -> None:
-            self.t: list[float] = []
-
-        def put(self, value) -> None:
-            sync()
-            self.t.append(time.perf_counter())
-
-        def end(self) -> None:
-            pass
+    from benchmarks.hf_cache import token_clock
+    Clock = token_clock(sync)
 
     def once(cache, n_ids, new, streamer=None):
         cache.reset()   # the same buffers (and the captured decode step) for every call

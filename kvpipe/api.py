@@ -96,6 +96,23 @@ def room_warning(model: ModelSpec, work: Workload, pred: Predicted, budgets: dic
                     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"])
 
 
+def decide_run(opts: RunOptions, spec, work: Workload, session, dev) -> tuple:
+    """(profile, budgets, request, decision) of a run of `work` on `dev`: this machine's budgets,
+    the decision layer's plan, refused (NoPlanFits, ValueError) before anything is allocated.
+    `kvpipe run` and a Conversation's engine decide through here."""
+    from kvpipe.sim.decide import Target, decide
+    profile = _profile(opts.hw or session.guess_profile(dev) or DEFAULT_HW)
+    budgets = opts.budgets(session.device_budget(dev), session.host_ram_bytes(), free_disk(opts.kv_dir))
+    check_weights(spec, budgets)
+    req = opts.request(spec)
+    session.check_codecs(req.codecs, dev)
+    decision = decide(spec, work, profile, budgets, req, Target(dev.type, session.h2d_codec_runs(dev)))
+    session.check_runnable(decision.plan, dev, spec)
+    if decision.predicted.problems:
+        raise NoPlanFits(f"budget: the plan does not fit: {'; '.join(decision.predicted.problems)}")
+    return profile, budgets, req, decision
+
+
 def _profile(name):
     """The hardware profile `name`, a ValueError naming `hw` when there is none."""
     from kvpipe.hw_profiles import load_profile
@@ -180,7 +197,6 @@ def run(options: RunOptions | None = None, /, *, prompt_ids: list[int] | None = 
     The executor runs the plan's replay choice; where a sparse run's steps cannot replay after
     all it issues them eagerly and says why (a warning). `prompt_ids` (instead of `prompt_file`)
     and `decoding` (executor/engine/decoding.py: token choice and early stop) serve `generate`."""
-    from kvpipe.sim.decide import Target, decide
     opts = _options(RunOptions, options, kwargs)
     if (opts.gpus or 1) > 1:
         from .multi_run import run_gpus
@@ -193,15 +209,7 @@ def run(options: RunOptions | None = None, /, *, prompt_ids: list[int] | None = 
     _check_files(opts, session)
     attention = kernel_label(dev, session.TORCH_DTYPES[spec.dtype])  # validates KVPIPE_ATTN
     prompt, work = _prompt(opts, spec, session, prompt_ids)
-    profile = _profile(opts.hw or session.guess_profile(dev) or DEFAULT_HW)
-    budgets = opts.budgets(session.device_budget(dev), session.host_ram_bytes(), free_disk(opts.kv_dir))
-    check_weights(spec, budgets)
-    req = opts.request(spec)
-    session.check_codecs(req.codecs, dev)
-    decision = decide(spec, work, profile, budgets, req, Target(dev.type, session.h2d_codec_runs(dev)))
-    session.check_runnable(decision.plan, dev, spec)
-    if decision.predicted.problems:   # refused before anything is allocated
-        raise NoPlanFits(f"budget: the plan does not fit: {'; '.join(decision.predicted.problems)}")
+    profile, budgets, req, decision = decide_run(opts, spec, work, session, dev)
     warnings = context_warnings(spec, work) + room_warning(spec, work, decision.predicted, budgets,
                                                            req.chunk is not None)
     if decision.plan.lossy is not None and decision.plan.resident >= spec.units:

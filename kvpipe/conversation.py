@@ -17,13 +17,10 @@ import dataclasses
 import hashlib
 import json
 
-from kvpipe.pipeline.model import load_model
-from kvpipe.pipeline.sampling import Sampling
 from kvpipe.pipeline.workload import Workload
 
-from . import api, checkpoint, textio
-from .inputs import check_weights, free_disk
-from .options import DEFAULT_HW, RunOptions
+from . import api
+from .options import RunOptions
 
 DEFAULT_MAX_CONTEXT = 32768   # chat's capacity when the model allows more positions
 
@@ -236,24 +233,13 @@ def check_manifest(man: dict, spec, fp: dict, flag: str = "load-kv") -> None:
 def _start(ck, spec, capacity: int, decode: int, seed: int, options: dict) -> _Engine:
     """The plan for `capacity` tokens decided as kvpipe.run decides it, the model loaded."""
     from kvpipe.executor.layers.attention import kernel_label
-    from kvpipe.hw_profiles import load_profile
-    from kvpipe.sim.decide import Target, decide
     session = api._executor()
     opts = RunOptions(**dict(options, model=ck.model, context=capacity - decode, decode_tokens=decode,
                              seed=seed, progress=False))
     dev = session.resolve_device(opts.device)
     attention = kernel_label(dev, session.TORCH_DTYPES[spec.dtype])
     work = Workload(capacity - decode, decode, 1)
-    profile = load_profile(opts.hw or session.guess_profile(dev) or DEFAULT_HW)
-    budgets = opts.budgets(session.device_budget(dev), session.host_ram_bytes(), free_disk(opts.kv_dir))
-    check_weights(spec, budgets)
-    req = opts.request(spec)
-    session.check_codecs(req.codecs, dev)
-    decision = decide(spec, work, profile, budgets, req, Target(dev.type, session.h2d_codec_runs(dev)))
-    session.check_runnable(decision.plan, dev, spec)
-    if decision.predicted.problems:
-        from kvpipe.pipeline.report import NoPlanFits   # valid input, nothing fits: exit 3, as run
-        raise NoPlanFits(f"budget: the plan does not fit: {'; '.join(decision.predicted.problems)}")
+    profile, budgets, req, decision = api.decide_run(opts, spec, work, session, dev)
     warnings = api.context_warnings(spec, work)
     hf = session.load_hf_model(opts.model, opts.random_weights, dev, session.TORCH_DTYPES[spec.dtype], seed)
     if dev.type == "cuda":

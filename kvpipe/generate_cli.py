@@ -46,12 +46,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="end the generation where this text appears (not included in the output); repeatable")
     g.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at the model's end-of-sequence tokens (benchmarks)")
-    g.add_argument("--temperature", type=float, help="0 is greedy (default: greedy, or the generation config's)")
-    g.add_argument("--top-k", type=int, help="sample among the k likeliest tokens (0: off)")
-    g.add_argument("--top-p", type=float, help="sample within the smallest set of tokens of probability p (1: off)")
-    g.add_argument("--min-p", type=float, help="drop tokens below this fraction of the likeliest one's probability")
-    g.add_argument("--repetition-penalty", type=float, help="HF's repetition penalty over prompt and output (1: off)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the sampling (and of random weights)")
+    add_sampling_flags(g)
     add_kept_flags(g)
     g.add_argument("--save-kv", metavar="DIR",
                    help="write the prompt's KV (every tier) and a manifest to DIR, for a later --load-kv")
@@ -62,6 +57,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
     cli.add_plan_flags(g)
     cli.add_run_flags(g)
     return g
+
+
+def add_sampling_flags(g) -> None:
+    """The sampling flags `generate` and `chat` share."""
+    g.add_argument("--temperature", type=float, help="0 is greedy (default: greedy, or the generation config's)")
+    g.add_argument("--top-k", type=int, help="sample among the k likeliest tokens (0: off)")
+    g.add_argument("--top-p", type=float, help="sample within the smallest set of tokens of probability p (1: off)")
+    g.add_argument("--min-p", type=float, help="drop tokens below this fraction of the likeliest one's probability")
+    g.add_argument("--repetition-penalty", type=float, help="HF's repetition penalty over prompt and output (1: off)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the sampling (and of random weights)")
 
 
 def add_kept_flags(g) -> None:

@@ -192,14 +192,7 @@ def generate(model: str | os.PathLike | None = None, prompt: str | None = None, 
         raise ValueError(f"generate: needs torch and transformers ({e.name} missing): pip install 'kvpipe[run]'") from None
     eos = frozenset() if ignore_eos else frozenset(ck.eos_ids)
     out = textio.Output(tok, n, eos, stops, stream)
-    cancelled = []
-
-    def take(i: int, token: int) -> bool:   # the end of the output, or a cancel asked after token i
-        if out.take(i, token):
-            return True
-        if cancel is not None and cancel():
-            cancelled.append(i)
-        return bool(cancelled)
+    take, cancelled = textio.taker(out, cancel)
     decoding = Decoding(sampling, ids, spec.vocab, n,
                         resolve_device(options.get("device")), take)
     run = api.run(model=ck.model, decode_tokens=n - 1, seed=seed, prompt_ids=ids, progress=False,

@@ -34,14 +34,7 @@ def generate_on(conv, ids: list[int], n: int, *, breaks=(), stop=(), ignore_eos:
     sampling = Sampling.choose(dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                     repetition_penalty=repetition_penalty, seed=seed), conv.ck.sampling)
     out = textio.Output(conv.tok, n, frozenset() if ignore_eos else frozenset(conv.ck.eos_ids), stops, stream)
-    cancelled = []
-
-    def take(i: int, token: int) -> bool:   # the end of the output, or a cancel asked after token i
-        if out.take(i, token):
-            return True
-        if cancel is not None and cancel():
-            cancelled.append(i)
-        return bool(cancelled)
+    take, cancelled = textio.taker(out, cancel)
     decoding = Decoding(sampling, ids, e.spec.vocab, n, e.device, take)
     res = conv.live.extend(ids, n - 1, decoding, breaks=breaks)
     kept = decoding.finish()

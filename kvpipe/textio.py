@@ -170,3 +170,18 @@ class Output:
             self._shown += len(piece)
         if self.stream is not None and piece:
             self.stream(piece)
+
+
+def taker(out: Output, cancel) -> tuple:
+    """(take, cancelled) for the engine's Decoding: `take(i, token)` is True at the end of the
+    output or once `cancel()`, asked after each token, is True; `cancelled` then holds the index
+    of the token it came after (empty: not cancelled)."""
+    cancelled: list[int] = []
+
+    def take(i: int, token: int) -> bool:
+        if out.take(i, token):
+            return True
+        if cancel is not None and cancel():
+            cancelled.append(i)
+        return bool(cancelled)
+    return take, cancelled
