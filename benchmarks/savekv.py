@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import os
 import tempfile
 import time
@@ -21,7 +23,6 @@ from pathlib import Path
 
 import torch
 
-import kvpipe
 from kvpipe.conversation import Conversation
 from kvpipe.executor.disk.tier import aligned_buffer
 from kvpipe.pipeline.model import load_model
@@ -50,20 +51,34 @@ def read_rate(path: Path, threads: int = 8, request: int = 8 << 20) -> float:
     return size / (time.perf_counter() - t0)
 
 
+def generate(args, tokens: list[int], *flags: str) -> dict:
+    """`kvpipe generate --json` in its own process (each load starts under the cap from a clean
+    allocator), the prompt as token ids; its JSON."""
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
+        f.write(" ".join(map(str, tokens)))
+        f.flush()
+        cmd = [sys.executable, "-m", "kvpipe", "generate", "--model", args.model, "--random-weights",
+               "--prompt-file", f.name, "--prompt-format", "ids", "--max-new-tokens", str(args.new),
+               "--ignore-eos", "--json", *flags]
+        for flag, v in (("--device", args.device), ("--gpu-mem", args.gpu_mem), ("--kv-dir", args.kv_dir)):
+            cmd += [flag, v] if v else []
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"kvpipe generate exited {done.returncode}: {done.stderr[-2000:]}")
+        return json.loads(done.stdout)
+
+
 def row(args, context: int) -> dict:
     g = torch.Generator().manual_seed(context)
     vocab = load_model(args.model).vocab
     doc = torch.randint(0, vocab, (context,), generator=g).tolist()
     q = torch.randint(0, vocab, (args.question,), generator=g).tolist()
     kv = Path(tempfile.mkdtemp(prefix="kvpipe-savekv-", dir=args.kv_dir))
-    opts = dict(random_weights=True, prompt_format="ids", max_new_tokens=args.new, ignore_eos=True,
-                device=args.device, gpu_mem=args.gpu_mem, kv_dir=args.kv_dir)
-    ids = lambda t: " ".join(map(str, t))   # noqa: E731
-    first = kvpipe.generate(args.model, ids(doc), save_kv=kv, **opts)
-    second = kvpipe.generate(args.model, ids(q), load_kv=kv, **opts)
+    first = generate(args, doc, "--save-kv", str(kv))
+    second = generate(args, q, "--load-kv", str(kv))
     man = json.loads((kv / "manifest.json").read_text())
     link = read_rate(kv / man["data"])
-    t = second.timings
+    t, t1 = second["timings"], first["timings"]
     with Conversation(args.model, max_context=context + 2 * args.new + args.question, max_new_tokens=args.new,
                       random_weights=True, device=args.device, gpu_mem=args.gpu_mem, kv_dir=args.kv_dir) as c:
         one = c.append(doc, max_new_tokens=args.new, ignore_eos=True)
@@ -71,17 +86,17 @@ def row(args, context: int) -> dict:
     for f in kv.iterdir():
         f.unlink()
     kv.rmdir()
-    return {"context": context, "question_tokens": args.question, "plan": first.plan.describe(),
-            "kv_units": first.kv_placement, "first_ttft_s": first.timings["ttft_s"],
+    return {"context": context, "question_tokens": args.question, "plan": first["plan"],
+            "kv_units": first.get("kv_units"), "first_ttft_s": t1["ttft_s"],
             "second_ttft_s": t["ttft_s"], "second_prefill_tokens": t["prefill_tokens"],
             "kv_load_s": t["kv_load_s"], "kv_bytes": t["kv_load_bytes"],
             "kv_load_rate": t["kv_load_bytes"] / t["kv_load_s"], "link_read_rate": link,
             "load_vs_link": t["kv_load_bytes"] / t["kv_load_s"] / link,
-            "second_vs_first": (t["ttft_s"] + t["kv_load_s"]) / first.timings["ttft_s"],
+            "second_vs_first": (t["ttft_s"] + t["kv_load_s"]) / t1["ttft_s"],
             "chat_turn1_ttft_s": one.timings["ttft_s"], "chat_turn2_ttft_s": two.timings["ttft_s"],
             "chat_turn2_prefill_tokens": two.timings["prefill_tokens"],
             "chat_turn2_vs_turn1": two.timings["ttft_s"] / one.timings["ttft_s"],
-            "decode_s_per_token": first.timings["decode_s_per_token"]}
+            "decode_s_per_token": t1["decode_s_per_token"]}
 
 
 def main() -> None:
@@ -96,14 +111,15 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    rows = [row(args, parse_tokens(c, "contexts")) for c in args.contexts.split(",")]
-    out = {"benchmark": "savekv", "device": torch.cuda.get_device_name() if dev.startswith("cuda") else "cpu",
-           "model": args.model, "gpu_mem": args.gpu_mem, "rows": rows,
-           "targets": {"second_vs_first": 0.05, "load_vs_link": 0.80}}
     path = Path(args.out) if args.out else result_file("savekv", dev)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2))
-    print(json.dumps(out, indent=2))
+    out = {"benchmark": "savekv", "device": torch.cuda.get_device_name() if dev.startswith("cuda") else "cpu",
+           "model": args.model, "gpu_mem": args.gpu_mem, "rows": [],
+           "targets": {"second_vs_first": 0.05, "load_vs_link": 0.80}}
+    for c in args.contexts.split(","):
+        out["rows"].append(row(args, parse_tokens(c, "contexts")))
+        path.write_text(json.dumps(out, indent=2))     # after every row: a cut run keeps what it measured
+        print(json.dumps(out["rows"][-1], indent=2), flush=True)
 
 
 if __name__ == "__main__":

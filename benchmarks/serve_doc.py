@@ -96,7 +96,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root:
         d = model_dir(Path(root), a.tokenizer, a.config)
         ref = generate_one(d, doc + questions[0], a.new_tokens, flags)
-        s = ServerProcess(["--model", str(d), "--random-weights", "--served-model-name", "bench", *flags])
+        # The server plans once for its whole context: the document, a question and the answer.
+        cap = ["--max-context", str(n + 32 + a.new_tokens)]
+        s = ServerProcess(["--model", str(d), "--random-weights", "--served-model-name", "bench", *cap, *flags])
         try:
             served = [stream_one(s.url, doc + q, a.new_tokens) for q in questions]
         finally:

@@ -3,7 +3,7 @@
 # the named steps under their own limits; logs and JSON under $OUT.
 #   bash experiments/session_gpu.sh STEP[:SECONDS] ...
 # Steps: gputests robust32 robustres hfgen32 hfgen128 savekv smollm (needs out/g1 + out/g2 carried
-# over two calls: the SmolLM2 GGUF in two halves) serve hybrid
+# over two calls: the SmolLM2 GGUF in two halves) serve needle hybrid
 set -u
 R=$(pwd)
 if [ -z "${SKIP_INSTALL:-}" ]; then
@@ -28,9 +28,10 @@ for spec in "$@"; do
     robust32) timeout "$lim" python3 -m benchmarks.robust_decode --rows ${ROWS:-32k-g1-none,32k-g2-none,32k-g4-none,32k-g8-none} --processes ${P:-3} --out "$OUT/robust-decode-32k.json" 2>&1 | tail -6 ;;
     robustres) timeout "$lim" python3 -m benchmarks.robust_decode --rows 8k-max,32k-max --processes ${P:-3} --out "$OUT/robust-decode-resident.json" 2>&1 | tail -4 ;;
     hfgen32) timeout "$lim" python3 -m benchmarks.hf_generate --context 32K --cases stream,resident-max --gpu-mem 24GB --out "$OUT/hf-generate-32k.json" 2>&1 | tail -8 ;;
-    hfgen128) timeout "$lim" python3 -m benchmarks.hf_generate --context 128K --cases stream,resident-max --gpu-mem 24GB --out "$OUT/hf-generate-128k.json" 2>&1 | tail -8 ;;
+    hfgen128) timeout "$lim" python3 -m benchmarks.hf_generate --context 128K --cases ${CASES:-stream,resident-max} --new-tokens ${NEW:-16} --gpu-mem 24GB --out "$OUT/hf-generate-128k.json" 2>&1 | tail -8 ;;
     smollm) timeout "$lim" python3 -m benchmarks.smollm2_gpu --out "$OUT/smollm2-gpu.json" 2>&1 | grep -v Warning | tail -15 ;;
-    savekv) timeout "$lim" python3 -m benchmarks.savekv --gpu-mem 24GB --contexts ${SAVEKV_CONTEXTS:-32K} --kv-dir /dev/shm --out "$OUT/savekv.json" 2>&1 | grep -v Warning | tail -8 ;;
+    savekv) timeout "$lim" python3 -m benchmarks.savekv --gpu-mem 24GB --contexts ${SAVEKV_CONTEXTS:-32K,128K} --kv-dir /dev/shm --out "$OUT/savekv.json" 2>&1 | grep -E "ttft|vs_|rate|exited|Error|error" | tail -24 ;;
+    needle) timeout "$lim" python3 -m benchmarks.lossy_error --model-needles --device cuda --needle-prompts ${NP:-30} --needle-contexts 2K,4K,6K,8K --out "$OUT/lossy-needle.json" 2>&1 | grep -v Warning | tail -14 ;;
     serve) timeout "$lim" python3 -m benchmarks.serve_doc ${SERVE_ARGS:-} --out "$OUT/serve-doc.json" 2>&1 | grep -v Warning | tail -10 ;;
     hybrid) timeout "$lim" python3 -m benchmarks.hybrid 128k 2>&1 | grep -v Warning | tail -12 ;;
     stash) echo "stashed: $(ls -la /tmp/gguf_aa 2>&1)" ;;
