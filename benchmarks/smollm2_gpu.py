@@ -60,9 +60,10 @@ def main(argv=None) -> int:
                      "first_divergence": div, "placements_bit_equal": same,
                      "hf_text": tok.decode(ref, skip_special_tokens=True), "kvpipe_text": runs[0].text})
         print(f"{prompt[:40]:42} keeps HF: {div is None!s:5} diverges at {div!s:>4}  placements equal: {same}", flush=True)
-    summary = {"prompts": len(rows), "keep_hf_text": sum(r["keeps_hf_text"] for r in rows),
-               "placements_bit_equal": sum(r["placements_bit_equal"] for r in rows), "new_tokens": NEW_TOKENS}
-    Path(args.out).write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
+        summary = {"prompts": len(rows), "keep_hf_text": sum(r["keeps_hf_text"] for r in rows),
+                   "placements_bit_equal": sum(r["placements_bit_equal"] for r in rows), "new_tokens": NEW_TOKENS,
+                   "placements": PLACEMENTS}
+        Path(args.out).write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))  # a cut run keeps its rows
     print(summary)
     return 0
 
