@@ -108,7 +108,11 @@ def main(argv=None) -> None:
     for g in groups:
         ref, paths = refs[g], {}
         for decode in args.paths.split(","):
-            r = paths[decode] = hf_calls(model, ref["plan"], ids, args, decode, sync)
+            try:
+                r = paths[decode] = hf_calls(model, ref["plan"], ids, args, decode, sync)
+            except ValueError as e:   # the path refused for this plan: say why, check the others
+                print(f"group {g} decode={decode}: refused: {e}", flush=True)
+                continue
             whole = r["calls"][3]
             r["engine_leading"] = leading(whole, ref["tokens"])
             r["calls_agree"] = r["calls"][2] == r["calls"][3]
