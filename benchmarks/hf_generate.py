@@ -12,7 +12,8 @@ so the decode step captured by the warm-up is replayed by every timed call): TTF
 first token, timed by a streamer that synchronizes at each token; decode = the difference of two
 runs without a streamer (new tokens and a quarter of them) per token, the prefill cancelling. The
 JSON says which decode path generate() ran (`decode_path`: graph, static or eager), why not the
-graph (`decode_note`), and the graph replays. Both sides use --ignore-eos semantics (no early stop)."""
+graph (`decode_note`), and the graph replays. Both sides use --ignore-eos semantics (no early stop).
+`--decode graph` captures the step of streamed plans too (decode auto leaves them to HF's loop on CUDA)."""
 from __future__ import annotations
 
 import argparse

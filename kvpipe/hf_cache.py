@@ -12,11 +12,11 @@ an attention implementation registered with `AttentionInterface` (`kvpipe_headwi
 `kvpipe.executor.hf.attention`). While a cache is live its model runs that implementation and a
 `generate` that checks each call up front (executor/hf/generate.py); the last live cache's
 `close()` (or leaving a `with` block) gives both back. `copy.deepcopy` copies the KV, never the
-model. Beam search, `crop` (assisted and prompt-lookup decoding), `batch_repeat_interleave` and
-`batch_select_indices` act on every unit's home, in whichever tier it lives."""
+model. Beam search, `crop`, `batch_repeat_interleave` and `batch_select_indices` act on every home."""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -80,8 +80,8 @@ class HeadwiseCache(Cache):
         self.device, self.dtype = adapter.device, adapter.dtype
         self.stream: HeadStream | None = None
         self.decode, self.static, self._in_static = decode, None, False
-        self.decode_path, self.decode_note, self._replays = None, None, 0
-        self._live = False
+        self.decode_path, self.decode_note, self._replays, self._live = None, None, 0, False
+        self.step_recorder = None   # what captures the static step; None: CUDA graphs (tests: graph_tape.py)
         super().__init__(layers=[HeadwiseLayer(self, i) for i in range(spec.layers)])
         self._attach()
 
@@ -145,8 +145,8 @@ class HeadwiseCache(Cache):
     def _open_static(self) -> StaticStep:
         if self.static is None or self.static.store is not self.stream.store:
             self._drop_static()
-            self.static = StaticStep(self.stream, self.plan.decode.group)
-        self.static.graph_wanted = self.decode_path == "graph"
+            self.static = StaticStep(self.stream, self.plan.decode.group, self.step_recorder)
+        self.static.graph_wanted = self.decode_path == "graph" or self.step_recorder is not None
         return self.static
 
     def _static_step(self, argument: str) -> torch.Tensor:
@@ -184,7 +184,6 @@ class HeadwiseCache(Cache):
         if not self._live or self.model.config._attn_implementation != IMPLEMENTATION:
             raise ValueError(f"attention: the model runs {self.model.config._attn_implementation!r}, not "
                              f"{IMPLEMENTATION!r} (was the cache closed?)")
-        from dataclasses import replace
         self.layout = replace(lo, batch=B)
         groups = {True: self.plan.prefill.group, False: self.plan.decode.group}
         self.stream = HeadStream(self.layout, groups, self.device, self.dtype, self.decode != "eager").open()
@@ -214,8 +213,7 @@ class HeadwiseCache(Cache):
         for layer in self.layers:
             layer.batch_size = self.layout.batch
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._regather(beam_idx)
+    reorder_cache = _regather   # beam_idx [B]: sequence i becomes sequence beam_idx[i]
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.stream is not None:

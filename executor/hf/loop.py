@@ -21,16 +21,18 @@ from kvpipe.executor.hf import static
 from kvpipe.pipeline.replay import shape_blocker
 
 DECODE = ("auto", "graph", "static", "eager")   # HeadwiseCache(decode=...)
+# Whether decode="auto" captures the step of plans with offloaded heads on CUDA (HF's own loop
+# decodes them when not; decode="graph" or "static" always runs the step).
+OFFLOADED_AUTO = False
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 
 
 def blocker(cache, model, kwargs: dict, sequences: int, unpadded: bool, graph: bool) -> str | None:
     """Why this generate() call's decode cannot run the static step (graph: nor be captured), or None."""
     lo = cache.layout
-    if cache.device.type == "cuda" and any(n < lo.kv_heads for n in lo.resident):
-        # measured on the H200: with offloaded heads the static step's tokens went wrong after the
-        # second one (32K and 128K, streamed); every-head-resident plans matched the engine's
-        return "offloaded heads on CUDA: the static step is not yet exact there (every head resident runs it)"
+    if (not OFFLOADED_AUTO and cache.decode == "auto" and cache.device.type == "cuda"
+            and any(n < lo.kv_heads for n in lo.resident)):
+        return "offloaded heads on CUDA: decode='auto' leaves them to HF's loop (decode='graph' captures the step)"
     if graph and getattr(cache.plan, "replay_blocker", None):   # pipeline/replay.py's rule: the plan's own reasons
         return f"graph replay: {cache.plan.replay_blocker}"
     if graph:

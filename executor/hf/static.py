@@ -6,12 +6,15 @@ replay captures in executor/replay/). Offloaded head groups are fetched into the
 as the engine's replayed steps fetch them: a prefix rounded up to a bucket of tokens (the only host
 integer a step bakes in, so one graph serves a bucket's steps), and each step's new K/V of
 offloaded heads written back to host RAM after the step, on the same stream. On CUDA each bucket's
-step is captured once as a CUDA graph and replayed; issued without a graph the same step is the
-reference the replay equals bit for bit, and on CPU it runs with a length-masked attention of the
-same meaning."""
+step is captured once as a CUDA graph and replayed; each bucket keeps the tensors its own capture
+made (its logits and the new K/V the write-back copies home: another bucket's capture must not
+rebind them, since a later generate() on the cache replays the bucket again). Issued without a
+graph the same step is the reference the replay equals bit for bit, and on CPU it runs with a
+length-masked attention of the same meaning."""
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 
 import torch
 
@@ -34,9 +37,10 @@ def attend_masked(q: torch.Tensor, kv: torch.Tensor, lens: torch.Tensor, scale: 
 class StaticStep:
     """The decode step's device buffers over an opened HeadStream (batch 1), and the step itself:
     `run(model, cache, argument)` issues it, or replays the graph captured for its bucket.
-    `group`: KV heads per attended group (the plan's decode group)."""
+    `group`: KV heads per attended group (the plan's decode group); `recorder`: what captures the
+    step (`capture(fn) -> (graph, fn's outputs)`; default CUDA graphs on CUDA, none on CPU)."""
 
-    def __init__(self, stream, group: int) -> None:
+    def __init__(self, stream, group: int, recorder=None) -> None:
         store, lo = stream.store, stream.layout
         assert lo.batch == 1 and lo.kv_heads % group == 0, (lo.batch, group)
         dev = store.device
@@ -49,9 +53,11 @@ class StaticStep:
         self.fa2 = store.cuda and store.dtype in (torch.bfloat16, torch.float16)
         self.offloaded = any(n < lo.kv_heads for n in lo.resident)
         self.copy_len = 0                     # tokens each prefix fetch moves (the step's bucket)
-        self.kv: dict[int, torch.Tensor] = {}   # layer -> the step's new K/V, for the write-back
-        self.graphs: dict[int, tuple] = {}    # bucket -> (graph, its logits, its kv)
-        self.pool = None
+        # what captures the step: CUDA graphs, or a stand-in with their meaning (tests/graph_tape.py)
+        self.recorder = recorder if recorder is not None else CudaGraphs(dev) if store.cuda else None
+        self._writes: dict[int, torch.Tensor] = {}   # layer -> the new K/V of the forward running
+        self.pending: tuple = ()              # ((layer, K/V), ...) of the step last run, for write_back
+        self.graphs: dict[int, Captured] = {}  # bucket -> its captured step
         self.replays = 0
 
     # ---- called by the cache's layers inside the model forward ------------------------
@@ -62,7 +68,7 @@ class StaticStep:
         if n:
             self.store.gpu[layer].index_copy_(2, self.pos, kv[:, :n])
         if n < self.layout.kv_heads:
-            self.kv[layer] = kv
+            self._writes[layer] = kv
         return PendingKV(self, layer, kv)
 
     def attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor, scale: float, valid=None) -> torch.Tensor:
@@ -102,49 +108,74 @@ class StaticStep:
         """The step's new K/V of offloaded heads to their host homes at `position` (same stream:
         the next step's fetches read them after)."""
         lo = self.layout
-        for layer, kv in self.kv.items():
+        for layer, kv in self.pending:
             self.store.store(layer, tuple(range(lo.resident[layer], lo.kv_heads)), kv, position)
 
-    def _forward(self, model, cache, argument: str) -> torch.Tensor:
+    def _forward(self, model, cache, argument: str) -> tuple[torch.Tensor, tuple]:
+        """One issue of the step -> (logits [1, 1, V], its new K/V of offloaded heads). Each call
+        collects its writes afresh: a captured bucket keeps its own tensors, whatever runs later."""
+        self._writes = {}
         extra = {argument: cache}
         if "cache_position" in inspect.signature(type(model).forward).parameters:   # older transformers
             extra["cache_position"] = self.pos
         out = model(input_ids=self.ids, position_ids=self.pos.view(1, 1), use_cache=True, logits_to_keep=1,
                     return_dict=True, **extra)
-        return out.logits
+        return out.logits, tuple(sorted(self._writes.items()))
 
     def run(self, model, cache, argument: str) -> torch.Tensor:
         """The step for the inputs set: by its bucket's graph once captured, else issued -> logits [1, 1, V]."""
-        if not (self.graph_wanted and self.store.cuda):
-            return self._forward(model, cache, argument)
-        if self.copy_len not in self.graphs:
-            self._capture(model, cache, argument)
-        graph, logits, self.kv = self.graphs[self.copy_len]
-        graph.replay()
+        if self.recorder is None or not self.graph_wanted:
+            logits, self.pending = self._forward(model, cache, argument)
+            return logits
+        step = self.graphs.get(self.copy_len)
+        if step is None:
+            graph, (logits, kv) = self.recorder.capture(lambda: self._forward(model, cache, argument))
+            step = self.graphs[self.copy_len] = Captured(graph, logits, kv)
+        step.graph.replay()
+        self.pending = step.kv
         self.replays += 1
-        return logits
+        return step.logits
 
-    def _capture(self, model, cache, argument: str) -> None:
-        """Warm up on a side stream (the step issued for real: every write it makes the replay
-        makes again with the same values), then capture the same step into the graphs' pool."""
-        main = torch.cuda.current_stream(self.store.device)
-        side = torch.cuda.Stream(self.store.device)
+    def close(self) -> None:
+        if self.graphs:
+            if self.store.cuda:
+                torch.cuda.synchronize(self.store.device)
+            for step in self.graphs.values():
+                step.graph.reset()
+            self.graphs.clear()
+        self.pending = ()
+
+
+@dataclass(frozen=True)
+class Captured:
+    """One bucket's captured step: its graph and the tensors its replays write (the logits and the
+    new K/V of offloaded heads that write_back copies home), all made by its own capture."""
+
+    graph: object
+    logits: torch.Tensor
+    kv: tuple
+
+
+class CudaGraphs:
+    """Captures steps as CUDA graphs sharing one memory pool (nano-vllm's capture_cudagraph)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.pool = device, None
+
+    def capture(self, fn):
+        """Warm up on a side stream (fn issued for real: every write it makes the replay makes
+        again with the same values), then capture the same call -> (graph, fn's outputs)."""
+        main = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            self._forward(model, cache, argument)
+            fn()
         main.wait_stream(side)
         self.pool = self.pool or torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._forward(model, cache, argument)
-        self.graphs[self.copy_len] = (graph, logits, dict(self.kv))
-
-    def close(self) -> None:
-        if self.graphs:
-            torch.cuda.synchronize(self.store.device)
-            for graph, _, _ in self.graphs.values():
-                graph.reset()
-            self.graphs.clear()
+            out = fn()
+        return graph, out
 
 
 def join(stream) -> None:
