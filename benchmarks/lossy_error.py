@@ -447,6 +447,8 @@ def needle_args(ap: argparse.ArgumentParser) -> None:
                     help="trained-model needle set: prompt tokens, cycled over the prompts (comma list)")
     ap.add_argument("--device", default="cpu", help="trained-model needle set: the device kvpipe runs on")
     ap.add_argument("--cache", help="trained-model needle set: GGUF conversion cache (default: kvpipe's)")
+    ap.add_argument("--needle-merge", nargs="+", metavar="JSON",
+                    help="trained-model needle set: merge these runs' JSON into --out (no run)")
 
 
 def model_needles(args, argv: list[str]) -> int:
@@ -462,6 +464,11 @@ def model_needles(args, argv: list[str]) -> int:
         return 2
     out = Path(args.out or result_file("lossy-needle", args.device))
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.needle_merge:
+        result = lossy_needle.merge([Path(p) for p in args.needle_merge], out, argv)
+        lossy_needle.print_summary(result)
+        print(f"json: {out}")
+        return 0
     result = lossy_needle.run(contexts, args.needle_prompts, args.seed, args.device, out,
                              Path(args.cache) if args.cache else None, argv)
     lossy_needle.print_summary(result)

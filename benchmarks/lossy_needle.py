@@ -177,9 +177,32 @@ def run(contexts: list[int], count: int, seed: int, device: str, out: Path, cach
     return json.loads(out.read_text())
 
 
+def merge(paths: list[Path], out: Path, argv: list[str]) -> dict:
+    """One result from several runs' JSON (shards run side by side, other seeds, other devices):
+    their prompts, each kept once (context, depth and code: the same prompt on another device is
+    the first file's), each tagged with the machine it ran on; the summary recomputed over all."""
+    done, seen, runs = [], set(), []
+    for path in paths:
+        r = json.loads(path.read_text())
+        runs.append({"file": path.name, "machine": r["machine"], "config": r["config"], "wall_s": r["wall_s"],
+                     "command": r["command"]})
+        for p in r["prompts"]:
+            key = (p["context"], p["depth"], p["code"])
+            if key not in seen:
+                seen.add(key)
+                done.append({**p, "machine": r["machine"]})
+    first = json.loads(paths[0].read_text())
+    result = {"command": "python -m benchmarks.lossy_error " + " ".join(argv),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "what": first["what"], "model": first["model"], "new_tokens": first["new_tokens"],
+              "options": first["options"], "runs": runs, "summary": summary(done), "prompts": done}
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
 def print_summary(result: dict) -> None:
-    print(f"needle set on {result['model']} ({len(result['prompts'])} prompts, contexts "
-          f"{result['config']['contexts']}):")
+    contexts = sorted({p["context"] for p in result["prompts"]})
+    print(f"needle set on {result['model']} ({len(result['prompts'])} prompts, contexts {contexts}):")
     print(f"{'option':22}{'needle acc':>11}{'kept':>7}{'agree':>8}{'attn err':>10}{'eff. frac':>10}")
     for name, s in result["summary"].items():
         err = s["attn_rel_err"]
