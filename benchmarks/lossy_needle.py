@@ -195,7 +195,8 @@ def merge(paths: list[Path], out: Path, argv: list[str]) -> dict:
     result = {"command": "python -m benchmarks.lossy_error " + " ".join(argv),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "what": first["what"], "model": first["model"], "new_tokens": first["new_tokens"],
-              "options": first["options"], "runs": runs, "summary": summary(done), "prompts": done}
+              "options": first["options"], "runs": runs, "summary": summary(done), "prompts": done,
+              "config": {"contexts": sorted({p["context"] for p in done}), "count": len(done)}}
     out.write_text(json.dumps(result, indent=1) + "\n")
     return result
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 SOURCE = "benchmarks/results/cpu-2026-12-01-lossy-error.json"   # every row: needle set and probe
 COMMAND = "python -m benchmarks.lossy_error"
-MODEL_SOURCE = "benchmarks/results/cpu-2026-12-02-lossy-needle.json"   # the trained-model rows
+MODEL_SOURCE = "benchmarks/results/mixed-2026-12-02-lossy-needle.json"   # the trained-model rows
 SPARSE_SKETCH = 2   # the sparse rows were measured with the 2-bit token sketch, chunks 64, sink 64,
                     # recent 256: LossySpec's defaults, which a sparse pick uses
 
@@ -68,19 +68,18 @@ class MeasuredError:
 
 
 MODEL = {
-    "int8": (0.0041805, 0.8),
-    "int4": (0.093318, 1),
-    "sparse 20%": (0.20797, 0.8),
-    "sparse 30%": (0.18346, 0.8),
-    "sparse 50%": (0.10307, 0.8),
-    "sparse 20% + int4": (0.23924, 0.6),
+    "int8": (0.0041793, 11 / 30),
+    "int4": (0.085747, 14 / 30),
+    "sparse 20%": (0.18014, 10 / 30),
+    "sparse 30%": (0.15151, 11 / 30),
+    "sparse 50%": (0.088573, 11 / 30),
+    "sparse 20% + int4": (0.20492, 11 / 30),
 }
-"""Trained-model rows (MODEL_SOURCE "summary", SmolLM2-135M-Instruct, greedy, every unit offloaded):
-option -> (mean attention-output rel. error, needle accuracy). Mostly 2K contexts, where sparse 20%
-selects about 5% of its eligible tokens by score (the sink and recent window take the rest of the
-budget): its figure is the forced part's as much as the score's. Sparse 50% is measured but is no
-planner option (neither synthetic figure has it)."""
-MODEL_EXACT_ACCURACY = 0.8   # the exact runs' needle accuracy on the same prompts
+"""Trained-model rows (MODEL_SOURCE "summary", SmolLM2-135M-Instruct, greedy, every unit offloaded,
+30 prompts: 15 at 2K and 5 each at 4K, 6K and 8K, needle depths 10-90%): option -> (mean
+attention-output rel. error, needle accuracy). Sparse 50% is measured but is no planner option
+(neither synthetic figure has it)."""
+MODEL_EXACT_ACCURACY = 11 / 30   # the exact runs' needle accuracy on the same prompts
 
 
 def _model(row: str) -> dict:
