@@ -129,7 +129,6 @@ class _Builder:
         nbytes = self.w.batch * n * self.m.kv_unit_bytes_per_token
         ring = self.ring[layer] if self.ring else 0
         after = self.layer_fetches if ring else []   # a ring row is overwritten once it has been read
-        kept = self.w.batch * min(n, ring) * self.m.kv_unit_bytes_per_token if ring else nbytes
         lossy = self.plan.lossy
         if lossy is not None and lossy.quant:   # LOSSY: quantised on the GPU, smaller bytes go home
             qbytes = self.w.batch * lossy.unit_bytes(n, self.m.head_dim, self.m.dtype_bytes)
@@ -144,6 +143,7 @@ class _Builder:
             qkv = self.add(Kind.GPU_COMPRESS, "gpu_compress", phase, idx, layer, None, (start, start + n), (qkv,),
                            heads=off, bytes=nbytes * len(off), mem_bytes=2 * nbytes * len(off), ops=4,
                            codec=self.h2d)   # planes split: raw bytes read and written
+        kept = self.w.batch * min(n, ring) * self.m.kv_unit_bytes_per_token if ring else nbytes   # a ring: its last R
         store = self.add(Kind.D2H, "kv_store", phase, idx, layer, None, (start, start + n), [qkv] + staged + after,
                          heads=off, bytes=kept * (len(off) - len(disk)) + nbytes * len(disk),
                          ops=self.w.batch * len(off), codec=self.h2d)
