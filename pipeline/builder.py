@@ -183,12 +183,10 @@ class _Builder:
         m, B, unit_tok = self.m, self.w.batch, self.m.kv_unit_bytes_per_token
         heads, off, disk = self.members(layer, g, pp.group)
         fetch = slot = score = None
-        deq = 0
-        lossy = self.plan.lossy
+        deq, lossy = 0, self.plan.lossy
         sparse = lossy is not None and lossy.sparse is not None and phase is Phase.DECODE
-        # bytes of one unit's prefix as it crosses the links (LOSSY: quantised, sparse)
         lo = fetch_from(m, self.ring, layer, start)   # a ring layer fetches what its window sees
-        unit_fetch = (B * (lossy.fetch_bytes(start, m.head_dim, m.dtype_bytes) if sparse else
+        unit_fetch = (B * (lossy.fetch_bytes(start, m.head_dim, m.dtype_bytes) if sparse else   # one unit's prefix on the links
                            lossy.unit_bytes(start, m.head_dim, m.dtype_bytes))) if lossy else B * (start - lo) * unit_tok
         if off and start > 0:
             slot = self.fetches % pp.depth
@@ -226,8 +224,7 @@ class _Builder:
                                  **self.dequant_work(lossy, sparse, start, len(off), unit_fetch, deq))
         ws = attn_ws_bytes(m, B, n, pp.group)
         q_heads = pp.group * m.gqa_ratio
-        # resident heads of a mixed group (or of a ring layer: its window copied out in order)
-        ringed = bool(self.ring and self.ring[layer])
+        ringed = bool(self.ring and self.ring[layer])   # resident heads of a mixed group or a ring layer: copied out
         copy_in = 2 * B * (start - lo) * (len(heads) - len(off)) * unit_tok if off or ringed else 0
         flops, keys = m.attn_work(layer, start, n, q_heads)   # a window layer reads its visible keys only
         attn = self.add(Kind.COMPUTE, "attn", phase, idx, layer, g, (start, start + n), (qkv, fetch),
