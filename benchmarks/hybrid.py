@@ -9,9 +9,10 @@ gemma-3-4b (7.8 GB of weights), the same layer kinds.
                                                # (kvpipe plan --max-context), capped by --max-tokens
   python -m benchmarks.hybrid all --model gemma-3-12b --gpu-mem 40GB
 
-Each measurement runs in its own process. Two decode floors: the bytes this plan moves (a window
-layer keeps every token and its offloaded heads fetch all of them), and the bytes a store that
-drops what no window sees would move. Results: benchmarks/results/<machine>-<date>-hybrid-<stage>.json."""
+Each measurement runs in its own process. The decode floor: the h2d bytes one step of this plan
+moves (its graph's fetches: a window layer's offloaded heads fetch the W - 1 keys their window
+sees, its units keep a ring of W - 1 + 4 tokens off disk), beside what full attention would
+move. Results: benchmarks/results/<machine>-<date>-hybrid-<stage>.json."""
 from __future__ import annotations
 
 import argparse
@@ -31,22 +32,37 @@ def kvpipe(model: str, context: int, decode: int, gpu_mem: str, *knobs: str, tim
 
 
 def floors(run: dict, h2d: float | None) -> dict:
-    """Decode floors (seconds per step) from the plan's offloaded units: the bytes they move as
-    kvpipe stores them, and as a window-trimmed store would (disk units counted at the h2d rate)."""
+    """Decode floors (seconds per step at the run's mean decode position): the bytes the plan's
+    graph moves over h2d in one step (pipeline/builder.py: a window layer's offloaded heads fetch
+    only the W - 1 keys its window sees, a full layer's every token; disk units' reads are also
+    counted, at the h2d rate, as they cross it too) or, where more, the bytes the GPU reads
+    (weights, activations, resident keys) at the H200's peak HBM rate; beside it what full
+    attention's offloaded units would move."""
+    from kvpipe.pipeline.builder import build
     from kvpipe.pipeline.model import load_model
+    from kvpipe.pipeline.plan import Plan
+    from kvpipe.pipeline.workload import Workload
+    from kvpipe.hw_profiles import load_profile
     m = load_model(run["model"]["name"])
-    resident = run["plan"]["resident"]
+    plan = Plan.from_json(run["plan"], m)
     w = run["workload"]
-    mean_len = w["context"] + w["decode_tokens"] / 2
-    # placement's order: units are spread over layers, resident first (`resident // layers` per layer)
-    per_layer_resident = [resident // m.layers + (i < resident % m.layers) for i in range(m.layers)]
-    unit = m.kv_unit_bytes_per_token
-    windows = m.windows or (0,) * m.layers
-    moved = sum((m.kv_heads - r) * mean_len * unit for r in per_layer_resident)
-    trimmed = sum((m.kv_heads - r) * (min(wd, mean_len) if wd else mean_len) * unit
-                  for r, wd in zip(per_layer_resident, windows))
-    return {"bytes_per_step": moved, "trimmed_bytes_per_step": trimmed,
-            "floor_s": moved / h2d if h2d else None, "trimmed_floor_s": trimmed / h2d if h2d else None}
+    step = w["decode_tokens"] // 2
+    graph = build(m, Workload(w["context"], w["decode_tokens"], w["batch"]), plan, prefill=False,
+                  decode=range(step, step + 1))
+    by_tag = {}
+    for s in graph.stages:
+        by_tag[s.tag] = by_tag.get(s.tag, 0) + s.bytes
+    moved = by_tag.get("kv_fetch", 0)
+    # the GPU's share: weights, activations and the keys attention reads (resident heads' too)
+    gpu_read = sum(s.mem_bytes for s in graph.stages if s.lane.value == "gpu")
+    hbm = load_profile("h200").hbm_peak_bytes_per_s
+    pos = w["context"] + step
+    full = (m.units - min(plan.resident, m.units)) * w["batch"] * pos * m.kv_unit_bytes_per_token
+    return {"bytes_per_step": moved, "disk_read_bytes_per_step": by_tag.get("kv_read", 0),
+            "store_bytes_per_step": by_tag.get("kv_store", 0), "full_attention_bytes_per_step": full,
+            "gpu_read_bytes_per_step": gpu_read, "hbm_floor_s": gpu_read / hbm,
+            "floor_s": max(moved / h2d, gpu_read / hbm) if h2d else None,
+            "full_attention_floor_s": full / h2d if h2d else None}
 
 
 def hf_gpu(model: str, context: int, decode: int) -> dict:
@@ -92,7 +108,8 @@ def summarise(name: str, run: dict, h2d: float | None, hf: dict | None) -> None:
           f"{run['plan']['disk']} on disk; prefill {m['prefill_s']:.1f} s (sim {p['prefill_s']:.1f}, "
           f"{r['prefill_sim_over_measured']:.3f}x), decode {m['decode_s_per_token'] * 1e3:.1f} ms/token "
           f"(sim {p['decode_s_per_token'] * 1e3:.1f}, {r['decode_sim_over_measured']:.3f}x); floor "
-          f"{(f['floor_s'] or 0) * 1e3:.1f} ms (trimmed store {(f['trimmed_floor_s'] or 0) * 1e3:.1f} ms); "
+          f"{(f['floor_s'] or 0) * 1e3:.1f} ms ({f['bytes_per_step'] / 1e9:.2f} GB/step; full attention "
+          f"would move {f['full_attention_bytes_per_step'] / 1e9:.2f} GB); "
           f"peak GPU {m['peak_bytes']['gpu'] / 1e9:.1f} GB" +
           (f"; prefill / HF all-on-GPU {r['prefill_over_hf_gpu']:.2f}" if r["prefill_over_hf_gpu"] else ""))
 
@@ -117,7 +134,8 @@ def stage_long(res: dict, save, args) -> None:
     h2d = res["link"].get("h2d_bytes_per_s")
     plan = sh([sys.executable, "-m", "kvpipe", "plan", "--model", args.model, "--hw", "h200", "--gpu-mem",
                args.gpu_mem, "--max-context", "--json", *args.plan_args], 300)
-    res["max_context_plan"] = {k: plan.get(k) for k in ("max_context", "plan", "kv_per_layer_kind", "error")}
+    res["max_context_plan"] = {k: plan.get(k) for k in ("max_context", "plan", "kv_per_layer_kind",
+                                                         "kv_vs_full_attention", "error")}
     ctx = min(plan.get("max_context") or 0, args.max_tokens)
     res["long_context"] = ctx
     save()

@@ -94,6 +94,8 @@ def generate_kept(model, prompt, prompt_file, prompt_format, chat, system, n, st
                         chat=chat and msgs is not None, system=system, seed=gen["seed"], max_new_tokens=n, **options)
     loaded = {}
     try:
+        if save_kv is not None:   # before any work: a window layer's ring cannot be saved
+            saved.refuse_rings(conv.live.layout, "save-kv")
         if man is not None:
             t0 = time.perf_counter()
             conv.load(load_kv)

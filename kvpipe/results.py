@@ -20,12 +20,19 @@ CPU_NOTE = ("measured only: no hardware profile models a CPU run (`kvpipe plan -
             "on CPU the resident units live in this process's memory")
 
 
-def _head(model: ModelSpec, hw: HardwareProfile, work: Workload) -> dict:
+def _kinds_json(model: ModelSpec, work: Workload, plan) -> dict:
+    """The KV per layer kind under `plan` and its share of the same model's KV at full attention."""
+    rows = kv_by_kind(model, work, plan)
+    held, full = sum(r["kv_bytes"] for r in rows), sum(r["full_bytes"] for r in rows)
+    return {"kv_per_layer_kind": rows, "kv_vs_full_attention": round(held / full, 4)}
+
+
+def _head(model: ModelSpec, hw: HardwareProfile, work: Workload, plan=None) -> dict:
     return {"model": {"name": model.name, "family": model.family, "layers": model.layers,
                       "kv_heads": model.kv_heads, "q_heads": model.q_heads, "head_dim": model.head_dim,
                       "dtype": model.dtype, "weight_bytes": model.weight_bytes,
                       "kv_bytes_per_token": model.kv_bytes_per_token},
-            **({"kv_per_layer_kind": kv_by_kind(model, work)} if model.windows else {}),
+            **(_kinds_json(model, work, plan) if model.windows else {}),
             "hardware": {"name": hw.name, "description": hw.description},
             "workload": {"context": work.context, "decode_tokens": work.decode_tokens, "batch": work.batch}}
 
@@ -66,7 +73,7 @@ class PlanResult:
         return self.predicted.fits
 
     def to_json(self) -> dict:
-        out = _head(self.model, self.hardware, self.workload)
+        out = _head(self.model, self.hardware, self.workload, self.plan)
         p = self.predicted
         out.update(plan=p.plan.to_json(self.model), fits=p.fits, problems=list(p.problems),
                    predicted=p.report_json(), budgets_bytes=dict(self.budgets), warnings=list(self.warnings),
@@ -153,7 +160,7 @@ class RunResult:
         return not self.device.startswith("cpu")
 
     def to_json(self) -> dict:
-        out = _head(self.model, self.hardware, self.workload)
+        out = _head(self.model, self.hardware, self.workload, self.plan)
         measured = self.measured.to_json()
         measured.pop("gpu_breakdown_bytes")
         measured["decode_steps"] = decode_step_stats(self.real_trace)

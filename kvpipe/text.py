@@ -48,22 +48,25 @@ def print_plan(res: PlanResult) -> None:
         print(f"fits: NO — {'; '.join(p.problems)}")
     for line in format_report(p.report, p90=p.p90):
         print(line)
-    _print_kinds(res.model, res.workload)
+    _print_kinds(res.model, res.workload, p.plan)
     _print_fused(p)
     for note in p.report.notes:
         print(f"  note: {note}")
 
 
-def _print_kinds(model, work) -> None:
+def _print_kinds(model, work, plan) -> None:
     """The KV per layer kind of a model with sliding-window layers (memory.kv_by_kind)."""
     if not model.windows:
         return
     from kvpipe.pipeline.memory import kv_by_kind
-    rows = [f"{r['kind']} x{r['layers']} {fmt_bytes(r['kv_bytes'])}"
-            + (f" (its window sees {fmt_bytes(r['window_bytes'])})" if r["window_bytes"] < r["kv_bytes"] else "")
-            for r in kv_by_kind(model, work)]
-    print("  kv per layer kind: " + "; ".join(rows))
-    print("    window layers keep every token and mask it out: the KV held is the full length")
+    rows = kv_by_kind(model, work, plan)
+    print("  kv per layer kind: " + "; ".join(
+        f"{r['kind']} x{r['layers']} {fmt_bytes(r['kv_bytes'])}"
+        + (f" (of {fmt_bytes(r['full_bytes'])} at full length)" if r["kv_bytes"] < r["full_bytes"] else "")
+        for r in rows))
+    held, full = sum(r["kv_bytes"] for r in rows), sum(r["full_bytes"] for r in rows)
+    print(f"    KV held {fmt_bytes(held)}, {held / full:.1%} of full attention's {fmt_bytes(full)}: "
+          "window layers keep only what their window still sees (off disk)")
 
 
 def _print_fused(p) -> None:

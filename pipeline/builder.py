@@ -22,6 +22,7 @@ from .memory import (attn_ws_bytes, breakdown, hidden_bytes, layer_act_bytes, lo
 from .model import ModelSpec
 from .plan import PhasePlan, Plan, Tier, placement
 from .stage import Alloc, Graph, Kind, Phase, Pool, Stage
+from .windows import fetch_from, rings
 from .workload import Workload
 
 
@@ -41,6 +42,10 @@ class _Builder:
                     tuple(h for h in range(model.kv_heads) if self.tiers[(layer, h)] is Tier.DISK))
             for layer in range(model.layers)}
         self._members: dict[tuple[int, int, int], tuple[tuple[int, ...], ...]] = {}
+        # window layers' rings (memory.rings): their fetches start at the first visible token,
+        # their stores write only what the ring keeps, after the step's fetches have read it
+        self.ring = rings(model, work, plan)
+        self.layer_fetches: list[int] = []                 # kv_fetch stages of the layer in flight
 
     def add(self, kind: Kind, tag: str, phase: Phase, step: int, layer, group, tokens,
             deps=(), **kw) -> int:
@@ -72,6 +77,7 @@ class _Builder:
                          mem_bytes=qkv_w + la + B * n * resident * unit_tok, ops=6,
                          takes=((Pool.GPU, la),), **_small(qkv_ops(m, B * n, resident)))
             scored = self.score(phase, idx, layer, start, q)
+            self.layer_fetches = []
             attns = [self.group(phase, idx, layer, g, start, n, pp, scored) for g in range(m.kv_heads // G)]
             self.store(phase, idx, layer, start, n, q)
             last = layer == m.layers - 1 and not with_head
@@ -121,6 +127,8 @@ class _Builder:
         if not off:
             return
         nbytes = self.w.batch * n * self.m.kv_unit_bytes_per_token
+        ring = self.ring[layer] if self.ring else 0
+        after = self.layer_fetches if ring else []   # a ring row is overwritten once it has been read
         lossy = self.plan.lossy
         if lossy is not None and lossy.quant:   # LOSSY: quantised on the GPU, smaller bytes go home
             qbytes = self.w.batch * lossy.unit_bytes(n, self.m.head_dim, self.m.dtype_bytes)
@@ -135,8 +143,10 @@ class _Builder:
             qkv = self.add(Kind.GPU_COMPRESS, "gpu_compress", phase, idx, layer, None, (start, start + n), (qkv,),
                            heads=off, bytes=nbytes * len(off), mem_bytes=2 * nbytes * len(off), ops=4,
                            codec=self.h2d)   # planes split: raw bytes read and written
-        store = self.add(Kind.D2H, "kv_store", phase, idx, layer, None, (start, start + n), [qkv] + staged,
-                         heads=off, bytes=nbytes * len(off), ops=self.w.batch * len(off), codec=self.h2d)
+        kept = self.w.batch * min(n, ring) * self.m.kv_unit_bytes_per_token if ring else nbytes   # a ring: its last R
+        store = self.add(Kind.D2H, "kv_store", phase, idx, layer, None, (start, start + n), [qkv] + staged + after,
+                         heads=off, bytes=kept * (len(off) - len(disk)) + nbytes * len(disk),
+                         ops=self.w.batch * len(off), codec=self.h2d)
         for h in off:
             self.last_write[(layer, h)] = store
         if disk:
@@ -173,12 +183,11 @@ class _Builder:
         m, B, unit_tok = self.m, self.w.batch, self.m.kv_unit_bytes_per_token
         heads, off, disk = self.members(layer, g, pp.group)
         fetch = slot = score = None
-        deq = 0
-        lossy = self.plan.lossy
+        deq, lossy = 0, self.plan.lossy
         sparse = lossy is not None and lossy.sparse is not None and phase is Phase.DECODE
-        # bytes of one unit's prefix as it crosses the links (LOSSY: quantised, sparse)
-        unit_fetch = (B * (lossy.fetch_bytes(start, m.head_dim, m.dtype_bytes) if sparse else
-                           lossy.unit_bytes(start, m.head_dim, m.dtype_bytes))) if lossy else B * start * unit_tok
+        lo = fetch_from(m, self.ring, layer, start)   # a ring layer fetches what its window sees
+        unit_fetch = (B * (lossy.fetch_bytes(start, m.head_dim, m.dtype_bytes) if sparse else   # one unit's prefix on the links
+                           lossy.unit_bytes(start, m.head_dim, m.dtype_bytes))) if lossy else B * (start - lo) * unit_tok
         if off and start > 0:
             slot = self.fetches % pp.depth
             self.fetches += 1
@@ -188,7 +197,8 @@ class _Builder:
                 written.append(score)
             read = None
             if disk:
-                codec, raw = self.disk_codec(phase), unit_fetch * len(disk)
+                codec = self.disk_codec(phase)
+                raw = (B * start * unit_tok if lo else unit_fetch) * len(disk)   # disk rows hold every token
                 read = self.add(Kind.DISK_READ, "kv_read", phase, idx, layer, g, (0, start),
                                 [self.last_write.get((layer, h)) for h in disk]
                                 + [self.staging_user.get(slot), score], heads=disk, slot=slot,
@@ -197,11 +207,12 @@ class _Builder:
                     read = self.add(Kind.DECOMPRESS, "kv_decompress", phase, idx, layer, g, (0, start),
                                     (read,), heads=disk, slot=slot, bytes=raw, ops=B * len(disk), codec=codec)
             coded = self.h2d != "none"   # stored bytes cross, then are decoded on the GPU into the slot
-            fetch = self.add(Kind.H2D, "kv_fetch", phase, idx, layer, g, (0, start),
+            fetch = self.add(Kind.H2D, "kv_fetch", phase, idx, layer, g, (lo, start),
                              written + [self.slot_user.get(slot), read], heads=off, slot=slot,
                              bytes=unit_fetch * len(off), ops=B * len(off) * (1 + coded), codec=self.h2d)
             if disk:
                 self.staging_user[slot] = fetch
+            self.layer_fetches.append(fetch)
             if coded:
                 fetch = self.add(Kind.GPU_DECOMPRESS, "gpu_decompress", phase, idx, layer, g, (0, start), (fetch,),
                                  heads=off, slot=slot, bytes=unit_fetch * len(off), mem_bytes=3 * unit_fetch * len(off),
@@ -213,7 +224,8 @@ class _Builder:
                                  **self.dequant_work(lossy, sparse, start, len(off), unit_fetch, deq))
         ws = attn_ws_bytes(m, B, n, pp.group)
         q_heads = pp.group * m.gqa_ratio
-        copy_in = 2 * B * start * (len(heads) - len(off)) * unit_tok if off else 0  # resident heads of a mixed group
+        ringed = bool(self.ring and self.ring[layer])   # resident heads of a mixed group or a ring layer: copied out
+        copy_in = 2 * B * (start - lo) * (len(heads) - len(off)) * unit_tok if off or ringed else 0
         flops, keys = m.attn_work(layer, start, n, q_heads)   # a window layer reads its visible keys only
         attn = self.add(Kind.COMPUTE, "attn", phase, idx, layer, g, (start, start + n), (qkv, fetch),
                         heads=heads, slot=slot, flops=B * flops,

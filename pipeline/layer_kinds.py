@@ -101,6 +101,24 @@ def layer_kinds(cfg: dict, mtype: str, layers: int) -> LayerKinds:
     return LayerKinds(windows if any(windows) else (), float(softcap), rope)
 
 
+# Tokens a window layer keeps past what its window still sees, so that a kept conversation can
+# step back over the few decode steps run past its end (engine/decoding.LAG) and re-run its last one.
+REWIND_TOKENS = 4
+
+
+def first_visible(start: int, window: int) -> int:
+    """The first key position the query at `start` sees (0 for full attention, window 0)."""
+    return max(0, start - window + 1) if window else 0
+
+
+def ring_tokens(window: int, capacity: int) -> int:
+    """Tokens a unit of a layer with `window` keeps in a ring (position p at row p mod R) when it
+    holds fewer than `capacity`: the W - 1 keys the next query still sees and REWIND_TOKENS; 0 where
+    a ring would hold no fewer than the whole capacity (full attention, or a window as long)."""
+    ring = window - 1 + REWIND_TOKENS if window else 0
+    return ring if 0 < ring < capacity else 0
+
+
 def kind_names(windows: tuple[int, ...], layers: int) -> list[str]:
     """Each layer's kind as reports name it: 'full' or 'sliding W'."""
     return [f"sliding {w}" if w else "full" for w in (windows or (0,) * layers)]

@@ -8,9 +8,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .layer_kinds import ring_tokens
 from .model import ModelSpec
 from .pinned_blocks import carve
 from .plan import Plan, Tier, decode_replayed
+from .windows import rings, slot_tokens, tier_counts, window_homes, window_scratch_bytes
 from .workload import Workload
 
 FP32 = 4
@@ -126,9 +128,9 @@ class MemoryBreakdown:
                 "activations": self.activations}
 
 
-def slot_bytes(m: ModelSpec, work: Workload, group: int) -> int:
-    """One transfer slot: a whole head group's K/V at full length."""
-    return work.batch * group * work.kv_capacity * m.kv_unit_bytes_per_token
+def slot_bytes(m: ModelSpec, work: Workload, group: int, tokens: int | None = None) -> int:
+    """One transfer slot: a whole head group's K/V of `tokens` (default: the full length)."""
+    return work.batch * group * (work.kv_capacity if tokens is None else tokens) * m.kv_unit_bytes_per_token
 
 
 def chunk_sizes(context: int, chunk: int) -> list[int]:
@@ -143,8 +145,10 @@ def breakdown(m: ModelSpec, work: Workload, plan: Plan) -> MemoryBreakdown:
     count = {Tier.GPU: resident, Tier.DISK: disk, Tier.HOST: m.units - resident - disk}
     phases = [plan.prefill] + ([plan.decode] if work.decode_tokens else [])
     # Slots are shared by the phases: as many as the deepest phase, each as large as the largest group.
-    ring = max(p.depth for p in phases) * slot_bytes(m, work, max(p.group for p in phases))
-    slots = ring if count[Tier.HOST] + count[Tier.DISK] else 0
+    kept = rings(m, work, plan)
+    depth, group = max(p.depth for p in phases), max(p.group for p in phases)
+    ring = depth * slot_bytes(m, work, group)     # disk staging rows hold a disk unit's whole length
+    slots = depth * slot_bytes(m, work, group, slot_tokens(m, work, kept)) if count[Tier.HOST] + count[Tier.DISK] else 0
     staging = ring if count[Tier.DISK] else 0
     chunk = plan.prefill.chunk   # only the last chunk also holds the logits
     last = work.context - (-(-work.context // chunk) - 1) * chunk   # chunk_sizes(...)[-1], not built
@@ -161,12 +165,15 @@ def breakdown(m: ModelSpec, work: Workload, plan: Plan) -> MemoryBreakdown:
         gpu_kv += off * work.batch * plan.lossy.gpu_summary_bytes(cap, m.head_dim, m.dtype_bytes)
     if slots and plan.decode.codec("h2d") != "none":   # GPU codec on h2d: executor/codecs/h2d_store.py's buffers
         slots += h2d_codec_bytes(m, work, plan, count[Tier.HOST])
-    host_kv = count[Tier.HOST] * home
+    host_kv, disk_kv = count[Tier.HOST] * home, count[Tier.DISK] * home
+    if kept:   # window layers keep rings: every layer's units at their own length
+        gpu_kv, host_kv, disk_kv = window_homes(m, work, plan, kept)
+        slots += window_scratch_bytes(m, work, plan, kept)
     # Replayed decode (no disk units, lossy KV or codec): torch pins the homes, carved from blocks.
     slack = pinned_homes_bytes(m, work, resident) - host_kv if decode_replayed(m, work, plan) else 0
     return MemoryBreakdown(weights=m.weight_bytes, gpu_kv=gpu_kv, gpu_buffers=slots,
                            activations=act, host_kv=host_kv, host_buffers=staging,
-                           disk_kv=count[Tier.DISK] * home, host_slack=slack)
+                           disk_kv=disk_kv, host_slack=slack)
 
 
 def pinned_homes_bytes(m: ModelSpec, work: Workload, resident: int) -> int:
@@ -191,16 +198,26 @@ def h2d_codec_bytes(m: ModelSpec, work: Workload, plan: Plan, host_units: int) -
     return slot_bytes(m, work, group) + host_units * work.batch * tail * m.kv_unit_bytes_per_token
 
 
-def kv_by_kind(m: ModelSpec, work: Workload) -> list[dict]:
+def kv_by_kind(m: ModelSpec, work: Workload, plan: Plan | None = None) -> list[dict]:
     """The KV cache per layer kind ('full', 'sliding W'), in the order the kinds first appear:
-    `layers`, `kv_bytes` the executor holds for them (every tier together; a window layer keeps
-    every token and masks, so this is its full length), and `window_bytes`, what their windows can
-    still see at the end of the run (the floor of a store that drops what no query sees again)."""
-    per_layer = work.batch * m.kv_heads * m.kv_unit_bytes_per_token
+    `layers`; `kv_bytes`, what the executor holds for them under `plan` (every tier together: a
+    window layer's GPU and host units keep a ring of W - 1 + REWIND_TOKENS tokens, its disk units
+    every token; without a plan, as an exact plan with no disk units keeps them); `window_bytes`,
+    what their windows still see at the end of the run; `full_bytes`, their KV at full length."""
+    per_tok = work.batch * m.kv_unit_bytes_per_token
+    cap = work.kv_capacity
+    if plan is None:
+        kept = tuple(ring_tokens(w, cap) for w in m.windows) if m.windows else ()
+        counts = [(0, m.kv_heads, 0)] * m.layers
+    else:
+        kept, counts = rings(m, work, plan), tier_counts(m, plan)
     out: dict[str, dict] = {}
-    for kind, w in zip(m.layer_kinds, m.windows or (0,) * m.layers):
-        row = out.setdefault(kind, {"kind": kind, "layers": 0, "kv_bytes": 0, "window_bytes": 0})
+    for layer, (kind, w) in enumerate(zip(m.layer_kinds, m.windows or (0,) * m.layers)):
+        row = out.setdefault(kind, {"kind": kind, "layers": 0, "kv_bytes": 0, "window_bytes": 0, "full_bytes": 0})
+        gpu, host, disk = counts[layer]
+        held = kept[layer] if kept and kept[layer] else cap
         row["layers"] += 1
-        row["kv_bytes"] += per_layer * work.kv_capacity
-        row["window_bytes"] += per_layer * (min(w, work.kv_capacity) if w else work.kv_capacity)
+        row["kv_bytes"] += ((gpu + host) * held + disk * cap) * per_tok
+        row["window_bytes"] += m.kv_heads * (min(w, cap) if w else cap) * per_tok
+        row["full_bytes"] += m.kv_heads * cap * per_tok
     return list(out.values())

@@ -39,7 +39,7 @@ class ModelSpec:
     # (presets). Not part of the shapes: two specs with equal shapes compare equal.
     max_positions: int | None = field(default=None, compare=False)
     # Tokens each layer attends to (its own included), 0 for full attention; () when every layer
-    # is full. The executor keeps every token of a window layer and masks (memory.kv_by_kind).
+    # is full. A window layer's units keep a ring of what the window still sees (windows.rings).
     windows: tuple[int, ...] = ()
     softcap: float = 0.0   # attention logit softcap (Gemma 2), 0.0 for none
     rope: str = field(default="default", compare=False)   # HF rope type (layer_kinds.EXACT_ROPE)

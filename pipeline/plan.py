@@ -257,7 +257,9 @@ def placement(model: ModelSpec, plan: Plan) -> dict[tuple[int, int], Tier]:
             tiers[(layer, head)] = Tier.GPU if head < n else Tier.HOST
     # Disk takes the highest offloaded head of every layer first, so each layer streams from
     # both tiers and the disk and h2d lanes overlap instead of taking turns layer by layer.
-    offloaded = sorted((u for u in tiers if tiers[u] is Tier.HOST), key=lambda u: (-u[1], u[0]))
+    # Window layers' units go to disk last: there they keep every token, on the host only a ring.
+    windowed = lambda layer: bool(model.windows) and model.windows[layer] > 0   # noqa: E731
+    offloaded = sorted((u for u in tiers if tiers[u] is Tier.HOST), key=lambda u: (windowed(u[0]), -u[1], u[0]))
     for u in offloaded[:plan.disk]:
         tiers[u] = Tier.DISK
     return tiers

@@ -19,6 +19,7 @@ from kvpipe.pipeline.cost import compute_seconds, replayed_decode_attention_seco
 from kvpipe.pipeline.hardware import HardwareProfile
 from kvpipe.pipeline.memory import (attn_ws_bytes, chunk_sizes, hidden_bytes, layer_act_bytes,
                                     logits_bytes, mlp_act_bytes)
+from kvpipe.pipeline.layer_kinds import first_visible, ring_tokens
 from kvpipe.pipeline.model import ModelSpec
 from kvpipe.pipeline.plan import Method, PhasePlan, Plan, Tier, placement
 from kvpipe.pipeline.workload import Workload
@@ -75,6 +76,8 @@ def step_busy(model: ModelSpec, work: Workload, hw: HardwareProfile, layout: tup
     q_heads = G * m.gqa_ratio
     ws = attn_ws_bytes(m, B, n, G)
     attn_flops, keys = m.attn_work_floor(start, n, q_heads)   # every layer costed as the cheapest kind: a bound
+    fetched = min([start] + [start - first_visible(start, w) for w in m.windows
+                             if ring_tokens(w, work.kv_capacity)])   # a ring layer fetches its window only
     attn_flops *= B
     mlp = compute_seconds(B * n * m.mlp_flops_per_token, mlp_w + ma + la, 8, hw, dt, "mlp", replayed) \
         + _small(mlp_ops(m, B * n), hw, replayed)
@@ -84,7 +87,7 @@ def step_busy(model: ModelSpec, work: Workload, hw: HardwareProfile, layout: tup
                                 hw, dt, "qkv", replayed) + mlp + _small(qkv_ops(m, B * n, resident), hw, replayed)
         h2d = disk = 0.0
         for (o, d), k in kinds:
-            copy_in = 2 * B * start * (G - o) * ut if o else 0
+            copy_in = 2 * B * fetched * (G - o) * ut if o else 0
             mem = B * keys * G * ut + 2 * B * n * q_heads * m.head_dim * b + 2 * ws + copy_in
             table = (replayed_decode_attention_seconds(G, B * keys * G * ut, mem, hw)
                      if replayed and not prefill else None)   # the measured call, as cost.stage_seconds
@@ -94,12 +97,13 @@ def step_busy(model: ModelSpec, work: Workload, hw: HardwareProfile, layout: tup
             layer += k * (kernel + (small_seconds(1 + bool(o and start), 0.0, hw, True) if replayed
                                     else _small(layer_ops.attn(m, B * n, G, start), hw, False)))
             if o and start > 0:
-                h2d += k * (B * o * hw.h2d_alpha_s + B * start * o * ut / hw.h2d_bytes_per_s)
+                h2d += k * (B * o * hw.h2d_alpha_s + B * fetched * o * ut / hw.h2d_bytes_per_s)
             if d and start > 0:
                 disk += k * (B * d * hw.disk_alpha_s + B * start * d * ut / hw.disk_read_bytes_per_s)
         d2h = 0.0
         if n_off:
-            d2h = B * n_off * hw.d2h_alpha_s + B * n * n_off * ut / hw.d2h_bytes_per_s
+            stored = min([n] + [ring_tokens(w, work.kv_capacity) or n for w in m.windows])   # a ring keeps its tail
+            d2h = B * n_off * hw.d2h_alpha_s + B * stored * n_off * ut / hw.d2h_bytes_per_s
         if n_dsk:
             disk += B * n_dsk * hw.disk_alpha_s + B * n * n_dsk * ut / hw.disk_write_bytes_per_s
         for lane, v in (("gpu", layer), ("h2d", h2d), ("d2h", d2h), ("disk", disk)):

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from kvpipe.pipeline.fusion import decode_fused
 from kvpipe.pipeline.hardware import HardwareProfile
 from kvpipe.pipeline.memory import breakdown, gpu_budget_for, over_limits
+from kvpipe.pipeline.windows import least_true, most_true, rings
 from kvpipe.pipeline.model import ModelSpec
 from kvpipe.pipeline.plan import Method, PhasePlan, Plan, decode_replayed
 from kvpipe.pipeline.replay import Replay, blocker
@@ -119,9 +120,7 @@ class _Search:
     def fuses(self, plan: Plan) -> bool:
         return decode_fused(self.fuse, self.replays(plan))
 
-    @property
-    def unit_bytes(self) -> int:
-        return self.work.batch * self.work.kv_capacity * self.model.kv_unit_bytes_per_token
+    unit_bytes = property(lambda self: self.work.batch * self.work.kv_capacity * self.model.kv_unit_bytes_per_token)
 
     def place(self, plan: Plan, resident: int, pinned: bool = False, chunk_pinned: bool = False) -> Plan | None:
         """`plan` with `resident` units and the fewest disk units the host budget allows, or None
@@ -134,7 +133,9 @@ class _Search:
         host_cap = self.budgets["host"] * HOST_KV_FRACTION
         off = U - resident
         disk = 0
-        if off * unit > host_cap:
+        if rings(self.model, self.work, plan):   # units of unequal sizes: the fewest by bisection
+            disk = least_true(off, lambda d: breakdown(self.model, self.work, plan.with_(resident=resident, disk=d)).host <= host_cap)
+        elif off * unit > host_cap:
             ring = breakdown(self.model, self.work, plan.with_(resident=resident, disk=1)).host_buffers
             disk = min(off, math.ceil((off * unit + ring - host_cap) / unit))
         placed = plan.with_(resident=resident, disk=disk)
@@ -163,7 +164,9 @@ class _Search:
         if breakdown(self.model, self.work, plan.with_(resident=U, disk=0)).gpu <= cap:
             return U
         base = breakdown(self.model, self.work, plan.with_(resident=0, disk=0)).gpu
-        return max(0, min(U - 1, int((cap - base) // self.unit_bytes)))
+        guess = max(0, min(U - 1, int((cap - base) // self.unit_bytes)))   # exact for equal units
+        fits = lambda r: breakdown(self.model, self.work, plan.with_(resident=r, disk=0)).gpu <= cap  # noqa: E731
+        return most_true(U, fits, guess) if rings(self.model, self.work, plan) else guess   # unequal units
 
     def candidates(self, space: Space, pins: Pins, depths) -> list[Plan]:
         m, L = self.model, self.model.layers

@@ -86,18 +86,20 @@ def test_window_configs_match_hf_greedy_and_placement(cfg):
 
 
 def test_kv_per_layer_kind():
-    """Fault: a window layer's KV counted at its window (the executor keeps every token), a kind
-    missing from the breakdown, or the window's floor not capped at the run's length."""
+    """Fault: a window layer's KV counted at full length (the store keeps a ring of W - 1 + 4
+    tokens), a kind missing from the breakdown, the window's floor not capped at the run's
+    length, or a run shorter than the ring counted at the ring."""
     m = PRESETS["gemma-3-12b"]
     work = Workload(131072, 0)
     rows = {r["kind"]: r for r in kv_by_kind(m, work)}
     per_layer = m.kv_heads * m.kv_unit_bytes_per_token
     assert rows["full"]["layers"] == 8 and rows["sliding 1024"]["layers"] == 40
-    assert rows["sliding 1024"]["kv_bytes"] == 40 * per_layer * 131072
+    assert rows["sliding 1024"]["kv_bytes"] == 40 * per_layer * (1024 - 1 + 4)
+    assert rows["full"]["kv_bytes"] == 8 * per_layer * 131072
     assert rows["sliding 1024"]["window_bytes"] == 40 * per_layer * 1024
-    assert sum(r["kv_bytes"] for r in rows.values()) == m.kv_bytes_per_token * 131072
+    assert sum(r["full_bytes"] for r in rows.values()) == m.kv_bytes_per_token * 131072
     short = {r["kind"]: r for r in kv_by_kind(m, Workload(500, 0))}
-    assert short["sliding 1024"]["window_bytes"] == short["sliding 1024"]["kv_bytes"]
+    assert short["sliding 1024"]["window_bytes"] == short["sliding 1024"]["kv_bytes"] == 40 * per_layer * 500
 
 
 def test_hf_default_window_is_read_and_a_wide_window_runs(tmp_path, capsys):

@@ -83,7 +83,8 @@ class Interpreter:
     def _qkv(self, s: Stage) -> None:
         cur = self._step(s)
         q, kv = self.adapter.qkv(s.layer, cur.hidden, cur.rope)  # [B, Hq, T, D], [B, H, T, 2, D]
-        self.store.write_resident(s.layer, kv, cur.start)
+        if not self.store.layout.ring(s.layer):   # a ring's rows are written once attention read them (_mlp)
+            self.store.write_resident(s.layer, kv, cur.start)
         if self.sp is not None:           # LOSSY: the offloaded keys' summaries and sketch
             self.sp.append(s.layer, kv, cur.start)
         B, Hq, T, D = q.shape
@@ -101,15 +102,16 @@ class Interpreter:
         if s.slot is not None and N < P:   # LOSSY: sparse decode
             self._attn_sparse(s, cur, new, N)
             return
+        first = self.store.layout.first_kept(s.layer, P)   # a ring layer's window starts there
         if s.slot is not None:                  # offloaded heads were fetched into the slot
-            self.store.fill_resident(s.layer, heads, s.slot, P)
-            pre = self.store.slot_prefix(s.slot, G, P)                   # [B, G, P, 2, D]
+            self.store.fill_resident(s.layer, heads, s.slot, P, first)
+            pre = self.store.slot_prefix(s.slot, G, P - first)           # [B, G, P - first, 2, D]
         elif P == 0:
             pre = new[:, :, :0]                                          # [B, G, 0, 2, D]
         else:
-            pre = self.store.resident_prefix(s.layer, heads, P)          # [B, G, P, 2, D]
+            pre = self.store.resident_prefix(s.layer, heads, P, first)   # [B, G, P - first, 2, D]
         qs = slice(h0 * r, (h0 + G) * r)
-        o = self.adapter.attend(s.layer, cur.q[:, qs], k_of(pre), v_of(pre), k_of(new), v_of(new))
+        o = self.adapter.attend(s.layer, cur.q[:, qs], k_of(pre), v_of(pre), k_of(new), v_of(new), first)
         cur.out[:, :, qs] = o.transpose(1, 2)                            # [B, T, G*r, D]
 
     def _attn_sparse(self, s: Stage, cur: _Step, new: torch.Tensor, N: int) -> None:
@@ -159,6 +161,8 @@ class Interpreter:
         cur = self._step(s)
         if s.phase is Phase.DECODE:
             self._sel.pop((s.step, s.layer), None)
+        if self.store.layout.ring(s.layer):   # every attention of the layer has read the ring
+            self.store.write_resident(s.layer, self._kv[(s.phase, s.step, s.layer)][0], cur.start)
         cur.hidden = self.adapter.mlp(s.layer, cur.hidden, cur.out)
         cur.q = cur.out = None
         self._release((s.phase, s.step, s.layer))
@@ -179,12 +183,13 @@ class Interpreter:
 
     # ---- copy lanes --------------------------------------------------------------------
     def _fetch(self, s: Stage) -> None:
-        assert s.tokens[0] == 0 and s.slot is not None, (s.name, s.tokens, s.slot)
+        first = s.tokens[0]   # past 0 only for a ring layer (its window's first token)
+        assert first == self.store.layout.first_kept(s.layer, s.tokens[1]) and s.slot is not None, (s.name, s.tokens)
         base = s.group * self.group[s.phase]
         if s.phase is Phase.DECODE and self.sp is not None:   # LOSSY: only the selected tokens
             self.moved[s.id] = self.sp.gather(s.layer, s.heads, base, s.slot, self._sel[(s.step, s.layer)])
             return
-        self.moved[s.id] = self._home.fetch(s.layer, s.heads, base, s.slot, s.tokens[1])
+        self.moved[s.id] = self._home.fetch(s.layer, s.heads, base, s.slot, s.tokens[1], *((first,) if first else ()))
 
     def _store(self, s: Stage) -> None:
         key = (s.phase, s.step, s.layer)

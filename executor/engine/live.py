@@ -103,6 +103,8 @@ class LiveSession:
                              f"to generate exceed its {self.capacity}-token capacity")
         if len(ids) == self.length:      # the next token needs the last one's logits: run it again
             self.rewind(self.length - 1)
+        elif not self.store.marks.holds(self.length):   # decode run past the end overwrote a window
+            self.rewind(0)
         total, plan = len(ids), self.plan
         if plan.prefill.chunk > total:   # one chunk; the store was sized for the plan's chunk
             plan = replace(plan, prefill=replace(plan.prefill, chunk=total))
@@ -124,9 +126,14 @@ class LiveSession:
         return res
 
     def rewind(self, n: int) -> None:
-        """Keep the first `n` tokens' K/V (a conversation whose later tokens changed)."""
+        """Keep the first `n` tokens' K/V (a conversation whose later tokens changed); none where a
+        window layer's ring no longer holds the keys position n sees (the next call prefills all)."""
         if not 0 <= n <= self.length:
             raise ValueError(f"rewind: {n} is outside 0..{self.length}")
+        if self.store is not None and not self.store.marks.holds(n):
+            n = 0
+        if self.store is not None:
+            self.store.marks.forget(n)
         self.tokens = self.tokens[:n]
         self._truncate_disk()
 

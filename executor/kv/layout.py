@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpipe.pipeline.layer_kinds import first_visible
 from kvpipe.pipeline.lossy import LossySpec
 from kvpipe.pipeline.plan import Tier, placement
 from kvpipe.pipeline.stage import Graph
+from kvpipe.pipeline.windows import rings, scratch_tokens, slot_tokens
 
 from kvpipe.executor.disk.tier import ALIGN
 
@@ -35,6 +37,10 @@ class KVLayout:
     quant_vgroup: int = 0      # channels per V group (LossySpec.vgroup; the codec takes its gcd with head_dim)
     h2d_codec: str = "none"    # lossless GPU codec of the h2d link: host units stored compressed (executor/codecs/h2d_store.py)
     sparse: LossySpec | None = None   # LOSSY (--sparse): the selection's GPU state (executor/sparse/homes.py)
+    rings: tuple[int, ...] = ()   # per layer, the tokens its GPU/host homes keep as a ring (0: all; pipeline/windows.py)
+    windows: tuple[int, ...] = ()   # per layer, its attention window (0: full), where `rings` is set
+    slot_tokens: int = 0          # tokens a transfer slot holds (0: capacity)
+    scratch_tokens: int = 0       # tokens of the buffer a ring layer's resident window is copied into
 
     def __post_init__(self) -> None:
         for f in ("batch", "kv_heads", "head_dim", "capacity"):
@@ -65,15 +71,31 @@ class KVLayout:
         if quant and any(disk) and codecs != {"none"}:
             raise ValueError("codec: a disk codec cannot run with lossy KV (its records go to disk as they are)")
         h2d = plan.decode.codec("h2d") if offloaded else "none"   # Plan.check: one for both phases, host units only
+        ring = rings(m, w, plan)
         return cls(w.batch, m.kv_heads, m.head_dim, w.kv_capacity, resident,
                    max(p.depth for p in phases) if offloaded else 0, max(p.group for p in phases),
                    disk, min(plan.prefill.chunk, w.context), codecs.pop() if any(disk) else "none",
                    quant, plan.lossy.group if quant else 0, plan.lossy.vgroup if quant else 0, h2d,
-                   plan.lossy if plan.lossy is not None and plan.lossy.sparse is not None and offloaded else None)
+                   plan.lossy if plan.lossy is not None and plan.lossy.sparse is not None and offloaded else None,
+                   ring, m.windows if ring else (), slot_tokens(m, w, ring) if ring else 0,
+                   scratch_tokens(m, plan, ring))
 
     @property
     def layers(self) -> int:
         return len(self.resident)
+
+    def ring(self, layer: int) -> int:
+        """Tokens the layer's GPU/host homes keep as a ring (position p at row p mod R), 0: all."""
+        return self.rings[layer] if self.rings else 0
+
+    def held(self, layer: int) -> int:
+        """Rows of the layer's GPU and host homes."""
+        return self.ring(layer) or self.capacity
+
+    def first_kept(self, layer: int, start: int) -> int:
+        """The first token a step at `start` reads of the layer's prefix (its window's first where
+        the layer keeps a ring: pipeline/windows.fetch_from)."""
+        return first_visible(start, self.windows[layer]) if self.ring(layer) else 0
 
     def n_disk(self, layer: int) -> int:
         return self.disk[layer] if self.disk else 0

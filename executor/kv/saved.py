@@ -82,9 +82,18 @@ def _write_atomic(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
+def refuse_rings(layout, flag: str) -> None:
+    """ValueError naming `flag` where a window layer keeps a ring (executor/kv/ring.py): a KV
+    directory holds every unit's first n tokens, which a ring no longer has."""
+    if layout.rings:
+        raise ValueError(f"{flag}: this model's sliding-window layers keep only their last "
+                         f"{max(layout.rings)} tokens (a ring); their KV cannot be saved or loaded")
+
+
 def save(store: KVStore, n: int, length: int, directory: str | os.PathLike, meta: dict) -> dict:
     """Write the first `n` tokens of every unit (the store holds `length`) and a manifest of
     `meta` plus the data file's units and checksums; returns the manifest."""
+    refuse_rings(store.layout, "save-kv")
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     units, stride, nb = _units(store), _stride(store, n), n * store.token_bytes
@@ -130,6 +139,7 @@ def read_manifest(directory: str | os.PathLike, flag: str = "load-kv") -> dict:
 
 def load(store: KVStore, directory: str | os.PathLike, man: dict, flag: str = "load-kv") -> int:
     """Fill an empty store with the directory's units (each block verified); returns the tokens."""
+    refuse_rings(store.layout, flag)
     n, lo = man["tokens_saved"], store.layout
     nb, stride = n * store.token_bytes, _stride(store, n)
     if nb != man["unit_bytes"] or len(man["units"]) != lo.layers * lo.kv_heads:

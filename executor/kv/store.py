@@ -3,17 +3,16 @@ host RAM or the disk file of `executor.disk.tier`), plus the ring of GPU transfe
 head groups are fetched into, and for disk units the host staging they pass through.
 
 Layout, per layer, K and V interleaved per token so that one head's prefix is ONE contiguous
-copy per sequence (the builder's `ops = batch * heads`):
-  gpu[layer]   [B, n_res, S_cap, 2, D]  resident heads 0 .. n_res-1 (lowest indices first)
-  host[layer]  [B, n_host, S_cap, 2, D] host heads n_res .. n_res+n_host-1, pinned on CUDA
+copy per sequence (the builder's `ops = batch * heads`); S: S_cap, or a window layer's ring (ring.py):
+  gpu[layer]   [B, n_res, S, 2, D]   resident heads 0 .. n_res-1 (lowest indices first)
+  host[layer]  [B, n_host, S, 2, D]  host heads n_res .. n_res+n_host-1, pinned on CUDA
   disk rows    one row per (layer, sequence, disk head), heads n_res+n_host .. H-1 (the top ones)
-  wstage[layer] [B, n_disk, W, 2, D]   new K/V of disk heads on their way to disk (W: chunk)
-  rstage[i]    [B, G_max, row]         disk heads' prefixes read for slot i (page-aligned rows)
-  slots[i]     [B, G_max, S_cap, 2, D]  group head j at slot row j
+  wstage[layer] [B, n_disk, W, 2, D] new K/V of disk heads on their way to disk (W: chunk)
+  rstage[i]    [B, G_max, row]       disk heads' prefixes read for slot i (page-aligned rows)
+  slots[i]     [B, G_max, S_slot, 2, D]  group head j at slot row j
 Every buffer is allocated once (uninitialised: only written tokens are ever read), in `open()`,
-for the whole workload; `close()` frees it all.
-Copies are issued on the caller's current stream; ordering is the caller's business (the
-graph's deps)."""
+for the whole workload; `close()` frees it all. Copies are issued on the caller's current
+stream; ordering is the caller's business (the graph's deps)."""
 from __future__ import annotations
 
 import torch
@@ -22,6 +21,7 @@ from kvpipe.executor.disk.tier import ALIGN, DiskFile, aligned_buffer, default_k
 from kvpipe.executor.disk.frames import FramedDiskFile
 from kvpipe.executor.kv.layout import MAX_BLOCK, DiskOptions, KVLayout
 from kvpipe.executor.kv.pinned import HostArena
+from kvpipe.executor.kv import ring as rings
 
 class KVStore:
     """The KV buffers of one run on `device` in `dtype`; a context manager (allocates on enter)."""
@@ -45,20 +45,24 @@ class KVStore:
         self.coded = None   # the compressed homes (executor/codecs/h2d_store.py) with an h2d codec
         self.sparse = None   # LOSSY: the sparse selection's state (executor/sparse/homes.py) when layout.sparse
         self.arena = HostArena(self.cuda, torch_pinned=replay)
+        self.scratch: torch.Tensor | None = None   # a ring layer's resident window, in position order
+        self.marks = rings.RingMarks(layout.rings, layout.windows)
 
     # ---- lifetime ----------------------------------------------------------------------
     def open(self) -> "KVStore":
         lo = self.layout
         B, S, D, H = lo.batch, lo.capacity, lo.head_dim, lo.kv_heads
         gpu = dict(dtype=self.dtype, device=self.device)
-        self.gpu = [torch.empty(B, n, S, 2, D, **gpu) if n else None for n in lo.resident]
+        self.gpu = [torch.empty(B, n, lo.held(i), 2, D, **gpu) if n else None for i, n in enumerate(lo.resident)]
         homed = [i for i, n in enumerate(lo.resident)
                  if n + lo.n_disk(i) < H and not lo.quant_bits and lo.h2d_codec == "none"]
-        homes = self.arena.empties([(B, H - lo.resident[i] - lo.n_disk(i), S, 2, D) for i in homed], self.dtype)
+        homes = self.arena.empties([(B, H - lo.resident[i] - lo.n_disk(i), lo.held(i), 2, D) for i in homed], self.dtype)
         self.host = [None] * lo.layers
         for i, t in zip(homed, homes):   # one call: torch-pinned homes share power-of-two blocks
             self.host[i] = t
-        self.slots = [torch.empty(B, lo.slot_heads, S, 2, D, **gpu) for _ in range(lo.slots)]
+        self.slots = [torch.empty(B, lo.slot_heads, lo.slot_tokens or S, 2, D, **gpu) for _ in range(lo.slots)]
+        if lo.scratch_tokens:
+            self.scratch = torch.empty(B, lo.slot_heads, lo.scratch_tokens, 2, D, **gpu)
         try:
             if any(lo.disk):
                 self._open_disk()
@@ -76,10 +80,7 @@ class KVStore:
             raise
         return self
 
-    @property
-    def token_bytes(self) -> int:
-        """Bytes of one token of one unit (K and V)."""
-        return 2 * self.layout.head_dim * self.dtype.itemsize
+    token_bytes = property(lambda self: 2 * self.layout.head_dim * self.dtype.itemsize)   # one unit's token, K and V
 
     @property
     def row_stride(self) -> int:
@@ -118,7 +119,7 @@ class KVStore:
             if self.disk is not None:
                 self.disk.close()      # removes the file, whatever ended the run
             self.arena.close()   # unregisters (CUDA) and drops the carved blocks
-        self.gpu, self.host, self.slots, self.wstage, self.rstage, self.cstage = [], [], [], [], None, None
+        self.gpu, self.host, self.slots, self.wstage, self.rstage, self.cstage, self.scratch = [], [], [], [], None, None, None
         self.q = self.coded = self.sparse = None
 
     def __enter__(self) -> "KVStore":
@@ -138,18 +139,15 @@ class KVStore:
 
     @property
     def host_reserved_bytes(self) -> int:
-        """Host bytes the run's arena pinned or carved: its share of `host_bytes` plus the slack of
-        the power-of-two blocks that torch-pinned homes are carved from (pinned.carve); 0 where it
-        made plain allocations (CPU runs)."""
+        """Host bytes the arena pinned or carved: its share of `host_bytes` and the slack of the
+        power-of-two blocks torch-pinned homes are carved from (pinned.carve); 0 on CPU runs."""
         return self.arena.reserved_bytes
 
-    @property
-    def disk_bytes(self) -> int:
-        return self.disk.file_bytes if self.disk is not None else 0
+    disk_bytes = property(lambda self: self.disk.file_bytes if self.disk is not None else 0)
 
     @property
     def gpu_bytes(self) -> int:
-        bufs = [t for t in self.gpu if t is not None] + self.slots
+        bufs = [t for t in self.gpu if t is not None] + self.slots + ([self.scratch] if self.scratch is not None else [])
         return sum(t.numel() * t.element_size() for t in bufs) + (self.sparse.gpu_bytes if self.sparse else 0)
 
     def data_ptrs(self) -> tuple[int, ...]:
@@ -165,40 +163,51 @@ class KVStore:
         assert kv.shape == (self.layout.batch, self.layout.kv_heads, T, 2, self.layout.head_dim), kv.shape
         assert start + T <= self.layout.capacity, (start, T, self.layout.capacity)
         if n:
-            buf[:, :, start:start + T].copy_(kv[:, :n])
+            self.marks.wrote(layer, start + T)
+            rings.write(buf, kv[:, :n], start, self.layout.ring(layer))
 
-    def resident_prefix(self, layer: int, heads: tuple[int, ...], length: int) -> torch.Tensor:
-        """[B, G, P, 2, D] view of resident heads' first `length` tokens, in place."""
+    def resident_prefix(self, layer: int, heads: tuple[int, ...], length: int, first: int = 0) -> torch.Tensor:
+        """[B, G, P - first, 2, D]: resident heads' tokens [first, length), a view in place (a ring
+        layer's: copied into the scratch buffer in position order)."""
         assert heads and heads[-1] < self.layout.resident[layer], (layer, heads)
         assert heads == tuple(range(heads[0], heads[0] + len(heads))), heads
-        return self.gpu[layer][:, heads[0]:heads[-1] + 1, :length]
+        home = self.gpu[layer][:, heads[0]:heads[-1] + 1]
+        if not self.layout.ring(layer):
+            return home[:, :, first:length]
+        out = self.scratch[:, :len(heads), :length - first]
+        rings.read(home, first, length, self.layout.ring(layer), out)
+        return out
 
     def slot_prefix(self, slot: int, size: int, length: int) -> torch.Tensor:
         """[B, size, P, 2, D] view of a transfer slot holding a group of `size` heads."""
         assert size <= self.layout.slot_heads, (size, self.layout.slot_heads)
         return self.slots[slot][:, :size, :length]
 
-    def fill_resident(self, layer: int, heads: tuple[int, ...], slot: int, length: int) -> None:
-        """Mixed group: copy its resident heads' prefix into the slot (device to device)."""
+    def fill_resident(self, layer: int, heads: tuple[int, ...], slot: int, length: int, first: int = 0) -> None:
+        """Mixed group: copy its resident heads' tokens [first, length) into the slot (device to device)."""
         n = self.layout.resident[layer]
         res = [h for h in heads if h < n]
         if res:
             j0 = res[0] - heads[0]
-            self.slots[slot][:, j0:j0 + len(res), :length].copy_(self.gpu[layer][:, res[0]:res[-1] + 1, :length])
+            rings.read(self.gpu[layer][:, res[0]:res[-1] + 1], first, length, self.layout.ring(layer),
+                       self.slots[slot][:, j0:j0 + len(res)])
 
     # ---- transfers (h2d / d2h lanes) ---------------------------------------------------
-    def fetch(self, layer: int, heads: tuple[int, ...], base: int, slot: int, length: int) -> int:
-        """Copy the prefix [0, length) of offloaded `heads` from pinned host into the slot, head h
-        at slot row h - base. One contiguous copy per (sequence, head); returns bytes moved."""
+    def fetch(self, layer: int, heads: tuple[int, ...], base: int, slot: int, length: int, first: int = 0) -> int:
+        """Copy the tokens [first, length) of offloaded `heads` from pinned host (or the disk's
+        read staging) into the slot's rows [0, length - first), head h at slot row h - base. One
+        contiguous copy per (sequence, head), two where a ring wraps; returns bytes moved."""
         n, host, dst = self.layout.resident[layer], self.host[layer], self.slots[slot]
-        first_disk = self.layout.first_disk(layer)
+        first_disk, ring = self.layout.first_disk(layer), self.layout.ring(layer)
         assert heads and heads[0] >= n and length <= self.layout.capacity, (layer, heads, n, length)
         moved = 0
         for b in range(self.layout.batch):
             for h in heads:
-                src = (host[b, h - n, :length] if h < first_disk     # [P, 2, D], contiguous
-                       else self._rstage_row(slot, b, h - base, length))
-                dst[b, h - base, :length].copy_(src, non_blocking=self.cuda)
+                if h < first_disk:   # [R, 2, D] home, contiguous
+                    moved += rings.read(host[b, h - n], first, length, ring, dst[b, h - base], self.cuda)
+                    continue
+                src = self._rstage_row(slot, b, h - base, length)[first:]   # disk rows hold every token
+                dst[b, h - base, :length - first].copy_(src, non_blocking=self.cuda)
                 moved += src.numel() * src.element_size()
         return moved
 
@@ -210,16 +219,17 @@ class KVStore:
         T = kv.shape[2]
         assert heads and heads[0] >= n and start + T <= self.layout.capacity, (layer, heads, n, start, T)
         assert kv.is_contiguous(), "new K/V must be contiguous for one copy per (sequence, head)"
-        moved = 0
+        moved, ring = 0, self.layout.ring(layer)
+        self.marks.wrote(layer, start + T)
         for b in range(self.layout.batch):
             for h in heads:
                 src = kv[b, h]  # [T, 2, D], contiguous
-                dst = (host[b, h - n, start:start + T] if h < first_disk
-                       else self.wstage[layer][b, h - first_disk, :T])   # staged for kv_write
-                dst.copy_(src, non_blocking=self.cuda)
+                if h < first_disk:   # a ring keeps only the tokens later queries see
+                    moved += rings.write(host[b, h - n], src, start, ring, self.cuda)
+                    continue
+                self.wstage[layer][b, h - first_disk, :T].copy_(src, non_blocking=self.cuda)   # staged for kv_write
                 moved += src.numel() * src.element_size()
         return moved
-
 
     # ---- disk lane -----------------------------------------------------------------------
     def _rstage_row(self, slot: int, b: int, j: int, length: int) -> torch.Tensor:

@@ -115,12 +115,14 @@ class HFAdapter:
         return q.contiguous(), torch.stack((k, v), dim=3)  # [B, Hq, T, D], [B, Hkv, T, 2, D]
 
     def attend(self, layer: int, q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor,
-               k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
-        """One head group: q [B, G*r, T, D], prefix [B, G, P, D], new [B, G, T, D] -> [B, G*r, T, D]."""
+               k_new: torch.Tensor, v_new: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """One head group: q [B, G*r, T, D], prefix [B, G, P - first, D] (positions [first, P);
+        `first` > 0 only for a window layer), new [B, G, T, D] -> [B, G*r, T, D]."""
         scale = self.body.layers[layer].self_attn.scaling
         window, cap = self.windows[layer], self.softcaps[layer]
         if window or cap:   # a sliding window, a logit softcap: the kinds' own path (banded.py)
-            return attend_kind(q, k_prefix, v_prefix, k_new, v_new, scale, window, cap)
+            return attend_kind(q, k_prefix, v_prefix, k_new, v_new, scale, window, cap, first)
+        assert first == 0, first
         return attend_chunk(q, k_prefix, v_prefix, k_new, v_new, scale)
 
     def mlp(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:

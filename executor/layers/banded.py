@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from kvpipe.pipeline.layer_kinds import first_visible
 from kvpipe.pipeline.model import BANDED_ROWS
 
 from kvpipe.executor.layers.attention import attend_chunk
@@ -18,42 +19,43 @@ from kvpipe.executor.layers.attention import attend_chunk
 SCORE_ELEMENTS = 1 << 25   # softcapped scores held at once (fp32: 128 MiB); query rows are tiled to it
 
 
-def first_visible(start: int, window: int) -> int:
-    """The first key position the query at `start` sees (0 for full attention, window 0)."""
-    return max(0, start - window + 1) if window else 0
-
-
 def attend_kind(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor, k_new: torch.Tensor,
-                v_new: torch.Tensor, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
-    """As attention.attend_chunk (q [B, Hq, T, D], prefix [B, Hkv, P, D] at positions [0, P), new
-    [B, Hkv, T, D] at [P, P+T)) for a layer with a sliding `window` (0: full) and a logit `softcap`
-    (0.0: none). Returns [B, Hq, T, D] in q.dtype. A window layer's chunk runs in blocks of
-    BANDED_ROWS queries, each over its own visible keys: its mask and keys stay within
-    BANDED_ROWS x (W - 1 + BANDED_ROWS) however long the chunk."""
+                v_new: torch.Tensor, scale: float, window: int = 0, softcap: float = 0.0,
+                first: int = 0) -> torch.Tensor:
+    """As attention.attend_chunk (q [B, Hq, T, D], prefix [B, Hkv, P - first, D] at positions
+    [first, P), new [B, Hkv, T, D] at [P, P+T)) for a layer with a sliding `window` (0: full) and a
+    logit `softcap` (0.0: none); `first` may be no later than the first key the chunk sees (a
+    window unit's store keeps only those). Returns [B, Hq, T, D] in q.dtype. A window layer's
+    chunk runs in blocks of BANDED_ROWS queries, each over its own visible keys: its mask and keys
+    stay within BANDED_ROWS x (W - 1 + BANDED_ROWS) however long the chunk."""
     B, Hq, T, D = q.shape
-    P = k_prefix.shape[2]
+    P = first + k_prefix.shape[2]
     lo = first_visible(P, window)
+    assert first <= lo or P == first, (first, lo, P)
     if not softcap and (T == 1 or P + T <= window or not window):
-        return attend_chunk(q, k_prefix[:, :, lo:], v_prefix[:, :, lo:], k_new, v_new, scale)
+        at = max(0, lo - first)
+        return attend_chunk(q, k_prefix[:, :, at:], v_prefix[:, :, at:], k_new, v_new, scale)
     rows = BANDED_ROWS if window else T
     if rows >= T:
-        return _banded(q, k_prefix, v_prefix, k_new, v_new, P, scale, window, softcap)
+        return _banded(q, k_prefix, v_prefix, k_new, v_new, P, first, scale, window, softcap)
     out = q.new_empty(B, Hq, T, D)
     for a in range(0, T, rows):
         b = min(T, a + rows)
-        out[:, :, a:b] = _banded(q[:, :, a:b], k_prefix, v_prefix, k_new, v_new, P + a, scale, window, softcap)
+        out[:, :, a:b] = _banded(q[:, :, a:b], k_prefix, v_prefix, k_new, v_new, P + a, first, scale, window, softcap)
     return out
 
 
 def _banded(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor, k_new: torch.Tensor,
-            v_new: torch.Tensor, s0: int, scale: float, window: int, softcap: float) -> torch.Tensor:
+            v_new: torch.Tensor, s0: int, first: int, scale: float, window: int, softcap: float) -> torch.Tensor:
     """One masked call: the n queries q [B, Hq, n, D] at positions [s0, s0+n) of the chunk over
-    the keys from the first one they see (prefix tail, then the chunk's keys up to s0+n)."""
+    the keys from the first one they see (prefix tail, then the chunk's keys up to s0+n); the
+    prefix holds positions [first, P)."""
     B, Hq, n, D = q.shape
-    Hkv, P = k_prefix.shape[1], k_prefix.shape[2]
+    Hkv, P = k_prefix.shape[1], first + k_prefix.shape[2]
     lo = first_visible(s0, window)
     new = slice(max(0, lo - P), s0 + n - P)
-    parts = [(k_prefix[:, :, min(lo, P):], v_prefix[:, :, min(lo, P):]), (k_new[:, :, new], v_new[:, :, new])]
+    at = min(max(lo, first), P) - first
+    parts = [(k_prefix[:, :, at:], v_prefix[:, :, at:]), (k_new[:, :, new], v_new[:, :, new])]
     qpos = torch.arange(s0, s0 + n, device=q.device)[:, None]   # [n, 1]
     kpos = torch.arange(lo, s0 + n, device=q.device)[None]      # [1, S]
     see = kpos <= qpos
