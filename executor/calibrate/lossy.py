@@ -1,0 +1,88 @@
+"""`kvpipe calibrate`'s LOSSY stages, with the executor's own kernels: the quantise a prefill chunk's
+offloaded K/V goes through (executor/quant/blocks.BlockCodec.encode, int4 and int8) as
+gpu.quant_call_s + bytes / gpu.quant_bytes_per_s over the bytes the simulator's `quant` stage
+counts (pipeline/builder.py: the exact K/V read plus the records written), and sparse decode's
+`score` stage (executor/sparse/rank_triton.rank_select_static, PIPE_UNITS units a piece, replayed
+from a CUDA graph as a replayed step runs it) as gpu.sparse_score_call_s + code bytes /
+gpu.sparse_score_bytes_per_s."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvpipe.pipeline.calibration import Calibration, fit_alpha_beta_relative
+from kvpipe.pipeline.lossy import BLOCK_RANK, PIPE_UNITS, LossySpec
+
+from kvpipe.executor.calibrate.run_shapes import back_to_back_s
+from kvpipe.executor.calibrate.timing import graph_median_s
+
+
+def quant_points(dev: torch.device, chunks, units: int = 8, d: int = 128) -> list[dict]:
+    """BlockCodec.encode of `units` units' K/V of each chunk, int4 and int8, back to back."""
+    from kvpipe.executor.quant.blocks import BlockCodec
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    pts = []
+    for quant, bits in (("int4", 4), ("int8", 8)):
+        spec = LossySpec(quant)
+        codec = BlockCodec(bits, spec.group, d, dt, spec.vgroup)
+        for n in chunks:
+            kv = torch.randn(units * n // spec.group, spec.group, 2, d, device=dev, dtype=dt)
+            sec = back_to_back_s(lambda: codec.encode(kv), dev)
+            raw = units * n * 2 * d * dt.itemsize
+            pts.append({"quant": quant, "tokens": n, "units": units, "seconds": sec,
+                        "bytes": raw + units * spec.unit_bytes(n, d, dt.itemsize)})
+            del kv
+    return pts
+
+
+def quant(cal: Calibration, dev: torch.device, chunks=(2048, 8192, 32768)) -> None:
+    pts = quant_points(dev, chunks)
+    call, rate = fit_alpha_beta_relative([p["bytes"] for p in pts], [p["seconds"] for p in pts])
+    how = (f"executor/quant/blocks.BlockCodec.encode (int4 and int8, the default groups) of 8 units' K/V of "
+           f"{list(chunks)}-token chunks, back to back after the clock warm-up; relative least squares of "
+           "seconds = call_s + (exact bytes read + record bytes written) / rate")
+    cal.set("gpu.quant_call_s", call, how + " (intercept)")
+    cal.set("gpu.quant_bytes_per_s", rate, how + " (slope)")
+    cal.extra["quant_points"] = pts
+
+
+def score_point(dev: torch.device, prefix: int, units: int = 8, r: int = 4, d: int = 128,
+                fraction: float = 0.2) -> tuple[int, float, int]:
+    """(code bytes, device seconds, pieces) of one replayed score stage over `units` units of
+    `prefix` tokens (random keys with heavy-tailed channels; the timing does not depend on them)."""
+    from kvpipe.executor.replay import sparse_step
+    from kvpipe.executor.sparse import rank_triton, sketch
+    spec = LossySpec(sparse=fraction)
+    sealed = prefix // spec.chunk * spec.chunk
+    g = torch.Generator(device=dev).manual_seed(0)
+    k = (torch.randn(units, sealed, d, generator=g, device=dev)
+         * (1 + 10 * torch.rand(d, generator=g, device=dev))).bfloat16()
+    blocks = k.view(units, sealed // spec.chunk, spec.chunk, d)
+    lo, hi = blocks.amin(2), blocks.amax(2)
+    codes = sketch.encode(k, lo, hi, spec.sketch)
+    del k, blocks
+    q = torch.randn(units, r, d, generator=g, device=dev).bfloat16()
+    row = sparse_step.step_args(spec, prefix)
+    a = torch.tensor(row, dtype=torch.long, device=dev)
+    shapes = (row[sparse_step.TOTAL], row[sparse_step.H0], row[sparse_step.H1], row[sparse_step.N])
+    sec = graph_median_s(lambda: rank_triton.rank_select_static(q, lo, hi, codes, spec.sketch, a, *shapes, blocks=1,
+                                                                how=BLOCK_RANK, piece=PIPE_UNITS), 5)
+    return codes.numel(), sec, math.ceil(units / PIPE_UNITS)
+
+
+def sparse_score(cal: Calibration, dev: torch.device, prefixes=(32768, 131072)) -> None:
+    """[gpu] sparse_score_*: t = pieces x call_s + code bytes / rate, relative least squares per piece."""
+    from kvpipe.executor.sparse import rank_triton
+    why = rank_triton.unavailable(dev, 128, LossySpec(sparse=0.2).sketch)
+    if why is not None:
+        raise RuntimeError(f"the Triton ranking does not run here ({why})")
+    pts = [score_point(dev, p) for p in prefixes]
+    call, rate = fit_alpha_beta_relative([b / k for b, _, k in pts], [t / k for _, t, k in pts])
+    how = (f"the score stage (executor/sparse/rank_triton.rank_select_static, {PIPE_UNITS} units a piece, "
+           f"2-bit codes, 20% of tokens, GQA 4, D 128) over 8 units at {list(prefixes)} tokens, CUDA-graph device "
+           "time, median of 5; relative least squares of t = pieces x call_s + code bytes / rate")
+    cal.set("gpu.sparse_score_call_s", call, how + " (intercept)")
+    cal.set("gpu.sparse_score_bytes_per_s", rate, how + " (slope, packed code bytes read per second)")
+    cal.extra["sparse_score_points"] = [{"prefix": p, "code_bytes": b, "seconds": t, "pieces": k}
+                                        for p, (b, t, k) in zip(prefixes, pts)]
