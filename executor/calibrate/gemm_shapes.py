@@ -34,13 +34,16 @@ def prefill_gemms(cal: Calibration, dev: torch.device, dims: dict, chunks=CALIBR
                                                     dims["kv_dim"], dt)
         pts += [("qkv", T, f_qkv, back_to_back_s(qkv, dev)), ("mlp", T, f_mlp, back_to_back_s(mlp, dev))]
         del qkv, mlp
-    alpha, eff = fit_alpha_beta_relative([f for _, _, f, _ in pts], [t for _, _, _, t in pts])
+    try:
+        alpha, eff, fit = *fit_alpha_beta_relative([f for _, _, f, _ in pts], [t for _, _, _, t in pts]), "the relative least-squares fit"
+    except ValueError:   # times that do not grow with FLOPs (a noisy host): the best rate, no half
+        alpha, eff, fit = 0.0, max(f / t for _, _, f, t in pts), "the best point (the fit's slope was not positive)"
     how = (f"{dtype_name} GEMMs of a layer's qkv stage (q, k, v projections) and mlp stage (o, gate, up, down) at "
            f"{hidden_str(dims)}, T = {list(chunks)} (the planner's prefill chunks), back to back after the clock warm-up")
     cal.set(f"gpu.compute.{dtype_name}.effective_flops_per_s", eff,
-            how + "; slope of the relative least-squares fit stage seconds = (flops + half) / eff")
+            how + f"; slope of {fit} of stage seconds = (flops + half) / eff")
     if dtype_name == "bf16":
-        cal.set("gpu.small_shape_half_flops", alpha * eff, how + "; intercept x slope of the same fit")
+        cal.set("gpu.small_shape_half_flops", alpha * eff, how + f"; intercept x slope of {fit}")
     cal.extra[f"gemm_stage_points_{dtype_name}"] = [{"stage": s, "tokens": T, "flops": f, "seconds": t}
                                                     for s, T, f, t in pts]
     return eff, alpha * eff
