@@ -42,8 +42,7 @@ def prefill_gemms(cal: Calibration, dev: torch.device, dims: dict, chunks=CALIBR
            f"{hidden_str(dims)}, T = {list(chunks)} (the planner's prefill chunks), back to back after the clock warm-up")
     cal.set(f"gpu.compute.{dtype_name}.effective_flops_per_s", eff,
             how + f"; slope of {fit} of stage seconds = (flops + half) / eff")
-    if dtype_name == "bf16":
-        cal.set("gpu.small_shape_half_flops", alpha * eff, how + f"; intercept x slope of {fit}")
+    cal.set("gpu.small_shape_half_flops", alpha * eff, how + f"; intercept x slope of {fit}")
     cal.extra[f"gemm_stage_points_{dtype_name}"] = [{"stage": s, "tokens": T, "flops": f, "seconds": t}
                                                     for s, T, f, t in pts]
     return eff, alpha * eff
