@@ -14,13 +14,12 @@ import time
 
 import torch
 
-from kvpipe.pipeline.calibration import Calibration, fit_alpha_beta_relative
-from kvpipe.pipeline.run_rates import (CALIBRATE_CHUNKS, OWN_CHUNKS, OWN_GROUPS, PREFIX_KEYS, PREFIX_ROWS,
-                                       AttentionRates, RateGrid)
+from kvpipe.pipeline.calibration import Calibration
+from kvpipe.pipeline.run_rates import OWN_CHUNKS, OWN_GROUPS, PREFIX_KEYS, PREFIX_ROWS, AttentionRates, RateGrid
 
 from kvpipe.executor.layers.attention import attend_part, repeat_kv
 
-SLEEP_CYCLES = 20_000_000   # ~10 ms at 2 GHz: the host queues the calls behind it
+CYCLES_PER_S = 2.0e9   # the sleep kernel counts GPU cycles; at a lower clock it only sleeps longer
 
 
 def sync(dev: torch.device) -> None:
@@ -29,13 +28,15 @@ def sync(dev: torch.device) -> None:
 
 
 def back_to_back_s(fn, dev: torch.device, reps: int = 3, window_s: float = 0.02, max_calls: int = 64) -> float:
-    """Seconds per call of `fn` issued back to back: once untimed (plans, workspaces), then `reps`
-    windows of k calls (k fills ~`window_s`), each queued behind a sleep kernel on CUDA and timed
-    by events around the calls; the median window over k."""
+    """Seconds per call of `fn` issued back to back: once untimed (plans, workspaces), once timed
+    alone (its host issue time and its wall time), then `reps` windows of k calls (k fills
+    ~`window_s`), each queued on CUDA behind a sleep kernel longer than their issue, timed by
+    events around the calls; the median window over k."""
     fn()
     sync(dev)
     t0 = time.perf_counter()
     fn()
+    host = time.perf_counter() - t0
     sync(dev)
     one = max(time.perf_counter() - t0, 1e-6)
     k = max(1, min(max_calls, math.ceil(window_s / one)))
@@ -43,7 +44,7 @@ def back_to_back_s(fn, dev: torch.device, reps: int = 3, window_s: float = 0.02,
     for _ in range(reps):
         if dev.type == "cuda":
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(SLEEP_CYCLES)
+            torch.cuda._sleep(int((1.5 * k * host + 1e-3) * CYCLES_PER_S))
             a.record()
             for _ in range(k):
                 fn()
@@ -59,25 +60,28 @@ def back_to_back_s(fn, dev: torch.device, reps: int = 3, window_s: float = 0.02,
 
 
 def warm_clock(cal: Calibration, dev: torch.device, seconds: float = 2.0, size: int = 8192) -> None:
-    """Hold the GPU busy with bf16 GEMMs for up to `seconds`, timing 0.25 s windows, until two
-    windows in a row agree within 1% (after at least 1 s): the clock a run's prefill settles at.
-    The windows' rates go to the JSON record."""
+    """Hold the GPU busy with bf16 GEMMs for up to `seconds`, in windows of ~0.25 s of GEMMs, until
+    two windows in a row agree within 1% (after at least 1 s): the clock a run's prefill settles
+    at. The windows' rates go to the JSON record."""
     if dev.type != "cuda":
         return
     a = torch.randn(size, size, device=dev, dtype=torch.bfloat16)
     flops, rates, t_end = 2.0 * size ** 3, [], time.perf_counter() + seconds
+    a @ a
+    sync(dev)
+    t0 = time.perf_counter()
+    a @ a
+    sync(dev)
+    k = max(1, math.ceil(0.25 / max(time.perf_counter() - t0, 1e-5)))
     while time.perf_counter() < t_end:
         ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0 = time.perf_counter()
         ev0.record()
-        n = 0
-        while time.perf_counter() - t0 < 0.25:
+        for _ in range(k):
             a @ a
-            n += 1
         ev1.record()
         ev1.synchronize()
-        rates.append(n * flops / (ev0.elapsed_time(ev1) / 1e3))
-        if len(rates) >= 5 and abs(rates[-1] / rates[-2] - 1) < 0.01:
+        rates.append(k * flops / (ev0.elapsed_time(ev1) / 1e3))
+        if len(rates) >= 4 and abs(rates[-1] / rates[-2] - 1) < 0.01:
             break
     cal.extra["warm_clock_gemm_flops_per_s"] = rates
 
