@@ -65,7 +65,7 @@ def rows_of(args) -> dict:
 def calibrate_profile(args, dev, out_toml: Path) -> tuple[str, float]:
     """Run `kvpipe calibrate --quick` (CUDA) or its run-shape steps over h200-testbox (CPU) and write the profile."""
     from kvpipe.hw_profiles import load_profile
-    from kvpipe.pipeline.calibration import Calibration, to_toml
+    from kvpipe.pipeline.calibration import to_toml
     t0 = time.perf_counter()
     if dev.type == "cuda":
         from kvpipe.executor.calibrate.machine import calibrate
