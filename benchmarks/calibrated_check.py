@@ -56,6 +56,8 @@ def rows_of(args) -> dict:
         if unknown:
             raise ValueError(f"--rows: unknown row {unknown[0]!r} (known: {', '.join(every)})")
         table = {n: every[n] for n in args.rows.split(",")}
+    table = dict(sorted(table.items(), key=lambda kv: (kv[1][0], bool(kv[1][3] or kv[1][4]))))   # by context:
+    # a row of the previous row's context reuses its pinned blocks (benchmarks/measure.Bench)
     if args.model == "tiny":
         table = {n: (max(512, c // TINY_SCALE), "1" if g not in ("auto", "1") and int(g) > 2 else g, r, q, s)
                  for n, (c, g, r, q, s) in table.items()}
