@@ -221,10 +221,15 @@ def stage_seconds(s: Stage, hw: HardwareProfile, dtype: str, replayed: bool = Fa
 
 
 def host_waits_for(s: Stage) -> bool:
-    """Whether the executor's host waits for `s` to end before it issues anything more: a GPU
+    """Whether the executor's host waits for `s` to end before it issues anything more (eagerly
+    issued; a replayed step's quantise sets a device flag instead): a LOSSY quantise that fills
+    blocks reads its range check back (the GPU's queue drains at every prefill chunk and layer,
+    and the next stages wait for the host to issue them); a GPU
     codec's encode reads the compressed sizes back (executor/nvcomp_codec.AnsBlocks.encode, one
     stream sync per batch of filled blocks). A prefill chunk's compress fills blocks; a decode
     step's only when its token completes a block of H2D_BLOCK_TOKENS (executor/codecs/h2d_store.py)."""
+    if s.kind is Kind.COMPUTE and s.tag == "quant":   # LOSSY: an eager quantise of filled blocks checks its
+        return s.ops > QUANT_TAIL_OPS   # range on the host (executor/quant/quantize.py, `y.abs().max()`): a sync
     if s.kind is not Kind.GPU_COMPRESS:
         return False
     return s.phase is Phase.PREFILL or s.tokens[1] % H2D_BLOCK_TOKENS == 0

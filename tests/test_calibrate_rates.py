@@ -148,3 +148,32 @@ def test_calibrate_measures_at_the_planners_shapes():
     assert run_rates.PREFIX_ROWS[0] <= min(calls) and run_rates.PREFIX_ROWS[-1] >= max(calls)
     assert run_rates.OWN_CHUNKS[0] <= min(space.chunks) and run_rates.OWN_CHUNKS[-1] >= max(space.chunks)
     assert run_rates.PREFIX_KEYS[-1] >= 131072 - max(space.chunks)   # a 128K run's last chunk's prefix
+
+
+def test_eager_quantise_of_filled_blocks_makes_the_host_wait():
+    # Fault caught: the LOSSY quantise's range check (a device-to-host read in
+    # executor/quant/quantize.py) left out of the simulator: the host then ran ahead of every
+    # prefill chunk's quantise and int4 prefill was predicted short. Both backends: the stage
+    # issued after a filling quantise starts no earlier than its end plus its own issue.
+    from kvpipe.pipeline.builder import build
+    from kvpipe.pipeline.cost import host_issue_seconds, host_waits_for
+    from kvpipe.pipeline.lossy import LossySpec
+    from kvpipe.pipeline.model import ModelSpec
+    from kvpipe.pipeline.plan import Method, PhasePlan, Plan
+    from kvpipe.pipeline.workload import Workload
+    from kvpipe.sim import engine, onepass
+    fill = Stage(0, Kind.COMPUTE, "quant", Phase.PREFILL, 0, 0, None, (0, 4096), heads=(0,),
+                 mem_bytes=1e6, ops=QUANT_TAIL_OPS + QUANT_ENCODE_OPS)
+    assert host_waits_for(fill) and not host_waits_for(replace(fill, ops=QUANT_TAIL_OPS))
+    m = ModelSpec("two", layers=2, hidden=4096, q_heads=32, kv_heads=8, intermediate=14336, family="llama",
+                  vocab=128256, head_dim=128)
+    hw = load_profile("h200-testbox")
+    plan = Plan(Method.HEADWISE, PhasePlan(8, 2048, 2), PhasePlan(8, 1, 2), 0, 0, lossy=LossySpec("int4"))
+    graph = build(m, Workload(8192, 1, 1), plan)
+    quants = [s for s in graph.stages if s.tag == "quant" and s.phase is Phase.PREFILL]
+    assert len(quants) == 8 and all(host_waits_for(s) for s in quants)
+    for trace in (engine.run(graph, hw)[0], onepass.schedule(graph, hw)[0]):
+        span = {sp.stage: sp for sp in trace.spans}
+        for q in quants:
+            nxt = graph.stages[q.id + 1]
+            assert span[nxt.id].start_s >= span[q.id].end_s + host_issue_seconds(nxt, hw) - 1e-12, (q.name, nxt.name)
