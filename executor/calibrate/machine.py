@@ -3,7 +3,9 @@ measurements — GEMM rate at the graph's shapes, small-kernel floor and element
 decoder layer's non-GEMM ops, HBM copy rate and kernel launch cost (calibrate/gpu.py), attention
 rate per kernel (calibrate/attention.py), pinned H2D/D2H as alpha + bytes/beta and O_DIRECT disk
 read/write (calibrate/links.py), the executor's host issue costs (calibrate/host_issue.py), and the
-codecs of the h2d and disk links on random-weight K/V (calibrate/codecs.py). Timings are CUDA
+codecs of the h2d and disk links on random-weight K/V (calibrate/codecs.py); then, after a clock
+warm-up, the rates at the run's shapes (`run_shape_steps`: the stages' GEMMs at the planner's
+chunks, the decode GEMMs, the prefill attention grid, the LOSSY quantise and sparse score). Timings are CUDA
 events around the region, medians of repeats, after a warm-up. Datasheet peaks (which no
 measurement gives) come from a base profile and are labelled so."""
 from __future__ import annotations
