@@ -93,3 +93,9 @@ class AttentionRates:
     def peak(self) -> float:
         """The fastest rate anywhere in either grid."""
         return max(v for g in (self.prefix, self.own) for row in g.rates for v in row)
+
+    def estimate_efficiency(self, eff_flops_per_s: float) -> float:
+        """The profile's single `attention_efficiency` beside the grids: the fastest grid rate over
+        the GEMM rate, so the planner's estimate (sim/estimate.py, one efficiency for every
+        shape) stays a lower bound of the simulated time."""
+        return min(1.0, self.peak() / eff_flops_per_s)

@@ -177,3 +177,39 @@ def test_eager_quantise_of_filled_blocks_makes_the_host_wait():
         for q in quants:
             nxt = graph.stages[q.id + 1]
             assert span[nxt.id].start_s >= span[q.id].end_s + host_issue_seconds(nxt, hw) - 1e-12, (q.name, nxt.name)
+
+
+def test_the_estimate_stays_a_lower_bound_on_a_calibrated_profile():
+    # Fault caught: a calibrated profile whose single attention_efficiency is slower than its grid
+    # (e.g. the grid's median): the planner's estimate then bounds above the simulated time and
+    # pruning can discard the best plan (as tests/test_estimate_law.py holds for bundled profiles).
+    import itertools
+
+    from kvpipe.pipeline.model import ModelSpec
+    from kvpipe.pipeline.plan import Method, PhasePlan, Plan
+    from kvpipe.pipeline.workload import Workload
+    from kvpipe.sim.planner import OBJECTIVES, _Search, objective_value
+    from kvpipe.sim.simulate import simulate
+    base = load_profile("h200-testbox")
+    eff = base.flops_eff("bf16")
+    grids = AttentionRates(
+        RateGrid(run_rates.PREFIX_ROWS, run_rates.PREFIX_KEYS,
+                 tuple(tuple(0.76 * eff * min(1, (r / 4096) ** 0.1) * min(1, (p / 32768) ** 0.05)
+                             for p in run_rates.PREFIX_KEYS) for r in run_rates.PREFIX_ROWS)),
+        RateGrid(run_rates.OWN_GROUPS, run_rates.OWN_CHUNKS,
+                 tuple(tuple(0.6 * eff * min(1, (g * n / 8192) ** 0.1) for n in run_rates.OWN_CHUNKS)
+                       for g in run_rates.OWN_GROUPS)))
+    hw = replace(base, attention_rates=grids, attention_efficiency=grids.estimate_efficiency(eff),
+                 decode_gemm_bytes_per_s=3.4e12, quant_call_s=3e-4, quant_bytes_per_s=3e11)
+    m = ModelSpec("two", layers=2, hidden=4096, q_heads=32, kv_heads=8, intermediate=14336, family="llama",
+                  vocab=128256, head_dim=128)
+    roomy = {"gpu": 2**50, "host": 2**50, "disk": 2**50}
+    for context, chunk, group, resident, decode in itertools.product((32768, 131072), (1024, 32768), (1, 8),
+                                                                     (0, 16), (0, 2)):
+        work = Workload(context, decode)
+        s = _Search(m, work, hw, roomy)
+        plan = s.stamped(Plan(Method.HEADWISE, PhasePlan(group, chunk, 2), PhasePlan(group, 1, 2), resident, 0))
+        pred = simulate(m, work, plan, hw, full=True, replay=s.replays(plan), fuse=s.fuses(plan))
+        est = s.estimate(plan)
+        for objective in OBJECTIVES:
+            assert est.lower_bound(objective) <= objective_value(pred, objective) * (1 + 1e-9), (objective, plan.describe())

@@ -120,7 +120,7 @@ def run_shape_steps(cal: Calibration, dev: torch.device, dims: dict | None = Non
     def attention_grid() -> None:
         rates = run_shapes.attention_rates(cal, dev, **(grids or {}))
         eff = cal.values[f"gpu.compute.{rates.dtype}.effective_flops_per_s"]
-        cal.set("gpu.attention_efficiency", min(1.0, rates.peak() / eff),
+        cal.set("gpu.attention_efficiency", rates.estimate_efficiency(eff),
                 "the fastest rate of [gpu.attention_rates] over the stage-fitted GEMM rate (the planner's "
                 "estimate bound; the simulator costs prefill attention from the grids)")
     dtype = "bf16" if dev.type == "cuda" else "fp32"
