@@ -57,6 +57,8 @@ _OPTIONAL = {   # TOML key -> HardwareProfile field: absent means the field's de
     "gpu.decode_gemm_bytes_per_s": "decode_gemm_bytes_per_s",
     "gpu.quant_call_s": "quant_call_s",
     "gpu.quant_bytes_per_s": "quant_bytes_per_s",
+    "link.gather_call_s": "gather_call_s",
+    "link.gather_bytes_per_s": "gather_bytes_per_s",
     "multi_gpu.host_mem_bytes_per_s": "host_mem_bytes_per_s",
     "multi_gpu.peer_alpha_s": "peer_alpha_s",
     "multi_gpu.peer_bytes_per_s": "peer_bytes_per_s",

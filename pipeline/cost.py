@@ -200,6 +200,8 @@ def stage_seconds(s: Stage, hw: HardwareProfile, dtype: str, replayed: bool = Fa
         return (compute_seconds(s.flops, s.mem_bytes, s.ops, hw, dtype, s.tag, replayed,
                                 not split_kv_attention(s))
                 + stage_small_seconds(s, hw, replayed))
+    if s.kind is Kind.H2D and s.gather and hw.gather_call_s is not None:   # LOSSY sparse: the rows gathered
+        return s.ops * hw.gather_call_s + stored_bytes(s, hw) / hw.gather_bytes_per_s
     if s.kind is Kind.H2D:   # with a codec on h2d: its stored bytes
         return s.ops * hw.h2d_alpha_s + stored_bytes(s, hw) / hw.h2d_bytes_per_s
     if s.kind is Kind.D2H:

@@ -203,6 +203,11 @@ class HardwareProfile:
     decode_gemm_bytes_per_s: float | None = None
     quant_call_s: float | None = None
     quant_bytes_per_s: float | None = None
+    # LOSSY sparse decode's gather of the selected rows from pinned host homes (executor/sparse/gather.py,
+    # UVA index_select per unit): `gather_call_s + bytes / gather_bytes_per_s` per call; None: the
+    # h2d copy figures stand in (a gather measured ~0.9x a bulk copy's rate on the H200).
+    gather_call_s: float | None = None
+    gather_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         for f in ("name", "description"):
@@ -236,9 +241,12 @@ class HardwareProfile:
         for f in ("host_mem_bytes_per_s", "peer_alpha_s", "peer_bytes_per_s"):
             if getattr(self, f) is not None:
                 object.__setattr__(self, f, _number(f, getattr(self, f), f == "peer_alpha_s"))
-        for f in ("decode_gemm_bytes_per_s", "quant_call_s", "quant_bytes_per_s"):
+        for f in ("decode_gemm_bytes_per_s", "quant_call_s", "quant_bytes_per_s", "gather_call_s", "gather_bytes_per_s"):
             if getattr(self, f) is not None:
-                object.__setattr__(self, f, _number(f, getattr(self, f), f == "quant_call_s"))
+                object.__setattr__(self, f, _number(f, getattr(self, f), f in ("quant_call_s", "gather_call_s")))
+        if (self.gather_call_s is None) != (self.gather_bytes_per_s is None):
+            raise HardwareFieldError("gather_bytes_per_s", "gather_call_s and gather_bytes_per_s come together (one fit) "
+                                     "or not at all")
         if (self.quant_call_s is None) != (self.quant_bytes_per_s is None):
             raise HardwareFieldError("quant_bytes_per_s", "quant_call_s and quant_bytes_per_s come together (one fit) "
                                      "or not at all")

@@ -66,7 +66,8 @@ def _cal_with_rates() -> Calibration:
                  "gpu.attention_rates.own_groups": list(OWN.xs), "gpu.attention_rates.own_chunks": list(OWN.ys),
                  "gpu.attention_rates.own_flops_per_s": [list(r) for r in OWN.rates],
                  "gpu.attention_rates.dtype": "bf16", "gpu.decode_gemm_bytes_per_s": 3.3e12,
-                 "gpu.quant_call_s": 2.5e-4, "gpu.quant_bytes_per_s": 4.0e11}.items():
+                 "gpu.quant_call_s": 2.5e-4, "gpu.quant_bytes_per_s": 4.0e11,
+                 "link.gather_call_s": 6e-6, "link.gather_bytes_per_s": 4.9e10}.items():
         cal.set(k, v, "by hand")
     return cal
 
@@ -80,6 +81,7 @@ def test_profile_fields_written_and_read_back(tmp_path):
     hw = load_profile(str(path))
     assert hw.attention_rates == AttentionRates(GRID, OWN, "bf16")
     assert (hw.decode_gemm_bytes_per_s, hw.quant_call_s, hw.quant_bytes_per_s) == (3.3e12, 2.5e-4, 4.0e11)
+    assert (hw.gather_call_s, hw.gather_bytes_per_s) == (6e-6, 4.9e10)
     assert "prefix_flops_per_s = [[1e+14, 4e+14], [2e+14, 8e+14]]" in text and "source: measured, by hand" in text
     path.write_text(text.replace("own_chunks = [1024, 4096]", "own_chunks = [4096, 1024]"))
     with pytest.raises(ValueError, match="attention_rates.own"):
@@ -213,3 +215,25 @@ def test_the_estimate_stays_a_lower_bound_on_a_calibrated_profile():
         est = s.estimate(plan)
         for objective in OBJECTIVES:
             assert est.lower_bound(objective) <= objective_value(pred, objective) * (1 + 1e-9), (objective, plan.describe())
+
+
+def test_sparse_fetches_are_gathers_costed_at_the_gather_fit():
+    # Fault caught: sparse decode's selected rows costed as bulk H2D copies (the UVA gather measured
+    # ~0.9x a copy's rate on the H200: sparse + int4 decode predicted ~10% short), or exact and
+    # prefill fetches taken for gathers.
+    from kvpipe.pipeline.builder import build
+    from kvpipe.pipeline.lossy import LossySpec
+    from kvpipe.pipeline.model import load_model
+    from kvpipe.pipeline.plan import Method, PhasePlan, Plan
+    from kvpipe.pipeline.workload import Workload
+    m, work = load_model("llama-3-8b"), Workload(32768, 2, 1)
+    plan = lambda spec: Plan(Method.HEADWISE, PhasePlan(8, 8192, 2), PhasePlan(8, 1, 2), 0, 0, lossy=spec)  # noqa: E731
+    sparse = [s for s in build(m, work, plan(LossySpec("int4", sparse=0.2))).stages if s.tag == "kv_fetch"]
+    assert all(s.gather == (s.phase is Phase.DECODE) for s in sparse) and any(s.gather for s in sparse)
+    assert not any(s.gather for s in build(m, work, plan(LossySpec("int4"))).stages)
+    hw0 = load_profile("h200-testbox")
+    hw = replace(hw0, gather_call_s=6e-6, gather_bytes_per_s=4.9e10)
+    s = next(s for s in sparse if s.gather)
+    assert stage_seconds(s, hw, "bf16") == pytest.approx(s.ops * 6e-6 + s.bytes / 4.9e10, rel=1e-12)
+    bulk = next(x for x in sparse if not x.gather)
+    assert stage_seconds(bulk, hw, "bf16") == stage_seconds(bulk, hw0, "bf16")

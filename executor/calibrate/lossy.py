@@ -86,3 +86,43 @@ def sparse_score(cal: Calibration, dev: torch.device, prefixes=(32768, 131072)) 
     cal.set("gpu.sparse_score_bytes_per_s", rate, how + " (slope, packed code bytes read per second)")
     cal.extra["sparse_score_points"] = [{"prefix": p, "code_bytes": b, "seconds": t, "pieces": k}
                                         for p, (b, t, k) in zip(prefixes, pts)]
+
+
+def gather_points(dev: torch.device, units: int = 8, rows: int = 4096, picks=(256, 1024, 4096)) -> list[dict]:
+    """The UVA gather (executor/sparse/gather.py: index_select through a CUDA view of a pinned
+    host home, one call per unit) of `picks` sorted random rows of `units` units, for int4's block
+    records and for exact token rows, replayed in a CUDA graph: seconds per call."""
+    from kvpipe.executor.quant.blocks import BlockCodec
+    from kvpipe.executor.sparse.gather import device_view
+    spec = LossySpec("int4")
+    pts = []
+    for what, row in (("int4 block records", BlockCodec(4, spec.group, 128, torch.bfloat16, spec.vgroup).record),
+                      ("exact token rows", 2 * 128 * 2)):
+        home = torch.randint(0, 255, (units, rows, row), dtype=torch.uint8).pin_memory()
+        view = device_view(home, dev)
+        if view is None:
+            raise RuntimeError("the GPU cannot address pinned host memory (the run's gather is staged)")
+        dst = torch.empty(units, rows, row, dtype=torch.uint8, device=dev)
+        g = torch.Generator(device=dev).manual_seed(0)
+        for n in picks:
+            idx = torch.stack([torch.randperm(rows, generator=g, device=dev)[:n].sort().values for _ in range(units)])
+
+            def step() -> None:
+                for u in range(units):
+                    torch.index_select(view[u], 0, idx[u], out=dst[u, :n])
+            pts.append({"rows": what, "row_bytes": row, "picks": n, "bytes": n * row,
+                        "seconds": graph_median_s(step, 5) / units})
+        del view, home
+    return pts
+
+
+def gather(cal: Calibration, dev: torch.device) -> None:
+    """[link] gather_*: t = call_s + bytes / rate per unit's gather, relative least squares."""
+    pts = gather_points(dev)
+    call, rate = fit_alpha_beta_relative([p["bytes"] for p in pts], [p["seconds"] for p in pts])
+    how = ("the sparse decode's UVA gather (executor/sparse/gather.py: index_select through a CUDA view of a pinned "
+           "host home) of 256-4096 sorted random rows of 8 units, int4 block records and exact token rows, one call "
+           "per unit, CUDA-graph device time, median of 5; relative least squares of t = call_s + bytes / rate")
+    cal.set("link.gather_call_s", call, how + " (intercept)")
+    cal.set("link.gather_bytes_per_s", rate, how + " (slope)")
+    cal.extra["gather_points"] = pts

@@ -125,12 +125,16 @@ def run_shape_steps(cal: Calibration, dev: torch.device, dims: dict | None = Non
                 "estimate bound; the simulator costs prefill attention from the grids)")
     dtype = "bf16" if dev.type == "cuda" else "fp32"
     quant_chunks = tuple(c for c in (2048, 8192, 32768) if c <= max(chunks)) or tuple(chunks)
-    return [("clock warm-up", lambda: run_shapes.warm_clock(cal, dev)),
+    steps = [("clock warm-up", lambda: run_shapes.warm_clock(cal, dev)),
             ("GEMM at the graph's shapes", lambda: gemm_shapes.prefill_gemms(cal, dev, dims, chunks, dtype)),
             ("decode GEMMs", lambda: gemm_shapes.decode_gemms(cal, dev, dims)),
             ("attention at the run's shapes", attention_grid),
             ("LOSSY quantise", lambda: _optional(cal, "gpu.quant", lambda c: lossy.quant(c, dev, quant_chunks))),
-            ("LOSSY sparse score", lambda: _optional(cal, "gpu.sparse_score", lambda c: lossy.sparse_score(c, dev)))]
+            ("LOSSY sparse score", lambda: _optional(cal, "gpu.sparse_score", lambda c: lossy.sparse_score(c, dev))),
+            ("LOSSY sparse gather", lambda: _optional(cal, "link.gather", lambda c: lossy.gather(c, dev)))]
+    if dev.type != "cuda":   # the UVA gather needs a GPU view of pinned memory
+        steps = steps[:-1]
+    return steps
 
 
 def _driver_version() -> str:
