@@ -151,6 +151,7 @@ def table(res: dict) -> list[str]:
         cells = ""
         for key, scale, w in (("prefill_s", 1, 10), ("decode_s_per_token", 1e3, 11)):
             m, p = r["measured"].get(key), r.get("predicted", {}).get(key)
+            p = p if isinstance(p, float) else None
             cells += (f"{m * scale:{w}.3f}{p * scale:9.3f}{p / m - 1:+8.1%}" if m and isinstance(p, float)
                       else " " * (w + 9) + "       -")
         lines.append(f"{name:22}{cells}")
@@ -204,13 +205,33 @@ def measure(args, rows: dict, out: Path) -> dict:
             got = bench.row(plan, work, replay="auto", repeats=repeats_of(knobs[0] * (TINY_SCALE if args.model == "tiny" else 1)))
             row.update(got.json)
             if got.ok:
-                row["predicted"] = predict(bench.spec, row, hw)
+                try:
+                    row["predicted"] = predict(bench.spec, row, hw)
+                except ImportError as e:   # no simpy on this machine: --report the JSON where it is
+                    row["predicted"] = {"error": f"needs {e.name}: python -m benchmarks.calibrated_check --report OUT.json"}
             res["rows"][name] = row
             note(name, got)
             res["summary"] = summary(res)
             out.write_text(json.dumps(res, indent=2))
     res["total_s"] = time.perf_counter() - t_start
     out.write_text(json.dumps(res, indent=2))
+    return res
+
+
+def report(path: Path, model: str) -> dict:
+    """Predict every measured row of a saved JSON again with the profile it holds (`profile_toml`)."""
+    from kvpipe.hw_profiles import load_profile
+    from kvpipe.pipeline.model import load_model
+    res = json.loads(path.read_text())
+    toml = path.with_suffix(".report.toml")
+    toml.write_text(res["profile_toml"])
+    hw = load_profile(str(toml))
+    spec = load_model(str(path.with_suffix(".tiny-config.json")) if model == "tiny" else model)
+    for row in res["rows"].values():
+        if "measured" in row:
+            row["predicted"] = predict(spec, row, hw)
+    res["summary"] = summary(res)
+    path.write_text(json.dumps(res, indent=2))
     return res
 
 
@@ -229,7 +250,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda where available)")
     ap.add_argument("--gpu-mem", default="24GB", help="the allocator cap of every row")
     ap.add_argument("--decode", type=int, default=DECODE, help="decode steps per row")
+    ap.add_argument("--report", action="store_true", help="predict the rows of --out again with the profile it "
+                    "holds (where the measuring machine had no simpy); no measurement")
     args = ap.parse_args(argv)
+    if args.report:
+        res = report(Path(args.out), args.model)
+        print("\n".join(table(res)))
+        return 0
     try:
         rows = rows_of(args)
     except ValueError as e:
