@@ -222,16 +222,20 @@ def stage_seconds(s: Stage, hw: HardwareProfile, dtype: str, replayed: bool = Fa
     return s.bytes / (rates.compress_bytes_per_s if compress else rates.decompress_bytes_per_s)
 
 
-def host_waits_for(s: Stage) -> bool:
+def host_waits_for(s: Stage, hw: HardwareProfile | None = None) -> bool:
     """Whether the executor's host waits for `s` to end before it issues anything more (eagerly
     issued; a replayed step's quantise sets a device flag instead): a LOSSY quantise that fills
     blocks reads its range check back (the GPU's queue drains at every prefill chunk and layer,
-    and the next stages wait for the host to issue them); a GPU
+    and the next stages wait for the host to issue them), charged with a profile that measured the
+    quantise's device time (`hw.quant_call_s`; profiles without it costed the quantise as a
+    whole and stay as they were validated); a GPU
     codec's encode reads the compressed sizes back (executor/nvcomp_codec.AnsBlocks.encode, one
     stream sync per batch of filled blocks). A prefill chunk's compress fills blocks; a decode
     step's only when its token completes a block of H2D_BLOCK_TOKENS (executor/codecs/h2d_store.py)."""
     if s.kind is Kind.COMPUTE and s.tag == "quant":   # LOSSY: an eager quantise of filled blocks checks its
-        return s.ops > QUANT_TAIL_OPS   # range on the host (executor/quant/quantize.py, `y.abs().max()`): a sync
+        # range on the host (executor/quant/quantize.py, `y.abs().max()`): a sync, charged where the
+        # profile times the quantise's kernels apart from it (calibrate's quant_*: device time only)
+        return s.ops > QUANT_TAIL_OPS and hw is not None and hw.quant_call_s is not None
     if s.kind is not Kind.GPU_COMPRESS:
         return False
     return s.phase is Phase.PREFILL or s.tokens[1] % H2D_BLOCK_TOKENS == 0

@@ -166,14 +166,15 @@ def test_eager_quantise_of_filled_blocks_makes_the_host_wait():
     from kvpipe.sim import engine, onepass
     fill = Stage(0, Kind.COMPUTE, "quant", Phase.PREFILL, 0, 0, None, (0, 4096), heads=(0,),
                  mem_bytes=1e6, ops=QUANT_TAIL_OPS + QUANT_ENCODE_OPS)
-    assert host_waits_for(fill) and not host_waits_for(replace(fill, ops=QUANT_TAIL_OPS))
+    hw = replace(load_profile("h200-testbox"), quant_call_s=2.5e-4, quant_bytes_per_s=4.0e11)
+    assert host_waits_for(fill, hw) and not host_waits_for(replace(fill, ops=QUANT_TAIL_OPS), hw)
+    assert not host_waits_for(fill, load_profile("h200-testbox"))   # bundled profiles predict as validated
     m = ModelSpec("two", layers=2, hidden=4096, q_heads=32, kv_heads=8, intermediate=14336, family="llama",
                   vocab=128256, head_dim=128)
-    hw = load_profile("h200-testbox")
     plan = Plan(Method.HEADWISE, PhasePlan(8, 2048, 2), PhasePlan(8, 1, 2), 0, 0, lossy=LossySpec("int4"))
     graph = build(m, Workload(8192, 1, 1), plan)
     quants = [s for s in graph.stages if s.tag == "quant" and s.phase is Phase.PREFILL]
-    assert len(quants) == 8 and all(host_waits_for(s) for s in quants)
+    assert len(quants) == 8 and all(host_waits_for(s, hw) for s in quants)
     for trace in (engine.run(graph, hw)[0], onepass.schedule(graph, hw)[0]):
         span = {sp.stage: sp for sp in trace.spans}
         for q in quants:
