@@ -65,6 +65,7 @@ def warm_clock(cal: Calibration, dev: torch.device, seconds: float = 2.0, size: 
     at. The windows' rates go to the JSON record."""
     if dev.type != "cuda":
         return
+    torch.cuda.set_per_process_memory_fraction(1.0, dev)   # no run's cap left over: the grids need their room
     a = torch.randn(size, size, device=dev, dtype=torch.bfloat16)
     flops, rates, t_end = 2.0 * size ** 3, [], time.perf_counter() + seconds
     a @ a
