@@ -193,7 +193,7 @@ class Calibration:
         if any(isinstance(v, float) and not math.isfinite(v) for v in flat):
             raise ValueError(f"{key}: measured a non-finite value {value!r} ({how})")
         self.values[key] = value
-        self.notes[key] = f"measured, {how}" if measured else f"not measured: {how}"
+        self.notes[key] = f"measured by kvpipe calibrate, {how}" if measured else f"not measured: {how}"
 
 
 def _leaves(value):

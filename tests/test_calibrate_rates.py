@@ -82,7 +82,7 @@ def test_profile_fields_written_and_read_back(tmp_path):
     assert hw.attention_rates == AttentionRates(GRID, OWN, "bf16")
     assert (hw.decode_gemm_bytes_per_s, hw.quant_call_s, hw.quant_bytes_per_s) == (3.3e12, 2.5e-4, 4.0e11)
     assert (hw.gather_call_s, hw.gather_bytes_per_s) == (6e-6, 4.9e10)
-    assert "prefix_flops_per_s = [[1e+14, 4e+14], [2e+14, 8e+14]]" in text and "source: measured, by hand" in text
+    assert "prefix_flops_per_s = [[1e+14, 4e+14], [2e+14, 8e+14]]" in text and "source: measured by kvpipe calibrate, by hand" in text
     path.write_text(text.replace("own_chunks = [1024, 4096]", "own_chunks = [4096, 1024]"))
     with pytest.raises(ValueError, match="attention_rates.own"):
         load_profile(str(path))

@@ -36,7 +36,7 @@ def test_every_new_field_is_measured_and_loads(measured, tmp_path):
     # Fault caught: a step that runs but writes no field (or one the loader refuses), a field
     # without its measurement in the source line, or a grid of other shapes than asked.
     for key in NEW:
-        assert key in measured.values and measured.notes[key].startswith("measured, "), key
+        assert key in measured.values and measured.notes[key].startswith("measured by kvpipe calibrate, "), key
     assert measured.notes["gpu.sparse_score_call_s"].startswith("not measured")   # Triton ranking: CUDA only, said so
     assert "not measured" in str(measured.extra["gpu.sparse_score"])
     path = tmp_path / "cpu.toml"
