@@ -118,25 +118,27 @@ def plan_of(spec, work, hw, budgets, knobs, device: str):
     return decide(spec, work, hw, budgets, req, Target(device=device, h2d_codecs=False)).plan
 
 
-def errors(res: dict, lossy: bool) -> dict[str, list[float]]:
+def errors(res: dict, lossy: bool, which: str = "predicted") -> dict[str, list[float]]:
     out = {"prefill_s": [], "decode_s_per_token": []}
     for r in res["rows"].values():
         if r.get("lossy_row") != lossy:
             continue
         for key in out:
-            m, p = r.get("measured", {}).get(key), r.get("predicted", {}).get(key)
+            m, p = r.get("measured", {}).get(key), r.get(which, {}).get(key)
             if m and isinstance(p, float):
                 out[key].append(p / m - 1)
     return out
 
 
-def summary(res: dict) -> dict:
+def summary(res: dict, which: str = "predicted") -> dict:
+    """Errors of the exact rows per metric (median |err|, max |err|, median signed) and the lossy
+    rows' max; `which`: "predicted" (the session's profile) or "predicted_bundled" (h200-testbox)."""
     s = {}
-    for key, errs in errors(res, False).items():
+    for key, errs in errors(res, False, which).items():
         if errs:
             s[key] = {"rows": len(errs), "median_abs": statistics.median(abs(e) for e in errs),
                       "max_abs": max(abs(e) for e in errs), "median_signed": statistics.median(errs)}
-    lossy = [e for v in errors(res, True).values() for e in v]
+    lossy = [e for v in errors(res, True, which).values() for e in v]
     if lossy:
         s["lossy"] = {"rows": len(lossy), "max_abs": max(abs(e) for e in lossy)}
     return s
@@ -160,6 +162,10 @@ def table(res: dict) -> list[str]:
         lines.append(f"{key + (' (exact)' if key != 'lossy' else ' (all lossy figures)'):34} {s['rows']} rows: "
                      + (f"median |err| {s['median_abs']:.1%}, " if "median_abs" in s else "")
                      + f"max |err| {s['max_abs']:.1%}{extra}")
+    for key, s in summary(res, "predicted_bundled").items():   # the same rows on the bundled profile
+        lines.append(f"  (h200-testbox as bundled: {key} max |err| {s['max_abs']:.1%}"
+                     + (f", median |err| {s['median_abs']:.1%}, median signed {s['median_signed']:+.1%})"
+                        if "median_abs" in s else ")"))
     return lines
 
 
@@ -184,7 +190,7 @@ def measure(args, rows: dict, out: Path) -> dict:
         res["profile"], res["calibrate_s"] = calibrate_profile(args, dev, out.with_suffix(".toml"))
     res["profile_toml"] = Path(res["profile"]).read_text()
     out.write_text(json.dumps(res, indent=2))
-    hw = load_profile(res["profile"])
+    hw, bundled = load_profile(res["profile"]), load_profile("h200-testbox")
     model = args.model
     if model == "tiny":
         model = str(out.with_suffix(".tiny-config.json"))
@@ -207,11 +213,12 @@ def measure(args, rows: dict, out: Path) -> dict:
             if got.ok:
                 try:
                     row["predicted"] = predict(bench.spec, row, hw)
+                    row["predicted_bundled"] = predict(bench.spec, row, bundled)   # beside it, a diagnostic
                 except ImportError as e:   # no simpy on this machine: --report the JSON where it is
                     row["predicted"] = {"error": f"needs {e.name}: python -m benchmarks.calibrated_check --report OUT.json"}
             res["rows"][name] = row
             note(name, got)
-            res["summary"] = summary(res)
+            res["summary"], res["summary_bundled"] = summary(res), summary(res, "predicted_bundled")
             out.write_text(json.dumps(res, indent=2))
     res["total_s"] = time.perf_counter() - t_start
     out.write_text(json.dumps(res, indent=2))
@@ -230,7 +237,8 @@ def report(path: Path, model: str) -> dict:
     for row in res["rows"].values():
         if "measured" in row:
             row["predicted"] = predict(spec, row, hw)
-    res["summary"] = summary(res)
+            row["predicted_bundled"] = predict(spec, row, load_profile("h200-testbox"))
+    res["summary"], res["summary_bundled"] = summary(res), summary(res, "predicted_bundled")
     path.write_text(json.dumps(res, indent=2))
     return res
 
