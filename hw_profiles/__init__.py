@@ -11,6 +11,7 @@ except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib  # type: ignore[no-redef]
 
 from kvpipe.pipeline.hardware import CodecRates, DecodeAttention, HardwareFieldError, HardwareProfile
+from kvpipe.pipeline.run_rates import AttentionRates, RateGrid
 
 _HERE = Path(__file__).resolve().parent
 # TOML key -> (HardwareProfile field, kind). The [gpu.compute.<dtype>] tables are read apart.
@@ -53,10 +54,18 @@ _OPTIONAL = {   # TOML key -> HardwareProfile field: absent means the field's de
     "host.issue_p90": "host_issue_p90",
     "gpu.sparse_score_call_s": "sparse_score_call_s",
     "gpu.sparse_score_bytes_per_s": "sparse_score_bytes_per_s",
+    "gpu.decode_gemm_bytes_per_s": "decode_gemm_bytes_per_s",
+    "gpu.quant_call_s": "quant_call_s",
+    "gpu.quant_bytes_per_s": "quant_bytes_per_s",
+    "link.gather_call_s": "gather_call_s",
+    "link.gather_bytes_per_s": "gather_bytes_per_s",
     "multi_gpu.host_mem_bytes_per_s": "host_mem_bytes_per_s",
     "multi_gpu.peer_alpha_s": "peer_alpha_s",
     "multi_gpu.peer_bytes_per_s": "peer_bytes_per_s",
 }
+# [gpu.attention_rates] (pipeline/run_rates.AttentionRates): each grid's two axes and its rates
+_ATTENTION_RATES = {"prefix": ("prefix_rows", "prefix_keys", "prefix_flops_per_s"),
+                    "own": ("own_groups", "own_chunks", "own_flops_per_s")}
 _COMPUTE = {"peak_flops_per_s": "flops_peak_per_s", "effective_flops_per_s": "flops_eff_per_s"}
 _CODEC = ("compress_bytes_per_s", "decompress_bytes_per_s", "ratio")   # [codec.<name>] fields
 # optional [codec.<name>] fields (absent: CodecRates' defaults, as profiles written before them say)
@@ -99,7 +108,7 @@ def _load(path: Path, label: str) -> HardwareProfile:
     except (OSError, UnicodeDecodeError) as e:
         raise fail(f"cannot read: {e}") from None
     flat = _flatten(doc)
-    tabled = [k for k in flat if k.startswith(("gpu.compute.", "codec.", "gpu.decode_attention."))]
+    tabled = [k for k in flat if k.startswith(("gpu.compute.", "codec.", "gpu.decode_attention.", "gpu.attention_rates."))]
     unknown = sorted(set(flat) - set(_FIELDS) - set(_OPTIONAL) - set(tabled))
     if unknown:
         raise fail(f"field '{unknown[0]}' is not a known field")
@@ -126,6 +135,8 @@ def _load(path: Path, label: str) -> HardwareProfile:
     try:
         kwargs["codecs"] = tuple(CodecRates(n, **v) for n, v in codecs.items())
         kwargs["decode_attention"] = _decode_attention(flat, fail)
+        if any(k.startswith("gpu.attention_rates.") for k in flat):
+            kwargs["attention_rates"] = _attention_rates(flat, fail)
         return HardwareProfile(**kwargs, **tables)
     except HardwareFieldError as e:
         raise fail(f"field '{_toml_key(e.field)}' {e.problem}") from None
@@ -139,6 +150,29 @@ def _decode_attention(flat: dict[str, object], fail) -> tuple:
             raise fail(f"field 'gpu.decode_attention.{name}' is not a known field (expected g<KV heads per call>)")
         out.append(DecodeAttention(int(name[1:]), **v))
     return tuple(out)
+
+
+def _attention_rates(flat: dict[str, object], fail) -> AttentionRates:
+    """[gpu.attention_rates]: two grids (axes of integers, rates a list of rows of FLOP/s) and a dtype."""
+    pre = "gpu.attention_rates."
+    names = {f for axes in _ATTENTION_RATES.values() for f in axes} | {"dtype"}
+    unknown = sorted(k for k in flat if k.startswith(pre) and k[len(pre):] not in names)
+    if unknown:
+        raise fail(f"field '{unknown[0]}' is not a known field")
+    grids = {}
+    for grid, (xs, ys, rates) in _ATTENTION_RATES.items():
+        missing = [f for f in (xs, ys, rates) if pre + f not in flat]
+        if missing:
+            raise fail(f"field '{pre}{missing[0]}' is missing")
+        try:
+            grids[grid] = RateGrid(tuple(flat[pre + xs]), tuple(flat[pre + ys]),
+                                   tuple(tuple(r) for r in flat[pre + rates]))
+        except (TypeError, ValueError) as e:
+            raise fail(f"field '{pre}{grid}' {e}") from None
+    dtype = flat.get(pre + "dtype", "bf16")
+    if not isinstance(dtype, str):
+        raise fail(f"field '{pre}dtype' is not a string: {dtype!r}")
+    return AttentionRates(grids["prefix"], grids["own"], dtype)
 
 
 def _tables(flat: dict[str, object], prefix: str, fields: tuple[str, ...], fail,

@@ -209,7 +209,8 @@ class _Builder:
             coded = self.h2d != "none"   # stored bytes cross, then are decoded on the GPU into the slot
             fetch = self.add(Kind.H2D, "kv_fetch", phase, idx, layer, g, (lo, start),
                              written + [self.slot_user.get(slot), read], heads=off, slot=slot,
-                             bytes=unit_fetch * len(off), ops=B * len(off) * (1 + coded), codec=self.h2d)
+                             bytes=unit_fetch * len(off), ops=B * len(off) * (1 + coded), codec=self.h2d,
+                             gather=sparse)
             if disk:
                 self.staging_user[slot] = fetch
             self.layer_fetches.append(fetch)

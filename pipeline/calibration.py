@@ -182,22 +182,36 @@ class Calibration:
     name: str
     description: str
     source: str                      # "kvpipe calibrate on <GPU>, driver ..., torch ..., <date>"
-    values: dict[str, float | int | bool] = field(default_factory=dict)   # TOML key -> value
+    values: dict[str, object] = field(default_factory=dict)   # TOML key -> value
     notes: dict[str, str] = field(default_factory=dict)                   # TOML key -> how it was measured
     extra: dict[str, object] = field(default_factory=dict)
 
     def set(self, key: str, value: float | int | bool, how: str, measured: bool = True) -> None:
         """Record one profile value; `how` says how it was measured (or, with measured=False,
         where it came from instead)."""
-        if isinstance(value, float) and not math.isfinite(value):
+        flat = list(_leaves(value))
+        if any(isinstance(v, float) and not math.isfinite(v) for v in flat):
             raise ValueError(f"{key}: measured a non-finite value {value!r} ({how})")
         self.values[key] = value
-        self.notes[key] = f"measured, {how}" if measured else f"not measured: {how}"
+        self.notes[key] = f"measured by kvpipe calibrate, {how}" if measured else f"not measured: {how}"
 
 
-def _fmt(value: float | int | bool) -> str:
+def _leaves(value):
+    """The numbers of a value, a list or a list of lists."""
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _leaves(v)
+    else:
+        yield value
+
+
+def _fmt(value) -> str:
+    if isinstance(value, (list, tuple)):   # a table's axis or rows (TOML arrays)
+        return "[" + ", ".join(_fmt(v) for v in value) + "]"
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, int):
         return str(value)
     text = f"{value:.4g}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .codecs import H2D_BLOCK_TOKENS
 from .hardware import HardwareProfile
-from .lossy import PIPE_UNITS
+from .lossy import PIPE_UNITS, QUANT_ENCODE_OPS, QUANT_TAIL_OPS
 from .stage import Kind, Phase, Stage
 
 
@@ -14,11 +14,43 @@ def compute_seconds(flops: float, mem_bytes: float, ops: int, hw: HardwareProfil
     eff * f / (f + half), i.e. takes (f + half) / eff; memory traffic at the effective HBM rate;
     plus a launch overhead per kernel (the graph node time when replayed). `small_shape=False`:
     a kernel that is not GEMM-shaped in its rows (`split_kv_attention`) pays no `half`."""
+    launch = hw.graph_node_s if replayed else hw.launch_overhead_s
+    if few_row_gemm(flops, mem_bytes, tag, hw):
+        return max(flops / hw.flops_eff(dtype), mem_bytes / hw.decode_gemm_bytes_per_s) + ops * launch
     rate = hw.flops_eff(dtype) * (hw.attention_efficiency if tag == "attn" else 1.0)
     half = hw.small_shape_half_flops if small_shape else 0.0
     arith = (flops + half) / rate if flops else 0.0
-    launch = hw.graph_node_s if replayed else hw.launch_overhead_s
     return max(arith, mem_bytes / hw.hbm_eff_bytes_per_s) + ops * launch
+
+
+GEMV_FLOPS_PER_BYTE = 16   # under this, a GEMM has a handful of rows (a decode step's): it streams its weights
+
+
+def few_row_gemm(flops: float, mem_bytes: float, tag: str, hw: HardwareProfile) -> bool:
+    """Whether a GEMM stage is a few-row one costed at the profile's measured weight-read rate
+    (`decode_gemm_bytes_per_s`): such a kernel is bound by its weights' bytes, not by the rate
+    curve `small_shape_half_flops` was fitted on (thousands of rows); charged that half, a decode
+    step's qkv cost 51 us against 12 us of weights on h200-testbox."""
+    return (hw.decode_gemm_bytes_per_s is not None and tag not in ("attn", "score") and flops > 0
+            and flops < GEMV_FLOPS_PER_BYTE * mem_bytes)
+
+
+def measured_compute_seconds(s: Stage, hw: HardwareProfile, dtype: str, replayed: bool) -> float | None:
+    """GPU seconds of a compute stage from the profile's rates measured at the run's shapes, or
+    None where the profile has none for it: a prefill attention from [gpu.attention_rates] (its
+    causal call and its prefix call each at the rate of their shape, pipeline/run_rates.py); a
+    quantise that fills blocks (LOSSY) as `quant_call_s + bytes / quant_bytes_per_s`, beside its
+    tail copies. The roofline's memory term and the launches stay."""
+    launch = hw.graph_node_s if replayed else hw.launch_overhead_s
+    rates = hw.attention_rates
+    if s.tag == "attn" and s.phase is Phase.PREFILL and rates is not None and rates.dtype == dtype and s.flops:
+        start, end = s.tokens
+        arith = rates.seconds(s.flops, max(1, len(s.heads)), start, end - start)
+        return max(arith, s.mem_bytes / hw.hbm_eff_bytes_per_s) + s.ops * launch
+    if s.tag == "quant" and hw.quant_call_s is not None and s.ops > QUANT_TAIL_OPS:
+        fills = (s.ops - QUANT_TAIL_OPS) // QUANT_ENCODE_OPS
+        return fills * (hw.quant_call_s + s.mem_bytes / hw.quant_bytes_per_s) + QUANT_TAIL_OPS * launch
+    return None
 
 
 def small_seconds(kernels: int, nbytes: float, hw: HardwareProfile, replayed: bool = False) -> float:
@@ -158,6 +190,9 @@ def stage_seconds(s: Stage, hw: HardwareProfile, dtype: str, replayed: bool = Fa
             if t is not None:   # its float32 FLOPs (unpack, rebuild, dot) can bind instead
                 arith = s.flops / hw.flops_eff("fp32") if "fp32" in hw.dtypes else 0.0
                 return max(t, arith) + stage_small_seconds(s, hw, replayed)
+        t = measured_compute_seconds(s, hw, dtype, replayed)
+        if t is not None:
+            return t + stage_small_seconds(s, hw, replayed)
         if replayed and split_kv_attention(s):
             t = replayed_decode_attention_seconds(len(s.heads), s.kv_bytes, s.mem_bytes, hw)
             if t is not None:
@@ -165,6 +200,8 @@ def stage_seconds(s: Stage, hw: HardwareProfile, dtype: str, replayed: bool = Fa
         return (compute_seconds(s.flops, s.mem_bytes, s.ops, hw, dtype, s.tag, replayed,
                                 not split_kv_attention(s))
                 + stage_small_seconds(s, hw, replayed))
+    if s.kind is Kind.H2D and s.gather and hw.gather_call_s is not None:   # LOSSY sparse: the rows gathered
+        return s.ops * hw.gather_call_s + stored_bytes(s, hw) / hw.gather_bytes_per_s
     if s.kind is Kind.H2D:   # with a codec on h2d: its stored bytes
         return s.ops * hw.h2d_alpha_s + stored_bytes(s, hw) / hw.h2d_bytes_per_s
     if s.kind is Kind.D2H:
@@ -185,11 +222,20 @@ def stage_seconds(s: Stage, hw: HardwareProfile, dtype: str, replayed: bool = Fa
     return s.bytes / (rates.compress_bytes_per_s if compress else rates.decompress_bytes_per_s)
 
 
-def host_waits_for(s: Stage) -> bool:
-    """Whether the executor's host waits for `s` to end before it issues anything more: a GPU
+def host_waits_for(s: Stage, hw: HardwareProfile | None = None) -> bool:
+    """Whether the executor's host waits for `s` to end before it issues anything more (eagerly
+    issued; a replayed step's quantise sets a device flag instead): a LOSSY quantise that fills
+    blocks reads its range check back (the GPU's queue drains at every prefill chunk and layer,
+    and the next stages wait for the host to issue them), charged with a profile that measured the
+    quantise's device time (`hw.quant_call_s`; profiles without it costed the quantise as a
+    whole and stay as they were validated); a GPU
     codec's encode reads the compressed sizes back (executor/nvcomp_codec.AnsBlocks.encode, one
     stream sync per batch of filled blocks). A prefill chunk's compress fills blocks; a decode
     step's only when its token completes a block of H2D_BLOCK_TOKENS (executor/codecs/h2d_store.py)."""
+    if s.kind is Kind.COMPUTE and s.tag == "quant":   # LOSSY: an eager quantise of filled blocks checks its
+        # range on the host (executor/quant/quantize.py, `y.abs().max()`): a sync, charged where the
+        # profile times the quantise's kernels apart from it (calibrate's quant_*: device time only)
+        return s.ops > QUANT_TAIL_OPS and hw is not None and hw.quant_call_s is not None
     if s.kind is not Kind.GPU_COMPRESS:
         return False
     return s.phase is Phase.PREFILL or s.tokens[1] % H2D_BLOCK_TOKENS == 0

@@ -6,6 +6,8 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
+from .run_rates import AttentionRates
+
 DTYPES = ("bf16", "fp16", "fp32")  # same names as ModelSpec.dtype
 # The host's issue figures (seconds of host time per stage, launch, copy call, replayed step or
 # attention plan), which `at_quantile` scales by the run-to-run spread.
@@ -192,6 +194,20 @@ class HardwareProfile:
     host_mem_bytes_per_s: float | None = None
     peer_alpha_s: float | None = None
     peer_bytes_per_s: float | None = None
+    # Measured at the run's shapes by `kvpipe calibrate` (None: the older single figures stand in):
+    # the prefill attention calls' rates over call shapes ([gpu.attention_rates], pipeline/run_rates.py);
+    # the weight bytes per second of a GEMM with a handful of rows (a decode step's qkv, mlp, head:
+    # memory-bound, no small-shape half; replayed in a CUDA graph); the executor's quantise of the K/V
+    # a step fills (LOSSY int8/int4) as `quant_call_s + (bytes read + written) / quant_bytes_per_s`.
+    attention_rates: AttentionRates | None = None
+    decode_gemm_bytes_per_s: float | None = None
+    quant_call_s: float | None = None
+    quant_bytes_per_s: float | None = None
+    # LOSSY sparse decode's gather of the selected rows from pinned host homes (executor/sparse/gather.py,
+    # UVA index_select per unit): `gather_call_s + bytes / gather_bytes_per_s` per call; None: the
+    # h2d copy figures stand in (a gather measured ~0.9x a bulk copy's rate on the H200).
+    gather_call_s: float | None = None
+    gather_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         for f in ("name", "description"):
@@ -225,6 +241,17 @@ class HardwareProfile:
         for f in ("host_mem_bytes_per_s", "peer_alpha_s", "peer_bytes_per_s"):
             if getattr(self, f) is not None:
                 object.__setattr__(self, f, _number(f, getattr(self, f), f == "peer_alpha_s"))
+        for f in ("decode_gemm_bytes_per_s", "quant_call_s", "quant_bytes_per_s", "gather_call_s", "gather_bytes_per_s"):
+            if getattr(self, f) is not None:
+                object.__setattr__(self, f, _number(f, getattr(self, f), f in ("quant_call_s", "gather_call_s")))
+        if (self.gather_call_s is None) != (self.gather_bytes_per_s is None):
+            raise HardwareFieldError("gather_bytes_per_s", "gather_call_s and gather_bytes_per_s come together (one fit) "
+                                     "or not at all")
+        if (self.quant_call_s is None) != (self.quant_bytes_per_s is None):
+            raise HardwareFieldError("quant_bytes_per_s", "quant_call_s and quant_bytes_per_s come together (one fit) "
+                                     "or not at all")
+        if self.attention_rates is not None and not isinstance(self.attention_rates, AttentionRates):
+            raise HardwareFieldError("attention_rates", f"must be AttentionRates, got {self.attention_rates!r}")
         if (self.peer_alpha_s is None) != (self.peer_bytes_per_s is None):
             raise HardwareFieldError("peer_bytes_per_s", "peer_alpha_s and peer_bytes_per_s come together or not at all")
         if (self.sparse_score_call_s is None) != (self.sparse_score_bytes_per_s is None):

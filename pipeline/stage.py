@@ -81,6 +81,7 @@ class Stage:
     small_bytes: float = 0.0   # ... and the bytes they read + write
     kv_bytes: float = 0.0      # attention: the K/V bytes its fused kernel reads (part of mem_bytes)
     pieces: int = 0            # LOSSY sparse `score`: pieces of PIPE_UNITS units a replayed step selects
+    gather: bool = False       # LOSSY sparse h2d: the selected rows gathered from the host homes (not bulk copies)
                                # one after another, its gathers following (pipeline/cost.unit_pipelined)
 
     @property

@@ -142,7 +142,7 @@ class _Events:
             issued[s.id].succeed()
             ahead.append((s.id, s.ops))
             queued += s.ops
-            if host_waits_for(s) and not done[s.id].processed:   # a GPU codec's encode reads sizes back
+            if host_waits_for(s, hw) and not done[s.id].processed:   # a GPU codec's encode reads sizes back
                 yield from self.fetches_before_sync(s)
                 yield done[s.id]
         if self.steps:

@@ -80,7 +80,7 @@ def schedule(graph: Graph, hw: HardwareProfile, replay: bool = False):
             e = max(e, pipelined_end(s, stages[d], end[d], sec[i], in_graph[d]))   # 0 for other deps
         end[i] = e
         lane_free[lane] = e
-        if not in_graph[i] and host_waits_for(s) and e > host:   # the host reads the encode's sizes back
+        if not in_graph[i] and host_waits_for(s, hw) and e > host:   # the host reads the encode's sizes back
             host = e
         if replay and s.phase is Phase.DECODE and e > step_end.get(s.step, -1.0):
             step_end[s.step] = e

@@ -65,7 +65,7 @@ def test_written_profile_loads_and_keeps_every_value(tmp_path):
     assert (hw.name, hw.h2d_bytes_per_s, hw.d2h_alpha_s, hw.pcie_duplex) == ("lab", 2.5e10, 2e-5, False)
     assert hw.flops_eff("bf16") == 700e12 and hw.attention_plan_s == 0.0 and hw.disk_bytes == 10**12
     text = path.read_text()
-    assert "source: measured, by hand" in text and "unit test, 2026-11-29" in text
+    assert "source: measured by kvpipe calibrate, by hand" in text and "unit test, 2026-11-29" in text
 
 
 def test_calibrate_needs_cuda():
