@@ -1,0 +1,69 @@
+"""The published end-to-end figures benchmarks/published.py predicts, each as read in its source:
+(system, what is predicted, the figure, where in the source). No figure here builds a profile."""
+from __future__ import annotations
+
+HEADINFER = "https://arxiv.org/html/2502.12574v1"
+LLAMACPP = "https://github.com/XiongjieDai/GPU-Benchmarks-on-LLM-Inference/blob/main/README.md"
+LLAMACPP_NB = "https://github.com/XiongjieDai/GPU-Benchmarks-on-LLM-Inference/blob/main/"
+K, M = 1024, 1024 * 1024
+
+# HeadInfer and the HF baselines it measured, Llama-3-8B, one RTX 4090, 1 TB RAM:
+# (system, method, KV heads per group or None, context, figure, published, where)
+HEADINFER_ROWS = [
+    ("hf", "standard", None, 10 * K, "prefill_s", 1.23, "Table 6, Standard"),
+    ("hf", "standard", None, 20 * K, "prefill_s", 2.83, "Table 6, Standard"),
+    ("hf", "layerwise", None, 40 * K, "prefill_s", 6.93, "Table 6, Layer-offload"),
+    ("headinfer", "headwise", 8, 100 * K, "prefill_s", 30.2, "Table 6, HeadInfer head=8/group=1"),
+    ("headinfer", "headwise", 8, 400 * K, "prefill_s", 357, "Table 6, HeadInfer head=8/group=1"),
+    ("headinfer", "headwise", 2, 1 * M, "prefill_s", 2035, "Table 6, HeadInfer head=2/group=4"),
+    ("headinfer", "headwise", 1, 1 * M, "prefill_s", 2054, "Table 6, HeadInfer head=1/group=8"),
+    ("headinfer", "headwise", 1, 4 * M, "prefill_s", 27114, "Table 6, HeadInfer head=1/group=8"),
+    ("hf", "standard", None, 10 * K, "decode_s_per_token", 0.03, "Table 7, Standard"),
+    ("hf", "standard", None, 40 * K, "decode_s_per_token", 0.04, "Table 7, Standard"),
+    ("hf", "layerwise", None, 100 * K, "decode_s_per_token", 0.66, "Table 7, Layer-offload"),
+    ("hf", "layerwise", None, 400 * K, "decode_s_per_token", 2.58, "Table 7, Layer-offload"),
+    ("headinfer", "headwise", 1, 100 * K, "decode_s_per_token", 0.71, "Table 7, HeadInfer head=1/group=8"),
+    ("headinfer", "headwise", 4, 1 * M, "decode_s_per_token", 6.41, "Table 7, HeadInfer head=4/group=2"),
+    ("headinfer", "headwise", 1, 1 * M, "decode_s_per_token", 6.51, "Table 7, HeadInfer head=1/group=8"),
+    ("headinfer", "headwise", 1, 4 * M, "decode_s_per_token", 27.2, "Table 7, HeadInfer head=1/group=8"),
+]
+# Maximum context on one RTX 4090 (24 GB) with 1 TB RAM: (system, model, method, KV heads per
+# group or None, published tokens, where). Table 5 for Llama-3-8B (its Table 3 column is the same).
+MAX_CONTEXT_ROWS = [
+    ("hf", "llama-3-8b", "standard", None, 25 * K, "Table 5, Standard"),
+    ("hf", "llama-3-8b", "chunked", None, 30 * K, "Table 5, Chunked Prefill"),
+    ("hf", "llama-3-8b", "layerwise", None, 45 * K, "Table 5, Layer-wise Offload"),
+    ("headinfer", "llama-3-8b", "headwise", 8, 550 * K, "Table 5, HeadInfer Head=8 Group=1"),
+    ("headinfer", "llama-3-8b", "headwise", 4, 1100 * K, "Table 5, HeadInfer Head=4 Group=2"),
+    ("headinfer", "llama-3-8b", "headwise", 2, 2100 * K, "Table 5, HeadInfer Head=2 Group=4"),
+    ("headinfer", "llama-3-8b", "headwise", 1, 4096 * K, "Table 5, HeadInfer"),
+] + [
+    (system, model, method, group, value * K, f"Table 3, {label}, {col}")
+    for model, col, values in (("llama-2-7b", "Llama-2-7B", (10, 20, 60, 1024)),
+                               ("mistral-7b", "Mistral-7B", (30, 40, 45, 4096)),
+                               ("qwen2-7b", "Qwen2-7B", (35, 70, 50, 4200)))
+    for (system, method, group, label), value in zip(
+        (("hf", "standard", None, "Standard"), ("hf", "chunked", None, "Chunked Prefill"),
+         ("hf", "layerwise", None, "Layer-wise offload"), ("headinfer", "headwise", 1, "HeadInfer")), values)
+]
+# llama.cpp llama-bench F16, flash_attn = 0: (profile, model, 'pp' or 'tg', N, tokens per second,
+# source, where). LLaMA 3 rows: build 4426e298 (2824) on the RTX 4090 / 3090, d46dbc76 (2833) on
+# the RTX 6000 Ada; overview (LLaMA-7B) rows: build 1671 (8fe03ff), as the notebooks print.
+_L3 = (("rtx4090", "4090 24GB", "LLaMA 3/Gaming GPUs/4090_v3.ipynb",
+        (9382.00, 9056.26, 6531.36, 4744.18), (54.84, 54.34, 52.63, 50.88)),
+       ("rtx3090", "3090 24GB", "LLaMA 3/Gaming GPUs/3090_v3.ipynb",
+        (4444.65, 4239.64, 3410.47, 2667.14), (47.40, 46.51, 44.79, 42.62)),
+       ("rtx6000-ada", "RTX 6000 Ada 48GB", "LLaMA 3/Professional GPUs/6000_Ada_v3.ipynb",
+        (6663.13, 6205.44, 4969.46, 3915.81), (52.32, 51.97, 50.21, 48.79)))
+LLAMACPP_ROWS = [
+    (hw, "llama-3-8b", kind, n, tps, LLAMACPP if hw != "rtx6000-ada" else LLAMACPP_NB + nb.replace(" ", "%20"),
+     (f"LLaMA 3 table, {label}" if hw != "rtx6000-ada" else nb) + f", 8B F16, {kind} {n}")
+    for hw, label, nb, pps, tgs in _L3
+    for kind, tpss in (("pp", pps), ("tg", tgs))
+    for n, tps in zip((512, 1024, 4096, 8192), tpss)
+] + [
+    (hw, "llama-2-7b", kind, n, tps, LLAMACPP, f"overview tables, {label}, 7B_f16 ({'prompt eval' if kind == 'pp' else 'eval'})")
+    for hw, label, tg, pp in (("rtx4090", "4090 24GB", 60.78, 7348.69), ("rtx3090", "3090 24GB", 51.85, 3075.37),
+                              ("rtx6000-ada", "RTX 6000 Ada 48GB", 50.56, 5403.6), ("a100-80g", "A100 80GB", 73.83, 5105.77))
+    for kind, n, tps in (("pp", 512, pp), ("tg", 128, tg))
+]
