@@ -34,7 +34,8 @@ from kvpipe.pipeline.plan import Method, PhasePlan
 from kvpipe.pipeline.rules import default_plan, first_true
 from kvpipe.pipeline.rules import max_context as rule_max_context
 from kvpipe.pipeline.workload import Workload
-from kvpipe.sim.baselines import UBATCH, native_issue, prompt_scores_seconds, scores_seconds
+from kvpipe.sim.baselines import (HEADINFER_LIVE_COPIES, UBATCH, live_copies, native_issue, one_pass,
+                                  prompt_scores_seconds, scores_seconds)
 from kvpipe.sim.simulate import simulate
 
 HOST_BYTES = 10**12       # HeadInfer's 1 TB RAM
@@ -73,14 +74,22 @@ def predict_max_context(model_name: str, method: str, group: int | None) -> dict
     """The longest prompt (in 1K steps) the system's plan fits on the RTX 4090 with 1 TB host."""
     model, hw = PRESETS[model_name], load_profile("rtx4090")
     budgets = {"gpu": hw.gpu_mem_bytes, "host": HOST_BYTES, "disk": 0}
-    if group is None:
+    if method == "standard":
         n = rule_max_context(Method(method), model, DECODE_STEPS, 1, budgets, limit=2**24)
-    else:
-        def fits(k: int) -> bool:
-            work = Workload(k * 1024, DECODE_STEPS)
-            return not over_limits(breakdown(model, work, headinfer_plan(model, work, method, group, budgets)), budgets)
-        n = (first_true(1, 2**14, lambda k: not fits(k)) - 1) * 1024
-    return {"predicted": n, "fits": True, "plan": f"{method}" + (f" group {group}" if group else "")}
+        return {"predicted": n, "fits": True, "plan": method}
+
+    def memory_plan(work):
+        plan = headinfer_plan(model, work, method, group, budgets)
+        if group is not None:
+            return live_copies(plan, HEADINFER_LIVE_COPIES)
+        return one_pass(plan, work.context) if method == "layerwise" else plan
+
+    def fits(k: int) -> bool:
+        work = Workload(k * 1024, DECODE_STEPS)
+        return not over_limits(breakdown(model, work, memory_plan(work)), budgets)
+    n = (first_true(1, 2**14, lambda k: not fits(k)) - 1) * 1024
+    label = {"layerwise": "layerwise, one pass", "chunked": "chunked"}.get(method, f"headwise group {group}, 4 copies")
+    return {"predicted": n, "fits": True, "plan": label}
 
 
 def predict_llamacpp(profile: str, model_name: str, kind: str, n: int) -> dict:

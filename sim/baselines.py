@@ -53,3 +53,24 @@ def scores_seconds(model: ModelSpec, start: int, tokens: int, hw: HardwareProfil
 def prompt_scores_seconds(model: ModelSpec, n: int, hw: HardwareProfile, ubatch: int = UBATCH) -> float:
     """`scores_seconds` over a prompt of `n` tokens in micro-batches of `ubatch`."""
     return sum(scores_seconds(model, s, min(ubatch, n - s), hw) for s in range(0, n, ubatch))
+
+
+# HeadInfer (github.com/wdlctc/headinfer, headinfer/cache.py `OffloadedCache`, one cache entry per
+# KV head): `update` concatenates the prefetched prefix and the new tokens with torch.cat (both
+# live), `__getitem__` prefetches the next head while this one is in use, and the previous head's
+# eviction runs on a side stream (its memory is not reusable until that copy ends): four copies of
+# one group's KV on the GPU where kvpipe's depth-2 slots hold two.
+HEADINFER_LIVE_COPIES = 4
+
+
+def live_copies(plan, copies: int):
+    """`plan` as its memory is when `copies` copies of a group's KV are live (its depth, in the
+    memory model: pipeline/memory.py counts one group buffer per transfer slot)."""
+    return plan.with_(prefill=replace(plan.prefill, depth=copies), decode=replace(plan.decode, depth=copies))
+
+
+def one_pass(plan, context: int):
+    """`plan` with the whole prompt in one forward: Hugging Face generate() prefills the prompt in
+    one call whatever the cache (transformers GenerationMixin._sample: the first step's input is
+    the whole prompt), so its activations are the full prompt's."""
+    return plan.with_(prefill=replace(plan.prefill, chunk=context))
