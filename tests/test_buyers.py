@@ -74,3 +74,42 @@ def test_an_unknown_card_in_the_list_fails_in_one_line_naming_it():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.count("\n") == 1 and "'nope'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_shared_simulations_pick_what_separate_searches_pick():
+    """Fault caught: the card's shared simulations (sim/memo.SimMemo) answering a search with another
+    workload's, profile's or issue mode's prediction, so a shared row differs from the exhaustive one
+    (each budget's search simulating every plan itself); and the sharing not reused at all."""
+    from kvpipe.sim.memo import SimMemo
+    # 20 GB of GPU leaves part of 32K's K/V resident; 1 GB of host puts units on disk, 64 GB none
+    jobs = [PlanOptions(model="llama-3-8b", hw="rtx4090", gpu_mem="20GB", host_mem=h) for h in ("1GB", "64GB")]
+    contexts = (32768,)
+    separate = buyers.card_rows(jobs, contexts, share=False)
+    memo = SimMemo()
+    shared = [buyers.row(j, contexts, memo) for j in jobs]
+    assert shared == separate
+    assert memo.hits > 0
+    assert buyers.card_rows(jobs, contexts) == separate
+
+
+def test_memo_reuses_a_prediction_only_for_the_same_inputs():
+    """Fault caught: a SimMemo key missing the workload, the profile (a p90 run answered with the
+    median one) or how decode is issued, so one simulation answers another; or a true repeat
+    simulated again. Reference: simulate() called directly."""
+    from kvpipe.hw_profiles import load_profile
+    from kvpipe.pipeline.model import PRESETS
+    from kvpipe.pipeline.plan import Method, PhasePlan, Plan
+    from kvpipe.pipeline.workload import Workload
+    from kvpipe.sim.memo import SimMemo
+    from kvpipe.sim.simulate import simulate
+    m, hw = PRESETS["llama-3-8b"], load_profile("rtx4090")
+    plan = Plan(Method.HEADWISE, PhasePlan(8, 2048, 2), PhasePlan(8, 1, 2), 200, 0)
+    memo = SimMemo()
+    cases = [(Workload(4096, 4), hw, False), (Workload(8192, 4), hw, False),
+             (Workload(8192, 4), hw.at_quantile("p90"), False), (Workload(8192, 4), hw, True)]
+    for work, h, replay in cases:
+        got = memo.simulate(m, work, plan, h, replay=replay).report.timing
+        assert got == simulate(m, work, plan, h, replay=replay).report.timing, (work, replay)
+    assert memo.hits == 0
+    memo.simulate(m, Workload(8192, 4), plan, hw, replay=True)
+    assert memo.hits == 1
