@@ -78,18 +78,24 @@ def test_an_unknown_card_in_the_list_fails_in_one_line_naming_it():
 
 def test_shared_simulations_pick_what_separate_searches_pick():
     """Fault caught: the card's shared simulations (sim/memo.SimMemo) answering a search with another
-    workload's, profile's or issue mode's prediction, so a shared row differs from the exhaustive one
-    (each budget's search simulating every plan itself); and the sharing not reused at all."""
+    plan's, workload's or issue mode's prediction, so the winner, its runners-up or their values
+    differ from each budget's search simulating every plan itself; and the sharing never reused."""
+    from kvpipe.hw_profiles import load_profile
+    from kvpipe.pipeline.model import load_model
+    from kvpipe.pipeline.workload import Workload
+    from kvpipe.sim import decide as d
     from kvpipe.sim.memo import SimMemo
-    # 20 GB of GPU leaves part of 32K's K/V resident; 1 GB of host puts units on disk, 64 GB none
-    jobs = [PlanOptions(model="llama-3-8b", hw="rtx4090", gpu_mem="20GB", host_mem=h) for h in ("1GB", "64GB")]
-    contexts = (32768,)
-    separate = buyers.card_rows(jobs, contexts, share=False)
-    memo = SimMemo()
-    shared = [buyers.row(j, contexts, memo) for j in jobs]
-    assert shared == separate
+    # 20 GB of GPU leaves part of 32K's K/V resident, so plans differ in resident units; both host
+    # budgets hold the rest, so the two searches simulate the same plans
+    jobs = [PlanOptions(model="llama-3-8b", hw="rtx4090", gpu_mem="20GB", host_mem=h) for h in ("16GB", "64GB")]
+    spec, hw, work, memo = load_model("llama-3-8b"), load_profile("rtx4090"), Workload(32768, 32), SimMemo()
+
+    def picks(opts, memo):
+        budgets = opts.budgets(hw.gpu_mem_bytes, hw.host_mem_bytes, hw.disk_bytes)
+        found = d.decide(spec, work, hw, budgets, opts.request(spec), memo=memo).search
+        return [(c.plan, c.value) for c in (found.best, *found.alternatives)]
+    assert [picks(j, memo) for j in jobs] == [picks(j, None) for j in jobs]
     assert memo.hits > 0
-    assert buyers.card_rows(jobs, contexts) == separate
 
 
 def test_memo_reuses_a_prediction_only_for_the_same_inputs():
