@@ -26,7 +26,7 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 
-from benchmarks.published_rows import HEADINFER, HEADINFER_ROWS, LLAMACPP_ROWS, MAX_CONTEXT_ROWS
+from benchmarks.published_rows import HEADINFER, HEADINFER_ROWS, LLAMACPP_ROWS, MAX_CONTEXT_ROWS, why
 from kvpipe.hw_profiles import load_profile
 from kvpipe.pipeline.memory import breakdown, over_limits
 from kvpipe.pipeline.model import PRESETS
@@ -131,7 +131,21 @@ def rows() -> list[dict]:
                     "published": n / tps if kind == "pp" else 1 / tps, "source": source, "where": where, **p})
     for r in out:
         r["error"] = r["predicted"] / r["published"] - 1
+        r["why"] = why(r)
     return out
+
+
+def markdown(rs: list[dict]) -> str:
+    """The rows as benchmarks/published.md's table."""
+    fmt = lambda r, v: f"{v / 1024:.0f}K" if r["what"] == "max_context" else f"{v:.4g}"  # noqa: E731
+    out = ["| system | profile | model | figure | context | plan / method | published | predicted | error "
+           "| source, where | row over 25%: the stage that explains it |", "|" + "---|" * 11]
+    for r in rs:
+        ctx = "" if r["what"] == "max_context" else f"{r['context'] // 1024}K" if r["context"] >= 1024 else str(r["context"])
+        out.append(f"| {r['system']} | {r['hw']} | {r['model']} | {r['what']} | {ctx} | {r['method']} "
+                   f"| {fmt(r, r['published'])} | {fmt(r, r['predicted'])} | {r['error']:+.0%} "
+                   f"| [{r['where']}]({r['source']}) | {r['why']} |")
+    return "\n".join(out)
 
 
 def summary(rs: list[dict]) -> dict:
@@ -150,6 +164,7 @@ def summary(rs: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--markdown", default=None, help="also write the rows as a markdown table here")
     args = ap.parse_args(argv)
     if args.out is None:
         from benchmarks.result_file import result_file
@@ -171,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         for what, v in s.items():
             print(f"{group} {what}: {v['rows']} rows, median |error| {v['median_abs']:.1%}, max {v['max_abs']:.1%}, "
                   f"median signed {v['median_signed']:+.1%}, {v['over_25pct']} over 25%")
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(rs) + "\n")
     print(f"results: {args.out}")
     return 0
 
