@@ -104,10 +104,14 @@ def card_rows(jobs: list[PlanOptions], contexts=CONTEXTS, share: bool = True) ->
 def table(opts: PlanOptions, hws: list[str], host_mems: list[str | None], contexts=CONTEXTS,
           workers: int | None = None, share: bool = True) -> list[Row]:
     """One row per (card, host budget), cards outer, in the order given. A card's rows run in one
-    process, sharing its simulations (`card_rows`); `workers` processes (None: one per core, at
-    most one per card) compute the cards at once."""
+    process, sharing its simulations (`card_rows`); `workers` processes (None: one per core)
+    compute the cards at once. With fewer cards than workers each row gets its own process
+    instead (sooner done, though the rows of a card then simulate their shared plans twice)."""
     cards = [[replace(opts, hw=hw, host_mem=host) for host in host_mems] for hw in hws]
-    workers = min(len(cards), os.cpu_count() or 1) if workers is None else workers
+    workers = (os.cpu_count() or 1) if workers is None else workers
+    if len(cards) < workers and len(host_mems) > 1:   # more cores than cards: one row per process
+        cards, share = [[j] for jobs in cards for j in jobs], False
+    workers = min(workers, len(cards))
     if workers <= 1:
         return [r for jobs in cards for r in card_rows(jobs, contexts, share)]
     with ProcessPoolExecutor(workers) as pool:

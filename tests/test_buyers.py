@@ -119,3 +119,12 @@ def test_memo_reuses_a_prediction_only_for_the_same_inputs():
     assert memo.hits == 0
     memo.simulate(m, Workload(8192, 4), plan, hw, replay=True)
     assert memo.hits == 1
+
+
+def test_one_card_on_more_cores_runs_its_rows_apart_in_order():
+    """Fault caught: a card's rows, split over processes when there are fewer cards than workers,
+    lost, repeated or out of budget order, or predicted differently from one process's."""
+    opts = PlanOptions(model="llama-3-8b", method="standard")
+    split = buyers.table(opts, ["rtx4090"], ["32GB", "64GB", "96GB"], contexts=(8192,), workers=4)
+    assert [r.budgets["host"] for r in split] == [32 * 10**9, 64 * 10**9, 96 * 10**9]
+    assert split == buyers.table(opts, ["rtx4090"], ["32GB", "64GB", "96GB"], contexts=(8192,), workers=1)
