@@ -26,7 +26,8 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 
-from benchmarks.published_rows import HEADINFER, HEADINFER_ROWS, LLAMACPP_ROWS, MAX_CONTEXT_ROWS, why
+from benchmarks.published_rows import (HEADINFER, HEADINFER_ROWS, LLAMACPP_ROWS, LMDEPLOY, LMDEPLOY_ROWS,
+                                      MAX_CONTEXT_ROWS, why)
 from kvpipe.hw_profiles import load_profile
 from kvpipe.pipeline.memory import breakdown, over_limits
 from kvpipe.pipeline.model import PRESETS
@@ -45,7 +46,9 @@ ASSUMED = ("HeadInfer: prefill chunk 4096 tokens for its chunked and head-wise r
            "searched in steps of 1K tokens as the paper reports them. llama.cpp: llama-bench's n_ubatch 512 as "
            "the chunk; tg N as 16 decode steps at context N/2 (the mean context of N steps from an empty prompt), "
            "its score traffic the mean over the N steps; pp N seconds = N / published tokens per second; "
-           "the overview's 'A100 80GB' (an A100 80GB PCIe, as its notebook prints) with profile a100-80g (the SXM part)")
+           "the overview's 'A100 80GB' (an A100 80GB PCIe, as its notebook prints) with profile a100-80g (the SXM part). "
+           "LMDeploy: its 'A100-80G' as profile a100-80g; its context attention as the simulator's FA2; decode "
+           "per token at the mean context of its output steps")
 
 
 def _simulate(model, work, plan, hw, budgets) -> tuple[object, bool]:
@@ -112,6 +115,40 @@ def predict_llamacpp(profile: str, model_name: str, kind: str, n: int) -> dict:
             "plan": plan.describe()}
 
 
+def predict_lmdeploy(model_name: str, prompt: int, out: int) -> dict:
+    """TurboMind on the A100: a C++ engine (`native_issue`), the prompt in one pass with flash
+    attention, decode all on the GPU; FP16 weights and KV. TTFT at `prompt`, decode per token at
+    the mean context of its `out` steps."""
+    model = replace(PRESETS[model_name], dtype="fp16")
+    hw = native_issue(load_profile("a100-80g"))
+    budgets = {"gpu": hw.gpu_mem_bytes, "host": hw.host_mem_bytes, "disk": hw.disk_bytes}
+    first = Workload(prompt, DECODE_STEPS)
+    ttft, _ = _simulate(model, first, default_plan(Method.STANDARD, model, first, budgets), hw, budgets)
+    work = Workload(prompt + out // 2, DECODE_STEPS)
+    plan = default_plan(Method.STANDARD, model, work, budgets)
+    timing, fits = _simulate(model, work, plan, hw, budgets)
+    return {"ttft_s": ttft.ttft_s, "decode_s_per_token": timing.decode_s_per_token, "fits": fits,
+            "plan": plan.describe()}
+
+
+def lmdeploy_rows() -> list[dict]:
+    """Each table row's decode per token, (out / throughput - FTL) / (out - 1), and, for prompts
+    of 128 and more with 128 out, its FTL as prefill."""
+    out = []
+    for model_name, prompt, n, tps, ftl in LMDEPLOY_ROWS:
+        p = predict_lmdeploy(model_name, prompt, n)
+        base = {"system": "lmdeploy", "hw": "a100-80g", "model": model_name, "source": LMDEPLOY,
+                "fits": p["fits"], "plan": p["plan"], "method": "standard, C++ queue"}
+        where = f"Static Inference Benchmark, {model_name.replace('-2-', '2-')}, batch 1, tp 1, prompt {prompt}, out {n}"
+        out.append({**base, "what": "decode_s_per_token", "context": prompt + n // 2,
+                    "published": (n / tps - ftl) / (n - 1), "predicted": p["decode_s_per_token"],
+                    "where": where + ": (out / throughput - FTL) / (out - 1)"})
+        if prompt >= 128 and n == 128:
+            out.append({**base, "what": "prefill_s", "context": prompt, "published": ftl,
+                        "predicted": p["ttft_s"], "where": where + ": FTL(ave)"})
+    return out
+
+
 def rows() -> list[dict]:
     out = []
     for system, method, group, ctx, what, value, where in HEADINFER_ROWS:
@@ -129,6 +166,7 @@ def rows() -> list[dict]:
         out.append({"system": "llama.cpp", "hw": profile, "model": model_name, "what": what, "context": n,
                     "method": "ubatch 512, C++ queue, no FA" if kind == "pp" else "standard, C++ queue, no FA",
                     "published": n / tps if kind == "pp" else 1 / tps, "source": source, "where": where, **p})
+    out += lmdeploy_rows()
     for r in out:
         r["error"] = r["predicted"] / r["published"] - 1
         r["why"] = why(r)
@@ -171,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         args.out = str(result_file("published"))
     rs = rows()
     summ = {"all": summary(rs)}
-    for name, systems in (("headinfer+hf", ("headinfer", "hf")), ("llama.cpp", ("llama.cpp",))):
+    for name, systems in (("headinfer+hf", ("headinfer", "hf")), ("llama.cpp", ("llama.cpp",)),
+                          ("lmdeploy", ("lmdeploy",))):
         summ[name] = summary([r for r in rs if r["system"] in systems])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"assumed": ASSUMED, "summary": summ, "rows": rs}, indent=2))

@@ -92,3 +92,12 @@ def test_summary_by_hand():
     s = published.summary(rs)
     assert s["prefill_s"] == {"rows": 3, "median_abs": 0.2, "max_abs": 0.3, "median_signed": 0.1, "over_25pct": 1}
     assert s["max_context"]["rows"] == 1 and "decode_s_per_token" not in s
+
+
+def test_lmdeploy_decode_figure_by_hand():
+    """Fault caught: TurboMind's decode per token read as 1 / throughput (its first token's latency
+    left in) or divided by the wrong step count. Hand-worked: llama2-7b, prompt 1, out 128:
+    (128 / 100.02 - 0.011) / 127."""
+    row = next(r for r in published.lmdeploy_rows() if r["what"] == "decode_s_per_token")
+    assert row["published"] == (128 / 100.02 - 0.011) / 127
+    assert row["source"].startswith("https://github.com/InternLM/lmdeploy/") and "prompt 1, out 128" in row["where"]
