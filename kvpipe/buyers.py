@@ -63,16 +63,18 @@ def binding_pools(largest_of, budgets: dict[str, int], base: int) -> tuple[str, 
     return tuple(p for p in POOLS if largest_of({**budgets, p: 2 * budgets[p]}) > base)
 
 
-def _point(d, spec, work, profile, budgets, req) -> Point:
-    pred = d.decide(spec, work, profile, budgets, req).predicted
+def _point(d, spec, work, profile, budgets, req, memo) -> Point:
+    pred = d.decide(spec, work, profile, budgets, req, memo=memo).predicted
     if not pred.fits:
         return Point(work.context, None, None)
     t = pred.report.timing
     return Point(work.context, t.ttft_s, t.decode_s_per_token, pred.plan.describe())
 
 
-def row(opts: PlanOptions, contexts=CONTEXTS) -> Row:
-    """The table row of one card and budget set (`opts` as for `kvpipe plan`, context unused)."""
+def row(opts: PlanOptions, contexts=CONTEXTS, memo=None) -> Row:
+    """The table row of one card and budget set (`opts` as for `kvpipe plan`, context unused).
+    `memo` (sim/memo.SimMemo): simulations shared with the card's other rows (they do not depend
+    on the budgets); None: every search simulates its own."""
     from kvpipe.hw_profiles import load_profile
     from kvpipe.sim import decide as d
     spec, profile = load_model(opts.model), load_profile(opts.hw)
@@ -81,26 +83,40 @@ def row(opts: PlanOptions, contexts=CONTEXTS) -> Row:
     req = exact.request(spec)
     largest_of = lambda b: d.max_context(spec, Workload(1, opts.decode_tokens, opts.batch), b, req)  # noqa: E731
     largest = largest_of(budgets)
-    points = tuple(_point(d, spec, Workload(c, opts.decode_tokens, opts.batch), profile, budgets, req)
+    points = tuple(_point(d, spec, Workload(c, opts.decode_tokens, opts.batch), profile, budgets, req, memo)
                    if c <= largest else Point(c, None, None) for c in contexts)
     lossy = None
     if opts.max_error is not None:
         lreq = opts.request(spec)
-        lossy = tuple(_point(d, spec, Workload(c, opts.decode_tokens, opts.batch), profile, budgets, lreq)
+        lossy = tuple(_point(d, spec, Workload(c, opts.decode_tokens, opts.batch), profile, budgets, lreq, memo)
                       for c in contexts)
     return Row(profile.name, budgets, largest, binding_pools(largest_of, budgets, largest), points, lossy)
 
 
+def card_rows(jobs: list[PlanOptions], contexts=CONTEXTS, share: bool = True) -> list[Row]:
+    """The rows of one card (one per host budget), in order; `share`: their searches share one
+    sim/memo.SimMemo, so a plan two budgets both search is simulated once (the same picks)."""
+    from kvpipe.sim.memo import SimMemo
+    memo = SimMemo() if share else None
+    return [row(j, contexts, memo) for j in jobs]
+
+
 def table(opts: PlanOptions, hws: list[str], host_mems: list[str | None], contexts=CONTEXTS,
-          workers: int | None = None) -> list[Row]:
-    """One row per (card, host budget), cards outer, in the order given. Rows are independent
-    searches: `workers` processes (None: one per core, at most one per row) compute them at once."""
-    jobs = [replace(opts, hw=hw, host_mem=host) for hw in hws for host in host_mems]
-    workers = min(len(jobs), os.cpu_count() or 1) if workers is None else workers
+          workers: int | None = None, share: bool = True) -> list[Row]:
+    """One row per (card, host budget), cards outer, in the order given. A card's rows run in one
+    process, sharing its simulations (`card_rows`); `workers` processes (None: one per core)
+    compute the cards at once. With fewer cards than workers each row gets its own process
+    instead (sooner done, though the rows of a card then simulate their shared plans twice)."""
+    cards = [[replace(opts, hw=hw, host_mem=host) for host in host_mems] for hw in hws]
+    workers = (os.cpu_count() or 1) if workers is None else workers
+    if len(cards) < workers and len(host_mems) > 1:   # more cores than cards: one row per process
+        cards, share = [[j] for jobs in cards for j in jobs], False
+    workers = min(workers, len(cards))
     if workers <= 1:
-        return [row(j, contexts) for j in jobs]
+        return [r for jobs in cards for r in card_rows(jobs, contexts, share)]
     with ProcessPoolExecutor(workers) as pool:
-        return list(pool.map(row, jobs, [contexts] * len(jobs)))
+        done = pool.map(card_rows, cards, [contexts] * len(cards), [share] * len(cards))
+        return [r for rows in done for r in rows]
 
 
 def _secs(v: float | None) -> str:

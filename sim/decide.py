@@ -79,12 +79,13 @@ class Decision:
 
 
 def decide(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dict[str, int], req: Request,
-           target: Target = Target()) -> Decision:
+           target: Target = Target(), memo=None) -> Decision:
     """The plan `req` asks for on `target`, predicted. The search ranks exact plans; a LOSSY
     opt-in goes over the exact choice (searched again where its bytes do not fit); --max-error
-    picks among exact and the lossy options by measured error. ValueError names a refused input."""
+    picks among exact and the lossy options by measured error. ValueError names a refused input.
+    `memo`: a sim/memo.SimMemo kept across calls for one model and profile (other budgets)."""
     pin = replay_pin(model, work, req.replay, target)
-    choose = lambda b: _choose(model, work, hw, b, req, target, pin)   # noqa: E731
+    choose = lambda b: _choose(model, work, hw, b, req, target, pin, memo)   # noqa: E731
     pred, found = choose(budgets)
     if req.opted_lossy:   # explicit opt-in only, over the exact plan
         spec = LossySpec(req.lossy, sparse=req.sparse)
@@ -108,7 +109,7 @@ def decide(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dict[
 
 def predict(model: ModelSpec, work: Workload, plan: Plan, hw: HardwareProfile, budgets: dict[str, int],
             req: Request, target: Target = Target(), *, pred=None, fuse: str | None = None,
-            replayed: bool | None = None, slow=None) -> Predicted:
+            replayed: bool | None = None, slow=None, memo=None) -> Predicted:
     """`plan` simulated as `target` runs it: decode replayed as its replay choice or the rule
     says (`replayed` overrides: what a run reported it did), fused under `fuse` (default the
     request's; `on` refused where decode is not replayed); on a median run and, where the profile
@@ -120,25 +121,27 @@ def predict(model: ModelSpec, work: Workload, plan: Plan, hw: HardwareProfile, b
     if replayed is None:
         replayed = decode_replayed(model, work, plan, target.device)
     refuse_unfusable(fuse, replayed)
-    run = lambda h: simulate(model, work, plan, h, full=req.full, replay=replayed, fuse=decode_fused(fuse, replayed))  # noqa: E731
+    sim = simulate if memo is None else memo.simulate
+    run = lambda h: sim(model, work, plan, h, full=req.full, replay=replayed, fuse=decode_fused(fuse, replayed))  # noqa: E731
     pred = pred or run(hw)
     p90 = (slow or run(hw.at_quantile("p90"))).report.timing if hw.host_issue_p90 > 1 else None
     return Predicted(plan, problems, pred.report, pred.trace, None, pred.fused, pred.compile_s, p90)
 
 
-def _choose(model, work, hw, budgets, req: Request, target: Target, pin: Replay) -> tuple[Predicted, object]:
+def _choose(model, work, hw, budgets, req: Request, target: Target, pin: Replay,
+            memo=None) -> tuple[Predicted, object]:
     """(the exact plan's prediction, the planner's result or None). --disk/--codec are not
     dimensions of the search: given, they apply over the planner's plan, simulated again."""
     if req.searches:
         pins = replace(pins_of(req), replay=pin)
         h2d = target.h2d_codecs and not req.opted_lossy and not any(link == "h2d" for link, _ in req.codecs)
         found = search(model, work, hw, budgets, pins, req.objective, full=req.full, h2d_codecs=h2d, fuse=req.fuse,
-                       quantile=req.quantile)
+                       quantile=req.quantile, memo=memo)
         ranked = hw.at_quantile(req.quantile)   # the run the search simulated its plans on
         if req.disk is None and not req.codecs:
             sim = found.best.prediction
             return predict(model, work, found.best.plan, hw, budgets, req, target, pred=sim if ranked is hw else None,
-                           slow=sim if ranked is not hw else None), found
+                           slow=sim if ranked is not hw else None, memo=memo), found
         plan = found.best.plan
     else:
         plan, found = rule_plan(model, work, budgets, req), None

@@ -90,7 +90,7 @@ def objective_value(pred: Prediction, objective: str, quantile: str = "p50") -> 
 def search(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dict[str, int],
            pins: Pins = Pins(), objective: str = "total", *, sim_budget: int = SIM_BUDGET,
            full: bool = False, h2d_codecs: bool = True, fuse: str = "auto",
-           eager_budget: int = EAGER_SIM_BUDGET, quantile: str = "p50") -> PlannerResult:
+           eager_budget: int = EAGER_SIM_BUDGET, quantile: str = "p50", memo=None) -> PlannerResult:
     """The best plan the simulator finds for `objective`, with the two runners-up. Plans are
     simulated best estimate first until every other one is pruned by its lower bound or the
     stages simulated pass `sim_budget` (then the search is anytime, not exhaustive); then the
@@ -99,7 +99,8 @@ def search(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dict[
     replay are left out). `h2d_codecs`: try the profile's lossless GPU codecs on h2d for the
     winner (`_h2d_codec`). `fuse`: the fuse setting (auto|on|off), applied to every plan whose
     decode is replayed. `quantile`: the run plans are simulated and ranked on (a median one, or
-    one at the host's p90 issue speed: HardwareProfile.at_quantile), named in the reason."""
+    one at the host's p90 issue speed: HardwareProfile.at_quantile), named in the reason. `memo`: a
+    sim/memo.SimMemo shared with other searches (other budgets), which the plans' predictions reuse."""
     hw = hw.at_quantile(quantile)
     if objective not in OBJECTIVES:
         raise ValueError(f"objective: {objective!r} is not one of {', '.join(OBJECTIVES)}")
@@ -107,16 +108,18 @@ def search(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dict[
     if pins.replay is Replay.ON and why:
         raise ValueError(f"replay: on, but {why} (use --replay off or auto)")
     s = _Search(model, work, hw, budgets, replay=pins.replay, fuse=fuse)
+    if memo is not None:
+        s.windows = memo.windows_for(model, work, hw)
     space = Space.of(model, work, pins)
     plans = s.candidates(space, pins, space.depths)
     if not plans:
         raise NoPlanFits(_smallest_budget(s, space, pins))
     done: dict[tuple, Scored] = {}
-    pruned, _, unexplored = _branch_and_bound(s, plans, done, objective, sim_budget, full)
+    pruned, _, unexplored = _branch_and_bound(s, plans, done, objective, sim_budget, full, memo=memo)
     eager_skip = _eager_skipped(s, objective)
     twins = [p.with_(replay=Replay.OFF) for p in plans if p.replay is Replay.ON] if eager_skip is None else []
     if twins:   # a second pass, so that eager decode changes a pick only where it is predicted better
-        more, _, left = _branch_and_bound(s, twins, done, objective, eager_budget, full, _twin_ttft(done))
+        more, _, left = _branch_and_bound(s, twins, done, objective, eager_budget, full, _twin_ttft(done), memo)
         pruned, unexplored = pruned + more, unexplored + left
     order = sorted(done.values(), key=lambda c: (c.value, c.prediction.report.timing.total_s))
     best = order[0]
@@ -130,7 +133,7 @@ def search(model: ModelSpec, work: Workload, hw: HardwareProfile, budgets: dict[
 
 
 def _branch_and_bound(s: _Search, plans: list[Plan], done: dict, objective: str, budget: int,
-                      full: bool, ttft=lambda plan: None) -> tuple[int, int, int]:
+                      full: bool, ttft=lambda plan: None, memo=None) -> tuple[int, int, int]:
     """Simulate `plans` best estimate first into `done` (key -> Scored; the best of it prunes),
     until each is pruned or `budget` stages are spent; returns (pruned, spent, unexplored).
     `ttft(plan)`: its first token's time where a simulation of the same prefill knows it, else None
@@ -151,7 +154,10 @@ def _branch_and_bound(s: _Search, plans: list[Plan], done: dict, objective: str,
         if spent >= budget and len(done) >= 1 + RUNNERS_UP:
             unexplored = sum(bound(p) < best for p in ranked[i:])
             break             # anytime: the rest ranks worse on the estimate and may not be pruned
-        pred = simulate(m, work, plan, s.hw, full=full, replay=s.replays(plan), fuse=s.fuses(plan), memo=s.windows)
+        if memo is None:
+            pred = simulate(m, work, plan, s.hw, full=full, replay=s.replays(plan), fuse=s.fuses(plan), memo=s.windows)
+        else:
+            pred = memo.simulate(m, work, plan, s.hw, full=full, replay=s.replays(plan), fuse=s.fuses(plan))
         done[_key(plan)] = Scored(plan, pred, objective_value(pred, objective))
         spent += sim_cost(m, work, plan, full)
     return pruned, spent, unexplored

@@ -74,3 +74,57 @@ def test_an_unknown_card_in_the_list_fails_in_one_line_naming_it():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.count("\n") == 1 and "'nope'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_shared_simulations_pick_what_separate_searches_pick():
+    """Fault caught: the card's shared simulations (sim/memo.SimMemo) answering a search with another
+    plan's, workload's or issue mode's prediction, so the winner, its runners-up or their values
+    differ from each budget's search simulating every plan itself; and the sharing never reused."""
+    from kvpipe.hw_profiles import load_profile
+    from kvpipe.pipeline.model import load_model
+    from kvpipe.pipeline.workload import Workload
+    from kvpipe.sim import decide as d
+    from kvpipe.sim.memo import SimMemo
+    # 20 GB of GPU leaves part of 32K's K/V resident, so plans differ in resident units; both host
+    # budgets hold the rest, so the two searches simulate the same plans
+    jobs = [PlanOptions(model="llama-3-8b", hw="rtx4090", gpu_mem="20GB", host_mem=h) for h in ("16GB", "64GB")]
+    spec, hw, work, memo = load_model("llama-3-8b"), load_profile("rtx4090"), Workload(32768, 32), SimMemo()
+
+    def picks(opts, memo):
+        budgets = opts.budgets(hw.gpu_mem_bytes, hw.host_mem_bytes, hw.disk_bytes)
+        found = d.decide(spec, work, hw, budgets, opts.request(spec), memo=memo).search
+        return [(c.plan, c.value) for c in (found.best, *found.alternatives)]
+    assert [picks(j, memo) for j in jobs] == [picks(j, None) for j in jobs]
+    assert memo.hits > 0
+
+
+def test_memo_reuses_a_prediction_only_for_the_same_inputs():
+    """Fault caught: a SimMemo key missing the workload, the profile (a p90 run answered with the
+    median one) or how decode is issued, so one simulation answers another; or a true repeat
+    simulated again. Reference: simulate() called directly."""
+    from kvpipe.hw_profiles import load_profile
+    from kvpipe.pipeline.model import PRESETS
+    from kvpipe.pipeline.plan import Method, PhasePlan, Plan
+    from kvpipe.pipeline.workload import Workload
+    from kvpipe.sim.memo import SimMemo
+    from kvpipe.sim.simulate import simulate
+    m, hw = PRESETS["llama-3-8b"], load_profile("rtx4090")
+    plan = Plan(Method.HEADWISE, PhasePlan(8, 2048, 2), PhasePlan(8, 1, 2), 200, 0)
+    memo = SimMemo()
+    cases = [(Workload(4096, 4), hw, False), (Workload(8192, 4), hw, False),
+             (Workload(8192, 4), hw.at_quantile("p90"), False), (Workload(8192, 4), hw, True)]
+    for work, h, replay in cases:
+        got = memo.simulate(m, work, plan, h, replay=replay).report.timing
+        assert got == simulate(m, work, plan, h, replay=replay).report.timing, (work, replay)
+    assert memo.hits == 0
+    memo.simulate(m, Workload(8192, 4), plan, hw, replay=True)
+    assert memo.hits == 1
+
+
+def test_one_card_on_more_cores_runs_its_rows_apart_in_order():
+    """Fault caught: a card's rows, split over processes when there are fewer cards than workers,
+    lost, repeated or out of budget order, or predicted differently from one process's."""
+    opts = PlanOptions(model="llama-3-8b", method="standard")
+    split = buyers.table(opts, ["rtx4090"], ["32GB", "64GB", "96GB"], contexts=(8192,), workers=4)
+    assert [r.budgets["host"] for r in split] == [32 * 10**9, 64 * 10**9, 96 * 10**9]
+    assert split == buyers.table(opts, ["rtx4090"], ["32GB", "64GB", "96GB"], contexts=(8192,), workers=1)

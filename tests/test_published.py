@@ -1,0 +1,103 @@
+"""Other systems' models (sim/baselines.py) and the published-figures table (benchmarks/published.py):
+the transformations by hand, llama.cpp decode bound by its weight stream, and the table's sources
+kept apart from the profiles'."""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from benchmarks import published, published_rows
+from kvpipe.hw_profiles import load_profile
+from kvpipe.pipeline.memory import breakdown
+from kvpipe.pipeline.model import PRESETS
+from kvpipe.pipeline.plan import Method, PhasePlan, Plan
+from kvpipe.pipeline.workload import Workload
+from kvpipe.sim import baselines
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_scores_bytes_by_hand():
+    """Fault caught: the materialised scores of a micro-batch without flash attention counted over
+    the causal triangle, over an unpadded KV view, or at another byte count per score element.
+    Hand-worked: 2 layers x 4 query heads x 40 queries x 64 cells (40 padded to 32s) x 20 B."""
+    m = replace(PRESETS["llama-2-7b"], layers=2, q_heads=4, kv_heads=4)
+    hw = load_profile("rtx4090")
+    want = 2 * 4 * 40 * 64 * 20 / hw.hbm_eff_bytes_per_s
+    assert baselines.scores_seconds(m, 0, 40, hw) == want
+    # a prompt of 600 tokens: micro-batches [0, 512) over 512 cells and [512, 600) over 608
+    whole = baselines.prompt_scores_seconds(m, 600, hw)
+    assert whole == (2 * 4 * 512 * 512 + 2 * 4 * 88 * 608) * 20 / hw.hbm_eff_bytes_per_s
+
+
+def test_native_issue_charges_the_gpu_its_kernel_start_not_a_launch():
+    """Fault caught: a C++ engine's kernels charged the GPU the profile's (PyTorch) launch cost each,
+    or its host still paying kvpipe's Python issue per stage."""
+    hw = load_profile("rtx4090")
+    n = baselines.native_issue(hw)
+    assert n.launch_overhead_s == hw.graph_node_s
+    assert n.host_issue_s_per_op == hw.launch_overhead_s and n.host_issue_s_per_stage == 0.0
+    assert n.host_prefill_issue_s_per_launch is None
+
+
+def test_llamacpp_decode_is_bound_by_the_weight_stream():
+    """Fault caught: llama.cpp's short-context decode predicted far above the time to stream its F16
+    weights once per token (the old model's +70%: a launch per kernel charged to the GPU). Reference:
+    weight bytes / the profile's HBM rate, in float64, and at most 10% more."""
+    hw = load_profile("rtx4090")
+    floor = PRESETS["llama-3-8b"].params * 2 / hw.hbm_eff_bytes_per_s
+    got = published.predict_llamacpp("rtx4090", "llama-3-8b", "tg", 512)["predicted"]
+    assert floor <= got <= 1.10 * floor
+
+
+def test_headinfer_live_copies_hold_four_group_slots():
+    """Fault caught: HeadInfer's memory modelled with kvpipe's two slots (its torch.cat copy, the
+    prefetched next head and the evicting previous one left out), or the copies not counted in
+    the GPU buffers. Hand-worked: group 1, 65536 + 16 tokens of capacity, one slot = 65552 x 512 B."""
+    m, work = PRESETS["llama-3-8b"], Workload(65536, 16)
+    plan = Plan(Method.HEADWISE, PhasePlan(1, 4096, 2), PhasePlan(1, 1, 2), 0, 0)
+    four = baselines.live_copies(plan, baselines.HEADINFER_LIVE_COPIES)
+    assert (breakdown(m, work, four).gpu_buffers - breakdown(m, work, plan).gpu_buffers
+            == 2 * 65552 * 512)
+
+
+def test_one_pass_prefills_the_whole_prompt():
+    """Fault caught: HF's layer-offload baseline costed with kvpipe's chunked prefill activations."""
+    plan = Plan(Method.LAYERWISE, PhasePlan(8, 4096, 2), PhasePlan(8, 1, 2), 0, 0)
+    assert baselines.one_pass(plan, 50000).prefill.chunk == 50000
+
+
+def test_validation_sources_are_not_profile_sources():
+    """Fault caught: an end-to-end figure's source (a validation row's) used to build a bundled
+    profile, so the table would validate a profile against its own input."""
+    sources = {"2502.12574", "XiongjieDai/GPU-Benchmarks-on-LLM-Inference", "wdlctc/headinfer"}
+    for toml in sorted((ROOT / "hw_profiles").glob("*.toml")):
+        text = toml.read_text()
+        assert not [s for s in sources if s in text], toml.name
+
+
+def test_every_row_names_its_source_and_place():
+    """Fault caught: a published figure without its URL and table/figure, or a llama-bench row whose
+    tokens per second is not a positive figure."""
+    rows = published_rows.HEADINFER_ROWS + published_rows.MAX_CONTEXT_ROWS
+    assert all(r[-1].startswith("Table ") for r in rows)
+    for *_, n, tps, source, where in published_rows.LLAMACPP_ROWS:
+        assert source.startswith("https://github.com/XiongjieDai/") and where and tps > 0 and n > 0
+
+
+def test_summary_by_hand():
+    """Fault caught: medians over signed instead of absolute errors, or rows of one figure counted
+    in another's summary."""
+    rs = [{"what": "prefill_s", "error": e} for e in (-0.3, 0.1, 0.2)] + [{"what": "max_context", "error": 0.5}]
+    s = published.summary(rs)
+    assert s["prefill_s"] == {"rows": 3, "median_abs": 0.2, "max_abs": 0.3, "median_signed": 0.1, "over_25pct": 1}
+    assert s["max_context"]["rows"] == 1 and "decode_s_per_token" not in s
+
+
+def test_lmdeploy_decode_figure_by_hand():
+    """Fault caught: TurboMind's decode per token read as 1 / throughput (its first token's latency
+    left in) or divided by the wrong step count. Hand-worked: llama2-7b, prompt 1, out 128:
+    (128 / 100.02 - 0.011) / 127."""
+    row = next(r for r in published.lmdeploy_rows() if r["what"] == "decode_s_per_token")
+    assert row["published"] == (128 / 100.02 - 0.011) / 127
+    assert row["source"].startswith("https://github.com/InternLM/lmdeploy/") and "prompt 1, out 128" in row["where"]
