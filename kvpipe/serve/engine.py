@@ -135,7 +135,7 @@ class Engine:
         self.metrics.started(kv_bytes(self.conv.engine.spec, self.conv.engine.plan, len(job.ids) + q.max_tokens))
         res = None
         try:
-            self._route(job.ids)
+            self.route(job.ids)
             res = self.conv.append(job.ids, reuse=True, max_new_tokens=q.max_tokens, stop=q.stop,
                                    ignore_eos=q.ignore_eos, seed=q.seed, stream=lambda piece: job.push("text", piece),
                                    cancel=job.cancelled.is_set, **q.sampling)
@@ -156,7 +156,7 @@ class Engine:
             job.push("done", res)
 
     # ---- the prefix cache -------------------------------------------------------------------
-    def _route(self, ids: list[int]) -> None:
+    def route(self, ids: list[int]) -> None:
         """Let the conversation hold the best kept start of `ids`: the tokens home, or the cache's
         entry sharing more of them (loaded). Tokens home that the request would mostly discard
         are kept as an entry first."""
