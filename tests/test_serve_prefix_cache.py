@@ -49,12 +49,15 @@ def keep(c: PrefixCache, tokens, predicted: int | None = None):
 
 
 def test_longest_common_prefix_wins():
-    # Fault caught: a shorter shared prefix chosen over a longer one, an entry sharing nothing
-    # matched, or a match that counts past the first differing token.
+    # Fault caught: a shorter shared prefix chosen over a longer one (the first match taken), an
+    # entry sharing nothing matched, a match that counts past the first differing token, or a tie
+    # given to the older entry.
     c = PrefixCache(FakeStore(), 10_000, 0)
     keep(c, doc(10))
     keep(c, doc(30, start=100))
     keep(c, doc(50, start=1))
+    keep(c, (0, 1, 2, 50, 51))                         # newer, shares less with doc(20) than doc(10)
+    assert c.best(doc(20))[1] == 10
     assert c.best(doc(40, start=100))[1] == 30
     assert c.best(doc(8) + (99,))[1] == 8              # shares 8 tokens, then differs
     assert c.best(doc(5, start=1000)) == (None, 0)
@@ -62,7 +65,10 @@ def test_longest_common_prefix_wins():
     assert n == 20 and e.tokens == doc(50, start=1)
     c.take(e)
     c.hit(n)
-    assert len(c.entries) == 2 and c.stats()["hits_total"] == 1 and c.stats()["cached_tokens_total"] == 20
+    assert len(c.entries) == 3 and c.stats()["hits_total"] == 1 and c.stats()["cached_tokens_total"] == 20
+    keep(c, doc(30, start=100) + (500,))               # replaces doc(30, 100), which it extends
+    keep(c, doc(30, start=100) + (600,))
+    assert c.best(doc(30, start=100) + (700,))[0].tokens[-1] == 600   # a tie: the most recent wins
 
 
 def test_lru_spills_to_disk_then_drops_under_the_budgets():
