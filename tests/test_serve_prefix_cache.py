@@ -59,7 +59,7 @@ def test_longest_common_prefix_wins():
     keep(c, (0, 1, 2, 50, 51))                         # newer, shares less with doc(20) than doc(10)
     assert c.best(doc(20))[1] == 10
     assert c.best(doc(40, start=100))[1] == 30
-    assert c.best(doc(8) + (99,))[1] == 8              # shares 8 tokens, then differs
+    assert c.best(doc(8) + (99, 9))[1] == 8           # shares 8 tokens, then differs (token 9 again)
     assert c.best(doc(5, start=1000)) == (None, 0)
     e, n = c.best(doc(20, start=1))
     assert n == 20 and e.tokens == doc(50, start=1)
