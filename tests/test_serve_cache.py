@@ -147,4 +147,5 @@ def test_help_names_the_budgets_and_their_defaults():
                        timeout=120)
     assert r.returncode == 0
     text = " ".join(r.stdout.split())
-    assert "--cache-mem" in text and "4GiB" in text and "--cache-disk" in text and "--cache-dir" in text
+    mem, disk = text.split("--cache-mem SIZE ")[1], text.split("--cache-disk SIZE ")[1]
+    assert "(default: 4GiB)" in mem[:300] and "(default: 0)" in disk[:150] and "--cache-dir DIR " in text
