@@ -13,7 +13,7 @@ from test_generate_smollm2 import smollm2  # noqa: F401  (the fixture)
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.usefixtures("single_thread")
-NAME, CONTEXT, NEW = "smollm2", 1024, 12
+NAME, CONTEXT, NEW = "smollm2", 1024, 8
 DOCS = {"A": ("The Rhine rises in the Swiss Alps, flows north along the border of Germany and France, "
               "passes Cologne and Duesseldorf, and reaches the North Sea in the Netherlands near Rotterdam. ") * 3,
         "B": ("Mount Fuji is an active volcano on the island of Honshu, the highest peak in Japan at 3776 "
