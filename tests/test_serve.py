@@ -33,7 +33,8 @@ def server(smollm2, tmp_path_factory):  # noqa: F811
     d = tiny_dir(root, smollm2[2])
     s = ServerProcess(["--model", str(d), "--random-weights", "--device", "cpu", "--resident", "none",
                        "--disk", "2", "--kv-dir", str(kv), "--max-context", "8192", "--gpu-mem", "400MB", "--host-mem", "4MB",
-                       "--disk-mem", "4MB", "--max-queue", str(MAX_QUEUE), "--max-body", str(MAX_BODY)],
+                       "--disk-mem", "4MB", "--max-queue", str(MAX_QUEUE), "--max-body", str(MAX_BODY),
+                       "--cache-mem", "0"],   # the live conversation alone (the cache: test_serve_cache.py)
                       env={"KVPIPE_API_KEY": KEY})
     s.kv = kv
     yield s

@@ -7,13 +7,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 
 API_KEY_ENV = "KVPIPE_API_KEY"
 PLANNED_NEW_TOKENS = 256      # the decode length the server's plan is decided for
 DEFAULT_MAX_BODY = "8MB"       # a 128K-token document is about 0.5 MB of text: room for 10x
+DEFAULT_CACHE_MEM = "4GiB"     # a 32K-token document of an 8B model (128 KiB of KV a token)
+DEFAULT_CACHE_DISK = "0"       # disk is written only when asked
 # flags of serve's own; the rest (plan knobs, budgets, run flags) go to the Conversation
 OWN = ("model", "max_context", "host", "port", "api_key", "served_model_name", "max_queue", "max_body", "cache_mem",
-       "cache_disk", "json", "trace", "plot", "command", "log_level")
+       "cache_disk", "cache_dir", "json", "trace", "plot", "command", "log_level")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -35,8 +38,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", help="the model's id in requests (default: the --model file or folder name)")
     s.add_argument("--max-queue", type=int, default=16, help="admitted requests that may wait; more get 429")
     s.add_argument("--max-body", default=DEFAULT_MAX_BODY, help="largest request body; larger ones get 413")
-    s.add_argument("--cache-mem", help="host RAM budget of more kept prompt prefixes (not supported yet: refused)")
-    s.add_argument("--cache-disk", help="disk budget of more kept prompt prefixes (not supported yet: refused)")
+    s.add_argument("--cache-mem", default=DEFAULT_CACHE_MEM, metavar="SIZE",
+                   help="host RAM budget of the prefix cache: kept prompt prefixes beside the live conversation, "
+                        "in a folder on /dev/shm (0: none; at most the free space there)")
+    s.add_argument("--cache-disk", default=DEFAULT_CACHE_DISK, metavar="SIZE",
+                   help="disk budget of the prefix cache: entries that host RAM evicts spill there (0: none)")
+    s.add_argument("--cache-dir", metavar="DIR",
+                   help="where the disk tier of the prefix cache lives (default: --kv-dir, else the temp dir)")
     s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level")
     s.add_argument("--seed", type=int, default=0, help="seed of random weights (each request has its own sampling seed)")
@@ -61,12 +69,10 @@ def _checked(args: argparse.Namespace) -> dict:
         raise ValueError(f"max-context: expected a token count of at least 2, got {args.max_context}")
     if args.max_queue < 1:
         raise ValueError(f"max-queue: must be at least 1, got {args.max_queue}")
-    sizes = {f: parse_bytes(getattr(args, f), f.replace("_", "-")) if getattr(args, f) else None
-             for f in ("max_body", "cache_mem", "cache_disk")}
-    if sizes["cache_mem"] or sizes["cache_disk"]:
-        flag = "cache-mem" if sizes["cache_mem"] else "cache-disk"
-        raise ValueError(f"{flag}: not supported: kvpipe serve keeps one conversation's KV live (a prompt that "
-                         "extends the previous request's prompt and answer reuses it); no further prefixes are kept")
+    sizes = {f: parse_bytes(getattr(args, f), f.replace("_", "-")) for f in ("max_body", "cache_mem", "cache_disk")}
+    for flag in ("cache_mem", "cache_disk"):
+        if sizes[flag] < 0:
+            raise ValueError(f"{flag.replace('_', '-')}: a budget must not be negative, got {getattr(args, flag)!r}")
     return sizes
 
 
@@ -98,10 +104,22 @@ def build(args: argparse.Namespace):
                          "give a smaller --max-context") from None
     metrics = Metrics()
     name = args.served_model_name or os.path.basename(os.path.normpath(str(args.model)))
-    engine = Engine(conv, Admission(budgets, conv.capacity), metrics, args.max_queue)
+    engine = Engine(conv, Admission(budgets, conv.capacity), metrics, args.max_queue, _cache(args, sizes))
     key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     server = Server(name, tok, engine.admission, engine, metrics, key, sizes["max_body"])
     return create_app(server), server
+
+
+def _cache(args, sizes: dict):
+    """The prefix cache of the flags: host RAM capped to the RAM file system's free space."""
+    from .cache_store import DirStore, free_bytes, ram_parent
+    from .prefix_cache import PrefixCache
+    ram = ram_parent()
+    mem = min(sizes["cache_mem"], free_bytes(ram))
+    if mem < sizes["cache_mem"]:
+        print(f"kvpipe: --cache-mem capped to the {mem} bytes free in {ram}", file=sys.stderr)
+    disk = args.cache_dir or args.kv_dir or tempfile.gettempdir()
+    return PrefixCache(DirStore({"host": ram, "disk": str(disk)}), mem, sizes["cache_disk"])
 
 
 def _default_context(spec, admission) -> int:

@@ -6,7 +6,9 @@ alone: the plan has a batch dimension, but batching long requests multiplies the
 the bytes on every tier and link) and would make each request wait for the slowest. A full
 queue is 429 with Retry-After. Each request is `append(ids, reuse=True)`: the longest common
 prefix of its prompt and the tokens home (the previous request's prompt and answer) is kept, only
-the rest prefilled, and that count is its `cached_tokens`. Text goes from the worker to the event
+the rest prefilled, and that count is its `cached_tokens`. With a prefix cache (prefix_cache.py),
+a kept entry that shares more of the prompt than the tokens home is loaded first; and the tokens
+home are kept as an entry before a request discards most of them (keeps less than half). Text goes from the worker to the event
 loop through an asyncio queue per request; `Job.cancel()` (the client went away, the server
 stops) ends the generation after its next token, and the conversation rewinds what it added."""
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from .admission import kv_bytes
+from .prefix_cache import common_prefix
 from .protocol import ApiError, Query
 
 log = logging.getLogger("kvpipe")
@@ -51,8 +54,8 @@ class Engine:
     work, cancels what is queued and running, waits for the worker to finish its run, and closes
     the conversation (its KV freed, the disk tier's file removed)."""
 
-    def __init__(self, conv, admission, metrics, max_queue: int = 16) -> None:
-        self.conv, self.admission, self.metrics = conv, admission, metrics
+    def __init__(self, conv, admission, metrics, max_queue: int = 16, cache=None) -> None:
+        self.conv, self.admission, self.metrics, self.cache = conv, admission, metrics, cache
         self.queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self.current: Job | None = None
         self.stopping = False
@@ -60,6 +63,8 @@ class Engine:
         self.mean_s = 1.0   # running mean of a generation's wall time, for Retry-After
 
     def start(self) -> None:
+        if self.cache is not None:
+            self.metrics.cache_stats(self.cache.stats())
         self.thread = threading.Thread(target=self._work, name="kvpipe-engine", daemon=True)
         self.thread.start()
 
@@ -99,6 +104,9 @@ class Engine:
         if self.conv is not None and (self.thread is None or not self.thread.is_alive()):
             self.conv.close()
             self.conv = None
+            if self.cache is not None:   # no kept entry outlives the server
+                self.cache.clear()
+                self.cache.store.close()
 
     def kept_kv(self) -> dict:
         """KV bytes per tier of the tokens home, as the conversation's plan places them."""
@@ -127,6 +135,7 @@ class Engine:
         self.metrics.started(kv_bytes(self.conv.engine.spec, self.conv.engine.plan, len(job.ids) + q.max_tokens))
         res = None
         try:
+            self.route(job.ids)
             res = self.conv.append(job.ids, reuse=True, max_new_tokens=q.max_tokens, stop=q.stop,
                                    ignore_eos=q.ignore_eos, seed=q.seed, stream=lambda piece: job.push("text", piece),
                                    cancel=job.cancelled.is_set, **q.sampling)
@@ -141,5 +150,50 @@ class Engine:
             self.metrics.finished(len(job.ids) if res else 0, len(res.tokens) if res else 0, t.get("ttft_s"),
                                   t.get("decode_s_per_token"), res is not None and res.finish_reason == "cancelled",
                                   cached=t.get("reused_tokens", 0), kept=len(self.conv.live.tokens), kv=self.kept_kv())
+            if self.cache is not None:
+                self.metrics.cache_stats(self.cache.stats())
         if res is not None:
             job.push("done", res)
+
+    # ---- the prefix cache -------------------------------------------------------------------
+    def route(self, ids: list[int]) -> None:
+        """Let the conversation hold the best kept start of `ids`: the tokens home, or the cache's
+        entry sharing more of them (loaded). Tokens home that the request would mostly discard
+        are kept as an entry first."""
+        c, live = self.cache, self.conv.live
+        if c is None or not c.enabled:
+            return
+        own = common_prefix(live.tokens, ids)
+        entry, n = c.best(ids)
+        taken = c.take(entry) if entry is not None and n > own else None
+        if taken is None:
+            c.miss()
+        if live.length and (taken is not None or 2 * own < live.length):
+            self._keep_live()
+        if taken is not None:
+            self._load(taken, n)
+
+    def _keep_live(self) -> None:
+        from .cache_store import predicted_bytes
+        conv = self.conv
+        try:
+            self.cache.keep(conv.live.tokens, conv.save, predicted_bytes(conv.live.store, conv.live.length))
+        except (OSError, ValueError) as e:
+            log.warning("kvpipe serve: prefix cache: %d tokens not kept (%s)", conv.live.length,
+                        str(e).splitlines()[0] if str(e) else type(e).__name__)
+
+    def _load(self, entry, n: int) -> None:
+        """Continue from `entry` (its files dropped afterwards: its KV is the conversation's now);
+        one that cannot be loaded (a checksum, a file) is dropped and the request prefills cold."""
+        conv = self.conv
+        conv.reset()
+        try:
+            conv.load(entry.handle)
+            self.cache.hit(n)
+        except (OSError, ValueError) as e:
+            conv.reset()    # a partial load keeps nothing
+            self.cache.failed()
+            log.warning("kvpipe serve: prefix cache entry of %d tokens dropped, prefilling cold (%s)",
+                        len(entry.tokens), str(e).splitlines()[0] if str(e) else type(e).__name__)
+        finally:
+            self.cache.store.drop(entry.handle)

@@ -67,6 +67,10 @@ class Metrics:
             if per_token_s is not None:
                 self.decode.observe(per_token_s)
 
+    def cache_stats(self, stats: dict) -> None:
+        with self.lock:
+            self.cache = dict(stats)
+
     def render(self) -> str:
         with self.lock:
             m = ["# HELP kvpipe_requests_total HTTP requests answered, by endpoint and status",
@@ -90,10 +94,31 @@ class Metrics:
             m += [f'kvpipe_kv_bytes{{tier="{t}"}} {self.kv[t]}' for t in TIERS]
             m += _one("queue_depth", "gauge", "admitted requests waiting for the engine", self.queue_depth)
             m += _one("running", "gauge", "generations on the engine (0 or 1)", self.running)
-            for k, v in sorted(self.cache.items()):
-                m += _one(f"prefix_cache_{k}", "gauge" if k.endswith("bytes") or k == "entries" else "counter",
-                          f"prefix cache: {k.replace('_', ' ')}", v)
+            m += _cache(self.cache)
         return "\n".join(m) + "\n"
+
+
+CACHE_COUNTERS = {"hits_total": "requests continued from a kept entry of the prefix cache",
+                  "misses_total": "requests for which no kept entry shared more than the tokens home",
+                  "evictions_total": "entries dropped to keep the budgets",
+                  "spills_total": "entries moved from host RAM to disk to keep the host budget",
+                  "load_failures_total": "entries dropped because they could not be loaded (checksum, file)",
+                  "cached_tokens_total": "prompt tokens loaded from kept entries"}
+CACHE_GAUGES = {"bytes": "bytes of the kept entries, per tier", "entries": "kept entries, per tier",
+                "budget_bytes": "the budget of the kept entries, per tier (--cache-mem, --cache-disk)"}
+
+
+def _cache(stats: dict) -> list[str]:
+    """The prefix cache's figures (prefix_cache.PrefixCache.stats); none without a cache."""
+    if not stats:
+        return []
+    m = []
+    for k, help_ in CACHE_COUNTERS.items():
+        m += _one(f"prefix_cache_{k}", "counter", f"prefix cache: {help_}", stats[k])
+    for k, help_ in CACHE_GAUGES.items():
+        m += [f"# HELP kvpipe_prefix_cache_{k} prefix cache: {help_}", f"# TYPE kvpipe_prefix_cache_{k} gauge"]
+        m += [f'kvpipe_prefix_cache_{k}{{tier="{t}"}} {stats[f"{t}_{k}"]}' for t in ("host", "disk")]
+    return m
 
 
 def _one(name: str, kind: str, help_: str, value) -> list[str]:

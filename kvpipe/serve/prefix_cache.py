@@ -1,29 +1,30 @@
-"""The kept prompt prefixes of `kvpipe serve`: a request whose prompt extends a prompt seen before
-continues from that prompt's KV instead of prefilling it again. Entries live in host RAM, then on
-disk, each tier under its byte budget (`--cache-mem`, `--cache-disk`): the least recently used
-entry of host RAM moves to disk when host RAM is over budget, and the least recently used entry
-on disk is dropped when disk is. A lookup takes the longest kept prompt that is a proper prefix of
-the request's tokens (at least one token is left to prefill, so the first new logits come from a
-real forward step).
+"""The kept prompt prefixes of `kvpipe serve` beside its live conversation: an LRU of entries in
+two tiers, host RAM then disk, each under its byte budget (`--cache-mem`, `--cache-disk`). A new
+entry goes to host RAM when it fits the budget there, else to disk; room is made first, least
+recently used entry first: a host entry spills to disk when the disk budget can hold it, else it
+is dropped, and a disk entry is dropped. Entries are sized by the bytes their store reports.
 
-The KV itself is kept by a `Store` (the saved-KV mechanism of `kvpipe generate`); this module
-decides only what is kept where, and is tested against a fake store."""
+`best(tokens)` is the entry sharing the longest common prefix of whole tokens with a request (at
+least one); `take(entry)` hands it over to the caller, who continues from it (the entry's KV then
+lives in the conversation, and comes back as a new entry when the conversation leaves it).
+
+The KV itself is kept by a `Store` (cache_store.py: KV directories of executor/kv/saved.py);
+this module decides only what is kept where, and is tested against a fake store too."""
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 TIERS = ("host", "disk")
 
 
 class Store(Protocol):
-    """Where kept KV lives. `save(tokens)` keeps the KV of prompt `tokens` in host RAM and returns
-    its handle; `nbytes(handle)`; `move(handle, "disk")` returns the handle of the same KV on
-    disk; `drop(handle)` frees it. Continuing from a handle is the generation's business
-    (`load(handle)` there), not this cache's."""
+    """Where kept KV lives. `new(tier)` a fresh empty handle in `tier`; `nbytes(handle)` the bytes
+    it holds; `move(handle, tier)` the same KV in another tier (the old handle gone); `drop(handle)`
+    frees it."""
 
-    def save(self, tokens: tuple[int, ...]) -> object: ...
+    def new(self, tier: str) -> object: ...
     def nbytes(self, handle: object) -> int: ...
     def move(self, handle: object, tier: str) -> object: ...
     def drop(self, handle: object) -> None: ...
@@ -37,81 +38,111 @@ class Entry:
     tier: str       # "host" or "disk"
 
 
+def common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class PrefixCache:
-    """LRU of kept prefixes over two byte budgets. `lookup(tokens)` -> (Entry or None, cached
-    tokens); `keep(tokens)` saves a prompt's KV through the store and evicts what the budgets
-    cannot hold; `stats()` the figures /metrics shows."""
+    """LRU of kept prefixes over two byte budgets; `stats()` the figures /metrics shows."""
 
     def __init__(self, store: Store, mem_bytes: int, disk_bytes: int) -> None:
-        if mem_bytes < 0 or disk_bytes < 0:
-            raise ValueError(f"cache-mem: budgets must not be negative, got {mem_bytes}, {disk_bytes}")
+        for flag, v in (("cache-mem", mem_bytes), ("cache-disk", disk_bytes)):
+            if v < 0:
+                raise ValueError(f"{flag}: a budget must not be negative, got {v}")
         self.store, self.budget = store, {"host": mem_bytes, "disk": disk_bytes}
-        self.entries: OrderedDict[tuple[int, ...], Entry] = OrderedDict()   # oldest first
-        self.hits = self.misses = self.evictions = self.moves = self.cached_tokens = 0
+        self.entries: OrderedDict[tuple[int, ...], Entry] = OrderedDict()   # least recently used first
+        self.hits = self.misses = self.evictions = self.spills = self.failures = self.cached_tokens = 0
+
+    @property
+    def enabled(self) -> bool:
+        return any(self.budget.values())
 
     def used(self, tier: str) -> int:
         return sum(e.nbytes for e in self.entries.values() if e.tier == tier)
 
-    def lookup(self, tokens: tuple[int, ...] | list[int]) -> tuple[Entry | None, int]:
-        tokens = tuple(tokens)
-        best = None
-        for e in self.entries.values():
-            n = len(e.tokens)
-            if n < len(tokens) and (best is None or n > len(best.tokens)) and tokens[:n] == e.tokens:
-                best = e
-        if best is None:
-            self.misses += 1
-            return None, 0
-        self.entries.move_to_end(best.tokens)
-        self.hits += 1
-        self.cached_tokens += len(best.tokens)
-        return best, len(best.tokens)
+    def best(self, tokens) -> tuple[Entry | None, int]:
+        """The entry sharing the longest common prefix with `tokens` (ties: the most recent)."""
+        best, n = None, 0
+        for e in reversed(self.entries.values()):
+            k = common_prefix(e.tokens, tokens)
+            if k > n:
+                best, n = e, k
+        return best, n
 
-    def keep(self, tokens: tuple[int, ...] | list[int]) -> Entry | None:
-        """Keep the KV of prompt `tokens` (most recently used); None where no budget can hold it."""
+    def take(self, e: Entry) -> Entry:
+        """Hand `e` over (out of the index; its handle the caller's to load, then drop)."""
+        del self.entries[e.tokens]
+        return e
+
+    def hit(self, n: int) -> None:
+        self.hits += 1
+        self.cached_tokens += n
+
+    def miss(self) -> None:
+        self.misses += 1
+
+    def failed(self) -> None:
+        """An entry that could not be loaded (a checksum, a missing file) was dropped."""
+        self.failures += 1
+
+    def keep(self, tokens, write: Callable[[object], None], predicted_bytes: int) -> Entry | None:
+        """Keep the KV of `tokens` (most recently used), written by `write(handle)`, about
+        `predicted_bytes` (room is made for it first); None where no budget can hold it. An entry
+        whose tokens start `tokens` is replaced (this one holds it); where an entry already holds
+        `tokens`, nothing is written."""
         tokens = tuple(tokens)
-        if tokens in self.entries:
-            self.entries.move_to_end(tokens)
-            return self.entries[tokens]
-        handle = self.store.save(tokens)
-        e = Entry(tokens, handle, self.store.nbytes(handle), "host")
-        if e.nbytes > max(self.budget.values()):
-            self.store.drop(handle)
+        for e in list(self.entries.values()):
+            if e.tokens[:len(tokens)] == tokens:
+                self.entries.move_to_end(e.tokens)
+                return e
+            if tokens[:len(e.tokens)] == e.tokens:
+                self._drop(e)
+        tier = next((t for t in TIERS if 0 < predicted_bytes <= self.budget[t]), None)
+        if tier is None:
             return None
-        self.entries[tokens] = e
-        self._fit()
+        self._room(tier, predicted_bytes)
+        handle = self.store.new(tier)
+        try:
+            write(handle)
+        except BaseException:
+            self.store.drop(handle)
+            raise
+        self.entries[tokens] = Entry(tokens, handle, self.store.nbytes(handle), tier)
+        self._room(tier, 0)     # the real size, should it exceed the prediction
         return self.entries.get(tokens)
 
-    def _fit(self) -> None:
-        """Oldest host entries to disk while host RAM is over budget, oldest disk entries dropped
-        while disk is (an entry that fits neither is dropped)."""
-        for e in list(self.entries.values()):
-            if self.used("host") <= self.budget["host"]:
-                break
-            if e.tier == "host":
-                if e.nbytes <= self.budget["disk"]:
-                    e.handle, e.tier = self.store.move(e.handle, "disk"), "disk"
-                    self.moves += 1
-                else:
-                    self._evict(e)
-        for e in list(self.entries.values()):
-            if self.used("disk") <= self.budget["disk"]:
-                break
-            if e.tier == "disk":
-                self._evict(e)
+    def _room(self, tier: str, extra: int) -> None:
+        """Least recently used entries of `tier` out until `extra` more bytes fit its budget."""
+        while self.used(tier) + extra > self.budget[tier]:
+            victim = next((e for e in self.entries.values() if e.tier == tier), None)
+            if victim is None:
+                return
+            if tier == "host" and 0 < victim.nbytes <= self.budget["disk"]:
+                self._room("disk", victim.nbytes)
+                victim.handle, victim.tier = self.store.move(victim.handle, "disk"), "disk"
+                self.spills += 1
+            else:
+                self._drop(victim)
+                self.evictions += 1
 
-    def _evict(self, e: Entry) -> None:
-        self.store.drop(e.handle)
+    def _drop(self, e: Entry) -> None:
         del self.entries[e.tokens]
-        self.evictions += 1
+        self.store.drop(e.handle)
 
     def clear(self) -> None:
         """Drop everything (the server stops: no kept KV outlives it)."""
         for e in list(self.entries.values()):
-            self.store.drop(e.handle)
-        self.entries.clear()
+            self._drop(e)
 
     def stats(self) -> dict:
-        return {"entries": len(self.entries), "host_bytes": self.used("host"), "disk_bytes": self.used("disk"),
-                "hits_total": self.hits, "misses_total": self.misses, "evictions_total": self.evictions,
-                "cached_tokens_total": self.cached_tokens}
+        return {"hits_total": self.hits, "misses_total": self.misses, "evictions_total": self.evictions,
+                "spills_total": self.spills, "load_failures_total": self.failures,
+                "cached_tokens_total": self.cached_tokens,
+                **{f"{t}_bytes": self.used(t) for t in TIERS},
+                **{f"{t}_entries": sum(e.tier == t for e in self.entries.values()) for t in TIERS},
+                **{f"{t}_budget_bytes": self.budget[t] for t in TIERS}}
