@@ -10,7 +10,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 import kvpipe
-from graph_tape import TapeGraphs
+from graph_tape import StreamLog, TapeGraphs
 
 pytestmark = [pytest.mark.usefixtures("single_thread")]
 
@@ -81,6 +81,32 @@ def test_replayed_buckets_across_calls_equal_issued_step(tiny_model, resident, g
         assert torch.equal(s_tape, s_issued), (s_tape - s_issued).abs().amax(dim=-1).flatten()
         assert torch.equal(t_tape, t_issued)
     assert torch.equal(runs[True][-1][0], ref), (runs[True][-1][0], ref)
+
+
+@pytest.mark.parametrize("tape", [False, True])
+def test_write_back_ordered_before_the_next_fetch(tiny_model, tape):
+    """Faults caught (CPU runs every copy in issue order; a GPU runs streams concurrently): the next
+    step (its fetch of a host home, or a replay overwriting the K/V being copied) not waiting for
+    the write-back on the d2h stream; the write-back reading the step's K/V before the step made
+    them; the next prefill writing homes before the last write-backs landed (hand_back); a stream
+    switch, event or wait inside the captured step. `graph_tape.StreamLog` logs each op with its
+    stream and the events and waits between streams, and lists the unordered conflicting pairs."""
+    model = tiny_model("llama", kv_heads=4, q_heads=8, head_dim=16, layers=3)
+    ids = torch.randint(0, 127, (1, 128), generator=torch.Generator().manual_seed(13))
+    new, log = 6, StreamLog()
+    ref = model.generate(ids, max_new_tokens=new, **GREEDY)
+    with kvpipe.HeadwiseCache(model, max_length=128 + new, resident="none", group=2, chunk=64,
+                              decode="static") as cache:
+        cache.step_lanes = log
+        if tape:
+            cache.step_recorder = TapeGraphs()
+        with log:
+            runs = calls(model, cache, ids, new, warm=65)
+        assert (cache.replays > 0) == tape
+    steps = 2 + 1 + 2 * (new - 1)
+    assert sum(op[0] == "d2h" and op[5] == "copy_" for op in log.ops) == steps * 3 * 4   # every write-back on d2h
+    assert log.hazards() == []
+    assert torch.equal(runs[-1][0], ref)
 
 
 @pytest.mark.gpu
