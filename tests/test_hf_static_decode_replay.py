@@ -132,3 +132,29 @@ def test_cuda_graph_offloaded_8b_heads_equal_resident_across_calls(tiny_model, g
         for (t, s), (t_o, s_o) in zip(graph, runs[other]):
             assert torch.equal(s, s_o) and torch.equal(t, t_o), (other, t[0, -new:], t_o[0, -new:])
     assert torch.equal(graph[-1][0], runs["none", "eager"][-1][0])   # HF's own loop over the same cache
+
+
+@pytest.mark.gpu
+def test_cuda_graph_offloaded_32_layers_long_prefix_equal_resident(tiny_model):
+    """Fault caught on the GPU, where streams run concurrently (CPU tests see issue order only): a
+    step's write-back of its new K/V of offloaded heads (d2h stream) racing the next step's fetch
+    of those host rows, or the next replay overwriting the K/V being copied, at the sizes that give
+    a race room: Llama-3-8B's head layout with its 32 layers, a 16K prefix, group 8 (one group per
+    layer, every layer's fetch into one slot), 16 steps over two buckets. The logits of every call
+    of the captured and the issued step with every head in host RAM equal, bit for bit, those of
+    every head resident (no host copy at all). HF's own loop is not the reference here: its
+    attention rounds otherwise (prefix, own keys, merge), and bf16 tokens may part after a few."""
+    model = tiny_model("llama", kv_heads=8, q_heads=32, head_dim=128, layers=32, hidden_size=256,
+                       intermediate_size=512, max_position_embeddings=16512, dtype=torch.bfloat16, device="cuda")
+    ctx, new = 16000, 16
+    ids = torch.randint(0, 127, (1, ctx), generator=torch.Generator().manual_seed(14)).cuda()
+    runs = {}
+    for resident, decode in (("none", "graph"), ("none", "static"), ("all", "graph")):
+        with kvpipe.HeadwiseCache(model, max_length=ctx + new, resident=resident, group=8, chunk=4096,
+                                  decode=decode) as cache:
+            runs[resident, decode] = calls(model, cache, ids, new, warm=4097)
+            assert cache.decode_path == decode, (cache.decode_path, cache.decode_note)
+    for other in (("none", "static"), ("all", "graph")):
+        for k, ((t, s), (t_o, s_o)) in enumerate(zip(runs["none", "graph"], runs[other])):
+            first = next((i for i in range(len(s)) if not torch.equal(s[i], s_o[i])), None)
+            assert first is None and torch.equal(t, t_o), (other, k, "first step differing", first)
