@@ -3,7 +3,9 @@ records every aten op `fn` issues (a TorchDispatchMode) with the very tensors it
 `replay()` re-issues those ops on those tensors, writing each freshly made result into the tensor
 the capture made, and runs no Python of `fn`. So, as with a graph: host values read at capture are
 baked in, Python state set at capture is not set again, and the outputs are the capture's tensors.
-A host sync inside the step (`.item()`, `bool(t)`) raises, as it would under capture."""
+A host sync inside the step (`.item()`, `bool(t)`) raises, as it would under capture.
+`StreamLog`: the streams of the step on CPU (which stream issued each op, events and waits), to
+list the accesses a GPU would race."""
 from __future__ import annotations
 
 import bisect
