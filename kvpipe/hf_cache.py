@@ -81,7 +81,7 @@ class HeadwiseCache(Cache):
         self.stream: HeadStream | None = None
         self.decode, self.static, self._in_static = decode, None, False
         self.decode_path, self.decode_note, self._replays, self._live = None, None, 0, False
-        self.step_recorder = None   # what captures the static step; None: CUDA graphs (tests: graph_tape.py)
+        self.step_recorder = self.step_lanes = None   # the static step's capture and streams; None: CUDA's (tests: graph_tape.py)
         super().__init__(layers=[HeadwiseLayer(self, i) for i in range(spec.layers)])
         self._attach()
 
@@ -145,7 +145,7 @@ class HeadwiseCache(Cache):
     def _open_static(self) -> StaticStep:
         if self.static is None or self.static.store is not self.stream.store:
             self._drop_static()
-            self.static = StaticStep(self.stream, self.plan.decode.group, self.step_recorder)
+            self.static = StaticStep(self.stream, self.plan.decode.group, self.step_recorder, self.step_lanes)
         self.static.graph_wanted = self.decode_path == "graph" or self.step_recorder is not None
         return self.static
 

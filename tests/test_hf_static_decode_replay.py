@@ -10,7 +10,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 import kvpipe
-from graph_tape import TapeGraphs
+from graph_tape import StreamLog, TapeGraphs
 
 pytestmark = [pytest.mark.usefixtures("single_thread")]
 
@@ -83,6 +83,32 @@ def test_replayed_buckets_across_calls_equal_issued_step(tiny_model, resident, g
     assert torch.equal(runs[True][-1][0], ref), (runs[True][-1][0], ref)
 
 
+@pytest.mark.parametrize("tape", [False, True])
+def test_write_back_ordered_before_the_next_fetch(tiny_model, tape):
+    """Faults caught (CPU runs every copy in issue order; a GPU runs streams concurrently): the next
+    step (its fetch of a host home, or a replay overwriting the K/V being copied) not waiting for
+    the write-back on the d2h stream; the write-back reading the step's K/V before the step made
+    them; the next prefill writing homes before the last write-backs landed (hand_back); a stream
+    switch, event or wait inside the captured step. `graph_tape.StreamLog` logs each op with its
+    stream and the events and waits between streams, and lists the unordered conflicting pairs."""
+    model = tiny_model("llama", kv_heads=4, q_heads=8, head_dim=16, layers=3)
+    ids = torch.randint(0, 127, (1, 128), generator=torch.Generator().manual_seed(13))
+    new, log = 6, StreamLog()
+    ref = model.generate(ids, max_new_tokens=new, **GREEDY)
+    with kvpipe.HeadwiseCache(model, max_length=128 + new, resident="none", group=2, chunk=64,
+                              decode="static") as cache:
+        cache.step_lanes = log
+        if tape:
+            cache.step_recorder = TapeGraphs()
+        with log:
+            runs = calls(model, cache, ids, new, warm=65)
+        assert (cache.replays > 0) == tape
+    steps = 2 + 1 + 2 * (new - 1)
+    assert sum(op[0] == "d2h" and op[5] == "copy_" for op in log.ops) == steps * 3 * 4   # every write-back on d2h
+    assert log.hazards() == []
+    assert torch.equal(runs[-1][0], ref)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("group", [8, 4])
 def test_cuda_graph_offloaded_8b_heads_equal_resident_across_calls(tiny_model, group):
@@ -106,3 +132,29 @@ def test_cuda_graph_offloaded_8b_heads_equal_resident_across_calls(tiny_model, g
         for (t, s), (t_o, s_o) in zip(graph, runs[other]):
             assert torch.equal(s, s_o) and torch.equal(t, t_o), (other, t[0, -new:], t_o[0, -new:])
     assert torch.equal(graph[-1][0], runs["none", "eager"][-1][0])   # HF's own loop over the same cache
+
+
+@pytest.mark.gpu
+def test_cuda_graph_offloaded_32_layers_long_prefix_equal_resident(tiny_model):
+    """Fault caught on the GPU, where streams run concurrently (CPU tests see issue order only): a
+    step's write-back of its new K/V of offloaded heads (d2h stream) racing the next step's fetch
+    of those host rows, or the next replay overwriting the K/V being copied, at the sizes that give
+    a race room: Llama-3-8B's head layout with its 32 layers, a 16K prefix, group 8 (one group per
+    layer, every layer's fetch into one slot), 16 steps over two buckets. The logits of every call
+    of the captured and the issued step with every head in host RAM equal, bit for bit, those of
+    every head resident (no host copy at all). HF's own loop is not the reference here: its
+    attention rounds otherwise (prefix, own keys, merge), and bf16 tokens may part after a few."""
+    model = tiny_model("llama", kv_heads=8, q_heads=32, head_dim=128, layers=32, hidden_size=256,
+                       intermediate_size=512, max_position_embeddings=16512, dtype=torch.bfloat16, device="cuda")
+    ctx, new = 16000, 16
+    ids = torch.randint(0, 127, (1, ctx), generator=torch.Generator().manual_seed(14)).cuda()
+    runs = {}
+    for resident, decode in (("none", "graph"), ("none", "static"), ("all", "graph")):
+        with kvpipe.HeadwiseCache(model, max_length=ctx + new, resident=resident, group=8, chunk=4096,
+                                  decode=decode) as cache:
+            runs[resident, decode] = calls(model, cache, ids, new, warm=4097)
+            assert cache.decode_path == decode, (cache.decode_path, cache.decode_note)
+    for other in (("none", "static"), ("all", "graph")):
+        for k, ((t, s), (t_o, s_o)) in enumerate(zip(runs["none", "graph"], runs[other])):
+            first = next((i for i in range(len(s)) if not torch.equal(s[i], s_o[i])), None)
+            assert first is None and torch.equal(t, t_o), (other, k, "first step differing", first)

@@ -17,7 +17,6 @@ import inspect
 import torch
 
 from kvpipe.executor.engine.decoding import LAG
-from kvpipe.executor.hf import static
 from kvpipe.pipeline.replay import shape_blocker
 
 DECODE = ("auto", "graph", "static", "eager")   # HeadwiseCache(decode=...)
@@ -104,7 +103,7 @@ def run(cache, argument: str, model, input_ids, processors, criteria, config, st
     device = input_ids.device
     outputs = model._prefill(input_ids, config, model_kwargs, is_first_iteration=True)
     step = cache._open_static()
-    static.join(cache.stream)
+    step.join()
     P = cache.get_seq_length()
     limit = criteria.max_length if criteria.max_length is not None else cache.max_length + 1
     budget = limit - input_ids.shape[1]                     # MaxLengthCriteria: tokens still allowed
@@ -131,7 +130,7 @@ def run(cache, argument: str, model, input_ids, processors, criteria, config, st
         step.write_back(P + k)
         cache._set_length(P + k + 1)
         k += 1
-    static.hand_back(cache.stream)
+    step.hand_back()
     if stop is None:
         stop = stops.first(k)
     made = k + 1 if stop is None else stop + 1

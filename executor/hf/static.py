@@ -4,13 +4,20 @@ K/V written at the device-held position (as HF's StaticCache indexes its writes)
 over the whole capacity with the length read on the device (`attend_decode`, the kernel graph
 replay captures in executor/replay/). Offloaded head groups are fetched into the transfer slots
 as the engine's replayed steps fetch them: a prefix rounded up to a bucket of tokens (the only host
-integer a step bakes in, so one graph serves a bucket's steps), and each step's new K/V of
-offloaded heads written back to host RAM after the step, on the same stream. On CUDA each bucket's
-step is captured once as a CUDA graph and replayed; each bucket keeps the tensors its own capture
-made (its logits and the new K/V the write-back copies home: another bucket's capture must not
-rebind them, since a later generate() on the cache replays the bucket again). Issued without a
-graph the same step is the reference the replay equals bit for bit, and on CPU it runs with a
-length-masked attention of the same meaning."""
+integer a step bakes in, so one graph serves a bucket's steps). On CUDA each bucket's step is
+captured once as a CUDA graph and replayed; each bucket keeps the tensors its own capture made (its
+logits and the new K/V the write-back copies home: another bucket's capture must not rebind them,
+since a later generate() on the cache replays the bucket again). Issued without a graph the same
+step is the reference the replay equals bit for bit, and on CPU it runs with a length-masked
+attention of the same meaning.
+
+Streams (`Lanes`; on CPU every copy is synchronous). Inside the step (captured or issued) every
+copy and kernel runs on the launching stream: fetches of homes into slots, resident writes, the
+new token into the slot, attention; no cross-stream work is captured. Between steps, as the
+engine's replayed decode does it: the write-back of the step's new K/V of offloaded heads to
+their host homes runs on the d2h stream after an edge from the step (its K/V are made), and the
+next step waits for it (its fetches read those rows; a replay overwrites the K/V it copies).
+`join` and `hand_back` order the HeadStream's prefill copies around the decode."""
 from __future__ import annotations
 
 import inspect
@@ -38,9 +45,10 @@ class StaticStep:
     """The decode step's device buffers over an opened HeadStream (batch 1), and the step itself:
     `run(model, cache, argument)` issues it, or replays the graph captured for its bucket.
     `group`: KV heads per attended group (the plan's decode group); `recorder`: what captures the
-    step (`capture(fn) -> (graph, fn's outputs)`; default CUDA graphs on CUDA, none on CPU)."""
+    step (`capture(fn) -> (graph, fn's outputs)`; default CUDA graphs on CUDA, none on CPU);
+    `lanes`: the streams and their edges (default `Lanes` on CUDA, none on CPU: synchronous)."""
 
-    def __init__(self, stream, group: int, recorder=None) -> None:
+    def __init__(self, stream, group: int, recorder=None, lanes=None) -> None:
         store, lo = stream.store, stream.layout
         assert lo.batch == 1 and lo.kv_heads % group == 0, (lo.batch, group)
         dev = store.device
@@ -55,6 +63,9 @@ class StaticStep:
         self.copy_len = 0                     # tokens each prefix fetch moves (the step's bucket)
         # what captures the step: CUDA graphs, or a stand-in with their meaning (tests/graph_tape.py)
         self.recorder = recorder if recorder is not None else CudaGraphs(dev) if store.cuda else None
+        self.lanes = lanes if lanes is not None else Lanes(stream) if store.cuda else None
+        self.landed = None                    # the last write-back's event on the d2h lane
+        self.issued = True                    # the step last run was issued (its K/V not a graph's)
         self._writes: dict[int, torch.Tensor] = {}   # layer -> the new K/V of the forward running
         self.pending: tuple = ()              # ((layer, K/V), ...) of the step last run, for write_back
         self.graphs: dict[int, Captured] = {}  # bucket -> its captured step
@@ -105,11 +116,40 @@ class StaticStep:
         self.copy_len = bucket_len(prefix, BUCKET_TOKENS, self.layout.capacity) if self.offloaded else 0
 
     def write_back(self, position: int) -> None:
-        """The step's new K/V of offloaded heads to their host homes at `position` (same stream:
-        the next step's fetches read them after)."""
-        lo = self.layout
-        for layer, kv in self.pending:
-            self.store.store(layer, tuple(range(lo.resident[layer], lo.kv_heads)), kv, position)
+        """The step's new K/V of offloaded heads to their host homes at `position`, on the d2h lane
+        after the step (an edge from the launching stream); `run` makes the next step wait for it."""
+        lo, lanes = self.layout, self.lanes
+        if not self.pending:
+            return
+        if lanes is None:
+            for layer, kv in self.pending:
+                self.store.store(layer, tuple(range(lo.resident[layer], lo.kv_heads)), kv, position)
+            return
+        lanes.wait(lanes.d2h, lanes.record(lanes.main()))   # the step's K/V are made before they are read
+        with lanes.use(lanes.d2h):
+            for layer, kv in self.pending:
+                self.store.store(layer, tuple(range(lo.resident[layer], lo.kv_heads)), kv, position)
+                if self.issued:   # the allocator may reuse issued K/V only once d2h read them
+                    lanes.protect(kv, lanes.d2h)
+            self.landed = lanes.record(lanes.d2h)
+
+    def join(self) -> None:
+        """Before the first step: the HeadStream's prefill copies (h2d fetches, d2h stores) done."""
+        if self.lanes is not None:
+            main = self.lanes.main()
+            for lane in (self.lanes.h2d, self.lanes.d2h):
+                self.lanes.wait(main, self.lanes.record(lane))
+
+    def hand_back(self) -> None:
+        """After the last step: the HeadStream's own copies (the next prefill's d2h stores and h2d
+        fetches) start after the steps' slot and home writes, write-backs included."""
+        if self.lanes is not None:
+            lanes = self.lanes
+            main, back = lanes.main(), lanes.record(lanes.d2h)
+            lanes.wait(main, back)
+            step = lanes.record(main)
+            lanes.wait(lanes.h2d, step)
+            lanes.wait(lanes.d2h, step)
 
     def _forward(self, model, cache, argument: str) -> tuple[torch.Tensor, tuple]:
         """One issue of the step -> (logits [1, 1, V], its new K/V of offloaded heads). Each call
@@ -123,8 +163,13 @@ class StaticStep:
         return out.logits, tuple(sorted(self._writes.items()))
 
     def run(self, model, cache, argument: str) -> torch.Tensor:
-        """The step for the inputs set: by its bucket's graph once captured, else issued -> logits [1, 1, V]."""
-        if self.recorder is None or not self.graph_wanted:
+        """The step for the inputs set: by its bucket's graph once captured, else issued -> logits [1, 1, V].
+        First the launching stream waits for the last write-back (issued outside any capture)."""
+        if self.landed is not None:
+            self.lanes.wait(self.lanes.main(), self.landed)
+            self.landed = None
+        self.issued = self.recorder is None or not self.graph_wanted
+        if self.issued:
             logits, self.pending = self._forward(model, cache, argument)
             return logits
         step = self.graphs.get(self.copy_len)
@@ -178,17 +223,30 @@ class CudaGraphs:
         return graph, out
 
 
-def join(stream) -> None:
-    """Before the first static step: the stream's prefill copies (h2d fetches, d2h stores) done."""
-    if stream.cuda:
-        main = torch.cuda.current_stream(stream.store.device)
-        main.wait_stream(stream.h2d)
-        main.wait_stream(stream.d2h)
+class Lanes:
+    """The CUDA streams of a static step over a HeadStream: the launching stream (`main()`, the
+    current one), the stream's d2h and h2d streams, events and waits between them. A test stands
+    in a recorder of the same methods (tests/graph_tape.py StreamLog) to check the edges on CPU."""
 
+    def __init__(self, stream) -> None:
+        self.device, self.d2h, self.h2d = stream.store.device, stream.d2h, stream.h2d
 
-def hand_back(stream) -> None:
-    """After the last static step: the stream's own copies start after its slot and host writes."""
-    if stream.cuda:
-        main = torch.cuda.current_stream(stream.store.device)
-        stream.h2d.wait_stream(main)
-        stream.d2h.wait_stream(main)
+    def main(self):
+        return torch.cuda.current_stream(self.device)
+
+    def use(self, lane):
+        return torch.cuda.stream(lane)
+
+    @staticmethod
+    def record(lane) -> torch.cuda.Event:
+        ev = torch.cuda.Event()
+        ev.record(lane)
+        return ev
+
+    @staticmethod
+    def wait(lane, event) -> None:
+        lane.wait_event(event)
+
+    @staticmethod
+    def protect(t: torch.Tensor, lane) -> None:
+        t.record_stream(lane)
