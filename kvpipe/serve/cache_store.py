@@ -6,12 +6,15 @@ cache directory. Both folders are made on first use, named for this process, and
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 RAM_FS = "/dev/shm"
 MANIFEST_SLACK_BYTES = 64 << 10     # the manifest's fixed part (plan, hashes) and then some
+ROOT_NAME = re.compile(r"kvpipe-cache-(?:host|disk)-(\d+)-\w+")   # a tier's folder: kvpipe-cache-TIER-PID-RANDOM
 
 
 def ram_parent() -> str:
@@ -35,6 +38,27 @@ def predicted_bytes(store, n: int) -> int:
     return units * stride + 8 * n + units * (96 + 12 * (-(-row // BLOCK))) + MANIFEST_SLACK_BYTES
 
 
+def reclaim(parent: str) -> tuple[int, int]:
+    """Remove the tier folders in `parent` left by servers that died without cleanup (SIGKILL):
+    one whose process is gone. A pid reused by a live process keeps its folder (never a live
+    server's). Returns (folders removed, their bytes)."""
+    from kvpipe.executor.disk.io import _alive
+    removed = nbytes = 0
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return 0, 0
+    for name in names:
+        m = ROOT_NAME.fullmatch(name)
+        if m is None or int(m.group(1)) == os.getpid() or _alive(int(m.group(1))):
+            continue
+        path = Path(parent) / name
+        nbytes += sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        shutil.rmtree(path, ignore_errors=True)
+        removed += 1
+    return removed, nbytes
+
+
 class DirStore:
     """The prefix cache's `Store` over KV directories; `parents[tier]` the folder each tier's own
     folder is made in."""
@@ -46,6 +70,10 @@ class DirStore:
     def root(self, tier: str) -> Path:
         if tier not in self.roots:
             os.makedirs(self.parents[tier], exist_ok=True)
+            n, nbytes = reclaim(self.parents[tier])
+            if n:
+                print(f"kvpipe serve: removed {n} prefix-cache folder{'s' if n > 1 else ''} ({nbytes} bytes) left in "
+                      f"{self.parents[tier]} by servers that ended without cleanup", file=sys.stderr, flush=True)
             self.roots[tier] = Path(tempfile.mkdtemp(prefix=f"kvpipe-cache-{tier}-{os.getpid()}-",
                                                      dir=self.parents[tier]))
         return self.roots[tier]
