@@ -120,6 +120,20 @@ def _units_equal(a: KVStore, b: KVStore, n: int) -> bool:
     return True
 
 
+def fill_random(a: KVStore, n: int, seed: int) -> None:
+    """Random bytes into every unit's first n tokens, any tier."""
+    g, lo = torch.Generator().manual_seed(seed), a.layout
+    row = torch.empty(n * a.token_bytes, dtype=torch.uint8)
+    for layer, h in saved._units(a):
+        row.view(torch.int16).random_(generator=g)
+        if h >= lo.first_disk(layer):
+            a.disk.append([(a._row(layer, 0, h), memoryview(row.numpy()))])
+        else:
+            r = lo.resident[layer]
+            home = a.gpu[layer][0, h, :n] if h < r else a.host[layer][0, h - r, :n]
+            home.reshape(-1).view(torch.uint8).copy_(row)
+
+
 def store_row(args, n: int) -> dict:
     """saved.load alone: serial and parallel load rates of a random store against the read rate."""
     L, H, D = (int(v) for v in args.shape.split(","))
@@ -129,15 +143,7 @@ def store_row(args, n: int) -> dict:
     kv = Path(tempfile.mkdtemp(prefix="kvpipe-loadkv-", dir=args.kv_dir))
     out = {"tokens": n, "shape": args.shape, "split": args.split, "device": dev}
     with KVStore(lo, dev, torch.bfloat16, opts) as a:
-        g = torch.Generator().manual_seed(n)
-        row = torch.empty(n * a.token_bytes, dtype=torch.uint8)
-        for layer, h in saved._units(a):   # random bytes into every unit's home, any tier
-            row.view(torch.int16).random_(generator=g)
-            if h >= lo.first_disk(layer):
-                a.disk.append([(a._row(layer, 0, h), memoryview(row.numpy()))])
-            else:
-                home = a.gpu[layer][0, h, :n] if h < gpu else a.host[layer][0, h - gpu, :n]
-                home.reshape(-1).view(torch.uint8).copy_(row)
+        fill_random(a, n, n)
         man = saved.save(a, n, n, kv, {})
         size = man["unit_bytes"] * len(man["units"])
         out.update(kv_bytes=size, threads=args.threads)
