@@ -20,8 +20,8 @@ BLOCK = 8192                  # 5 checksummed blocks a unit, the last one partia
 LAYOUT = KVLayout(1, 4, 16, N + 8, (1, 0, 2), 2, 4, (1, 2, 0), 16)
 
 
-def store(tmp_path) -> KVStore:
-    return KVStore(LAYOUT, torch.device("cpu"), torch.float32, DiskOptions(str(tmp_path)))
+def store(tmp_path, device: str = "cpu") -> KVStore:
+    return KVStore(LAYOUT, torch.device(device), torch.float32, DiskOptions(str(tmp_path)))
 
 
 def units(s: KVStore) -> dict:
@@ -61,6 +61,19 @@ def test_parallel_load_gives_the_saved_units_bit_for_bit(saved_dir, tmp_path, th
     assert len(man["units"][0]["crc32c"]) == 5
     with store(tmp_path) as b:
         assert saved.load(b, d, man, threads=threads) == N
+        got = units(b)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.gpu
+def test_cuda_load_through_pinned_stages_gives_the_saved_units(saved_dir, tmp_path):
+    """Fault caught: a CUDA-resident unit's H2D copy from a pinned half that the next block's read
+    overwrote before the copy ran (no event wait), or the stages freed before the copies ended."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    d, man, want = saved_dir
+    with store(tmp_path, "cuda") as b:
+        saved.load(b, d, man, threads=4)
         got = units(b)
     assert all(torch.equal(got[k], want[k]) for k in want)
 
