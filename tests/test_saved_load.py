@@ -105,3 +105,12 @@ def test_a_load_leaves_the_saved_directory_unchanged(saved_dir, tmp_path):
         b.host[0][0, 0, N:N + 4].fill_(1.0)     # the continuation's next tokens go into the homes
         b.host[0][0, 0, :4].fill_(2.0)
     assert before == {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in d.iterdir()}
+
+
+def test_a_manifest_listing_too_few_checksums_is_refused(saved_dir, tmp_path):
+    """Fault caught: a unit whose manifest lists fewer checksums than its blocks loaded with the
+    last blocks unread and unverified (the home's tail left as it was)."""
+    d, man, _ = saved_dir
+    man["units"][7]["crc32c"] = man["units"][7]["crc32c"][:-1]
+    with store(tmp_path) as b, pytest.raises(ValueError, match="lists 4 checksums for the unit at offset"):
+        saved.load(b, d, man, threads=4)

@@ -23,6 +23,7 @@ import crc32c
 import torch
 
 from kvpipe.executor.disk.tier import ALIGN, aligned_buffer
+from kvpipe.executor.kv.pinned import release_cached_pinned
 from kvpipe.executor.kv.store import KVStore
 
 FORMAT = "kvpipe-kv"
@@ -137,7 +138,10 @@ def _pread(fds: tuple[int, int | None], dst: torch.Tensor, at: int) -> int:
     body with O_DIRECT where the address allows, the rest buffered; returns the bytes read."""
     view, done, n = memoryview(dst.numpy()), 0, dst.numel()
     if fds[1] is not None and dst.data_ptr() % ALIGN == 0 and at % ALIGN == 0 and n >= ALIGN:
-        done = os.preadv(fds[1], [view[:n // ALIGN * ALIGN]], at)
+        try:
+            done = os.preadv(fds[1], [view[:n // ALIGN * ALIGN]], at)
+        except OSError:   # a file system that opens O_DIRECT but refuses the request: buffered
+            done = 0
     while done < n:
         got = os.preadv(fds[0], [view[done:]], at + done)
         if got <= 0:
@@ -156,8 +160,8 @@ class _Loader:
     thread's stream; a disk unit through a per-thread staging block), each block's crc32c taken
     right after its read, while it is in cache, on the same thread (crc32c releases the GIL)."""
 
-    def __init__(self, store: KVStore, path: Path, fds, n: int, flag: str) -> None:
-        self.store, self.path, self.fds, self.n, self.flag = store, path, fds, n, flag
+    def __init__(self, store: KVStore, path: Path, fds, n: int, block: int, flag: str) -> None:
+        self.store, self.path, self.fds, self.n, self.block, self.flag = store, path, fds, n, block, flag
         self.nb, self.local, self.failed = n * store.token_bytes, threading.local(), threading.Event()
 
     def _home(self, layer: int, h: int) -> torch.Tensor | None:
@@ -196,12 +200,16 @@ class _Loader:
     def _unit(self, u: dict) -> None:
         s, layer, h, nb = self.store, u["layer"], u["head"], self.nb
         home = self._home(layer, h)
-        spans = [(k * BLOCK, min((k + 1) * BLOCK, nb), crc) for k, crc in enumerate(u["crc32c"])]
+        B = self.block
+        if len(u["crc32c"]) != -(-nb // B):   # fewer would leave bytes unread and unverified
+            raise ValueError(f"{self.flag}: the manifest lists {len(u['crc32c'])} checksums for the unit at offset "
+                             f"{u['offset']} of {self.path}, its {nb} bytes need {-(-nb // B)}")
+        spans = [(k * B, min((k + 1) * B, nb), crc) for k, crc in enumerate(u["crc32c"])]
         if home is not None:
             for a, b, crc in spans:
                 self._block(home[a:b], u["offset"] + a, crc)
         elif h >= s.layout.first_disk(layer):
-            stage = self._stage("row", BLOCK, False)
+            stage = self._stage("row", B, False)
             for a, b, crc in spans:   # a row grows at its end: block by block is one append
                 self._block(stage[:b - a], u["offset"] + a, crc)
                 s.disk.append([(s._row(layer, 0, h), memoryview(stage[:b - a].numpy()))])
@@ -211,7 +219,8 @@ class _Loader:
     def _to_gpu(self, dst: torch.Tensor, offset: int, spans) -> None:
         """A GPU-resident unit: blocks into two pinned halves in turn, each copied H2D while the
         next block is read (a half is reused once its copy's event has passed)."""
-        stage = self._stage("pinned", 2 * BLOCK, True)
+        B = self.block
+        stage = self._stage("pinned", 2 * B, True)
         if getattr(self.local, "stream", None) is None:
             self.local.stream = torch.cuda.Stream(self.store.device)
             self.local.events = [None, None]
@@ -220,7 +229,7 @@ class _Loader:
             for i, (a, b, crc) in enumerate(spans):
                 if ev[i % 2] is not None:
                     ev[i % 2].synchronize()
-                half = stage[(i % 2) * BLOCK:(i % 2) * BLOCK + b - a]
+                half = stage[(i % 2) * B:(i % 2) * B + b - a]
                 self._block(half, offset + a, crc)
                 dst[a:b].copy_(half, non_blocking=True)
                 ev[i % 2] = torch.cuda.Event()
@@ -239,7 +248,10 @@ def load(store: KVStore, directory: str | os.PathLike, man: dict, flag: str = "l
     path = Path(directory) / man["data"]
     fds = _open(path, flag)
     try:
-        job = _Loader(store, path, fds, n, flag)
+        block = man.get("block_bytes", BLOCK)
+        if not isinstance(block, int) or block <= 0:
+            raise ValueError(f"{flag}: the manifest's block_bytes {block!r} is not a positive integer")
+        job = _Loader(store, path, fds, n, block, flag)
         with ThreadPoolExecutor(max(1, threads)) as pool:
             list(pool.map(job.unit, man["units"]))
     finally:
@@ -248,4 +260,5 @@ def load(store: KVStore, directory: str | os.PathLike, man: dict, flag: str = "l
                 os.close(fd)
         if store.cuda:
             torch.cuda.synchronize(store.device)   # every H2D copy done before the stages go
+            release_cached_pinned()   # the readers' pinned stages back to the system, not torch's cache
     return n
