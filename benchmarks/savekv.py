@@ -7,6 +7,13 @@ Targets: (load + second TTFT) <= 5% of the first TTFT at 128K; load >= 80% of th
     python -m benchmarks.savekv --gpu-mem 24GB --contexts 32K,128K --kv-dir /dev/shm   # KV dir in host RAM
     python -m benchmarks.savekv --gpu-mem 24GB --contexts 32K,128K --kv-dir /path/on/nvme
     python -m benchmarks.savekv --model tests-like/config.json --contexts 1K --device cpu   # CPU smoke
+    python -m benchmarks.savekv --store-only --contexts 64K --kv-dir /dev/shm --device cpu   # the load alone
+
+--store-only times executor/kv/saved.load alone on a store of random K/V (--shape layers,heads,
+head_dim; --split GPU,disk heads per layer, the rest host): serial (one thread) and parallel, each
+checked bit for bit against the saved store, against the file's read rate with as many threads
+(into reused buffers). "parallel_warm": the homes' pages faulted in before the load, as CUDA's
+registered host homes are when the store opens (CPU homes fault on the load's first write).
 
 Prints and writes one JSON object (benchmarks/results/<machine>-<date>-savekv.json)."""
 from __future__ import annotations
@@ -25,6 +32,9 @@ import torch
 
 from kvpipe.conversation import Conversation
 from kvpipe.executor.disk.tier import aligned_buffer
+from kvpipe.executor.kv import saved
+from kvpipe.executor.kv.layout import DiskOptions, KVLayout
+from kvpipe.executor.kv.store import KVStore
 from kvpipe.pipeline.model import load_model
 from kvpipe.pipeline.units import parse_tokens
 
@@ -99,6 +109,64 @@ def row(args, context: int) -> dict:
             "decode_s_per_token": t1["decode_s_per_token"]}
 
 
+def _units_equal(a: KVStore, b: KVStore, n: int) -> bool:
+    """Every unit's first n tokens the same bytes in both stores (any tier)."""
+    x, y = (aligned_buffer(saved._stride(a, n)) for _ in range(2))
+    for layer, h in saved._units(a):
+        saved._get(a, layer, h, n, n, x)
+        saved._get(b, layer, h, n, n, y)
+        if not torch.equal(x, y):
+            return False
+    return True
+
+
+def fill_random(a: KVStore, n: int, seed: int) -> None:
+    """Random bytes into every unit's first n tokens, any tier."""
+    g, lo = torch.Generator().manual_seed(seed), a.layout
+    row = torch.empty(n * a.token_bytes, dtype=torch.uint8)
+    for layer, h in saved._units(a):
+        row.view(torch.int16).random_(generator=g)
+        if h >= lo.first_disk(layer):
+            a.disk.append([(a._row(layer, 0, h), memoryview(row.numpy()))])
+        else:
+            r = lo.resident[layer]
+            home = a.gpu[layer][0, h, :n] if h < r else a.host[layer][0, h - r, :n]
+            home.reshape(-1).view(torch.uint8).copy_(row)
+
+
+def store_row(args, n: int) -> dict:
+    """saved.load alone: serial and parallel load rates of a random store against the read rate."""
+    L, H, D = (int(v) for v in args.shape.split(","))
+    gpu, disk = (int(v) for v in args.split.split(","))
+    lo = KVLayout(1, H, D, n + 64, (gpu,) * L, 2, H, (disk,) * L, 16)
+    dev, opts = args.device or ("cuda" if torch.cuda.is_available() else "cpu"), DiskOptions(args.kv_dir)
+    kv = Path(tempfile.mkdtemp(prefix="kvpipe-loadkv-", dir=args.kv_dir))
+    out = {"tokens": n, "shape": args.shape, "split": args.split, "device": dev}
+    with KVStore(lo, dev, torch.bfloat16, opts) as a:
+        fill_random(a, n, n)
+        man = saved.save(a, n, n, kv, {})
+        size = man["unit_bytes"] * len(man["units"])
+        out.update(kv_bytes=size, threads=args.threads)
+        for name, threads, warm in (("serial", 1, False), ("parallel", args.threads, False),
+                                    ("parallel_warm", args.threads, True)):
+            with KVStore(lo, dev, torch.bfloat16, opts) as b:
+                for t in (b.gpu + b.host) if warm else ():   # pages faulted in first, as registering does
+                    if t is not None:
+                        t.zero_()
+                t0 = time.perf_counter()
+                saved.load(b, kv, man, threads=threads)
+                dt = time.perf_counter() - t0
+                out[f"{name}_load_s"], out[f"{name}_rate"] = dt, size / dt
+                out[f"{name}_equal"] = _units_equal(a, b, n)
+    out["read_rate"] = read_rate(kv / man["data"], args.threads)
+    out["parallel_vs_read"] = out["parallel_rate"] / out["read_rate"]
+    out["parallel_warm_vs_read"] = out["parallel_warm_rate"] / out["read_rate"]
+    for f in kv.iterdir():
+        f.unlink()
+    kv.rmdir()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-3-8b", help="preset or config.json (random weights)")
@@ -109,15 +177,19 @@ def main() -> None:
     ap.add_argument("--device", default=None)
     ap.add_argument("--kv-dir", default=None, help="where the KV directory and the disk tier go")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--store-only", action="store_true", help="time saved.load alone on random K/V")
+    ap.add_argument("--shape", default="8,8,128", help="--store-only: layers,kv_heads,head_dim")
+    ap.add_argument("--split", default="2,2", help="--store-only: GPU,disk heads per layer (the rest host)")
+    ap.add_argument("--threads", type=int, default=saved.THREADS, help="--store-only: parallel readers")
     args = ap.parse_args()
     dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    path = Path(args.out) if args.out else result_file("savekv", dev)
+    path = Path(args.out) if args.out else result_file("savekv-load" if args.store_only else "savekv", dev)
     path.parent.mkdir(parents=True, exist_ok=True)
     out = {"benchmark": "savekv", "device": torch.cuda.get_device_name() if dev.startswith("cuda") else "cpu",
            "model": args.model, "gpu_mem": args.gpu_mem, "rows": [],
            "targets": {"second_vs_first": 0.05, "load_vs_link": 0.80}}
     for c in args.contexts.split(","):
-        out["rows"].append(row(args, parse_tokens(c, "contexts")))
+        out["rows"].append((store_row if args.store_only else row)(args, parse_tokens(c, "contexts")))
         path.write_text(json.dumps(out, indent=2))     # after every row: a cut run keeps what it measured
         print(json.dumps(out["rows"][-1], indent=2), flush=True)
 
