@@ -26,9 +26,13 @@ def measured():
     for k, v in _flatten(tomllib.loads((_HERE / "h200-testbox.toml").read_text())).items():
         if k not in ("name", "description"):
             cal.set(k, v, "from h200-testbox", measured=False)
-    torch.set_num_threads(1)
-    for _, step in run_shape_steps(cal, torch.device("cpu"), DIMS, GRIDS, chunks=(256, 1024)):
-        step()
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)   # restored: later tests' CPU digests depend on the thread count
+    try:
+        for _, step in run_shape_steps(cal, torch.device("cpu"), DIMS, GRIDS, chunks=(256, 1024)):
+            step()
+    finally:
+        torch.set_num_threads(before)
     return cal
 
 

@@ -32,9 +32,15 @@ def test_run_digest_is_unchanged(args, digest, tmp_path, capsys):
     from kvpipe.cli import main
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TINY_LLAMA))
-    rc = main(["run", "--device", "cpu", "--no-progress", "--json", "--model", str(config),
-               "--random-weights", "--context", "200", "--decode-tokens", "8", "--seed", "3",
-               "--kv-dir", str(tmp_path), *args.split()])
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)   # a CPU GEMM's summation order follows its thread count: the digests' 2
+    try:
+        rc = main(["run", "--device", "cpu", "--no-progress", "--json", "--model", str(config),
+                   "--random-weights", "--context", "200", "--decode-tokens", "8", "--seed", "3",
+                   "--kv-dir", str(tmp_path), *args.split()])
+    finally:
+        torch.set_num_threads(before)
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert json.loads(out)["output_digest"] == digest
