@@ -37,3 +37,23 @@ def test_conversation_decides_the_plan_generate_decides_for_its_prompt(tiny_conf
                       max_new_tokens=n) as c:
         assert c.engine.base.workload == ref.run.workload
         assert c.engine.plan == ref.plan
+
+
+def test_a_question_of_the_same_shape_reuses_the_graph_and_answers_as_a_fresh_one(tiny_config):
+    """Fault caught: every question building its stage graph again (host time before its first
+    token: 0.3 s at 128K), or a kept graph reused for another shape (a question prefilling the
+    document again, or attending with the previous question's chunk starts)."""
+    from unittest import mock
+
+    from kvpipe.executor.engine import live
+    doc, qs, n = [7] * 90, [[1 + i, 2, 3 + i, 4, 5] for i in range(3)], 6
+    opts = dict(random_weights=True, device="cpu", max_context=100 + n, chat=False, max_new_tokens=n, chunk=32)
+    gen = dict(max_new_tokens=n, ignore_eos=True, reuse=True)
+    with Conversation(tiny_config, **opts) as c, mock.patch.object(live, "build", wraps=live.build) as spy:
+        got = [c.append(doc + q, **gen) for q in qs]
+    assert spy.call_count == 2                                     # q1 from token 0; q2 and q3 alike
+    assert [r.timings["prefill_tokens"] for r in got] == [95, 5, 5]
+    with Conversation(tiny_config, **opts) as c:
+        c.append(doc + qs[0], **gen)                               # q3's graph built afresh
+        ref = c.append(doc + qs[2], **gen)
+    assert (got[2].tokens, got[2].output_digest) == (ref.tokens, ref.output_digest)
