@@ -125,8 +125,8 @@ class LiveSession:
 
     def _graph(self, total: int, decode_tokens: int, plan: Plan, starts: tuple[int, ...]) -> Graph:
         """The run's stage graph, the last one again where the shape repeats (a server's next
-        question of the same length): building one costs host time before the first token (0.3 s
-        for a 128K prompt and 64 new tokens of Llama-3-8B, mostly its decode steps' stages)."""
+        question of the same length): building one costs host time before the first token, mostly
+        for its decode steps' stages."""
         key = (total, decode_tokens, plan, starts)
         if self._last is None or self._last[0] != key:
             self._last = (key, build(self.spec, Workload(total, decode_tokens, 1), plan, starts=starts))

@@ -14,7 +14,7 @@ All return the log-sum-exp in natural-log units, one value per (batch, head, que
 The environment variable KVPIPE_ATTN=auto|flash|cudnn overrides the bf16/fp16 CUDA choice
 (`flash`: FA2 always; `cudnn`: cuDNN always, an error where cuDNN attention is unavailable).
 Decode and short chunks stay on FA2 in `auto`: cuDNN builds one execution plan per new shape
-(~65 ms of host time on the H200), which a long chunk repays and a chat turn's few new tokens do
+(host time: docs/PERFORMANCE.md), which a long chunk repays and a chat turn's few new tokens do
 not. The choice counts the chunk's tokens, not the query rows of the prefix call (the GQA heads
 folded into them), as pipeline/cost.py models it.
 
