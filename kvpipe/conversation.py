@@ -230,15 +230,23 @@ def check_manifest(man: dict, spec, fp: dict, flag: str = "load-kv") -> None:
                          f"{str(saved_model.get('weights_sha256'))[:12]}, these are {fp['weights_sha256'][:12]})")
 
 
+def planned_workload(capacity: int, new_tokens: int) -> Workload:
+    """What a conversation's plan is decided for: a prompt that leaves room for `new_tokens`, then
+    their decode steps, the first token coming from the prefill, as `kvpipe generate` decides a
+    prompt of `capacity - new_tokens` tokens with --max-new-tokens `new_tokens` (the same plan)."""
+    return Workload(capacity - new_tokens, new_tokens - 1, 1)
+
+
 def _start(ck, spec, capacity: int, decode: int, seed: int, options: dict) -> _Engine:
-    """The plan for `capacity` tokens decided as kvpipe.run decides it, the model loaded."""
+    """The plan for `capacity` tokens, `decode` of them generated, decided as kvpipe.run decides
+    it, the model loaded."""
     from kvpipe.executor.layers.attention import kernel_label
     session = api._executor()
-    opts = RunOptions(**dict(options, model=ck.model, context=capacity - decode, decode_tokens=decode,
+    work = planned_workload(capacity, decode)
+    opts = RunOptions(**dict(options, model=ck.model, context=work.context, decode_tokens=work.decode_tokens,
                              seed=seed, progress=False))
     dev = session.resolve_device(opts.device)
     attention = kernel_label(dev, session.TORCH_DTYPES[spec.dtype])
-    work = Workload(capacity - decode, decode, 1)
     profile, budgets, req, decision = api.decide_run(opts, spec, work, session, dev)
     warnings = api.context_warnings(spec, work)
     hf = session.load_hf_model(opts.model, opts.random_weights, dev, session.TORCH_DTYPES[spec.dtype], seed)

@@ -356,12 +356,13 @@ def test_kernel_lse_is_natural_log_per_row_cuda(dtype, kernel, d, t, seed):
 
 @pytest.mark.gpu
 def test_auto_uses_cudnn_for_prefill_chunks_and_flash_for_decode():
-    """`auto` on bf16: a 4096-token chunk (and its folded prefix) goes to cuDNN, a decode step to
-    FA2."""
+    """`auto` on bf16: a chunk of CUDNN_MIN_ROWS tokens (and its folded prefix) goes to cuDNN, a
+    decode step and a 65-token chunk (260 folded prefix rows) to FA2."""
     if kernel_label(torch.device("cuda"), torch.bfloat16) == "FA2":
         pytest.skip("auto keeps FA2 on this GPU (pre-Hopper or no cuDNN 9)")
     gen = torch.Generator().manual_seed(0)
-    for t, want in ((CUDNN_MIN_ROWS, "cudnn_attention"), (1, "flash_attention")):
+    # 65 tokens of 4 query heads per KV head: 260 folded prefix rows, still a short chunk (FA2)
+    for t, want in ((CUDNN_MIN_ROWS, "cudnn_attention"), (1, "flash_attention"), (65, "flash_attention")):
         q = randn((1, 8, t, 128), torch.bfloat16, gen, "cuda")
         kv = randn((1, 2, 600 + t, 128), torch.bfloat16, gen, "cuda")
         with mock.patch.dict(os.environ, {"KVPIPE_ATTN": "auto"}), _RecordShapes() as rec:
@@ -383,3 +384,18 @@ def test_canonical_unit_strides_keeps_values_and_unifies_keys():
     assert ca.stride() == cb.stride() and torch.equal(ca, a) and torch.equal(cb, b)
     two = wide[:, 1:3, :30, 1]                               # sizes > 1 keep their strides
     assert canonical_unit_strides(two).stride()[1:] == two.stride()[1:]
+
+
+def test_short_chunk_picks_its_kernel_by_its_tokens_not_its_folded_rows():
+    """Fault caught: a chunk of 64-255 tokens of a GQA model (4 query heads per KV head folded into
+    >= 256 query rows of the prefix call) sent to cuDNN, which builds a new execution plan for it
+    (a chat turn's or a question's few new tokens), where pipeline/cost.py counts FA2 and no plan."""
+    from kvpipe.executor.layers import attention as att
+    assert att.auto_kernel(CUDNN_MIN_ROWS) == "cudnn" and att.auto_kernel(CUDNN_MIN_ROWS - 1) == "flash"
+    gen = torch.Generator().manual_seed(0)
+    q = randn((1, 8, 65, 16), torch.float32, gen)
+    kv = randn((1, 2, 100 + 65, 16), torch.float32, gen)
+    with mock.patch.object(att, "attend_part", wraps=att.attend_part) as spy:
+        att.attend_chunk(q, kv[:, :, :100], kv[:, :, :100], kv[:, :, 100:], kv[:, :, 100:], 0.25)
+    picked = [att.auto_kernel(c.kwargs.get("tokens") or c.args[0].shape[2]) for c in spy.call_args_list]
+    assert picked == ["flash", "flash"], picked

@@ -5,7 +5,7 @@ merged exactly by log-sum-exp; no T x (P+T) score or mask matrix is ever materia
 Kernels (chosen by device, dtype and shape, never by where the bytes live):
   CPU  float32 / float64 / bfloat16 / float16  aten._scaled_dot_product_flash_attention_for_cpu
   CUDA bfloat16 / float16, sm90+ (Hopper on),   aten._scaled_dot_product_cudnn_attention (cuDNN >= 9;
-       >= CUDNN_MIN_ROWS query rows (prefill)   faster than FA2 there: docs/PERFORMANCE.md)
+       chunks of >= CUDNN_MIN_ROWS tokens       faster than FA2 there: docs/PERFORMANCE.md)
   CUDA bfloat16 / float16, otherwise (decode,   aten._scaled_dot_product_flash_attention (FA2)
        small chunks, Ampere/Ada)
   CUDA float32                                aten._scaled_dot_product_efficient_attention
@@ -13,8 +13,10 @@ Kernels (chosen by device, dtype and shape, never by where the bytes live):
 All return the log-sum-exp in natural-log units, one value per (batch, head, query row).
 The environment variable KVPIPE_ATTN=auto|flash|cudnn overrides the bf16/fp16 CUDA choice
 (`flash`: FA2 always; `cudnn`: cuDNN always, an error where cuDNN attention is unavailable).
-Decode stays on FA2 in `auto`: its prefix length changes every step and cuDNN builds one
-execution plan per shape.
+Decode and short chunks stay on FA2 in `auto`: cuDNN builds one execution plan per new shape
+(host time: docs/PERFORMANCE.md), which a long chunk repays and a chat turn's few new tokens do
+not. The choice counts the chunk's tokens, not the query rows of the prefix call (the GQA heads
+folded into them), as pipeline/cost.py models it.
 
 `attend_decode` is the decode kernel of graph replay (executor/replay/capture.py): FA2's varlen forward
 over an interleaved KV buffer, the number of keys read from a device tensor (`seqused_k`) and the
@@ -32,7 +34,7 @@ import torch
 _CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _CUDA_FLASH_DTYPES = (torch.bfloat16, torch.float16)
 CUDA_KERNELS = ("auto", "flash", "cudnn")
-CUDNN_MIN_ROWS = 256  # query rows from which `auto` uses cuDNN: prefill chunks, never decode steps
+CUDNN_MIN_ROWS = 256  # chunk tokens from which `auto` uses cuDNN: long prefill chunks, never decode steps
 
 
 def cuda_kernel_setting() -> str:
@@ -71,15 +73,21 @@ def kernel_label(device: torch.device, dtype: torch.dtype) -> str:
         return "memory-efficient"
     if not _cudnn_for(device, name):
         return "FA2"
-    return f"cuDNN (>= {CUDNN_MIN_ROWS} query rows), FA2 (decode)" if name == "auto" else "cuDNN"
+    return f"cuDNN (chunks >= {CUDNN_MIN_ROWS} tokens), FA2 (decode, short chunks)" if name == "auto" else "cuDNN"
 
 
-def cuda_kernel(q: torch.Tensor) -> str:
-    """`cudnn` or `flash` for a bf16/fp16 CUDA call, from the setting, the GPU and the shape of q alone."""
+def auto_kernel(tokens: int) -> str:
+    """`auto`'s kernel where cuDNN is preferred, for a call over a chunk of `tokens` new tokens."""
+    return "cudnn" if tokens >= CUDNN_MIN_ROWS else "flash"
+
+
+def cuda_kernel(q: torch.Tensor, tokens: int | None = None) -> str:
+    """`cudnn` or `flash` for a bf16/fp16 CUDA call, from the setting, the GPU and the chunk's
+    `tokens` (default: q's query rows) alone."""
     name = cuda_kernel_setting()
     if not _cudnn_for(q.device, name):
         return "flash"
-    return "cudnn" if name == "cudnn" or q.shape[2] >= CUDNN_MIN_ROWS else "flash"
+    return "cudnn" if name == "cudnn" else auto_kernel(q.shape[2] if tokens is None else tokens)
 
 
 class Partial(NamedTuple):
@@ -89,8 +97,11 @@ class Partial(NamedTuple):
     lse: torch.Tensor  # [B, H, T] log-sum-exp of the scaled scores, natural log, float32 (float64 for float64)
 
 
-def attend_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> Partial:
-    """One fused kernel call with as many query heads as kv heads; causal is top-left aligned (use it with T == S)."""
+def attend_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                tokens: int | None = None) -> Partial:
+    """One fused kernel call with as many query heads as kv heads; causal is top-left aligned (use it with T == S).
+    `tokens`: the chunk's new tokens whose queries q holds (GQA heads folded into its rows), which
+    pick the CUDA kernel (default: q's rows)."""
     B, H, T, D = q.shape  # [B, H, T, D]
     if k.shape != v.shape or k.shape[:2] != (B, H) or k.shape[3] != D:
         raise ValueError(f"k, v: shapes {tuple(k.shape)}, {tuple(v.shape)} do not match q {tuple(q.shape)}")
@@ -109,7 +120,7 @@ def attend_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, scale=scale
         )
-    elif q.device.type == "cuda" and q.dtype in _CUDA_FLASH_DTYPES and cuda_kernel(q) == "cudnn":
+    elif q.device.type == "cuda" and q.dtype in _CUDA_FLASH_DTYPES and cuda_kernel(q, tokens) == "cudnn":
         q, k, v = (canonical_unit_strides(x) for x in (q, k, v))
         res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
         out, lse = res[0], res[1].reshape(B, H, T)  # the LSE comes as [B, H, T, 1]
@@ -201,7 +212,7 @@ def attend_chunk(
     # The chunk over the prefix, no mask: the r query heads of a kv head are r*T independent rows
     # against the same keys, so fold them into the query length and read K/V in place, uncopied.
     q_fold = q.reshape(B, Hkv, r * T, D)  # [B, Hkv, r*T, D], a view when q is contiguous
-    pre = attend_part(q_fold, k_prefix, v_prefix, scale, causal=False)
+    pre = attend_part(q_fold, k_prefix, v_prefix, scale, causal=False, tokens=T)
     pre = Partial(pre.out.reshape(B, Hq, T, D), pre.lse.reshape(B, Hq, T))
     return merge_partials(pre, own, q.dtype)
 

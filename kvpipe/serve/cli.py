@@ -147,6 +147,7 @@ def _serve(args, app, server) -> None:
     import uvicorn
     print(f"kvpipe: serving {server.name!r} on http://{args.host}:{args.port}/v1"
           f"{' (API key required)' if server.api_key else ''}", file=sys.stderr, flush=True)
+    print(f"kvpipe: plan: {server.engine.conv.engine.plan.describe()}", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=30)
     _graceful(config, server.engine).run()

@@ -1,0 +1,59 @@
+"""kvpipe.Conversation (kvpipe/conversation.py): the plan a conversation decides once for its
+capacity, against the plan `kvpipe generate` decides for one prompt of the same size."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import kvpipe
+from kvpipe.conversation import Conversation, planned_workload
+from kvpipe.pipeline.workload import Workload
+
+pytest.importorskip("torch")
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory):
+    d = tmp_path_factory.mktemp("conv")
+    cfg = {"model_type": "llama", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
+           "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16,
+           "max_position_embeddings": 4096, "torch_dtype": "float32", "tie_word_embeddings": False}
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d / "config.json")
+
+
+def test_conversation_decides_the_plan_generate_decides_for_its_prompt(tiny_config):
+    """Fault caught: a conversation of capacity C for n new tokens planned for n decode steps (the
+    first token comes from the prefill, so generate plans n - 1): `generate --save-kv`, chat and the
+    server then decide their plan for another workload than `kvpipe generate` over the same prompt,
+    and may run another plan (the 128K server measured slower than generate on its own plan)."""
+    prompt, n = 700, 9
+    assert planned_workload(prompt + n, n) == Workload(prompt, n - 1, 1)
+    ref = kvpipe.generate(tiny_config, " ".join(["5"] * prompt), prompt_format="ids", random_weights=True,
+                          device="cpu", max_new_tokens=n, ignore_eos=True)
+    with Conversation(tiny_config, random_weights=True, device="cpu", max_context=prompt + n, chat=False,
+                      max_new_tokens=n) as c:
+        assert c.engine.base.workload == ref.run.workload
+        assert c.engine.plan == ref.plan
+
+
+def test_a_question_of_the_same_shape_reuses_the_graph_and_answers_as_a_fresh_one(tiny_config):
+    """Fault caught: every question building its stage graph again (host time before its first
+    token: 0.3 s at 128K), or a kept graph reused for another shape (a question prefilling the
+    document again, or attending with the previous question's chunk starts)."""
+    from unittest import mock
+
+    from kvpipe.executor.engine import live
+    doc, qs, n = [7] * 90, [[1 + i, 2, 3 + i, 4, 5] for i in range(3)], 6
+    opts = dict(random_weights=True, device="cpu", max_context=100 + n, chat=False, max_new_tokens=n, chunk=32)
+    gen = dict(max_new_tokens=n, ignore_eos=True, reuse=True)
+    with Conversation(tiny_config, **opts) as c, mock.patch.object(live, "build", wraps=live.build) as spy:
+        got = [c.append(doc + q, **gen) for q in qs]
+    assert spy.call_count == 2                                     # q1 from token 0; q2 and q3 alike
+    assert [r.timings["prefill_tokens"] for r in got] == [95, 5, 5]
+    with Conversation(tiny_config, **opts) as c:
+        c.append(doc + qs[0], **gen)                               # q3's graph built afresh
+        ref = c.append(doc + qs[2], **gen)
+    assert (got[2].tokens, got[2].output_digest) == (ref.tokens, ref.output_digest)
