@@ -129,20 +129,24 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def left_behind(directory: str, name: re.Pattern) -> list[str]:
+    """The entries of `directory` whose name matches `name` (group 1 a pid) and whose process is
+    gone: what runs that died without cleanup left. Never this process's."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return [n for n in names if (m := name.fullmatch(n)) is not None
+            and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1)))]
+
+
 def reclaim(kv_dir: str) -> tuple[int, int]:
     """Remove the tier's files in `kv_dir` left by runs that died without cleanup (SIGKILL, a
     crash): one whose process is gone and whose lock nobody holds. The pid alone could be
     reused by another process, and a new run creates its file a moment before it locks it: both
     checks keep a live run's file. Returns (files removed, their bytes)."""
     removed = nbytes = 0
-    try:
-        names = os.listdir(kv_dir)
-    except OSError:
-        return 0, 0
-    for name in names:
-        m = FILE_NAME.fullmatch(name)
-        if m is None or int(m.group(1)) == os.getpid() or _alive(int(m.group(1))):
-            continue
+    for name in left_behind(kv_dir, FILE_NAME):
         path = os.path.join(kv_dir, name)
         try:
             fd = os.open(path, os.O_RDONLY)

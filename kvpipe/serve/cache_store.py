@@ -42,16 +42,9 @@ def reclaim(parent: str) -> tuple[int, int]:
     """Remove the tier folders in `parent` left by servers that died without cleanup (SIGKILL):
     one whose process is gone. A pid reused by a live process keeps its folder (never a live
     server's). Returns (folders removed, their bytes)."""
-    from kvpipe.executor.disk.io import _alive
+    from kvpipe.executor.disk.io import left_behind
     removed = nbytes = 0
-    try:
-        names = os.listdir(parent)
-    except OSError:
-        return 0, 0
-    for name in names:
-        m = ROOT_NAME.fullmatch(name)
-        if m is None or int(m.group(1)) == os.getpid() or _alive(int(m.group(1))):
-            continue
+    for name in left_behind(parent, ROOT_NAME):
         path = Path(parent) / name
         nbytes += sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         shutil.rmtree(path, ignore_errors=True)

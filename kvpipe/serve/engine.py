@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from .admission import kv_bytes
-from .prefix_cache import common_prefix
+from kvpipe.conversation import common_prefix
 from .protocol import ApiError, Query
 
 log = logging.getLogger("kvpipe")

@@ -16,6 +16,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
+from kvpipe.conversation import common_prefix
+
 TIERS = ("host", "disk")
 
 
@@ -36,15 +38,6 @@ class Entry:
     handle: object
     nbytes: int
     tier: str       # "host" or "disk"
-
-
-def common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class PrefixCache:
