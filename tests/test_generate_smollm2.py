@@ -27,6 +27,9 @@ PLACEMENTS = [("none", 1, None), ("all", 1, None), ("40", 1, None), ("none", 3, 
               ("all", 3, None), ("40", 3, None), ("none", 3, 30), ("20", 1, 10)]
 
 
+_CONVERTED: list = []   # the one conversion of the session: the modules that import the fixture share it
+
+
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory):
     """(the .gguf path, the conversion cache root, the converted safetensors directory)."""
@@ -39,9 +42,11 @@ def smollm2(tmp_path_factory):
     for mod in ("gguf", "accelerate"):
         if importlib.util.find_spec(mod) is None:
             pytest.skip(f"reading GGUF needs {mod}: pip install -e '.[test]'")
-    from kvpipe.checkpoint import convert_gguf
-    root = tmp_path_factory.mktemp("kvpipe-cache")
-    return path, root, convert_gguf(path, root=root, quiet=True)
+    if not _CONVERTED:
+        from kvpipe.checkpoint import convert_gguf
+        root = tmp_path_factory.mktemp("kvpipe-cache")
+        _CONVERTED.append((path, root, convert_gguf(path, root=root, quiet=True)))
+    return _CONVERTED[0]
 
 
 @pytest.fixture(scope="session")
