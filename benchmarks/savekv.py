@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import os
 import tempfile
 import time
@@ -38,6 +36,7 @@ from kvpipe.executor.kv.store import KVStore
 from kvpipe.pipeline.model import load_model
 from kvpipe.pipeline.units import parse_tokens
 
+from .generate_json import generate_json
 from .result_file import result_file
 
 
@@ -62,20 +61,10 @@ def read_rate(path: Path, threads: int = 8, request: int = 8 << 20) -> float:
 
 
 def generate(args, tokens: list[int], *flags: str) -> dict:
-    """`kvpipe generate --json` in its own process (each load starts under the cap from a clean
-    allocator), the prompt as token ids; its JSON."""
-    with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
-        f.write(" ".join(map(str, tokens)))
-        f.flush()
-        cmd = [sys.executable, "-m", "kvpipe", "generate", "--model", args.model, "--random-weights",
-               "--prompt-file", f.name, "--prompt-format", "ids", "--max-new-tokens", str(args.new),
-               "--ignore-eos", "--json", *flags]
-        for flag, v in (("--device", args.device), ("--gpu-mem", args.gpu_mem), ("--kv-dir", args.kv_dir)):
-            cmd += [flag, v] if v else []
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode:
-            raise SystemExit(f"kvpipe generate exited {done.returncode}: {done.stderr[-2000:]}")
-        return json.loads(done.stdout)
+    """`kvpipe generate --json` on `tokens` with this run's device, GPU cap and KV folder."""
+    for flag, v in (("--device", args.device), ("--gpu-mem", args.gpu_mem), ("--kv-dir", args.kv_dir)):
+        flags += (flag, v) if v else ()
+    return generate_json(args.model, tokens, args.new, *flags)
 
 
 def row(args, context: int) -> dict:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +29,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_helpers import ServerProcess  # noqa: E402
+from generate_json import generate_json  # noqa: E402
 from result_file import result_file  # noqa: E402
 
 
@@ -96,15 +96,7 @@ def stream_one(url: str, ids: list[int], new: int) -> dict:
 
 
 def generate_one(d: Path, ids: list[int], new: int, flags: list[str]) -> dict:
-    with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
-        f.write(" ".join(map(str, ids)))
-        f.flush()
-        done = subprocess.run([sys.executable, "-m", "kvpipe", "generate", "--model", str(d), "--random-weights",
-                               "--prompt-file", f.name, "--prompt-format", "ids", "--max-new-tokens", str(new),
-                               "--ignore-eos", "--json", *flags], capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(f"kvpipe generate exited {done.returncode}: {done.stderr[-2000:]}")
-    out = json.loads(done.stdout)
+    out = generate_json(str(d), ids, new, *flags)
     t = out["timings"]
     return {"ttft_s": t["ttft_s"], "decode_s_per_token": t["decode_s_per_token"], "plan_line": out["plan_line"],
             "plan": out["plan"], "decode": out["decode"], "completion_tokens": len(out["tokens"])}

@@ -7,23 +7,15 @@ issued without a graph (bitwise), HF's own generate() with its DynamicCache (tok
 every-head-resident plan (bitwise)."""
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessorList
 
 import kvpipe
 from graph_tape import StreamLog, TapeGraphs
+from test_hf_static_decode import Record  # noqa: E402  (keeps each step's scores)
 
 pytestmark = [pytest.mark.usefixtures("single_thread")]
 
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=127)
-
-
-class Record(LogitsProcessor):
-    def __init__(self) -> None:
-        self.scores: list = []
-
-    def __call__(self, input_ids, scores):
-        self.scores.append(scores.clone())
-        return scores
 
 
 def calls(model, cache, ids: torch.Tensor, new: int, warm: int) -> list:
