@@ -3,7 +3,8 @@
 # the named steps under their own limits; logs and JSON under $OUT.
 #   bash experiments/session_gpu.sh STEP[:SECONDS] ...
 # Steps: gputests robust32 robustres hfgen32 hfgen128 savekv smollm (needs out/g1 + out/g2 carried
-# over two calls: the SmolLM2 GGUF in two halves) serve needle hybrid
+# over two calls: the SmolLM2 GGUF in two halves) serve needle hybrid captured chatturns servecache calib
+# resprof
 set -u
 R=$(pwd)
 if [ -z "${SKIP_INSTALL:-}" ]; then
@@ -23,7 +24,7 @@ for spec in "$@"; do
   step=${spec%%:*}; lim=${spec#*:}; [ "$lim" = "$spec" ] && lim=300
   echo "=== $step (limit $lim s) $(date -u +%H:%M:%S)"
   case $step in
-    gputests) timeout "$lim" python3 -m pytest -q -m gpu -p no:cacheprovider --rootdir "$R" "$R/tests" ${GPU_TESTS:-} > "$OUT/gpu-tests.log" 2>&1
+    gputests) timeout "$lim" python3 -m pytest -q -m gpu -p no:cacheprovider --rootdir "$R" ${GPU_TESTS:-"$R/tests"} > "$OUT/gpu-tests.log" 2>&1
               grep -E "passed|failed" "$OUT/gpu-tests.log" | tail -1; grep -E "^FAILED|^ERROR" "$OUT/gpu-tests.log" | head -20 ;;
     robust32) timeout "$lim" python3 -m benchmarks.robust_decode --rows ${ROWS:-32k-g1-none,32k-g2-none,32k-g4-none,32k-g8-none} --processes ${P:-3} --out "$OUT/robust-decode-32k.json" 2>&1 | tail -6 ;;
     robustres) timeout "$lim" python3 -m benchmarks.robust_decode --rows 8k-max,32k-max --processes ${P:-3} --out "$OUT/robust-decode-resident.json" 2>&1 | tail -4 ;;
@@ -34,6 +35,11 @@ for spec in "$@"; do
     needle) timeout "$lim" python3 -m benchmarks.lossy_error --model-needles --device cuda --needle-prompts ${NP:-30} --needle-contexts 2K,4K,6K,8K --out "$OUT/lossy-needle.json" 2>&1 | grep -v Warning | tail -14 ;;
     serve) timeout "$lim" python3 -m benchmarks.serve_doc ${SERVE_ARGS:-} --out "$OUT/serve-doc.json" 2>&1 | grep -v Warning | tail -10 ;;
     hybrid) timeout "$lim" python3 -m benchmarks.hybrid 128k 2>&1 | grep -v Warning | tail -12 ;;
+    captured) timeout "$lim" python3 -m benchmarks.hf_captured_check --context ${CTX:-32K} --groups ${GROUPS_:-8,4} --gpu-mem 24GB --out "$OUT/hf-captured-check.json" 2>&1 | grep -v Warning | tail -8 ;;
+    chatturns) timeout "$lim" python3 -m benchmarks.chat_turns --gpu-mem 24GB --contexts ${CHAT_CONTEXTS:-32K,128K} --out "$OUT/chat-turns.json" 2>&1 | grep -v Warning | tail -8 ;;
+    servecache) timeout "$lim" python3 -m benchmarks.serve_cache --context 16K --gpu-mem 24GB --cache-mem 8GiB --out "$OUT/serve-cache.json" 2>&1 | grep -v Warning | tail -8 ;;
+    calib) timeout "$lim" python3 -m benchmarks.calibrated_check ${CALIB_ARGS:-} --out "$OUT/calibrated-check${CALIB_TAG:-}.json" 2>&1 | grep -v Warning | tail -30 ;;
+    resprof) timeout "$lim" python3 -m experiments.replay_kernels --context ${CTX:-8K} --group 8 ${RESPROF_ARGS:-} --out "$OUT/replay-kernels${RESPROF_TAG:-}.json.gz" 2>&1 | grep -v Warning | tail -40 ;;
     stash) echo "stashed: $(ls -la /tmp/gguf_aa 2>&1)" ;;
     *) echo "unknown step $step" ;;
   esac
