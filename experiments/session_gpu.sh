@@ -11,7 +11,7 @@ if [ -z "${SKIP_INSTALL:-}" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -2
   python3 -m pip install -q --no-deps --no-build-isolation . 2>&1 | grep -v "root' user" | tail -2
 fi
-mkdir -p /tmp/bp && ln -sfn "$R/benchmarks" /tmp/bp/benchmarks
+mkdir -p /tmp/bp && ln -sfn "$R/benchmarks" /tmp/bp/benchmarks && ln -sfn "$R/experiments" /tmp/bp/experiments
 export PYTHONPATH=/tmp/bp:/tmp/site PYTHONUNBUFFERED=1
 if [ -f out/g1/part_aa ]; then cp out/g1/part_aa /tmp/gguf_aa; fi
 if [ -f out/g2/part_ab ] && [ -f /tmp/gguf_aa ]; then
