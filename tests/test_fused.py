@@ -94,6 +94,36 @@ def test_fused_math_is_hf_math_in_float64(family):
             torch.testing.assert_close(got_logits, ref_logits, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("family,over", [("llama", {"mlp_bias": True}), ("qwen2", {})])
+def test_fused_projections_keep_every_module_call(family, over):
+    """Fault caught: the one-GEMM q/k/v and gate/up buffers (fused.fuse_projections) changing what
+    the modules compute (rows joined in another order, a view at the wrong offset), losing a bias
+    (Qwen2's q/k/v, Llama's mlp_bias), or kept stale after a module's weight is replaced."""
+    m = tiny(family, torch.float64, **over)
+    with torch.no_grad():   # HF initialises biases to zero, which would hide a lost one
+        for name, p in m.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, dtype=p.dtype, generator=torch.Generator().manual_seed(len(name))))
+    a = HFAdapter(m)
+    x = torch.randn(1, 3, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    mods = lambda L: [L.self_attn.q_proj, L.self_attn.k_proj, L.self_attn.v_proj, L.mlp.gate_proj, L.mlp.up_proj]  # noqa: E731
+    with torch.no_grad():
+        before = [[mod(x) for mod in mods(L)] for L in a.body.layers]
+        FusedDecode(a, compile=False)
+        for L, ref in zip(a.body.layers, before):
+            got = [mod(x) for mod in mods(L)]
+            assert all(torch.equal(g, r) for g, r in zip(got, ref))      # prefill's calls: unchanged bits
+            w, b, wgu, bgu = L._kvpipe_fused
+            torch.testing.assert_close(torch.nn.functional.linear(x, w, b), torch.cat(ref[:3], -1), rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(torch.nn.functional.linear(x, wgu, bgu), torch.cat(ref[3:], -1), rtol=1e-12, atol=1e-12)
+        L = a.body.layers[0]
+        L.self_attn.k_proj.weight = torch.nn.Parameter(2 * L.self_attn.k_proj.weight.detach().clone())
+        want = L.self_attn.k_proj(x)
+        w, b = FusedDecode(a, compile=False).weights[0][:2]
+        nq, nkv = L.self_attn.q_proj.weight.shape[0], L.self_attn.k_proj.weight.shape[0]
+        torch.testing.assert_close(torch.nn.functional.linear(x, w, b)[..., nq:nq + nkv], want, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
                     reason="inductor on CPU compiles C++: no C++ compiler on this machine")
 def test_compiled_pieces_match_hf_in_bf16(single_thread):

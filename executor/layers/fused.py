@@ -1,7 +1,10 @@
 """Fused decode pieces: the per-layer elementwise work of a decode step (RMSNorm, residual adds,
 RoPE with the q/k/v layout, the MLP's act(gate) * up) as a few functions compiled by
 torch.compile (inductor: Triton on CUDA, C++ on CPU), each computing HF's math from the HF
-modules' own weights and config; the matmuls stay the HF modules' own `nn.Linear` calls.
+modules' own weights and config. The one-token matmuls are fused too: q, k and v are one GEMM, gate
+and up another (`fuse_projections`: the modules' weights become views of one buffer each, so no
+byte is added and prefill's own calls are unchanged), as one larger GEMM reads its weights nearer
+the HBM rate (measured at Llama-3-8B shapes on the H200: experiments/decode_pieces.py).
 
 On by default where it can run (`--fuse auto|on|off`, the setting of pipeline/fusion.py): only
 the replayed decode step uses it (executor/replay/device_step.py), on CUDA with a working Triton, so
@@ -27,6 +30,51 @@ from kvpipe.executor.engine.compiling import compile_fn
 from kvpipe.pipeline.fusion import FUSE_ENV, fuse_mode  # noqa: F401  (the setting's one definition)
 
 _ACTS = {"silu": F.silu}      # hidden_act -> the function HF's ACT2FN applies (extension: one line)
+
+
+# ---- one buffer per fused matmul, the modules' weights views of it ------------------------------
+def _joined(mods: list[torch.nn.Module], name: str) -> torch.Tensor | None:
+    """The modules' `name` tensors (weight or bias) as one buffer, each module's now a view of its
+    rows (parameters replaced one by one, so a layer's old tensors are freed as it goes); None
+    where the modules have no such tensor."""
+    parts = [getattr(m, name) for m in mods]
+    if any(p is None for p in parts):
+        return None
+    whole = torch.cat([p.detach() for p in parts])
+    at = 0
+    for m, p in zip(mods, parts):
+        setattr(m, name, torch.nn.Parameter(whole[at:at + p.shape[0]], requires_grad=p.requires_grad))
+        at += p.shape[0]
+    return whole
+
+
+def _groups(layer: torch.nn.Module) -> tuple[list, list]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
+
+
+def _aliases(mods: list[torch.nn.Module], whole: torch.Tensor) -> bool:
+    """Whether the modules' weights are still the consecutive row views of `whole`."""
+    at = whole.data_ptr()
+    for m in mods:
+        if m.weight.data_ptr() != at:
+            return False
+        at += m.weight.numel() * m.weight.element_size()
+    return True
+
+
+def fuse_projections(layer: torch.nn.Module) -> tuple:
+    """(qkv weight, qkv bias, gate-up weight, gate-up bias) of one HF decoder layer (a bias None
+    where the modules have none), made once per model and kept on the layer, made again if a
+    module's weight was replaced since: the same values, so every module call computes as before."""
+    qkv, gate_up = _groups(layer)
+    kept = getattr(layer, "_kvpipe_fused", None)
+    if kept is None or not (_aliases(qkv, kept[0]) and _aliases(gate_up, kept[2])):
+        with torch.inference_mode(False), torch.no_grad():   # plain tensors: HF's own calls may need grad off only
+            kept = (_joined(qkv, "weight"), _joined(qkv, "bias"),
+                    _joined(gate_up, "weight"), _joined(gate_up, "bias"))
+        layer._kvpipe_fused = kept
+    return kept
 
 
 # ---- the math (pure; compiled below) --------------------------------------------------------------
@@ -91,6 +139,9 @@ class FusedDecode:
         self.adapter, self.act = adapter, act
         self.norm, self.add_norm = compiled("norm", compile), compiled("add_norm", compile)
         self.rope, self.act_mul = compiled("rope", compile), compiled("act_mul", compile)
+        self.weights = [fuse_projections(mod) for mod in adapter.body.layers]
+        if adapter.device.type == "cuda":
+            torch.cuda.empty_cache()   # the layers' old separate weights, freed, back to the cap
         self.compile_s = 0.0
 
     def _normed(self, hidden, pending, norm):
@@ -107,9 +158,10 @@ class FusedDecode:
         attn, D = mod.self_attn, self.adapter.head_dim
         B, T, _ = hidden.shape
         hidden, x = self._normed(hidden, pending, mod.input_layernorm)
-        q = attn.q_proj(x).view(B, T, -1, D)
-        k = attn.k_proj(x).view(B, T, -1, D)
-        v = attn.v_proj(x).view(B, T, -1, D)
+        w, b = self.weights[layer][:2]
+        nq, nkv = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
+        q, k, v = F.linear(x, w, b).split((nq, nkv, nkv), dim=-1)
+        q, k, v = q.view(B, T, -1, D), k.view(B, T, -1, D), v.view(B, T, -1, D)
         qk = None
         if hasattr(attn, "q_norm"):
             qk = (attn.q_norm.weight, float(attn.q_norm.variance_epsilon),
@@ -123,8 +175,8 @@ class FusedDecode:
         B, T = attn_out.shape[:2]
         hidden, x = self._normed(hidden, mod.self_attn.o_proj(attn_out.reshape(B, T, -1)),
                                  mod.post_attention_layernorm)
-        m = mod.mlp
-        return hidden, m.down_proj(self.act_mul(m.gate_proj(x), m.up_proj(x), self.act))
+        gate, up = F.linear(x, *self.weights[layer][2:]).chunk(2, dim=-1)
+        return hidden, mod.mlp.down_proj(self.act_mul(gate, up, self.act))
 
     def head(self, hidden: torch.Tensor, pending: torch.Tensor | None) -> torch.Tensor:
         """As HFAdapter.head: final norm (after the pending add) and lm_head -> fp32 logits [B, V]."""
