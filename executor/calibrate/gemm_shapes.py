@@ -53,11 +53,12 @@ def hidden_str(dims: dict) -> str:
 
 
 def decode_gemms(cal: Calibration, dev: torch.device, dims: dict, layers: int = 4) -> float:
-    """A decode step's GEMMs at one token (the 7 of a layer) over `layers` layers' own weights (a
-    step's weights never sit in L2), replayed from a CUDA graph as a replayed step runs them (the
-    host clock, eagerly, on a CPU); weight bytes read per second, less the graph's node time."""
+    """A decode step's GEMMs at one token (the 4 of a layer as the fused step runs them: q/k/v one,
+    o, gate/up one, down) over `layers` layers' own weights (a step's weights never sit in L2),
+    replayed from a CUDA graph as a replayed step runs them (the host clock, eagerly, on a CPU);
+    weight bytes read per second, less the graph's node time."""
     stages = [stage_gemms(dev, 1, dims["hidden"], dims["inner"], dims["q_dim"], dims["kv_dim"],
-                          torch.bfloat16 if dev.type == "cuda" else torch.float32) for _ in range(layers)]
+                          torch.bfloat16 if dev.type == "cuda" else torch.float32, fused=True) for _ in range(layers)]
     nbytes = sum(b for _, _, b in stages)
 
     def step() -> None:
@@ -67,11 +68,12 @@ def decode_gemms(cal: Calibration, dev: torch.device, dims: dict, layers: int = 
     if dev.type == "cuda":
         sec = graph_median_s(step, 5)
         node = cal.values.get("gpu.graph_node_s", 0.0)
-        sec = max(sec - 7 * layers * node, sec / 2)
+        sec = max(sec - 4 * layers * node, sec / 2)
     else:
         sec = back_to_back_s(step, dev)
     rate = nbytes / sec
     cal.set("gpu.decode_gemm_bytes_per_s", rate,
-            f"the 7 one-token GEMMs of each of {layers} layers ({hidden_str(dims)}; {nbytes / 1e9:.2f} GB of weights) "
-            f"in one CUDA graph, median of 5 replays less {7 * layers} graph nodes, weight bytes per second")
+            f"the 4 one-token GEMMs of each of {layers} layers as the fused decode runs them (q/k/v one, o, gate/up "
+            f"one, down; {hidden_str(dims)}; {nbytes / 1e9:.2f} GB of weights) in one CUDA graph, median of 5 "
+            f"replays less {4 * layers} graph nodes, weight bytes per second")
     return rate

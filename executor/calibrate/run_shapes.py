@@ -135,21 +135,32 @@ def attention_rates(cal: Calibration, dev: torch.device, r: int = 4, d: int = 12
     return rates
 
 
-def stage_gemms(dev: torch.device, T: int, hidden: int, inner: int, q_dim: int, kv_dim: int, dt):
+def stage_gemms(dev: torch.device, T: int, hidden: int, inner: int, q_dim: int, kv_dim: int, dt,
+                fused: bool = False):
     """(qkv stage, mlp stage): each a callable running the stage's GEMMs at T tokens as the HF
-    modules run them (q, k, v projections; o, gate, up, down), and each stage's FLOPs."""
-    w = {n: torch.randn(o, i, device=dev, dtype=dt) for n, (o, i) in
-         {"q": (q_dim, hidden), "k": (kv_dim, hidden), "v": (kv_dim, hidden), "o": (hidden, q_dim),
-          "gate": (inner, hidden), "up": (inner, hidden), "down": (hidden, inner)}.items()}
+    modules run them (q, k, v projections; o, gate, up, down), or with `fused` as the fused decode
+    step does (executor/layers/fused.py: q/k/v one GEMM, gate/up one), and each stage's FLOPs."""
+    shapes = {"o": (hidden, q_dim), "down": (hidden, inner)}
+    if fused:
+        shapes.update({"qkv": (q_dim + 2 * kv_dim, hidden), "gate_up": (2 * inner, hidden)})
+    else:
+        shapes.update({"q": (q_dim, hidden), "k": (kv_dim, hidden), "v": (kv_dim, hidden),
+                       "gate": (inner, hidden), "up": (inner, hidden)})
+    w = {n: torch.randn(o, i, device=dev, dtype=dt) for n, (o, i) in shapes.items()}
     x = torch.randn(T, hidden, device=dev, dtype=dt)
     a = torch.randn(T, q_dim, device=dev, dtype=dt)
     h = torch.randn(T, inner, device=dev, dtype=dt)
+    first, middle = (["qkv"], ["gate_up"]) if fused else (["q", "k", "v"], ["gate", "up"])
 
     def qkv() -> None:
-        x @ w["q"].T, x @ w["k"].T, x @ w["v"].T
+        for n in first:
+            x @ w[n].T
 
     def mlp() -> None:
-        a @ w["o"].T, x @ w["gate"].T, x @ w["up"].T, h @ w["down"].T
+        a @ w["o"].T
+        for n in middle:
+            x @ w[n].T
+        h @ w["down"].T
     f_qkv = 2.0 * T * hidden * (q_dim + 2 * kv_dim)
     f_mlp = 2.0 * T * (q_dim * hidden + 3 * hidden * inner)
     return (qkv, f_qkv), (mlp, f_mlp), sum(t.numel() * t.element_size() for t in w.values())
