@@ -89,11 +89,17 @@ def test_profile_fields_written_and_read_back(tmp_path):
 
 
 def test_bundled_profiles_have_none_of_the_new_fields():
-    # Fault caught: a default that turns a table on for profiles that never measured it (golden plans move).
+    # Fault caught: a default that turns a table on for profiles that never measured it (golden plans
+    # move); a field is set only where the profile's file states it, with its source.
+    from importlib.resources import files
     from kvpipe.hw_profiles import known_profiles
     for name in known_profiles():
         hw = load_profile(name)
-        assert hw.attention_rates is None and hw.decode_gemm_bytes_per_s is None and hw.quant_call_s is None, name
+        text = files("kvpipe.hw_profiles").joinpath(f"{name}.toml").read_text()
+        assert hw.attention_rates is None and hw.quant_call_s is None, name
+        stated = "\ndecode_gemm_bytes_per_s = " in text
+        assert (hw.decode_gemm_bytes_per_s is not None) == stated, name
+        assert not stated or "# source: measured" in text.split("\ndecode_gemm_bytes_per_s = ")[1].splitlines()[0], name
 
 
 def _attn(start: int, n: int, heads: int, flops: float) -> Stage:
