@@ -42,6 +42,7 @@ class _Builder:
                     tuple(h for h in range(model.kv_heads) if self.tiers[(layer, h)] is Tier.DISK))
             for layer in range(model.layers)}
         self._members: dict[tuple[int, int, int], tuple[tuple[int, ...], ...]] = {}
+        self._attn: dict[tuple[int, int, int, int], tuple] = {}   # attn_cost's memo
         # window layers' rings (memory.rings): their fetches start at the first visible token,
         # their stores write only what the ring keeps, after the step's fetches have read it
         self.ring = rings(model, work, plan)
@@ -104,6 +105,19 @@ class _Builder:
             off, disk = self.offloaded[layer]
             self._members[key] = (heads, tuple(h for h in off if h in heads), tuple(h for h in disk if h in heads))
         return self._members[key]
+
+    def attn_cost(self, layer: int, start: int, n: int, group: int) -> tuple:
+        """(workspace bytes, query heads, FLOPs, keys read per head, small kernels) of one group's
+        attention over the chunk [start, start+n), memoised: every group and every layer of the same
+        window size has the same (the builder's hottest call; a 1M search asked it 200K times)."""
+        m = self.m
+        key = (m.windows[layer] if m.windows else 0, start, n, group)
+        if key not in self._attn:
+            q_heads = group * m.gqa_ratio
+            flops, keys = m.attn_work(layer, start, n, q_heads)   # a window layer reads its visible keys only
+            self._attn[key] = (attn_ws_bytes(m, self.w.batch, n, group), q_heads, flops, keys,
+                               _small(layer_ops.attn(m, self.w.batch * n, group, start)))
+        return self._attn[key]
 
     def score(self, phase: Phase, idx: int, layer: int, start: int, qkv: int) -> int:
         """LOSSY, sparse decode: one GPU stage scores the layer's offloaded heads' token sketches
@@ -223,18 +237,15 @@ class _Builder:
                 fetch = self.add(Kind.COMPUTE, "dequant", phase, idx, layer, g, (0, start), (fetch,), heads=off,
                                  slot=slot, takes=((Pool.GPU, deq),),   # freed by the attention that reads it
                                  **self.dequant_work(lossy, sparse, start, len(off), unit_fetch, deq))
-        ws = attn_ws_bytes(m, B, n, pp.group)
-        q_heads = pp.group * m.gqa_ratio
+        ws, q_heads, flops, keys, small = self.attn_cost(layer, start, n, pp.group)
         ringed = bool(self.ring and self.ring[layer])   # resident heads of a mixed group or a ring layer: copied out
         copy_in = 2 * B * (start - lo) * (len(heads) - len(off)) * unit_tok if off or ringed else 0
-        flops, keys = m.attn_work(layer, start, n, q_heads)   # a window layer reads its visible keys only
         attn = self.add(Kind.COMPUTE, "attn", phase, idx, layer, g, (start, start + n), (qkv, fetch),
                         heads=heads, slot=slot, flops=B * flops,
                         mem_bytes=B * keys * len(heads) * unit_tok
                         + 2 * B * n * q_heads * m.head_dim * m.dtype_bytes + 2 * ws + copy_in,
                         ops=5 if start else 2, takes=((Pool.GPU, ws),), frees=((Pool.GPU, ws + deq),),
-                        kv_bytes=B * keys * len(heads) * unit_tok,
-                        **_small(layer_ops.attn(m, B * n, pp.group, start)))
+                        kv_bytes=B * keys * len(heads) * unit_tok, **small)
         if fetch is not None:
             self.slot_user[slot] = attn
         return attn
