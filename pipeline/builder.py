@@ -51,7 +51,9 @@ class _Builder:
     def add(self, kind: Kind, tag: str, phase: Phase, step: int, layer, group, tokens,
             deps=(), **kw) -> int:
         sid = len(self.graph.stages)
-        clean = tuple(dict.fromkeys(d for d in deps if d is not None))
+        clean = tuple(dict.fromkeys(deps))   # first occurrences, in order
+        if None in clean:
+            clean = tuple(d for d in clean if d is not None)
         self.graph.stages.append(Stage(sid, kind, tag, phase, step, layer, group, tokens, clean, **kw))
         return sid
 
