@@ -134,12 +134,12 @@ def test_last_partial_round_of_cards_runs_row_by_row_with_the_same_picks():
     """Fault caught: the cards of the last, partial round of workers (3 cards on 2 cores: the
     third) split into rows that are lost, repeated or out of order, or whose searches pick other
     plans or predict other figures than one process searching every row (the default method's
-    search at 32K, part of the K/V offloaded on a 12 GB budget)."""
+    search at 8K on a 20 GB GPU budget)."""
     cards = [["a1", "a2"], ["b1", "b2"], ["c1", "c2"]]
     assert buyers.tasks(cards, 2) == [["a1", "a2"], ["b1", "b2"], ["c1"], ["c2"]]
     assert buyers.tasks(cards, 3) == cards and buyers.tasks(cards[:1], 2) == [["a1"], ["a2"]]
     opts = PlanOptions(model="llama-3-8b", gpu_mem="20GB")
     hws, hosts = ["rtx4090", "rtx5090", "a100-80g"], ["16GB", "64GB"]
-    split = buyers.table(opts, hws, hosts, contexts=(32768,), workers=2)
-    assert split == buyers.table(opts, hws, hosts, contexts=(32768,), workers=1)
+    split = buyers.table(opts, hws, hosts, contexts=(8192,), workers=2)
+    assert split == buyers.table(opts, hws, hosts, contexts=(8192,), workers=1)
     assert [(r.hw, r.budgets["host"]) for r in split] == [(h, m * 10**9) for h in hws for m in (16, 64)]
