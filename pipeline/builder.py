@@ -72,13 +72,17 @@ class _Builder:
                         mem_bytes=2 * hid, takes=((Pool.GPU, hid),), **_small(layer_ops.embed(m, B * n)))
         qkv_w = m.hidden * (m.q_heads + 2 * m.kv_heads) * m.head_dim * b
         mlp_w = m.layer_weight_bytes - qkv_w
+        la, ma = layer_act_bytes(m, B, n), mlp_act_bytes(m, B, n)
+        mlp_small = _small(mlp_ops(m, B * n))   # the step's small kernels: the same in every layer ...
+        qkv_small: dict[int, dict] = {}         # ... and per count of resident heads
         for layer in range(m.layers):
-            la, ma = layer_act_bytes(m, B, n), mlp_act_bytes(m, B, n)
             resident = m.kv_heads - len(self.offloaded[layer][0])
+            if resident not in qkv_small:
+                qkv_small[resident] = _small(qkv_ops(m, B * n, resident))
             q = self.add(Kind.COMPUTE, "qkv", phase, idx, layer, None, (start, end), (prev,),
                          flops=B * n * m.qkv_flops_per_token,
                          mem_bytes=qkv_w + la + B * n * resident * unit_tok, ops=6,
-                         takes=((Pool.GPU, la),), **_small(qkv_ops(m, B * n, resident)))
+                         takes=((Pool.GPU, la),), **qkv_small[resident])
             scored = self.score(phase, idx, layer, start, q)
             self.layer_fetches = []
             attns = [self.group(phase, idx, layer, g, start, n, pp, scored) for g in range(m.kv_heads // G)]
@@ -87,7 +91,7 @@ class _Builder:
             prev = self.add(Kind.COMPUTE, "mlp", phase, idx, layer, None, (start, end), attns,
                             flops=B * n * m.mlp_flops_per_token, mem_bytes=mlp_w + ma + la, ops=8,
                             takes=((Pool.GPU, ma),), frees=((Pool.GPU, ma + la + (hid if last else 0)),),
-                            **_small(mlp_ops(m, B * n)))
+                            **mlp_small)
         if with_head:
             lg = logits_bytes(m, B)
             prev = self.add(Kind.COMPUTE, "head", phase, idx, None, None, (end - 1, end), (prev,),
