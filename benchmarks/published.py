@@ -17,7 +17,10 @@ Systems:
   XiongjieDai/GPU-Benchmarks-on-LLM-Inference (README tables and the notebooks they come from).
   Predicted through sim/baselines.py: the prompt in 512-token micro-batches (chunked, chunk 512),
   decode all on the GPU (standard), kernels queued from C++ (`native_issue`), and the attention
-  scores materialised without flash attention (`prompt_scores_seconds`)."""
+  scores materialised without flash attention (`prompt_scores_seconds`).
+- LMDeploy's TurboMind on an A100 (its docs' static inference tables): decode all on the GPU, its
+  first token as `turbomind_first_token` (the prompt less one in one pass, then a decode step).
+Each prefill row carries its predicted seconds by stage (`prefill_split`)."""
 from __future__ import annotations
 
 import argparse
