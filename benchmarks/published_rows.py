@@ -84,12 +84,15 @@ def why(r: dict) -> str:
         if what == "decode_s_per_token" and hw == "a100-80g":
             return ("hbm: build 1671's F16 decode streams 13.5 GB/token at 995 GB/s on an A100 80GB PCIe "
                     "(the profile, SXM, streams at 1.79 TB/s); that build's F16 matrix-vector kernel is not modelled")
+        extra = {"rtx6000-ada": "; on this card also its clocks under a matmul (its LLaMA 3 rows)",
+                 "a100-80g": "; an A100 80GB PCIe predicted with the SXM profile"}.get(hw, "")
         return ("gpu (qkv, mlp): build 1671's F16 prompt path, an older build than the LLaMA 3 rows' 2824 "
-                "(the same card's LLaMA 3 rows are within 25%); not modelled")
+                "(the RTX 3090's LLaMA 3 rows are within 25%), not modelled" + extra)
     if sys_ == "llama.cpp" and hw == "rtx6000-ada":
         return ("gpu (qkv, mlp; the card's clocks): the profile's fp16 GEMM rate (291 TFLOP/s) is an assumption, "
                 "0.8 x the datasheet peak, no published tensor-core GEMM measurement of this card; llama.cpp reached "
-                "74-107 TFLOP/s here against 150 on the RTX 4090 (same AD102 die, a higher datasheet peak). The only "
+                "74-107 TFLOP/s here against 150 on the RTX 4090 (the same AD102 die; this card's datasheet peak is "
+                "the higher, 364.2 against 330.3 TFLOP/s with fp16 accumulation). The only "
                 "published matmul of this card found (float32, github.com/chsasank/device-benchmarks/issues/16) "
                 "peaks at 50 of 91.1 TFLOP/s and falls to 31-36 from n = 4870 on, where the RTX 4090 in the same "
                 "benchmark holds 58 of 82.6: the 300 W card does not hold its clock under a sustained matmul")
