@@ -17,7 +17,10 @@ Systems:
   XiongjieDai/GPU-Benchmarks-on-LLM-Inference (README tables and the notebooks they come from).
   Predicted through sim/baselines.py: the prompt in 512-token micro-batches (chunked, chunk 512),
   decode all on the GPU (standard), kernels queued from C++ (`native_issue`), and the attention
-  scores materialised without flash attention (`prompt_scores_seconds`)."""
+  scores materialised without flash attention (`prompt_scores_seconds`).
+- LMDeploy's TurboMind on an A100 (its docs' static inference tables): decode all on the GPU, its
+  first token as `turbomind_first_token` (the prompt less one in one pass, then a decode step).
+Each prefill row carries its predicted seconds by stage (`prefill_split`)."""
 from __future__ import annotations
 
 import argparse
@@ -31,12 +34,14 @@ from benchmarks.published_rows import (HEADINFER, HEADINFER_ROWS, LLAMACPP_ROWS,
 from kvpipe.hw_profiles import load_profile
 from kvpipe.pipeline.memory import breakdown, over_limits
 from kvpipe.pipeline.model import PRESETS
+from kvpipe.pipeline.cost import stage_small_seconds
 from kvpipe.pipeline.plan import Method, PhasePlan
 from kvpipe.pipeline.rules import default_plan, first_true
+from kvpipe.pipeline.stage import Kind, Phase
 from kvpipe.pipeline.rules import max_context as rule_max_context
 from kvpipe.pipeline.workload import Workload
 from kvpipe.sim.baselines import (HEADINFER_LIVE_COPIES, UBATCH, live_copies, native_issue, one_pass,
-                                  prompt_scores_seconds, scores_seconds)
+                                  prompt_scores_seconds, scores_seconds, turbomind_first_token)
 from kvpipe.sim.simulate import simulate
 
 HOST_BYTES = 10**12       # HeadInfer's 1 TB RAM
@@ -51,9 +56,40 @@ ASSUMED = ("HeadInfer: prefill chunk 4096 tokens for its chunked and head-wise r
            "per token at the mean context of its output steps")
 
 
-def _simulate(model, work, plan, hw, budgets) -> tuple[object, bool]:
+def _simulate(model, work, plan, hw, budgets, split: dict | None = None) -> tuple[object, bool]:
+    """(timing, fits); `split`, if given, receives `prefill_split` of the prediction."""
     fits = all(v <= budgets[p] for p, v in breakdown(model, work, plan).pools().items())
-    return simulate(model, work, plan, hw).report.timing, fits
+    pred = simulate(model, work, plan, hw)
+    if split is not None:
+        split.update(prefill_split(pred, hw))
+    return pred.report.timing, fits
+
+
+def prefill_split(pred, hw) -> dict[str, float]:
+    """Seconds of a predicted prefill by stage: its GPU time in GEMMs (with their launches),
+    fused attention and small kernels (pipeline/layer_ops.py), and what the GPU waits on besides
+    (h2d, host issue: 'waits'). Shares from the trace the simulator keeps (a sampled prefill's
+    windows), scaled to the whole prefill's seconds."""
+    parts, lo, hi = {"gemm": 0.0, "attn": 0.0, "small": 0.0}, float("inf"), 0.0
+    for sp in pred.trace.spans:
+        st = pred.trace.graph.stages[sp.stage]
+        if st.phase is not Phase.PREFILL:
+            continue
+        lo, hi = min(lo, sp.start_s), max(hi, sp.end_s)
+        if st.kind is Kind.COMPUTE:
+            small = stage_small_seconds(st, hw)
+            parts["small"] += small
+            parts["attn" if st.tag == "attn" else "gemm"] += sp.end_s - sp.start_s - small
+    scale = pred.report.timing.prefill_s / (hi - lo) if hi > lo else 0.0
+    out = {k: v * scale for k, v in parts.items()}
+    out["waits"] = max(0.0, pred.report.timing.prefill_s - sum(out.values()))
+    return out
+
+
+def split_text(split: dict[str, float], total: float) -> str:
+    """`split`'s stages as shares of the predicted figure, largest first: 'gemm 70%, small 18%, ...'."""
+    shares = sorted(((v / total, k) for k, v in split.items() if v > 0.005 * total), reverse=True)
+    return ", ".join(f"{k} {f:.0%}" for f, k in shares)
 
 
 def headinfer_plan(model, work, method: str, group: int | None, budgets):
@@ -69,8 +105,9 @@ def predict_headinfer(method: str, group: int | None, context: int, what: str) -
     work = Workload(context, DECODE_STEPS if what == "decode_s_per_token" else 0)
     budgets = {"gpu": hw.gpu_mem_bytes, "host": HOST_BYTES, "disk": hw.disk_bytes}
     plan = headinfer_plan(model, work, method, group, budgets)
-    timing, fits = _simulate(model, work, plan, hw, budgets)
-    return {"predicted": getattr(timing, what), "fits": fits, "plan": plan.describe()}
+    split = {} if what == "prefill_s" else None
+    timing, fits = _simulate(model, work, plan, hw, budgets, split)
+    return {"predicted": getattr(timing, what), "fits": fits, "plan": plan.describe(), "split": split}
 
 
 def predict_max_context(model_name: str, method: str, group: int | None) -> dict:
@@ -104,9 +141,11 @@ def predict_llamacpp(profile: str, model_name: str, kind: str, n: int) -> dict:
         work = Workload(n, 0)
         plan = default_plan(Method.CHUNKED, model, work, budgets)
         plan = plan.with_(prefill=replace(plan.prefill, chunk=min(UBATCH, n)))
-        timing, fits = _simulate(model, work, plan, hw, budgets)
+        split = {}
+        timing, fits = _simulate(model, work, plan, hw, budgets, split)
         scores = prompt_scores_seconds(model, n, hw)
-        return {"predicted": timing.prefill_s + scores, "scores_s": scores, "fits": fits, "plan": plan.describe()}
+        return {"predicted": timing.prefill_s + scores, "scores_s": scores, "fits": fits, "plan": plan.describe(),
+                "split": {**split, "scores": scores}}
     work = Workload(max(n // 2, 1), DECODE_STEPS)
     plan = default_plan(Method.STANDARD, model, work, budgets)
     timing, fits = _simulate(model, work, plan, hw, budgets)
@@ -117,18 +156,24 @@ def predict_llamacpp(profile: str, model_name: str, kind: str, n: int) -> dict:
 
 def predict_lmdeploy(model_name: str, prompt: int, out: int) -> dict:
     """TurboMind on the A100: a C++ engine (`native_issue`), the prompt in one pass with flash
-    attention, decode all on the GPU; FP16 weights and KV. TTFT at `prompt`, decode per token at
-    the mean context of its `out` steps."""
+    attention, decode all on the GPU; FP16 weights and KV. First token (prompts of 2 or more) as
+    `turbomind_first_token` says: the context pass of all but the last prompt token, then one
+    decode step; decode per token at the mean context of its `out` steps."""
     model = replace(PRESETS[model_name], dtype="fp16")
     hw = native_issue(load_profile("a100-80g"))
     budgets = {"gpu": hw.gpu_mem_bytes, "host": hw.host_mem_bytes, "disk": hw.disk_bytes}
-    first = Workload(prompt, DECODE_STEPS)
-    ttft, _ = _simulate(model, first, default_plan(Method.STANDARD, model, first, budgets), hw, budgets)
+    ftl, split = None, {}
+    if prompt >= 2:
+        context, steps = turbomind_first_token(prompt)
+        first = Workload(context, DECODE_STEPS)
+        t, _ = _simulate(model, first, default_plan(Method.STANDARD, model, first, budgets), hw, budgets, split)
+        ftl = t.ttft_s + steps * t.decode_s_per_token
+        split["first decode step"] = ftl - t.prefill_s
     work = Workload(prompt + out // 2, DECODE_STEPS)
     plan = default_plan(Method.STANDARD, model, work, budgets)
     timing, fits = _simulate(model, work, plan, hw, budgets)
-    return {"ttft_s": ttft.ttft_s, "decode_s_per_token": timing.decode_s_per_token, "fits": fits,
-            "plan": plan.describe()}
+    return {"ttft_s": ftl, "decode_s_per_token": timing.decode_s_per_token, "fits": fits,
+            "plan": plan.describe(), "split": split}
 
 
 def lmdeploy_rows() -> list[dict]:
@@ -139,13 +184,14 @@ def lmdeploy_rows() -> list[dict]:
         p = predict_lmdeploy(model_name, prompt, n)
         base = {"system": "lmdeploy", "hw": "a100-80g", "model": model_name, "source": LMDEPLOY,
                 "fits": p["fits"], "plan": p["plan"], "method": "standard, C++ queue"}
+        first = {"method": "prompt - 1 in one pass + 1 decode step, C++ queue"}
         where = f"Static Inference Benchmark, {model_name.replace('-2-', '2-')}, batch 1, tp 1, prompt {prompt}, out {n}"
         out.append({**base, "what": "decode_s_per_token", "context": prompt + n // 2,
                     "published": (n / tps - ftl) / (n - 1), "predicted": p["decode_s_per_token"],
                     "where": where + ": (out / throughput - FTL) / (out - 1)"})
         if prompt >= 128 and n == 128:
-            out.append({**base, "what": "prefill_s", "context": prompt, "published": ftl,
-                        "predicted": p["ttft_s"], "where": where + ": FTL(ave)"})
+            out.append({**base, **first, "what": "prefill_s", "context": prompt, "published": ftl,
+                        "predicted": p["ttft_s"], "split": p["split"], "where": where + ": FTL(ave)"})
     return out
 
 
@@ -170,6 +216,10 @@ def rows() -> list[dict]:
     for r in out:
         r["error"] = r["predicted"] / r["published"] - 1
         r["why"] = why(r)
+        split = r.pop("split", None)
+        if r["what"] == "prefill_s":
+            r["stages_s"] = split
+            r["stages"] = split_text(split, r["predicted"])
     return out
 
 
@@ -177,12 +227,13 @@ def markdown(rs: list[dict]) -> str:
     """The rows as benchmarks/published.md's table."""
     fmt = lambda r, v: f"{v / 1024:.0f}K" if r["what"] == "max_context" else f"{v:.4g}"  # noqa: E731
     out = ["| system | profile | model | figure | context | plan / method | published | predicted | error "
-           "| source, where | row over 25%: the stage that explains it |", "|" + "---|" * 11]
+           "| source, where | prefill predicted by stage | row over 25%: the stage that explains it |",
+           "|" + "---|" * 12]
     for r in rs:
         ctx = "" if r["what"] == "max_context" else f"{r['context'] // 1024}K" if r["context"] >= 1024 else str(r["context"])
         out.append(f"| {r['system']} | {r['hw']} | {r['model']} | {r['what']} | {ctx} | {r['method']} "
                    f"| {fmt(r, r['published'])} | {fmt(r, r['predicted'])} | {r['error']:+.0%} "
-                   f"| [{r['where']}]({r['source']}) | {r['why']} |")
+                   f"| [{r['where']}]({r['source']}) | {r.get('stages', '')} | {r['why']} |")
     return "\n".join(out)
 
 

@@ -74,19 +74,28 @@ def why(r: dict) -> str:
     if abs(r["error"]) <= 0.25:
         return ""
     sys_, what, hw, model = r["system"], r["what"], r["hw"], r["model"]
+    if sys_ == "lmdeploy" and what == "prefill_s":
+        return ("gpu (qkv, mlp; small kernels): the context pass at the profile's GEMM rate (230 TFLOP/s) with "
+                "kvpipe's HF small-kernel list, where TurboMind fuses the residual add into RMSNorm and RoPE into "
+                "its QKV bias kernel; neither is modelled")
     if sys_ == "lmdeploy":
-        return ("head / first token: a 128-token prompt is one weight-bound pass (the simulator's TTFT); the "
-                "published FTL is twice the same table's 1-token FTL, so it holds a fixed cost of the benchmark's "
-                "first token (its request path or a step after the context pass) that the simulator does not model")
+        return "hbm: TurboMind's decode step at the profile's HBM rate (an assumption for the A100, a100-80g)"
     if sys_ == "llama.cpp" and model == "llama-2-7b":
         if what == "decode_s_per_token" and hw == "a100-80g":
             return ("hbm: build 1671's F16 decode streams 13.5 GB/token at 995 GB/s on an A100 80GB PCIe "
                     "(the profile, SXM, streams at 1.79 TB/s); that build's F16 matrix-vector kernel is not modelled")
+        extra = {"rtx6000-ada": "; on this card also its clocks under a matmul (its LLaMA 3 rows)",
+                 "a100-80g": "; an A100 80GB PCIe predicted with the SXM profile"}.get(hw, "")
         return ("gpu (qkv, mlp): build 1671's F16 prompt path, an older build than the LLaMA 3 rows' 2824 "
-                "(the same card's LLaMA 3 rows are within 25%); not modelled")
+                "(the RTX 3090's LLaMA 3 rows are within 25%), not modelled" + extra)
     if sys_ == "llama.cpp" and hw == "rtx6000-ada":
-        return ("gpu (qkv, mlp): the profile's fp16 GEMM rate (291 TFLOP/s) is an assumption, 0.8 x the "
-                "datasheet peak, no published GEMM measurement of this card; llama.cpp reached 74-107 TFLOP/s here")
+        return ("gpu (qkv, mlp; the card's clocks): the profile's fp16 GEMM rate (291 TFLOP/s) is an assumption, "
+                "0.8 x the datasheet peak, no published tensor-core GEMM measurement of this card; llama.cpp reached "
+                "74-107 TFLOP/s here against 150 on the RTX 4090 (the same AD102 die; this card's datasheet peak is "
+                "the higher, 364.2 against 330.3 TFLOP/s with fp16 accumulation). The only "
+                "published matmul of this card found (float32, github.com/chsasank/device-benchmarks/issues/16) "
+                "peaks at 50 of 91.1 TFLOP/s and falls to 31-36 from n = 4870 on, where the RTX 4090 in the same "
+                "benchmark holds 58 of 82.6: the 300 W card does not hold its clock under a sustained matmul")
     if what == "decode_s_per_token" and sys_ == "hf":
         return "host issue: an all-on-GPU decode at 10K is bound by kvpipe's eager per-stage Python issue (the H200 host's figures)"
     if what == "decode_s_per_token":

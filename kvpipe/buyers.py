@@ -103,20 +103,25 @@ def card_rows(jobs: list[PlanOptions], contexts=CONTEXTS, share: bool = True) ->
 
 def table(opts: PlanOptions, hws: list[str], host_mems: list[str | None], contexts=CONTEXTS,
           workers: int | None = None, share: bool = True) -> list[Row]:
-    """One row per (card, host budget), cards outer, in the order given. A card's rows run in one
-    process, sharing its simulations (`card_rows`); `workers` processes (None: one per core)
-    compute the cards at once. With fewer cards than workers each row gets its own process
-    instead (sooner done, though the rows of a card then simulate their shared plans twice)."""
+    """One row per (card, host budget), cards outer, in the order given. `workers` processes
+    (None: one per core) compute them: `tasks` says which rows share a process."""
     cards = [[replace(opts, hw=hw, host_mem=host) for host in host_mems] for hw in hws]
     workers = (os.cpu_count() or 1) if workers is None else workers
-    if len(cards) < workers and len(host_mems) > 1:   # more cores than cards: one row per process
-        cards, share = [[j] for jobs in cards for j in jobs], False
-    workers = min(workers, len(cards))
     if workers <= 1:
         return [r for jobs in cards for r in card_rows(jobs, contexts, share)]
-    with ProcessPoolExecutor(workers) as pool:
-        done = pool.map(card_rows, cards, [contexts] * len(cards), [share] * len(cards))
+    jobs = tasks(cards, workers)
+    with ProcessPoolExecutor(min(workers, len(jobs))) as pool:
+        done = pool.map(card_rows, jobs, [contexts] * len(jobs), [share] * len(jobs))
         return [r for rows in done for r in rows]
+
+
+def tasks(cards: list[list], workers: int) -> list[list]:
+    """The processes' work, in row order: the cards that fill whole rounds of `workers` keep their
+    rows together (sharing their simulations, `card_rows`); the cards of the last, partial round
+    are split into one task per row, so idle workers take rows instead of waiting on one card
+    (3 cards on 2 cores: two cards, then the third card's rows side by side)."""
+    whole = len(cards) - len(cards) % workers
+    return cards[:whole] + [[job] for jobs in cards[whole:] for job in jobs]
 
 
 def _secs(v: float | None) -> str:

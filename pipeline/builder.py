@@ -42,6 +42,7 @@ class _Builder:
                     tuple(h for h in range(model.kv_heads) if self.tiers[(layer, h)] is Tier.DISK))
             for layer in range(model.layers)}
         self._members: dict[tuple[int, int, int], tuple[tuple[int, ...], ...]] = {}
+        self._attn: dict[tuple[int, int, int, int], tuple] = {}   # attn_cost's memo
         # window layers' rings (memory.rings): their fetches start at the first visible token,
         # their stores write only what the ring keeps, after the step's fetches have read it
         self.ring = rings(model, work, plan)
@@ -50,7 +51,9 @@ class _Builder:
     def add(self, kind: Kind, tag: str, phase: Phase, step: int, layer, group, tokens,
             deps=(), **kw) -> int:
         sid = len(self.graph.stages)
-        clean = tuple(dict.fromkeys(d for d in deps if d is not None))
+        clean = tuple(dict.fromkeys(deps))   # first occurrences, in order
+        if None in clean:
+            clean = tuple(d for d in clean if d is not None)
         self.graph.stages.append(Stage(sid, kind, tag, phase, step, layer, group, tokens, clean, **kw))
         return sid
 
@@ -69,13 +72,17 @@ class _Builder:
                         mem_bytes=2 * hid, takes=((Pool.GPU, hid),), **_small(layer_ops.embed(m, B * n)))
         qkv_w = m.hidden * (m.q_heads + 2 * m.kv_heads) * m.head_dim * b
         mlp_w = m.layer_weight_bytes - qkv_w
+        la, ma = layer_act_bytes(m, B, n), mlp_act_bytes(m, B, n)
+        mlp_small = _small(mlp_ops(m, B * n))   # the step's small kernels: the same in every layer ...
+        qkv_small: dict[int, dict] = {}         # ... and per count of resident heads
         for layer in range(m.layers):
-            la, ma = layer_act_bytes(m, B, n), mlp_act_bytes(m, B, n)
             resident = m.kv_heads - len(self.offloaded[layer][0])
+            if resident not in qkv_small:
+                qkv_small[resident] = _small(qkv_ops(m, B * n, resident))
             q = self.add(Kind.COMPUTE, "qkv", phase, idx, layer, None, (start, end), (prev,),
                          flops=B * n * m.qkv_flops_per_token,
                          mem_bytes=qkv_w + la + B * n * resident * unit_tok, ops=6,
-                         takes=((Pool.GPU, la),), **_small(qkv_ops(m, B * n, resident)))
+                         takes=((Pool.GPU, la),), **qkv_small[resident])
             scored = self.score(phase, idx, layer, start, q)
             self.layer_fetches = []
             attns = [self.group(phase, idx, layer, g, start, n, pp, scored) for g in range(m.kv_heads // G)]
@@ -84,7 +91,7 @@ class _Builder:
             prev = self.add(Kind.COMPUTE, "mlp", phase, idx, layer, None, (start, end), attns,
                             flops=B * n * m.mlp_flops_per_token, mem_bytes=mlp_w + ma + la, ops=8,
                             takes=((Pool.GPU, ma),), frees=((Pool.GPU, ma + la + (hid if last else 0)),),
-                            **_small(mlp_ops(m, B * n)))
+                            **mlp_small)
         if with_head:
             lg = logits_bytes(m, B)
             prev = self.add(Kind.COMPUTE, "head", phase, idx, None, None, (end - 1, end), (prev,),
@@ -104,6 +111,19 @@ class _Builder:
             off, disk = self.offloaded[layer]
             self._members[key] = (heads, tuple(h for h in off if h in heads), tuple(h for h in disk if h in heads))
         return self._members[key]
+
+    def attn_cost(self, layer: int, start: int, n: int, group: int) -> tuple:
+        """(workspace bytes, query heads, FLOPs, keys read per head, small kernels) of one group's
+        attention over the chunk [start, start+n), memoised: every group and every layer of the same
+        window size has the same (the builder's hottest call; a 1M search asked it 200K times)."""
+        m = self.m
+        key = (m.windows[layer] if m.windows else 0, start, n, group)
+        if key not in self._attn:
+            q_heads = group * m.gqa_ratio
+            flops, keys = m.attn_work(layer, start, n, q_heads)   # a window layer reads its visible keys only
+            self._attn[key] = (attn_ws_bytes(m, self.w.batch, n, group), q_heads, flops, keys,
+                               _small(layer_ops.attn(m, self.w.batch * n, group, start)))
+        return self._attn[key]
 
     def score(self, phase: Phase, idx: int, layer: int, start: int, qkv: int) -> int:
         """LOSSY, sparse decode: one GPU stage scores the layer's offloaded heads' token sketches
@@ -223,18 +243,15 @@ class _Builder:
                 fetch = self.add(Kind.COMPUTE, "dequant", phase, idx, layer, g, (0, start), (fetch,), heads=off,
                                  slot=slot, takes=((Pool.GPU, deq),),   # freed by the attention that reads it
                                  **self.dequant_work(lossy, sparse, start, len(off), unit_fetch, deq))
-        ws = attn_ws_bytes(m, B, n, pp.group)
-        q_heads = pp.group * m.gqa_ratio
+        ws, q_heads, flops, keys, small = self.attn_cost(layer, start, n, pp.group)
         ringed = bool(self.ring and self.ring[layer])   # resident heads of a mixed group or a ring layer: copied out
         copy_in = 2 * B * (start - lo) * (len(heads) - len(off)) * unit_tok if off or ringed else 0
-        flops, keys = m.attn_work(layer, start, n, q_heads)   # a window layer reads its visible keys only
         attn = self.add(Kind.COMPUTE, "attn", phase, idx, layer, g, (start, start + n), (qkv, fetch),
                         heads=heads, slot=slot, flops=B * flops,
                         mem_bytes=B * keys * len(heads) * unit_tok
                         + 2 * B * n * q_heads * m.head_dim * m.dtype_bytes + 2 * ws + copy_in,
                         ops=5 if start else 2, takes=((Pool.GPU, ws),), frees=((Pool.GPU, ws + deq),),
-                        kv_bytes=B * keys * len(heads) * unit_tok,
-                        **_small(layer_ops.attn(m, B * n, pp.group, start)))
+                        kv_bytes=B * keys * len(heads) * unit_tok, **small)
         if fetch is not None:
             self.slot_user[slot] = attn
         return attn

@@ -74,3 +74,16 @@ def one_pass(plan, context: int):
     one call whatever the cache (transformers GenerationMixin._sample: the first step's input is
     the whole prompt), so its activations are the full prompt's."""
     return plan.with_(prefill=replace(plan.prefill, chunk=context))
+
+
+# LMDeploy TurboMind v0.1.0a1 (src/turbomind/models/llama/LlamaBatch.cc): `ContextDecode` runs the
+# prompt less its last token ("subtract input/context len by 1 to skip last input token (will
+# process with decoder later)"), then the loop's first `Generate` step (step_length 1,
+# lmdeploy/turbomind/deploy/target_model/base.py) feeds that token to the decoder and samples the
+# first output; benchmark/profile_generation.py times the first token at that step's stream output.
+def turbomind_first_token(prompt: int) -> tuple[int, int]:
+    """(tokens of TurboMind's context pass, decode steps before its first token) for a prompt of
+    `prompt` tokens: the context pass skips the last prompt token, one decoder step takes it."""
+    if prompt < 2:
+        raise ValueError(f"turbomind_first_token: a context pass needs a prompt of 2 or more tokens, got {prompt}")
+    return prompt - 1, 1

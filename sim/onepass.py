@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from kvpipe.pipeline.cost import host_issue_seconds, host_waits_for, pipelined_end, pipelined_ready, stage_seconds
+from kvpipe.pipeline.cost import (host_issue_seconds, host_waits_for, pipelined_end, pipelined_ready, stage_seconds,
+                                  unit_pipelined)
 from kvpipe.pipeline.hardware import HardwareProfile
 from kvpipe.pipeline.stage import Graph, Kind, Phase, Pool
 from kvpipe.pipeline.trace import Span, Trace
@@ -43,6 +44,7 @@ def schedule(graph: Graph, hw: HardwareProfile, replay: bool = False):
     prev_step = _previous_steps(stages, replay)
     queue_ops = hw.launch_queue_ops
     sec = [0.0] * n                      # each stage's seconds, once (its dependencies come before it)
+    pieces = [0] * n                     # each stage's cost.unit_pipelined (0: its consumers wait for its end)
     ahead: deque[tuple[int, int]] = deque()
     queued, host = 0, 0.0
     replayed_from = None                 # id of the first replayed stage, once the host got there
@@ -69,15 +71,20 @@ def schedule(graph: Graph, hw: HardwareProfile, replay: bool = False):
         gate = prev_step.get(s.step) if s.phase is Phase.DECODE else None
         if gate is not None and step_end[gate] > t:
             t = step_end[gate]
+        piped_dep = False
         for d in s.deps:
-            ready = pipelined_ready(stages[d], start[d], end[d], sec[d], in_graph[d])   # LOSSY
+            ready = end[d]
+            if pieces[d]:   # LOSSY: a unit-pipelined score's consumers start after its first piece
+                ready, piped_dep = pipelined_ready(stages[d], start[d], end[d], sec[d], in_graph[d]), True
             if ready > t:
                 t = ready
         start[i] = t
         sec[i] = stage_seconds(s, hw, dtype, in_graph[i])
+        pieces[i] = unit_pipelined(s, in_graph[i])
         e = t + sec[i]
-        for d in s.deps:   # LOSSY: after a unit-pipelined score, its last piece's gathers (the engine's ops)
-            e = max(e, pipelined_end(s, stages[d], end[d], sec[i], in_graph[d]))   # 0 for other deps
+        if piped_dep:   # LOSSY: after a unit-pipelined score, its last piece's gathers (the engine's ops)
+            for d in s.deps:
+                e = max(e, pipelined_end(s, stages[d], end[d], sec[i], in_graph[d]))   # 0 for other deps
         end[i] = e
         lane_free[lane] = e
         if not in_graph[i] and host_waits_for(s, hw) and e > host:   # the host reads the encode's sizes back

@@ -101,3 +101,37 @@ def test_lmdeploy_decode_figure_by_hand():
     row = next(r for r in published.lmdeploy_rows() if r["what"] == "decode_s_per_token")
     assert row["published"] == (128 / 100.02 - 0.011) / 127
     assert row["source"].startswith("https://github.com/InternLM/lmdeploy/") and "prompt 1, out 128" in row["where"]
+
+
+def test_turbomind_first_token_is_the_prompt_less_one_then_a_decode_step():
+    """Fault caught: LMDeploy's first-token latency predicted as a context pass over the whole
+    prompt (TurboMind's ContextDecode skips the last prompt token, which its first decode step
+    feeds), or without that decode step; a 1-token prompt given a context pass. Reference: the
+    same simulator's TTFT of 127 tokens plus its decode step, simulated directly."""
+    import pytest
+
+    from kvpipe.pipeline.rules import default_plan
+    from kvpipe.sim.simulate import simulate
+    assert baselines.turbomind_first_token(128) == (127, 1)
+    with pytest.raises(ValueError):
+        baselines.turbomind_first_token(1)
+    model = replace(PRESETS["llama-2-7b"], dtype="fp16")
+    hw = baselines.native_issue(load_profile("a100-80g"))
+    budgets = {"gpu": hw.gpu_mem_bytes, "host": hw.host_mem_bytes, "disk": hw.disk_bytes}
+    work = Workload(127, published.DECODE_STEPS)
+    t = simulate(model, work, default_plan(Method.STANDARD, model, work, budgets), hw).report.timing
+    got = published.predict_lmdeploy("llama-2-7b", 128, 128)["ttft_s"]
+    assert got == t.ttft_s + t.decode_s_per_token
+
+
+def test_prefill_split_adds_up_to_the_predicted_prefill():
+    """Fault caught: the table's stage split of a prefill row leaving out a stage's seconds or
+    counting one twice (GEMMs with their small kernels, a sampled prefill not scaled to the whole),
+    or a stage's seconds left out (both rows are GPU-bound, so the GPU's parts fill the prefill),
+    so the shares it prints do not describe the prediction. Reference: the row's own prediction."""
+    for p in (published.predict_llamacpp("rtx4090", "llama-3-8b", "pp", 1024),
+              published.predict_headinfer("headwise", 8, 100 * 1024, "prefill_s")):
+        split = p["split"]
+        assert abs(sum(split.values()) - p["predicted"]) <= 1e-9 * p["predicted"], split
+        assert split["gemm"] > 0 and split["attn"] > 0 and split["small"] > 0
+        assert split["waits"] <= 0.01 * p["predicted"]   # both run GPU-bound: a stage left out shows here
