@@ -178,7 +178,7 @@ class LiveSession:
         from kvpipe.executor.kv import saved
         if self.length or self.pending is not None:
             raise ValueError("load-kv: the conversation already holds tokens (reset it first)")
-        job = saved.start(self.store, directory, man, path="overlapped" if overlap else "copy")
+        job = saved.start(self.store, directory, man)
         self.pending, self._waited = job, set()
         self.tokens = [int(t) for t in man["tokens"][:job.reader.n]]
         return None if overlap else self.settle()
@@ -208,6 +208,7 @@ class LiveSession:
         """The lanes' `before` hook: the pending load's gate, then the caller's hook."""
         if self.pending is None:
             return stage_hook
+        self.pending.path = "overlapped"
 
         def before(s: Stage) -> None:
             self._gate(s)

@@ -158,8 +158,9 @@ class Loading:
     (raising the load's error, if any) and returns the CUDA events their copies end with; `wait()`
     joins every reader, closes the file and returns the LoadStats (or raises the first error)."""
 
-    def __init__(self, reader: _Reader, units: list[dict], layers: int, threads: int, path: str) -> None:
-        self.reader, self.units, self.threads, self.path = reader, units, max(1, threads), path
+    def __init__(self, reader: _Reader, units: list[dict], layers: int, threads: int) -> None:
+        self.reader, self.units, self.threads = reader, units, max(1, threads)
+        self.path = "copy"   # "overlapped" once a prefill runs behind it (its user sets it)
         self.left = [0] * layers
         for u in units:
             self.left[u["layer"]] += 1

@@ -129,10 +129,10 @@ def read_manifest(directory: str | os.PathLike, flag: str = "load-kv") -> dict:
 
 
 def start(store: KVStore, directory: str | os.PathLike, man: dict, flag: str = "load-kv",
-          threads: int = THREADS, path: str = "copy") -> Loading:
+          threads: int = THREADS) -> Loading:
     """Start filling an empty store with the directory's units (each block verified) on
-    `threads` threads; the caller `wait()`s (or a prefill runs behind it: `path` "overlapped",
-    executor/engine/live.py). Shape mismatches are refused here, before any thread starts."""
+    `threads` threads; the caller `wait()`s (or runs a prefill behind it: executor/engine/live.py).
+    Shape mismatches are refused here, before any thread starts."""
     refuse_rings(store.layout, flag)
     n, lo = man["tokens_saved"], store.layout
     nb = n * store.token_bytes
@@ -145,7 +145,7 @@ def start(store: KVStore, directory: str | os.PathLike, man: dict, flag: str = "
     file = Path(directory) / man["data"]
     fds = open_file(file, flag)
     units = sorted(man["units"], key=lambda u: (u["layer"], u["head"]))   # layer by layer: a prefill can follow
-    return Loading(_Reader(store, file, fds, n, block, flag), units, lo.layers, threads, path).start()
+    return Loading(_Reader(store, file, fds, n, block, flag), units, lo.layers, threads).start()
 
 
 def load(store: KVStore, directory: str | os.PathLike, man: dict, flag: str = "load-kv",
