@@ -80,18 +80,26 @@ def row(args, context: int) -> dict:
     t, t1 = second["timings"], first["timings"]
     with Conversation(args.model, max_context=context + 2 * args.new + args.question, max_new_tokens=args.new,
                       random_weights=True, device=args.device, gpu_mem=args.gpu_mem, kv_dir=args.kv_dir) as c:
+        c.load(kv)            # the same directory loaded with nothing behind it: the load alone
+        alone = dict(c.live.loaded.to_json(), **c.load_figures)
+        c.reset()
         one = c.append(doc, max_new_tokens=args.new, ignore_eos=True)
         two = c.append(c.tokens + one.tokens[-1:] + q, max_new_tokens=args.new, ignore_eos=True)
     for f in kv.iterdir():
         f.unlink()
     kv.rmdir()
+    ld = t["kv_load"]
     return {"context": context, "question_tokens": args.question, "plan": first["plan"],
             "kv_units": first.get("kv_units"), "first_ttft_s": t1["ttft_s"],
             "second_ttft_s": t["ttft_s"], "second_prefill_tokens": t["prefill_tokens"],
-            "kv_load_s": t["kv_load_s"], "kv_bytes": t["kv_load_bytes"],
-            "kv_load_rate": t["kv_load_bytes"] / t["kv_load_s"], "link_read_rate": link,
+            "kv_load_path": ld["path"], "kv_load_s": t["kv_load_s"], "kv_load_held_s": t["kv_load_held_s"],
+            "kv_bytes": t["kv_load_bytes"], "kv_load_rate": t["kv_load_bytes"] / t["kv_load_s"],
+            "kv_load_read_s_per_thread": ld["read_s"] / ld["threads"],
+            "kv_load_crc_s_per_thread": ld["crc_s"] / ld["threads"], "kv_load_threads": ld["threads"],
+            "kv_fingerprint_s": ld["fingerprint_s"], "link_read_rate": link,
             "load_vs_link": t["kv_load_bytes"] / t["kv_load_s"] / link,
-            "second_vs_first": (t["ttft_s"] + t["kv_load_s"]) / t1["ttft_s"],
+            "load_alone": alone, "load_alone_vs_link": alone["rate_bytes_per_s"] / link,
+            "second_vs_first": (t["ttft_s"] + t["kv_load_held_s"]) / t1["ttft_s"],
             "chat_turn1_ttft_s": one.timings["ttft_s"], "chat_turn2_ttft_s": two.timings["ttft_s"],
             "chat_turn2_prefill_tokens": two.timings["prefill_tokens"],
             "chat_turn2_vs_turn1": two.timings["ttft_s"] / one.timings["ttft_s"],
@@ -143,9 +151,10 @@ def store_row(args, n: int) -> dict:
                     if t is not None:
                         t.zero_()
                 t0 = time.perf_counter()
-                saved.load(b, kv, man, threads=threads)
+                st = saved.start(b, kv, man, threads=threads).wait()
                 dt = time.perf_counter() - t0
                 out[f"{name}_load_s"], out[f"{name}_rate"] = dt, size / dt
+                out[f"{name}_read_s_per_thread"], out[f"{name}_crc_s_per_thread"] = st.read_s / threads, st.crc_s / threads
                 out[f"{name}_equal"] = _units_equal(a, b, n)
     out["read_rate"] = read_rate(kv / man["data"], args.threads)
     out["parallel_vs_read"] = out["parallel_rate"] / out["read_rate"]

@@ -198,7 +198,10 @@ class LiveSession:
         return self.loaded
 
     def _abandon(self) -> None:
-        """`settle`, a failed load's error dropped (a caller already raising, or closing)."""
+        """Stop a load in flight and `settle` it, its error dropped (a caller already raising, or
+        closing): an unfinished load keeps nothing."""
+        if self.pending is not None:
+            self.pending.cancel()
         try:
             self.settle()
         except Exception:

@@ -211,6 +211,14 @@ class Loading:
                 raise self.error
             return list(self.events[layer])
 
+    def cancel(self) -> None:
+        """Stop the readers at their next unit; an unfinished load then fails (`wait` raises)."""
+        with self.cond:
+            if self.error is None and any(self.left):
+                self.error = ValueError(f"{self.reader.flag}: the load was stopped before it ended")
+            self.reader.failed.set()
+            self.cond.notify_all()
+
     def wait(self) -> LoadStats:
         if self.pool is not None:
             pool, self.pool = self.pool, None
