@@ -16,7 +16,7 @@ from kvpipe.executor.kv.store import KVStore   # noqa: E402
 
 N = 300                       # tokens: 38400-byte units of fp32, head_dim 16
 BLOCK = 8192                  # 5 checksummed blocks a unit, the last one partial
-PIECE = 3072                  # read and checksummed in 3 parts a block (the last one shorter)
+PIECE = 4096                  # read and checksummed in 2 parts a block (O_DIRECT where aligned)
 # 3 layers x 4 KV heads: GPU-resident heads first, disk heads last, host between
 LAYOUT = KVLayout(1, 4, 16, N + 8, (1, 0, 2), 2, 4, (1, 2, 0), 16)
 

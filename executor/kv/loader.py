@@ -51,11 +51,12 @@ def open_file(path: Path, flag: str) -> tuple[int, int | None]:
         return fd, None
 
 
-def _pread(fds: tuple[int, int | None], dst: torch.Tensor, at: int) -> int:
-    """Read len(dst) bytes at file offset `at` into the uint8 CPU tensor `dst`: its ALIGN-aligned
-    body with O_DIRECT where the address allows, the rest buffered; returns the bytes read."""
-    view, done, n = memoryview(dst.numpy()), 0, dst.numel()
-    if fds[1] is not None and dst.data_ptr() % ALIGN == 0 and at % ALIGN == 0 and n >= ALIGN:
+def _pread(fds: tuple[int, int | None], view: memoryview, ptr: int, at: int) -> int:
+    """Read len(view) bytes at file offset `at` into `view` (CPU memory at address `ptr`): its
+    ALIGN-aligned body with O_DIRECT where the address allows, the rest buffered; returns the
+    bytes read. Memoryviews, not tensors: this runs per piece, holding the GIL."""
+    done, n = 0, len(view)
+    if fds[1] is not None and ptr % ALIGN == 0 and at % ALIGN == 0 and n >= ALIGN:
         try:
             done = os.preadv(fds[1], [view[:n // ALIGN * ALIGN]], at)
         except OSError:   # a file system that opens O_DIRECT but refuses the request: buffered
@@ -103,14 +104,15 @@ class _Reader:
         """One checksummed block, read and checksummed in PIECE-sized parts (each still in the
         core's cache when its crc32c runs, the crc carried from part to part)."""
         value, read_s, crc_s = 0, 0.0, 0.0
-        for a in range(0, dst.numel(), PIECE):
-            part = dst[a:a + PIECE]
+        view, ptr = memoryview(dst.numpy()), dst.data_ptr()
+        for a in range(0, len(view), PIECE):
+            part = view[a:a + PIECE]
             t0 = time.perf_counter()
-            got = _pread(self.fds, part, at + a)
+            got = _pread(self.fds, part, ptr + a, at + a)
             t1 = time.perf_counter()
-            if got != part.numel():
+            if got != len(part):
                 raise ValueError(f"{self.flag}: {self.path} is truncated: short read at offset {at + a}")
-            value = crc32c.crc32c(memoryview(part.numpy()), value)
+            value = crc32c.crc32c(part, value)
             read_s, crc_s = read_s + t1 - t0, crc_s + time.perf_counter() - t1
         with self.lock:
             self.read_s, self.crc_s = self.read_s + read_s, self.crc_s + crc_s
