@@ -58,12 +58,12 @@ def slow_last_layer(monkeypatch):
     return done
 
 
-def conversation(model_dir) -> Conversation:
-    return Conversation(str(model_dir), max_context=len(P) + len(Q) + 6, max_new_tokens=6, **OPTS)
+def conversation(model_dir, **over) -> Conversation:
+    return Conversation(str(model_dir), max_context=len(P) + len(Q) + 6, max_new_tokens=6, **dict(OPTS, **over))
 
 
-def reference(model_dir):
-    with conversation(model_dir) as c:
+def reference(model_dir, **over):
+    with conversation(model_dir, **over) as c:
         return c.append(P + Q, breaks=(len(P),), max_new_tokens=6)
 
 
@@ -131,3 +131,29 @@ def test_closing_with_a_load_in_flight_joins_the_readers(model_dir, saved_dir, s
     assert not [t for t in threading.enumerate() if t.name.startswith("kvpipe-load")]
     time.sleep(3 * DELAY_S)
     assert len(slow_last_layer) == ended
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_prefill_waits_for_late_copies(model_dir, tmp_path, monkeypatch):
+    """Fault caught: on CUDA, a stream lane's prefill stage that waits on the host for its layer
+    but not for the GPU units' H2D copies (their events): the readers' streams sleep before
+    every copy, so compute that does not wait reads the homes before the copies land."""
+    gpu = dict(device="cuda", dtype="bf16")
+    kvpipe.generate(str(model_dir), " ".join(map(str, P)), prompt_format="ids", max_new_tokens=3,
+                    save_kv=tmp_path / "kv", **dict(OPTS, **gpu))
+    to_gpu = loader._Reader._to_gpu
+
+    def late(self, dst, offset, spans):
+        if getattr(self.local, "stream", None) is None:
+            self.local.stream = torch.cuda.Stream(self.store.device)
+            self.local.events = [None, None]
+        with torch.cuda.stream(self.local.stream):
+            torch.cuda._sleep(100_000_000)      # some 50 ms of GPU time before the unit's copies
+        return to_gpu(self, dst, offset, spans)
+    monkeypatch.setattr(loader._Reader, "_to_gpu", late)
+    with conversation(model_dir, **gpu) as c:
+        c.load(tmp_path / "kv", overlap=True)
+        got = c.append(P + Q, max_new_tokens=6)
+    monkeypatch.setattr(loader._Reader, "_to_gpu", to_gpu)
+    ref = reference(model_dir, **gpu)
+    assert got.tokens == ref.tokens and got.output_digest == ref.output_digest
