@@ -188,6 +188,7 @@ class Conversation:
         """Write the conversation's KV (every tier; `saved_length` tokens, at most `upto`) and its
         manifest to `directory`."""
         from kvpipe.executor.kv import saved
+        self.live.settle()   # a load still in flight (load(overlap=True)) ends first
         n = min(self.saved_length(), self.live.length if upto is None else upto)
         if n < 1:
             raise ValueError("save-kv: the conversation holds no tokens yet")

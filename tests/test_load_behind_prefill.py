@@ -133,6 +133,20 @@ def test_closing_with_a_load_in_flight_joins_the_readers(model_dir, saved_dir, s
     assert len(slow_last_layer) == ended
 
 
+def test_a_save_right_after_an_overlapped_load_writes_the_loaded_units(model_dir, saved_dir, tmp_path,
+                                                                       slow_last_layer):
+    """Fault caught: a save that reads the homes while the load behind it still fills them (its
+    checksums then vouch for half-loaded units)."""
+    with conversation(model_dir) as c:
+        c.load(saved_dir, overlap=True)
+        c.save(tmp_path / "again")
+    with conversation(model_dir) as c:
+        c.load(tmp_path / "again")
+        got = c.append(P + Q, max_new_tokens=6)
+    ref = reference(model_dir)
+    assert got.tokens == ref.tokens and got.output_digest == ref.output_digest
+
+
 @pytest.mark.gpu
 def test_on_the_gpu_a_prefill_waits_for_late_copies(model_dir, tmp_path, monkeypatch):
     """Fault caught: on CUDA, a stream lane's prefill stage that waits on the host for its layer

@@ -29,7 +29,8 @@ FORMAT = "kvpipe-kv"
 VERSION = 1
 MANIFEST = "manifest.json"
 BLOCK = 4 << 20          # checksummed span of a unit's bytes
-THREADS = max(2, min(16, os.cpu_count() or 2))   # readers: one a core, up to the link's need
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+THREADS = max(2, min(16, _CORES))   # readers: one a core this process may run on, up to the link's need
 
 
 def _units(store: KVStore) -> list[tuple[int, int]]:
