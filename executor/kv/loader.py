@@ -163,7 +163,7 @@ class _Reader:
 
 class Loading:
     """A load in flight on `threads` reader threads (started by `start()`); units are issued in the
-    manifest's order (layer by layer). `ready(layer)` blocks until every unit of the layer is home
+    order given (saved.start: layer by layer). `ready(layer)` blocks until every unit of the layer is home
     (raising the load's error, if any) and returns the CUDA events their copies end with; `wait()`
     joins every reader, closes the file and returns the LoadStats (or raises the first error)."""
 
