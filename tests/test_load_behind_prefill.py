@@ -12,6 +12,7 @@ import pytest
 
 import kvpipe
 from kvpipe.conversation import Conversation
+from kvpipe.pipeline.units import fmt_bytes
 
 torch = pytest.importorskip("torch")
 
@@ -100,6 +101,19 @@ def test_generate_reports_the_overlapped_load(model_dir, saved_dir):
     assert t["kv_load"]["path"] == "overlapped" and t["kv_load"]["bytes"] == t["kv_load_bytes"] > 0
     assert t["kv_load"]["read_s"] > 0 and t["kv_load"]["crc_s"] > 0 and t["kv_load"]["fingerprint_s"] > 0
     assert 0 < t["kv_load_held_s"] and t["kv_load_s"] > 0
+
+
+def test_the_cli_says_what_it_loaded_and_that_the_prefill_ran_behind_it(model_dir, saved_dir, capsys):
+    """Fault caught: `kvpipe generate --load-kv` whose stderr summary leaves out the load (its
+    bytes, seconds and whether the prefill ran behind it)."""
+    from kvpipe.cli import main
+    code = main(["generate", "--model", str(model_dir), "--random-weights", "--device", "cpu", "--prompt-format", "ids",
+                 "--prompt", " ".join(map(str, Q)), "--load-kv", str(saved_dir), "--max-new-tokens", "2",
+                 "--chunk", "16", "--resident", "2", "--group", "1", "--disk", "2", "--seed", "5"])
+    err = capsys.readouterr().err
+    assert code == 0
+    line = next(x for x in err.splitlines() if x.startswith("kvpipe: KV loaded: "))
+    assert f"KV loaded: {fmt_bytes(len(P) * 128 * 6)} in " in line and "the prefill behind it" in line
 
 
 def test_a_corrupt_block_behind_the_prefill_is_named_and_keeps_nothing(model_dir, saved_dir):
