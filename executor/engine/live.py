@@ -125,8 +125,9 @@ class LiveSession:
         graph = self._graph(total, decode_tokens, plan, chunk_starts(self.length, total, plan.prefill.chunk, breaks))
         prompt = torch.tensor([ids], dtype=torch.long)
         try:
-            res = execute(graph, self.hf, prompt, self.device, keep_logits=keep_logits, stage_hook=self._hook(stage_hook),
-                          replay=self.replay, fuse=self.fuse, decoding=decoding, store=self.store)
+            res = execute(graph, self.hf, prompt, self.device, keep_logits=keep_logits,
+                          stage_hook=self._hook(stage_hook), replay=self.replay, fuse=self.fuse,
+                          decoding=decoding, store=self.store)
         except BaseException:    # Ctrl-C, an error: what is home stays the conversation so far
             if self.store.cuda:
                 torch.cuda.synchronize(self.device)   # no copy of the stopped run still in flight
