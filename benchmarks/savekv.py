@@ -40,24 +40,35 @@ from .generate_json import generate_json
 from .result_file import result_file
 
 
-def read_rate(path: Path, threads: int = 8, request: int = 8 << 20) -> float:
-    """Bytes per second reading `path` with O_DIRECT into aligned buffers (the link's floor)."""
+def read_rate(path: Path, threads: int = 8, request: int = 8 << 20, into: torch.Tensor | None = None) -> float:
+    """Bytes per second reading `path` with O_DIRECT (the link's floor): into reused, cache-hot
+    aligned buffers, or with `into` (a touched uint8 tensor of the file's size) each byte to its
+    own place in DRAM, as a load into the homes writes it."""
     size = path.stat().st_size
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
     except OSError:      # tmpfs (/dev/shm: the host-RAM case) refuses O_DIRECT
         fd = os.open(path, os.O_RDONLY)
-    bufs = [aligned_buffer(request) for _ in range(threads)]
+    bufs = [aligned_buffer(request) for _ in range(threads)] if into is None else None
+    whole = memoryview(into.numpy()) if into is not None else None
 
     def part(i: int) -> None:
-        view = memoryview(bufs[i % threads].numpy())
+        view = memoryview(bufs[i % threads].numpy()) if whole is None else None
         for at in range(i * request, size, threads * request):
-            os.preadv(fd, [view[:min(request, size - at) // 4096 * 4096 or 4096]], at)
+            n = min(request, size - at) // 4096 * 4096 or 4096
+            os.preadv(fd, [view[:n] if whole is None else whole[at:at + n]], at)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(part, range(threads)))
     os.close(fd)
     return size / (time.perf_counter() - t0)
+
+
+def read_rates(path: Path, threads: int) -> tuple[float, float]:
+    """(cache-hot, into DRAM) read rates of `path` (`read_rate`); the DRAM target touched first."""
+    into = aligned_buffer(-(-path.stat().st_size // 4096) * 4096)
+    into.zero_()
+    return read_rate(path, threads), read_rate(path, threads, into=into)
 
 
 def generate(args, tokens: list[int], *flags: str) -> dict:
@@ -76,22 +87,31 @@ def row(args, context: int) -> dict:
     first = generate(args, doc, "--save-kv", str(kv))
     second = generate(args, q, "--load-kv", str(kv))
     man = json.loads((kv / "manifest.json").read_text())
-    link = read_rate(kv / man["data"])
+    link, link_dram = read_rates(kv / man["data"], 8)
     t, t1 = second["timings"], first["timings"]
     with Conversation(args.model, max_context=context + 2 * args.new + args.question, max_new_tokens=args.new,
                       random_weights=True, device=args.device, gpu_mem=args.gpu_mem, kv_dir=args.kv_dir) as c:
+        c.load(kv)            # the same directory loaded with nothing behind it: the load alone
+        alone = dict(c.live.loaded.to_json(), **c.load_figures)
+        c.reset()
         one = c.append(doc, max_new_tokens=args.new, ignore_eos=True)
         two = c.append(c.tokens + one.tokens[-1:] + q, max_new_tokens=args.new, ignore_eos=True)
     for f in kv.iterdir():
         f.unlink()
     kv.rmdir()
+    ld = t["kv_load"]
     return {"context": context, "question_tokens": args.question, "plan": first["plan"],
             "kv_units": first.get("kv_units"), "first_ttft_s": t1["ttft_s"],
             "second_ttft_s": t["ttft_s"], "second_prefill_tokens": t["prefill_tokens"],
-            "kv_load_s": t["kv_load_s"], "kv_bytes": t["kv_load_bytes"],
-            "kv_load_rate": t["kv_load_bytes"] / t["kv_load_s"], "link_read_rate": link,
-            "load_vs_link": t["kv_load_bytes"] / t["kv_load_s"] / link,
-            "second_vs_first": (t["ttft_s"] + t["kv_load_s"]) / t1["ttft_s"],
+            "kv_load_path": ld["path"], "kv_load_s": t["kv_load_s"], "kv_load_held_s": t["kv_load_held_s"],
+            "kv_bytes": t["kv_load_bytes"], "kv_load_rate": t["kv_load_bytes"] / t["kv_load_s"],
+            "kv_load_read_s_per_thread": ld["read_s"] / ld["threads"],
+            "kv_load_crc_s_per_thread": ld["crc_s"] / ld["threads"], "kv_load_threads": ld["threads"],
+            "kv_fingerprint_s": ld["fingerprint_s"], "link_read_rate": link,
+            "load_vs_link": t["kv_load_bytes"] / t["kv_load_s"] / link, "link_read_rate_into_dram": link_dram,
+            "load_vs_link_into_dram": t["kv_load_bytes"] / t["kv_load_s"] / link_dram,
+            "load_alone": alone, "load_alone_vs_link": alone["rate_bytes_per_s"] / link,
+            "second_vs_first": (t["ttft_s"] + t["kv_load_held_s"]) / t1["ttft_s"],
             "chat_turn1_ttft_s": one.timings["ttft_s"], "chat_turn2_ttft_s": two.timings["ttft_s"],
             "chat_turn2_prefill_tokens": two.timings["prefill_tokens"],
             "chat_turn2_vs_turn1": two.timings["ttft_s"] / one.timings["ttft_s"],
@@ -143,11 +163,12 @@ def store_row(args, n: int) -> dict:
                     if t is not None:
                         t.zero_()
                 t0 = time.perf_counter()
-                saved.load(b, kv, man, threads=threads)
+                st = saved.start(b, kv, man, threads=threads).wait()
                 dt = time.perf_counter() - t0
                 out[f"{name}_load_s"], out[f"{name}_rate"] = dt, size / dt
+                out[f"{name}_read_s_per_thread"], out[f"{name}_crc_s_per_thread"] = st.read_s / threads, st.crc_s / threads
                 out[f"{name}_equal"] = _units_equal(a, b, n)
-    out["read_rate"] = read_rate(kv / man["data"], args.threads)
+    out["read_rate"], out["read_rate_into_dram"] = read_rates(kv / man["data"], args.threads)
     out["parallel_vs_read"] = out["parallel_rate"] / out["read_rate"]
     out["parallel_warm_vs_read"] = out["parallel_warm_rate"] / out["read_rate"]
     for f in kv.iterdir():

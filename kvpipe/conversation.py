@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import time
 
 from kvpipe.pipeline.workload import Workload
 
@@ -112,6 +113,7 @@ class Conversation:
                                 e.plan.replay, options.get("fuse")).open()
         self.messages: list[dict] = self._system()
         self.turns = 0
+        self.load_figures: dict = {}   # the last load's fingerprint seconds (load)
 
     # ---- lifetime -------------------------------------------------------------------------
     def _system(self) -> list[dict]:
@@ -186,6 +188,7 @@ class Conversation:
         """Write the conversation's KV (every tier; `saved_length` tokens, at most `upto`) and its
         manifest to `directory`."""
         from kvpipe.executor.kv import saved
+        self.live.settle()   # a load still in flight (load(overlap=True)) ends first
         n = min(self.saved_length(), self.live.length if upto is None else upto)
         if n < 1:
             raise ValueError("save-kv: the conversation holds no tokens yet")
@@ -195,19 +198,35 @@ class Conversation:
                 "plan": e.plan.to_json(e.spec), "capacity": self.capacity}
         return saved.save(self.live.store, n, self.live.length, directory, meta)
 
-    def load(self, directory) -> dict:
+    def load(self, directory, overlap: bool = False) -> dict:
         """Continue from a KV directory (the conversation must be empty); refuses another model,
-        dtype, or a capacity too short, naming the mismatch."""
+        dtype, or a capacity too short, naming the mismatch. The readers start first and the
+        model's fingerprint is taken while they run; `overlap`: the load goes on behind the next
+        turn's prefill (LiveSession.load). `load_figures`: the fingerprint's seconds."""
         from kvpipe.executor.kv import saved
         man = saved.read_manifest(directory)
         check_early(man, self.model_spec, self.capacity)
-        check_manifest(man, self.model_spec, self.engine.fingerprint((man.get("model") or {}).get("weights_hash")))
         if self.live.length:
             raise ValueError("load-kv: the conversation already holds tokens (reset it first)")
-        n = saved.load(self.live.store, directory, man)
-        self.live.tokens = [int(t) for t in man["tokens"][:n]]
+        try:
+            self.live.load(directory, man, overlap=True)   # joined below unless `overlap`
+        except ValueError:
+            self._check_model(man)    # another model is named before its shapes' mismatch
+            raise
+        t0 = time.perf_counter()
+        try:
+            self._check_model(man)
+        except BaseException:
+            self.live.rewind(0)       # the readers joined, nothing kept
+            raise
+        self.load_figures = {"fingerprint_s": time.perf_counter() - t0}
+        if not overlap:
+            self.live.settle()
         self.messages = list(man.get("messages") or self._system())
         return man
+
+    def _check_model(self, man: dict) -> None:
+        check_manifest(man, self.model_spec, self.engine.fingerprint((man.get("model") or {}).get("weights_hash")))
 
 
 def check_early(man: dict, spec, capacity: int, flag: str = "load-kv") -> None:

@@ -8,7 +8,7 @@ import argparse
 import json
 import sys
 
-from kvpipe.pipeline.units import fmt_seconds
+from kvpipe.pipeline.units import fmt_bytes, fmt_seconds
 
 from . import cli, generation as gen
 
@@ -98,6 +98,11 @@ def summary(res: gen.GenerateResult) -> list[str]:
              f"kvpipe: plan: {res.plan.describe()}"]
     if t.get("reused_tokens"):
         lines.append(f"kvpipe: kept KV: {t['reused_tokens']} tokens were home, {t['prefill_tokens']} new tokens prefilled")
+    if t.get("kv_load"):
+        ld = t["kv_load"]
+        lines.append(f"kvpipe: KV loaded: {fmt_bytes(ld['bytes'])} in {fmt_seconds(ld['seconds'])}, "
+                     f"{'the prefill behind it' if ld['path'] == 'overlapped' else 'then the prefill'} "
+                     f"(it waited {fmt_seconds(t['kv_load_held_s'])} to start)")
     if res.plan.lossy is not None:
         lines.append(f"kvpipe: LOSSY: {res.plan.lossy.describe(res.run.workload.context)}")
     return lines

@@ -68,6 +68,14 @@ def compose(man: dict, text: str, prompt_format: str, tok, spec, chat: bool, fla
     return saved + encode(text, prompt_format, tok, spec, False, None, flag)[0], None
 
 
+def load_timings(stats, held_s: float, figures: dict) -> dict:
+    """The timings a --load-kv run adds: `kv_load_s` the load's own seconds (start to the last
+    block verified), `kv_load_held_s` what kept the prefill from starting (the readers' start and
+    the model's fingerprint: the rest ran behind the prefill, inside its TTFT), and `kv_load`."""
+    return {"kv_load_s": stats.seconds, "kv_load_bytes": stats.bytes, "kv_load_held_s": held_s,
+            "kv_load": dict(stats.to_json(), **figures)}
+
+
 def generate_kept(model, prompt, prompt_file, prompt_format, chat, system, n, stdin, save_kv, load_kv,
                   max_context, gen: dict, options: dict):
     """`generate(save_kv=..., load_kv=...)` on a Conversation of the prompt's size."""
@@ -96,13 +104,14 @@ def generate_kept(model, prompt, prompt_file, prompt_format, chat, system, n, st
     try:
         if save_kv is not None:   # before any work: a window layer's ring cannot be saved
             saved.refuse_rings(conv.live.layout, "save-kv")
-        if man is not None:
+        if man is not None:   # the prefill runs behind the load, layer by layer (LiveSession.load)
             t0 = time.perf_counter()
-            conv.load(load_kv)
-            loaded = {"kv_load_s": time.perf_counter() - t0,
-                      "kv_load_bytes": man["unit_bytes"] * len(man["units"])}
+            conv.load(load_kv, overlap=True)
+            held = time.perf_counter() - t0
         cut = len(ids) if msgs is None else common_prefix(ids, conv.render(msgs, opened=False))
         res = conv.append(ids, breaks=(cut,) if save_kv is not None else (), max_new_tokens=n, **gen)
+        if man is not None:
+            loaded = load_timings(conv.live.loaded, held, conv.load_figures)
         if save_kv is not None:
             conv.messages = msgs
             conv.save(save_kv, upto=cut)

@@ -10,12 +10,13 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvpipe.executor.disk.tier import aligned_buffer   # noqa: E402
-from kvpipe.executor.kv import saved   # noqa: E402
+from kvpipe.executor.kv import loader, saved   # noqa: E402
 from kvpipe.executor.kv.layout import DiskOptions, KVLayout   # noqa: E402
 from kvpipe.executor.kv.store import KVStore   # noqa: E402
 
 N = 300                       # tokens: 38400-byte units of fp32, head_dim 16
 BLOCK = 8192                  # 5 checksummed blocks a unit, the last one partial
+PIECE = 4096                  # read and checksummed in 2 parts a block (O_DIRECT where aligned)
 # 3 layers x 4 KV heads: GPU-resident heads first, disk heads last, host between
 LAYOUT = KVLayout(1, 4, 16, N + 8, (1, 0, 2), 2, 4, (1, 2, 0), 16)
 
@@ -38,6 +39,7 @@ def units(s: KVStore) -> dict:
 def saved_dir(tmp_path, monkeypatch):
     """A KV directory of random units, and the units' bytes."""
     monkeypatch.setattr(saved, "BLOCK", BLOCK)
+    monkeypatch.setattr(loader, "PIECE", PIECE)
     g = torch.Generator().manual_seed(3)
     with store(tmp_path) as a:
         for layer, h in saved._units(a):
@@ -54,7 +56,8 @@ def saved_dir(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("threads", [1, 4])
 def test_parallel_load_gives_the_saved_units_bit_for_bit(saved_dir, tmp_path, threads):
-    """Fault caught: a block read into the wrong part of its home (each block at the unit's start),
+    """Fault caught: a block read into the wrong part of its home (each block at the unit's start,
+    or each part of a block at the block's start), a block's crc32c not carried across its parts,
     a unit of one tier loaded into another's home, a staging buffer shared between threads (one
     thread's disk block appended with another's bytes), or the serial and parallel loads differing."""
     d, man, want = saved_dir
@@ -78,14 +81,14 @@ def test_cuda_load_through_pinned_stages_gives_the_saved_units(saved_dir, tmp_pa
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
-@pytest.mark.parametrize("unit,block", [(0, 0), (1, 4), (5, 2), (6, 3), (11, 1)])
-def test_a_corrupt_byte_in_any_block_of_a_parallel_load_is_named(saved_dir, tmp_path, unit, block):
+@pytest.mark.parametrize("unit,block,byte", [(0, 0, 17), (1, 4, 17), (5, 2, 7000), (6, 3, 4000), (11, 1, 17)])
+def test_a_corrupt_byte_in_any_block_of_a_parallel_load_is_named(saved_dir, tmp_path, unit, block, byte):
     """Fault caught: blocks after a unit's first not verified, the last partial block skipped, a
-    disk or GPU-resident unit loaded unverified, or the error naming the unit's offset instead of
-    the corrupt block's."""
+    disk or GPU-resident unit loaded unverified, a block's later parts not verified, or the error
+    naming the unit's offset (or a part's) instead of the corrupt block's."""
     d, man, _ = saved_dir
     u = man["units"][unit]
-    at = u["offset"] + block * BLOCK + 17
+    at = u["offset"] + block * BLOCK + byte
     path = d / man["data"]
     data = bytearray(path.read_bytes())
     data[at] ^= 0x40

@@ -8,7 +8,12 @@ server's prefix reuse share this one mechanism.
 Chunking: the new tokens are prefilled in the plan's chunks counted from the first new token (and
 from each of `breaks`). On CPU and GPU a matmul's bits can depend on the chunk's shape, so the
 continuation equals bit for bit an uninterrupted run whose chunks break at the same tokens
-(`chunk_starts`); where the saved length is a multiple of the chunk, that is the plain run."""
+(`chunk_starts`); where the saved length is a multiple of the chunk, that is the plain run.
+
+A load may run behind the next prefill (`load(..., overlap=True)`): each prefill stage of layer L
+first waits until L's units are home (and, on a stream lane, for their H2D copies' events), so
+the question's prefill streams layer L while later layers still load; a failed load raises its
+error at the first stage that needs it, and empties the conversation."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -19,10 +24,12 @@ from kvpipe.pipeline.builder import build
 from kvpipe.pipeline.model import ModelSpec
 from kvpipe.pipeline.plan import Plan
 from kvpipe.pipeline.replay import Replay, blocker, resolve
-from kvpipe.pipeline.stage import Graph
+from kvpipe.pipeline.stage import Graph, Phase, Stage
 from kvpipe.pipeline.workload import Workload
 
+from kvpipe.executor.engine.lanes import HOST_LANES
 from kvpipe.executor.engine.runner import MODES, RunResult, execute
+from kvpipe.executor.kv.loader import Loading, LoadStats
 from kvpipe.executor.kv.layout import DiskOptions, KVLayout
 from kvpipe.executor.kv.store import KVStore
 from kvpipe.executor.layers.adapter import HFAdapter, spec_dtype
@@ -60,6 +67,9 @@ class LiveSession:
         self.capacity, self.kv_dir, self.replay, self.fuse = capacity, kv_dir, replay, fuse
         self.tokens: list[int] = []
         self.store: KVStore | None = None
+        self.pending: Loading | None = None   # a load the next prefill runs behind (`load`)
+        self.loaded: LoadStats | None = None  # the last load's figures
+        self._waited: set = set()             # (stream, layer) pairs that waited for a pending load's copies
         self._last: tuple | None = None   # (shape key, stage graph) of the last run
         self.layout = KVLayout.of(Graph(spec, Workload(capacity - 1, 1, 1), plan))
         why = unsupported(self.layout)
@@ -81,6 +91,7 @@ class LiveSession:
         return self
 
     def close(self) -> None:
+        self._abandon()   # no reader may still write into the homes being freed
         if self.store is not None:
             self.store.close()
         self.store, self.tokens = None, []
@@ -97,6 +108,8 @@ class LiveSession:
         `decode_tokens` decode steps (`decoding` picks the tokens, engine/decoding.py; None: greedy).
         Afterwards the K/V of `ids` and of every kept generated token but the last is home."""
         ids = [int(i) for i in ids]
+        if ids[:self.length] != self.tokens or len(ids) + decode_tokens > self.capacity:
+            self.settle()   # the load must end (or fail) before any refusal leaves the conversation as it is
         if ids[:self.length] != self.tokens:
             raise ValueError("tokens: the conversation's tokens are not a prefix of the new ones")
         if len(ids) + decode_tokens > self.capacity:
@@ -112,13 +125,16 @@ class LiveSession:
         graph = self._graph(total, decode_tokens, plan, chunk_starts(self.length, total, plan.prefill.chunk, breaks))
         prompt = torch.tensor([ids], dtype=torch.long)
         try:
-            res = execute(graph, self.hf, prompt, self.device, keep_logits=keep_logits, stage_hook=stage_hook,
-                          replay=self.replay, fuse=self.fuse, decoding=decoding, store=self.store)
+            res = execute(graph, self.hf, prompt, self.device, keep_logits=keep_logits,
+                          stage_hook=self._hook(stage_hook), replay=self.replay, fuse=self.fuse,
+                          decoding=decoding, store=self.store)
         except BaseException:    # Ctrl-C, an error: what is home stays the conversation so far
             if self.store.cuda:
                 torch.cuda.synchronize(self.device)   # no copy of the stopped run still in flight
+            self._abandon()      # a failed load empties the conversation
             self._truncate_disk()
             raise
+        self.settle()
         kept = decoding.finish() if decoding is not None else decode_tokens + 1
         made = res.tokens[0, :kept].cpu().tolist()
         self.tokens = ids + made[:kept - 1]
@@ -137,6 +153,7 @@ class LiveSession:
     def rewind(self, n: int) -> None:
         """Keep the first `n` tokens' K/V (a conversation whose later tokens changed); none where a
         window layer's ring no longer holds the keys position n sees (the next call prefills all)."""
+        self._abandon() if n == 0 else self.settle()   # rewind(0) is the reset after a failed load too
         if not 0 <= n <= self.length:
             raise ValueError(f"rewind: {n} is outside 0..{self.length}")
         if self.store is not None and not self.store.marks.holds(n):
@@ -153,3 +170,67 @@ class LiveSession:
         if disk is not None:
             for row in range(disk.rows):
                 disk.truncate(row, self.length * self.store.token_bytes)
+
+    # ---- a saved KV directory (executor/kv/saved.py) ---------------------------------------
+    def load(self, directory, man: dict, overlap: bool = False) -> LoadStats | None:
+        """Fill the empty store from a KV directory whose manifest is `man`; its tokens become the
+        conversation's. Waits and returns the LoadStats, or with `overlap` returns None at once: the
+        next `extend` runs behind the load (`settle` joins it)."""
+        from kvpipe.executor.kv import saved
+        if self.length or self.pending is not None:
+            raise ValueError("load-kv: the conversation already holds tokens (reset it first)")
+        job = saved.start(self.store, directory, man)
+        self.pending, self._waited = job, set()
+        self.tokens = [int(t) for t in man["tokens"][:job.reader.n]]
+        return None if overlap else self.settle()
+
+    def settle(self) -> LoadStats | None:
+        """Join a load in flight; its stats (None: none was). Its error is raised, the conversation
+        then empty."""
+        if self.pending is None:
+            return None
+        job, self.pending = self.pending, None
+        try:
+            self.loaded = job.wait()
+        except BaseException:
+            self.tokens = []
+            self._truncate_disk()
+            raise
+        return self.loaded
+
+    def _abandon(self) -> None:
+        """Stop a load in flight and `settle` it, its error dropped (a caller already raising, or
+        closing): an unfinished load keeps nothing."""
+        if self.pending is not None:
+            self.pending.cancel()
+        try:
+            self.settle()
+        except Exception:
+            pass
+
+    def _hook(self, stage_hook):
+        """The lanes' `before` hook: the pending load's gate, then the caller's hook."""
+        if self.pending is None:
+            return stage_hook
+        self.pending.path = "overlapped"
+
+        def before(s: Stage) -> None:
+            self._gate(s)
+            if stage_hook is not None:
+                stage_hook(s)
+        return before
+
+    def _gate(self, s: Stage) -> None:
+        """A prefill stage of layer L behind a pending load: wait until L's units are home; on a
+        stream lane (its stream current) the stream also waits for their H2D copies, once a layer."""
+        job = self.pending
+        if job is None or s.layer is None or s.phase is not Phase.PREFILL:
+            return
+        events = job.ready(s.layer)
+        if not events or s.lane in HOST_LANES:
+            return
+        stream = torch.cuda.current_stream(self.device)
+        if (stream.cuda_stream, s.layer) not in self._waited:
+            self._waited.add((stream.cuda_stream, s.layer))
+            for ev in events:
+                stream.wait_event(ev)

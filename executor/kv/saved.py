@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,14 +22,15 @@ import crc32c
 import torch
 
 from kvpipe.executor.disk.tier import ALIGN, aligned_buffer
-from kvpipe.executor.kv.pinned import release_cached_pinned
+from kvpipe.executor.kv.loader import Loading, _Reader, open_file
 from kvpipe.executor.kv.store import KVStore
 
 FORMAT = "kvpipe-kv"
 VERSION = 1
 MANIFEST = "manifest.json"
 BLOCK = 4 << 20          # checksummed span of a unit's bytes
-THREADS = max(2, min(16, os.cpu_count() or 2))   # readers: one a core, up to the link's need
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+THREADS = max(2, min(16, _CORES))   # readers: one a core this process may run on, up to the link's need
 
 
 def _units(store: KVStore) -> list[tuple[int, int]]:
@@ -129,146 +129,28 @@ def read_manifest(directory: str | os.PathLike, flag: str = "load-kv") -> dict:
     return man
 
 
-def _open(path: Path, flag: str) -> tuple[int, int | None]:
-    """(a buffered descriptor, an O_DIRECT one or None where the file system refuses it: tmpfs,
-    whose buffered read is one copy out of RAM anyway)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as e:
-        raise ValueError(f"{flag}: cannot open {path} ({e.strerror})") from None
-    try:
-        return fd, os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except (OSError, AttributeError):
-        return fd, None
-
-
-def _pread(fds: tuple[int, int | None], dst: torch.Tensor, at: int) -> int:
-    """Read len(dst) bytes at file offset `at` into the uint8 CPU tensor `dst`: its ALIGN-aligned
-    body with O_DIRECT where the address allows, the rest buffered; returns the bytes read."""
-    view, done, n = memoryview(dst.numpy()), 0, dst.numel()
-    if fds[1] is not None and dst.data_ptr() % ALIGN == 0 and at % ALIGN == 0 and n >= ALIGN:
-        try:
-            done = os.preadv(fds[1], [view[:n // ALIGN * ALIGN]], at)
-        except OSError:   # a file system that opens O_DIRECT but refuses the request: buffered
-            done = 0
-    while done < n:
-        got = os.preadv(fds[0], [view[done:]], at + done)
-        if got <= 0:
-            break
-        done += got
-    return done
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
-
-
-class _Loader:
-    """One load's work: each unit read block by block straight into its final home (a CPU or host
-    home; a CUDA unit through a per-thread pinned double buffer and an async H2D copy on the
-    thread's stream; a disk unit through a per-thread staging block), each block's crc32c taken
-    right after its read, while it is in cache, on the same thread (crc32c releases the GIL)."""
-
-    def __init__(self, store: KVStore, path: Path, fds, n: int, block: int, flag: str) -> None:
-        self.store, self.path, self.fds, self.n, self.block, self.flag = store, path, fds, n, block, flag
-        self.nb, self.local, self.failed = n * store.token_bytes, threading.local(), threading.Event()
-
-    def _home(self, layer: int, h: int) -> torch.Tensor | None:
-        """The unit's home as flat bytes when a read can land in it (CPU memory), else None."""
-        lo, s = self.store.layout, self.store
-        if h >= lo.first_disk(layer):
-            return None
-        n_res = lo.resident[layer]
-        if h < n_res:
-            return None if s.cuda else _flat(s.gpu[layer][0, h, :self.n])
-        return _flat(s.host[layer][0, h - n_res, :self.n])
-
-    def _stage(self, name: str, nbytes: int, pin: bool) -> torch.Tensor:
-        buf = getattr(self.local, name, None)
-        if buf is None:
-            buf = aligned_buffer(nbytes, pin=pin)
-            setattr(self.local, name, buf)
-        return buf
-
-    def _block(self, dst: torch.Tensor, at: int, crc: int) -> None:
-        if _pread(self.fds, dst, at) != dst.numel():
-            raise ValueError(f"{self.flag}: {self.path} is truncated: short read at offset {at}")
-        if crc32c.crc32c(memoryview(dst.numpy())) != crc:
-            raise ValueError(f"{self.flag}: checksum mismatch in {self.path} at offset {at} "
-                             f"(block of {dst.numel()} bytes): the saved KV is corrupt")
-
-    def unit(self, u: dict) -> None:
-        if self.failed.is_set():
-            return
-        try:
-            self._unit(u)
-        except BaseException:
-            self.failed.set()     # the other threads stop at their next unit
-            raise
-
-    def _unit(self, u: dict) -> None:
-        s, layer, h, nb = self.store, u["layer"], u["head"], self.nb
-        home = self._home(layer, h)
-        B = self.block
-        if len(u["crc32c"]) != -(-nb // B):   # fewer would leave bytes unread and unverified
-            raise ValueError(f"{self.flag}: the manifest lists {len(u['crc32c'])} checksums for the unit at offset "
-                             f"{u['offset']} of {self.path}, its {nb} bytes need {-(-nb // B)}")
-        spans = [(k * B, min((k + 1) * B, nb), crc) for k, crc in enumerate(u["crc32c"])]
-        if home is not None:
-            for a, b, crc in spans:
-                self._block(home[a:b], u["offset"] + a, crc)
-        elif h >= s.layout.first_disk(layer):
-            stage = self._stage("row", B, False)
-            for a, b, crc in spans:   # a row grows at its end: block by block is one append
-                self._block(stage[:b - a], u["offset"] + a, crc)
-                s.disk.append([(s._row(layer, 0, h), memoryview(stage[:b - a].numpy()))])
-        else:
-            self._to_gpu(_flat(s.gpu[layer][0, h, :self.n]), u["offset"], spans)
-
-    def _to_gpu(self, dst: torch.Tensor, offset: int, spans) -> None:
-        """A GPU-resident unit: blocks into two pinned halves in turn, each copied H2D while the
-        next block is read (a half is reused once its copy's event has passed)."""
-        B = self.block
-        stage = self._stage("pinned", 2 * B, True)
-        if getattr(self.local, "stream", None) is None:
-            self.local.stream = torch.cuda.Stream(self.store.device)
-            self.local.events = [None, None]
-        ev = self.local.events
-        with torch.cuda.stream(self.local.stream):
-            for i, (a, b, crc) in enumerate(spans):
-                if ev[i % 2] is not None:
-                    ev[i % 2].synchronize()
-                half = stage[(i % 2) * B:(i % 2) * B + b - a]
-                self._block(half, offset + a, crc)
-                dst[a:b].copy_(half, non_blocking=True)
-                ev[i % 2] = torch.cuda.Event()
-                ev[i % 2].record()
-
-
-def load(store: KVStore, directory: str | os.PathLike, man: dict, flag: str = "load-kv",
-         threads: int = THREADS) -> int:
-    """Fill an empty store with the directory's units (each block verified) on `threads`
-    threads; returns the tokens."""
+def start(store: KVStore, directory: str | os.PathLike, man: dict, flag: str = "load-kv",
+          threads: int = THREADS) -> Loading:
+    """Start filling an empty store with the directory's units (each block verified) on
+    `threads` threads; the caller `wait()`s (or runs a prefill behind it: executor/engine/live.py).
+    Shape mismatches are refused here, before any thread starts."""
     refuse_rings(store.layout, flag)
     n, lo = man["tokens_saved"], store.layout
     nb = n * store.token_bytes
     if nb != man["unit_bytes"] or len(man["units"]) != lo.layers * lo.kv_heads:
         raise ValueError(f"{flag}: the saved units ({len(man['units'])} of {man['unit_bytes']} bytes) do not "
                          f"match this model's ({lo.layers * lo.kv_heads} of {nb} bytes)")
-    path = Path(directory) / man["data"]
-    fds = _open(path, flag)
-    try:
-        block = man.get("block_bytes", BLOCK)
-        if not isinstance(block, int) or block <= 0:
-            raise ValueError(f"{flag}: the manifest's block_bytes {block!r} is not a positive integer")
-        job = _Loader(store, path, fds, n, block, flag)
-        with ThreadPoolExecutor(max(1, threads)) as pool:
-            list(pool.map(job.unit, man["units"]))
-    finally:
-        for fd in fds:
-            if fd is not None:
-                os.close(fd)
-        if store.cuda:
-            torch.cuda.synchronize(store.device)   # every H2D copy done before the stages go
-            release_cached_pinned()   # the readers' pinned stages back to the system, not torch's cache
-    return n
+    block = man.get("block_bytes", BLOCK)
+    if not isinstance(block, int) or block <= 0:
+        raise ValueError(f"{flag}: the manifest's block_bytes {block!r} is not a positive integer")
+    file = Path(directory) / man["data"]
+    fds = open_file(file, flag)
+    units = sorted(man["units"], key=lambda u: (u["layer"], u["head"]))   # layer by layer: a prefill can follow
+    return Loading(_Reader(store, file, fds, n, block, flag), units, lo.layers, threads).start()
+
+
+def load(store: KVStore, directory: str | os.PathLike, man: dict, flag: str = "load-kv",
+         threads: int = THREADS) -> int:
+    """Fill an empty store with the directory's units (each block verified) on `threads`
+    threads, waiting for all; returns the tokens."""
+    return start(store, directory, man, flag, threads).wait().tokens
