@@ -2,13 +2,11 @@
 and CPU codec throughput, in SI units; the numbers live in `hw_profiles/*.toml`."""
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
+from .profile_parts import (DTYPES, CodecRates, DecodeAttention, FlopsTable, HardwareFieldError,  # noqa: F401
+                            flops_table, number)
 from .run_rates import AttentionRates
-
-DTYPES = ("bf16", "fp16", "fp32")  # same names as ModelSpec.dtype
 # The host's issue figures (seconds of host time per stage, launch, copy call, replayed step or
 # attention plan), which `at_quantile` scales by the run-to-run spread.
 HOST_ISSUE_FIELDS = ("host_issue_s_per_stage", "host_issue_s_per_op", "graph_replay_s", "attention_plan_s",
@@ -23,96 +21,6 @@ _RATE_FIELDS = ("hbm_peak_bytes_per_s", "hbm_eff_bytes_per_s", "h2d_bytes_per_s"
 _OVERHEAD_FIELDS = ("small_shape_half_flops", "launch_overhead_s", "attention_plan_s", "h2d_alpha_s",
                     "d2h_alpha_s", "disk_alpha_s", "host_issue_s_per_stage", "host_issue_s_per_op",
                     "graph_replay_s", "graph_node_s", "launch_queue_ops", "small_kernel_s")
-
-FlopsTable = tuple[tuple[str, float], ...]  # ((dtype, FLOP/s), ...) sorted by dtype
-
-
-@dataclass(frozen=True)
-class CodecRates:
-    """One codec on one machine: raw bytes per second through its pool each way, and the ratio
-    raw / stored on K/V (data-dependent: each profile says on what K/V it was measured).
-
-    A GPU codec is called once per batch of blocks: a call costs `*_call_s + raw bytes / rate`
-    (`kvpipe calibrate` fits both on batches of the executor's block size; 0: no fixed cost, as
-    profiles written before the fit say). `split_bytes_per_s` / `interleave_bytes_per_s`: raw bytes
-    per second of the byte-plane kernels around the codec (split before the encode; set-aside and
-    interleave after the decode); None: charged at the HBM copy rate. `decompress_waits_h2d`: a
-    decode call issued while host -> device copies of another stream are in flight starts only
-    after they end (measured by calibrate; the simulator then holds each decompress stage until
-    the fetches the executor issued before it have ended)."""
-
-    name: str
-    compress_bytes_per_s: float
-    decompress_bytes_per_s: float
-    ratio: float
-    compress_call_s: float = 0.0
-    decompress_call_s: float = 0.0
-    split_bytes_per_s: float | None = None
-    interleave_bytes_per_s: float | None = None
-    decompress_waits_h2d: bool = False
-
-    def __post_init__(self) -> None:
-        for f in ("compress_bytes_per_s", "decompress_bytes_per_s", "ratio"):
-            object.__setattr__(self, f, _number(f"codec.{self.name}.{f}", getattr(self, f), False))
-        for f in ("compress_call_s", "decompress_call_s"):
-            object.__setattr__(self, f, _number(f"codec.{self.name}.{f}", getattr(self, f), True))
-        for f in ("split_bytes_per_s", "interleave_bytes_per_s"):
-            if getattr(self, f) is not None:
-                object.__setattr__(self, f, _number(f"codec.{self.name}.{f}", getattr(self, f), False))
-        if not isinstance(self.decompress_waits_h2d, bool):
-            raise HardwareFieldError(f"codec.{self.name}.decompress_waits_h2d",
-                                     f"must be true or false, got {self.decompress_waits_h2d!r}")
-
-
-@dataclass(frozen=True)
-class DecodeAttention:
-    """The replayed decode attention call on one machine for `group` KV heads per call
-    (executor/attention.attend_decode, FA2 varlen split-KV): `call_s + kv_bytes / bytes_per_s`,
-    measured by `kvpipe calibrate` ([gpu.decode_attention.g<group>]). Few heads per call read
-    their K/V far below the copy rate, so the rate is per group size."""
-
-    group: int
-    call_s: float
-    bytes_per_s: float
-
-    def __post_init__(self) -> None:
-        if isinstance(self.group, bool) or not isinstance(self.group, int) or self.group <= 0:
-            raise HardwareFieldError(f"decode_attention.g{self.group}", f"group must be a positive integer, got {self.group!r}")
-        object.__setattr__(self, "call_s", _number(f"decode_attention.g{self.group}.call_s", self.call_s, True))
-        object.__setattr__(self, "bytes_per_s", _number(f"decode_attention.g{self.group}.bytes_per_s", self.bytes_per_s, False))
-
-    def seconds(self, kv_bytes: float) -> float:
-        return self.call_s + kv_bytes / self.bytes_per_s
-
-
-class HardwareFieldError(ValueError):
-    """A bad HardwareProfile field; `field` names it ('flops_eff_per_s.bf16' for a dtype entry)."""
-
-    def __init__(self, field: str, problem: str) -> None:
-        super().__init__(f"hardware.{field}: {problem}")
-        self.field = field
-        self.problem = problem
-
-
-def _number(field: str, value: object, allow_zero: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise HardwareFieldError(field, f"must be a number, got {value!r}")
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        raise HardwareFieldError(field, f"must be finite and {'>=' if allow_zero else '>'} 0, "
-                                        f"got {value!r}")
-    return float(value)
-
-
-def _flops_table(field: str, table: Mapping[str, float] | Iterable[tuple[str, float]]) -> FlopsTable:
-    pairs = list(table.items() if isinstance(table, Mapping) else table)
-    if not pairs:
-        raise HardwareFieldError(field, "needs at least one dtype")
-    for dtype, _ in pairs:
-        if dtype not in DTYPES:
-            raise HardwareFieldError(f"{field}.{dtype}", f"unknown dtype {dtype!r} "
-                                                         f"(known: {', '.join(DTYPES)})")
-    return tuple(sorted((d, _number(f"{field}.{d}", v, False)) for d, v in pairs))
-
 
 @dataclass(frozen=True)
 class HardwareProfile:
@@ -220,7 +128,7 @@ class HardwareProfile:
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise HardwareFieldError(f, f"must be a positive integer, got {v!r}")
         for f in _RATE_FIELDS + _OVERHEAD_FIELDS:
-            object.__setattr__(self, f, _number(f, getattr(self, f), f in _OVERHEAD_FIELDS))
+            object.__setattr__(self, f, number(f, getattr(self, f), f in _OVERHEAD_FIELDS))
         eff = self.attention_efficiency
         if isinstance(eff, bool) or not isinstance(eff, (int, float)) or not 0 < eff <= 1:
             raise HardwareFieldError("attention_efficiency", f"must be a number in (0, 1], got {eff!r}")
@@ -237,13 +145,13 @@ class HardwareProfile:
                   "sparse_score_bytes_per_s", "host_prefill_issue_s_per_stage", "host_prefill_issue_s_per_launch",
                   "host_prefill_issue_gap_s"):
             if getattr(self, f) is not None:
-                object.__setattr__(self, f, _number(f, getattr(self, f), f != "sparse_score_bytes_per_s"))
+                object.__setattr__(self, f, number(f, getattr(self, f), f != "sparse_score_bytes_per_s"))
         for f in ("host_mem_bytes_per_s", "peer_alpha_s", "peer_bytes_per_s"):
             if getattr(self, f) is not None:
-                object.__setattr__(self, f, _number(f, getattr(self, f), f == "peer_alpha_s"))
+                object.__setattr__(self, f, number(f, getattr(self, f), f == "peer_alpha_s"))
         for f in ("decode_gemm_bytes_per_s", "quant_call_s", "quant_bytes_per_s", "gather_call_s", "gather_bytes_per_s"):
             if getattr(self, f) is not None:
-                object.__setattr__(self, f, _number(f, getattr(self, f), f in ("quant_call_s", "gather_call_s")))
+                object.__setattr__(self, f, number(f, getattr(self, f), f in ("quant_call_s", "gather_call_s")))
         if (self.gather_call_s is None) != (self.gather_bytes_per_s is None):
             raise HardwareFieldError("gather_bytes_per_s", "gather_call_s and gather_bytes_per_s come together (one fit) "
                                      "or not at all")
@@ -269,7 +177,7 @@ class HardwareProfile:
         if not isinstance(self.pcie_duplex, bool):
             raise HardwareFieldError("pcie_duplex", f"must be true or false, got {self.pcie_duplex!r}")
         for f in ("flops_peak_per_s", "flops_eff_per_s"):
-            object.__setattr__(self, f, _flops_table(f, getattr(self, f)))
+            object.__setattr__(self, f, flops_table(f, getattr(self, f)))
         peak, eff = dict(self.flops_peak_per_s), dict(self.flops_eff_per_s)
         for dtype in sorted(set(peak) ^ set(eff)):
             side = "flops_eff_per_s" if dtype in peak else "flops_peak_per_s"
