@@ -14,6 +14,8 @@ layer boundaries by `depth` slots (ping-pong prefetch with cross-layer lookahead
 decode steps count the small kernels of the fused decode pieces (layer_ops' fused forms)."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from . import layer_ops
 from .codecs import h2d_codec
 from .lossy import PIPE_UNITS, QUANT_ENCODE_OPS, QUANT_TAIL_OPS
@@ -244,6 +246,28 @@ def _small(ops: layer_ops.SmallOps) -> dict:
     return {"small_ops": ops.kernels, "small_bytes": ops.bytes}
 
 
+def _begin(model: ModelSpec, work: Workload, plan: Plan, fused: bool) -> _Builder:
+    plan.check(model, work)
+    b = _Builder(model, work, plan, fused)
+    mem = breakdown(model, work, plan)
+    b.graph.static = [Alloc(Pool.GPU, "weights", mem.weights), Alloc(Pool.GPU, "kv", mem.gpu_kv),
+                      Alloc(Pool.GPU, "buffers", mem.gpu_buffers), Alloc(Pool.HOST, "kv", mem.host_kv + mem.host_slack),
+                      Alloc(Pool.HOST, "buffers", mem.host_buffers), Alloc(Pool.DISK, "kv", mem.disk_kv)]
+    return b
+
+
+def _prefill(b: _Builder, chunks: bool | range, starts: tuple[int, ...] | None) -> int | None:
+    """The prefill chunks' stages (`chunks` True: all); returns the last one's last stage."""
+    work, chunk, last = b.w, b.plan.prefill.chunk, None
+    starts = range(0, work.context, chunk) if starts is None else tuple(starts)
+    assert all(0 <= a < c for a, c in zip(starts, tuple(starts[1:]) + (work.context,))), starts
+    for i in (range(len(starts)) if chunks is True else chunks):
+        start = starts[i]
+        n = min(chunk, (starts[i + 1] if i + 1 < len(starts) else work.context) - start)
+        last = b.step(Phase.PREFILL, i, start, n, b.plan.prefill, i == len(starts) - 1, None)
+    return last
+
+
 def build(model: ModelSpec, work: Workload, plan: Plan, *, prefill: bool | range = True,
           decode: range | None = None, fused: bool = False, starts: tuple[int, ...] | None = None) -> Graph:
     """The graph of the prefill (if `prefill`; a range: those prefill chunks only) and the decode
@@ -253,21 +277,25 @@ def build(model: ModelSpec, work: Workload, plan: Plan, *, prefill: bool | range
     their small-kernel counts differ, the stages are the same. `starts`: the prefill chunks' first
     tokens, ascending (default: every `chunk` tokens from 0); a first start past 0 continues a cache
     whose tokens before it are home (a conversation's next turn, executor/engine/live.py)."""
-    plan.check(model, work)
-    b = _Builder(model, work, plan, fused)
-    mem = breakdown(model, work, plan)
-    b.graph.static = [Alloc(Pool.GPU, "weights", mem.weights), Alloc(Pool.GPU, "kv", mem.gpu_kv),
-                      Alloc(Pool.GPU, "buffers", mem.gpu_buffers), Alloc(Pool.HOST, "kv", mem.host_kv + mem.host_slack),
-                      Alloc(Pool.HOST, "buffers", mem.host_buffers), Alloc(Pool.DISK, "kv", mem.disk_kv)]
-    last = None
-    if prefill is not False:
-        chunk = plan.prefill.chunk
-        starts = range(0, work.context, chunk) if starts is None else tuple(starts)
-        assert all(0 <= a < b for a, b in zip(starts, tuple(starts[1:]) + (work.context,))), starts
-        for i in (range(len(starts)) if prefill is True else prefill):
-            start = starts[i]
-            n = min(chunk, (starts[i + 1] if i + 1 < len(starts) else work.context) - start)
-            last = b.step(Phase.PREFILL, i, start, n, plan.prefill, i == len(starts) - 1, None)
+    b = _begin(model, work, plan, fused)
+    last = _prefill(b, prefill, starts) if prefill is not False else None
     for k in (range(work.decode_tokens) if decode is None else decode):
         last = b.step(Phase.DECODE, k, work.context + k, 1, plan.decode, True, last)
     return b.graph
+
+
+def build_lazily(model: ModelSpec, work: Workload, plan: Plan, *, fused: bool = False,
+                 starts: tuple[int, ...] | None = None) -> tuple[Graph, Iterator[int]]:
+    """`build(...)`'s whole-run graph in two parts: returned with its prefill stages only, and an
+    iterator whose k-th `next()` appends decode step k's stages (yielding k); once exhausted the
+    graph equals `build`'s. The executor builds each step when its compute lane reaches it, so a
+    run's first token never waits for the decode steps' stages (a long prompt: 0.3 s of host time
+    for 64 steps)."""
+    b = _begin(model, work, plan, fused)
+    last = _prefill(b, True, starts)
+
+    def steps(last: int | None) -> Iterator[int]:
+        for k in range(work.decode_tokens):
+            last = b.step(Phase.DECODE, k, work.context + k, 1, plan.decode, True, last)
+            yield k
+    return b.graph, steps(last)

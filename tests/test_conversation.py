@@ -49,7 +49,7 @@ def test_a_question_of_the_same_shape_reuses_the_graph_and_answers_as_a_fresh_on
     doc, qs, n = [7] * 90, [[1 + i, 2, 3 + i, 4, 5] for i in range(3)], 6
     opts = dict(random_weights=True, device="cpu", max_context=100 + n, chat=False, max_new_tokens=n, chunk=32)
     gen = dict(max_new_tokens=n, ignore_eos=True, reuse=True)
-    with Conversation(tiny_config, **opts) as c, mock.patch.object(live, "build", wraps=live.build) as spy:
+    with Conversation(tiny_config, **opts) as c, mock.patch.object(live, "build_lazily", wraps=live.build_lazily) as spy:
         got = [c.append(doc + q, **gen) for q in qs]
     assert spy.call_count == 2                                     # q1 from token 0; q2 and q3 alike
     assert [r.timings["prefill_tokens"] for r in got] == [95, 5, 5]
@@ -57,3 +57,35 @@ def test_a_question_of_the_same_shape_reuses_the_graph_and_answers_as_a_fresh_on
         c.append(doc + qs[0], **gen)                               # q3's graph built afresh
         ref = c.append(doc + qs[2], **gen)
     assert (got[2].tokens, got[2].output_digest) == (ref.tokens, ref.output_digest)
+
+
+def test_no_decode_step_is_built_before_the_first_token(tiny_config):
+    """Fault caught: a question's decode steps' stages all built (or, for a repeated shape, the
+    kept ones all handed to the run) before its prefill runs: 0.3 s of host time before the first
+    token for a 128K prompt and 64 new tokens, the server's second question over its 5% TTFT
+    target. At the first token the run's graph holds at most the decode steps its compute lane
+    issues ahead of that token (engine/decoding.LAG), whatever the number of new tokens (the
+    repeated shape answering as a fresh graph does: the test above)."""
+    from unittest import mock
+
+    from kvpipe.executor.engine import live
+    from kvpipe.executor.engine.decoding import LAG
+    from kvpipe.pipeline.stage import Phase
+    graphs, at_first, execute = [], [], live.execute
+
+    def spied(graph, *args, **kw):
+        graphs.append(graph)
+        return execute(graph, *args, **kw)
+
+    def on_token() -> bool:   # asked after each token: the first call follows the first token
+        if len(at_first) < len(graphs):
+            at_first.append(sum(s.phase is Phase.DECODE and s.tag == "embed" for s in graphs[-1].stages))
+        return False
+
+    doc, n = [7] * 60, 12
+    opts = dict(random_weights=True, device="cpu", max_context=70 + n, chat=False, max_new_tokens=n, chunk=32)
+    with Conversation(tiny_config, **opts) as c, mock.patch.object(live, "execute", spied):
+        got = [c.append(doc + q, max_new_tokens=n, ignore_eos=True, reuse=True, cancel=on_token)
+               for q in ([1, 2, 3], [4, 5, 6], [8, 9, 10])]   # a cold prompt, a new shape, a repeated one
+    assert len(at_first) == 3 and max(at_first) <= LAG + 1 < n - 1, at_first
+    assert [r.timings["prefill_tokens"] for r in got] == [63, 3, 3]

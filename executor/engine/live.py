@@ -11,15 +11,16 @@ continuation equals bit for bit an uninterrupted run whose chunks break at the s
 (`chunk_starts`); where the saved length is a multiple of the chunk, that is the plain run."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
 
 import torch
 
-from kvpipe.pipeline.builder import build
+from kvpipe.pipeline.builder import build_lazily
 from kvpipe.pipeline.model import ModelSpec
 from kvpipe.pipeline.plan import Plan
 from kvpipe.pipeline.replay import Replay, blocker, resolve
-from kvpipe.pipeline.stage import Graph
+from kvpipe.pipeline.stage import Graph, Phase
 from kvpipe.pipeline.workload import Workload
 
 from kvpipe.executor.engine.runner import MODES, RunResult, execute
@@ -60,7 +61,7 @@ class LiveSession:
         self.capacity, self.kv_dir, self.replay, self.fuse = capacity, kv_dir, replay, fuse
         self.tokens: list[int] = []
         self.store: KVStore | None = None
-        self._last: tuple | None = None   # (shape key, stage graph) of the last run
+        self._last: tuple | None = None   # (shape key, whole stage graph, decode steps' first stages) of the last run
         self.layout = KVLayout.of(Graph(spec, Workload(capacity - 1, 1, 1), plan))
         why = unsupported(self.layout)
         if why:
@@ -109,30 +110,47 @@ class LiveSession:
         total, plan = len(ids), self.plan
         if plan.prefill.chunk > total:   # one chunk; the store was sized for the plan's chunk
             plan = replace(plan, prefill=replace(plan.prefill, chunk=total))
-        graph = self._graph(total, decode_tokens, plan, chunk_starts(self.length, total, plan.prefill.chunk, breaks))
+        key = (total, decode_tokens, plan, chunk_starts(self.length, total, plan.prefill.chunk, breaks))
+        graph, more = self._graph(key)
         prompt = torch.tensor([ids], dtype=torch.long)
         try:
             res = execute(graph, self.hf, prompt, self.device, keep_logits=keep_logits, stage_hook=stage_hook,
-                          replay=self.replay, fuse=self.fuse, decoding=decoding, store=self.store)
+                          replay=self.replay, fuse=self.fuse, decoding=decoding, store=self.store, more=more)
         except BaseException:    # Ctrl-C, an error: what is home stays the conversation so far
             if self.store.cuda:
                 torch.cuda.synchronize(self.device)   # no copy of the stopped run still in flight
             self._truncate_disk()
             raise
+        self._keep(key, graph)
         kept = decoding.finish() if decoding is not None else decode_tokens + 1
         made = res.tokens[0, :kept].cpu().tolist()
         self.tokens = ids + made[:kept - 1]
         self._truncate_disk()
         return res
 
-    def _graph(self, total: int, decode_tokens: int, plan: Plan, starts: tuple[int, ...]) -> Graph:
-        """The run's stage graph, the last one again where the shape repeats (a server's next
-        question of the same length): building one costs host time before the first token, mostly
-        for its decode steps' stages."""
-        key = (total, decode_tokens, plan, starts)
+    def _graph(self, key: tuple) -> tuple[Graph, Iterator[int]]:
+        """The run's stage graph holding its prefill, and the iterator that appends its decode
+        steps as the run reaches them (runner.execute's `more`): building them costs host time
+        (0.3 s for a 128K prompt and 64 new tokens), which then never precedes the first token. A
+        shape that repeats (a server's next question of the same length) reuses the last run's
+        stages, revealed step by step too (the run's setup is per stage)."""
+        total, decode_tokens, plan, starts = key
         if self._last is None or self._last[0] != key:
-            self._last = (key, build(self.spec, Workload(total, decode_tokens, 1), plan, starts=starts))
-        return self._last[1]
+            return build_lazily(self.spec, Workload(total, decode_tokens, 1), plan, starts=starts)
+        _, whole, bounds = self._last
+        graph = Graph(whole.model, whole.workload, whole.plan, whole.stages[:bounds[0]], whole.static)
+
+        def reveal() -> Iterator[int]:
+            for k, (a, b) in enumerate(zip(bounds, bounds[1:] + [len(whole.stages)])):
+                graph.stages += whole.stages[a:b]
+                yield k
+        return graph, reveal() if decode_tokens else iter(())
+
+    def _keep(self, key: tuple, graph: Graph) -> None:
+        """Remember the whole graph of a run that ended (built to its last decode step)."""
+        bounds = [s.id for s in graph.stages if s.phase is Phase.DECODE and s.tag == "embed"]
+        assert len(bounds) == key[1], (len(bounds), key[1])
+        self._last = (key, graph, bounds or [len(graph.stages)])
 
     def rewind(self, n: int) -> None:
         """Keep the first `n` tokens' K/V (a conversation whose later tokens changed); none where a
