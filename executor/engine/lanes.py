@@ -55,8 +55,9 @@ def cross_lane_waits(graph: Graph, first: int = 0) -> list[tuple[int, ...]]:
 class _Book:
     """A run's per-stage bookkeeping (enqueued futures, cross-lane waits, marks, host seconds, each
     lane's order), extended as the graph grows: `more` (pipeline/builder.build_lazily) appends one
-    decode step per `next()`, called when the compute lane has issued every stage it has, so a
-    step's stages are built just before they are issued, never before the first token."""
+    step (a prefill chunk, a decode step) per `next()`, called when the compute lane has issued
+    every stage it has, so a step's stages are built just before they are issued, and no token
+    waits for the stages of the steps after it."""
 
     def __init__(self, graph: Graph, more: Iterator | None, loop) -> None:
         self.graph, self.more, self.loop = graph, more, loop
@@ -80,7 +81,7 @@ class _Book:
         self.host_s += [0.0] * (len(stages) - first)
 
     def grow(self) -> None:
-        """The next decode step's stages (none left: the graph is complete)."""
+        """The next step's stages (none left: the graph is complete)."""
         lanes = {lane for lane, order in self.orders.items() if order}
         if next(self.more, None) is None:
             self.more = None
@@ -199,7 +200,7 @@ class Lanes:
         """Issue every stage of `graph` with `issue` (called with the lane's stream current);
         returns the spans, in seconds from the start of the run. `before(stage)`, if given, runs
         on the lane after the stage's dependency waits and outside its span (progress, tests).
-        `more`: the graph's decode steps still to build (_Book), built as the compute lane needs them."""
+        `more`: the graph's steps still to build (_Book), built as the compute lane needs them."""
         used = {s.lane for s in graph.stages}
         if not used <= set(STREAM_LANES + HOST_LANES):
             raise ValueError(f"lanes: {sorted(l.value for l in used - set(STREAM_LANES + HOST_LANES))} have no actor")

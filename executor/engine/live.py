@@ -61,7 +61,7 @@ class LiveSession:
         self.capacity, self.kv_dir, self.replay, self.fuse = capacity, kv_dir, replay, fuse
         self.tokens: list[int] = []
         self.store: KVStore | None = None
-        self._last: tuple | None = None   # (shape key, whole stage graph, decode steps' first stages) of the last run
+        self._last: tuple | None = None   # (shape key, whole stage graph, its steps' first stages) of the last run
         self.layout = KVLayout.of(Graph(spec, Workload(capacity - 1, 1, 1), plan))
         why = unsupported(self.layout)
         if why:
@@ -128,29 +128,32 @@ class LiveSession:
         self._truncate_disk()
         return res
 
-    def _graph(self, key: tuple) -> tuple[Graph, Iterator[int]]:
-        """The run's stage graph holding its prefill, and the iterator that appends its decode
-        steps as the run reaches them (runner.execute's `more`): building them costs host time
-        (0.3 s for a 128K prompt and 64 new tokens), which then never precedes the first token. A
-        shape that repeats (a server's next question of the same length) reuses the last run's
-        stages, revealed step by step too (the run's setup is per stage)."""
+    def _graph(self, key: tuple) -> tuple[Graph, Iterator]:
+        """The run's stage graph holding its first prefill chunk, and the iterator that appends its
+        other steps as the run reaches them (runner.execute's `more`): building a step costs host
+        time (0.3 s for the decode steps of a 128K prompt and 64 new tokens), which then never
+        precedes a token that does not need it. A shape that repeats (a server's next question of
+        the same length) reuses the last run's stages, revealed step by step too (the run's setup
+        is per stage)."""
         total, decode_tokens, plan, starts = key
         if self._last is None or self._last[0] != key:
             return build_lazily(self.spec, Workload(total, decode_tokens, 1), plan, starts=starts)
         _, whole, bounds = self._last
-        graph = Graph(whole.model, whole.workload, whole.plan, whole.stages[:bounds[0]], whole.static)
+        ends = bounds + [len(whole.stages)]
+        graph = Graph(whole.model, whole.workload, whole.plan, whole.stages[:ends[0]], whole.static)
 
         def reveal() -> Iterator[int]:
-            for k, (a, b) in enumerate(zip(bounds, bounds[1:] + [len(whole.stages)])):
+            for k, (a, b) in enumerate(zip(ends, ends[1:])):
                 graph.stages += whole.stages[a:b]
                 yield k
-        return graph, reveal() if decode_tokens else iter(())
+        return graph, reveal()
 
     def _keep(self, key: tuple, graph: Graph) -> None:
-        """Remember the whole graph of a run that ended (built to its last decode step)."""
-        bounds = [s.id for s in graph.stages if s.phase is Phase.DECODE and s.tag == "embed"]
-        assert len(bounds) == key[1], (len(bounds), key[1])
-        self._last = (key, graph, bounds or [len(graph.stages)])
+        """Remember the whole graph of a run that ended, with the first stage of each step past
+        its first (every step starts with its embed)."""
+        bounds = [s.id for s in graph.stages if s.tag == "embed"][1:]
+        assert len(bounds) == len(key[3]) - 1 + key[1], (len(bounds), key)
+        self._last = (key, graph, bounds)
 
     def rewind(self, n: int) -> None:
         """Keep the first `n` tokens' K/V (a conversation whose later tokens changed); none where a

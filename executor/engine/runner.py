@@ -67,14 +67,14 @@ class RunResult:
 
 def decode_steps(graph: Graph, lazy: bool = False) -> int:
     """Decode steps in the graph; ValueError unless it is a whole run (prefill, steps 0..n-1).
-    `lazy`: the graph holds its prefill only, its decode steps built as the run goes
+    `lazy`: the graph holds its first prefill chunk only, its other steps built as the run goes
     (pipeline/builder.build_lazily): the workload's."""
     phases = {s.phase for s in graph.stages}
     if Phase.PREFILL not in phases:
         raise ValueError("graph: has no prefill; the executor runs whole workloads "
                          "(build(..., prefill=True))")
     if lazy:
-        assert phases == {Phase.PREFILL}, "a lazily built graph starts with its prefill only"
+        assert phases == {Phase.PREFILL}, "a lazily built graph starts with its first prefill chunk"
         return graph.workload.decode_tokens
     steps = sorted({s.step for s in graph.stages if s.phase is Phase.DECODE})
     if steps != list(range(len(steps))):
@@ -113,9 +113,9 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
     when the run ends, however it ends. `decoding` (engine/decoding.py, None: greedy) picks each
     token and skips the decode steps past the end of a generation. `store`: an open KVStore whose
     tokens before the graph's first prefill chunk are home (engine/live.py), left open; None: one
-    is opened for the graph and closed when it ends. `more`: `graph` holds the prefill only and
-    this iterator appends its decode steps (pipeline/builder.build_lazily); eager decode builds
-    each step as the compute lane reaches it, replayed decode all of them before the run."""
+    is opened for the graph and closed when it ends. `more`: `graph` holds its first prefill chunk
+    and this iterator appends its other steps (pipeline/builder.build_lazily); an eager run builds
+    each step as its compute lane reaches it, a replayed one all of them before it starts."""
     adapter = HFAdapter(hf_model)
     device = adapter.device if device is None else torch.device(device)
     if device.type == "cuda" and device.index is None:
