@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvpipe
-from kvpipe.conversation import Conversation, planned_workload
+from kvpipe.conversation import Conversation, common_prefix, planned_workload
 from kvpipe.pipeline.workload import Workload
 
 pytest.importorskip("torch")
@@ -89,3 +91,15 @@ def test_no_decode_step_is_built_before_the_first_token(tiny_config):
                for q in ([1, 2, 3], [4, 5, 6], [8, 9, 10])]   # a cold prompt, a new shape, a repeated one
     assert len(at_first) == 3 and max(at_first) <= LAG + 1 < n - 1, at_first
     assert [r.timings["prefill_tokens"] for r in got] == [63, 3, 3]
+
+
+@settings(max_examples=200, deadline=None)
+@given(a=st.lists(st.integers(0, 3), max_size=40), b=st.lists(st.integers(0, 3), max_size=40),
+       block=st.integers(1, 9), as_tuple=st.booleans())
+def test_common_prefix_is_the_first_difference(a, b, block, as_tuple):
+    """Fault caught: a blockwise comparison that stops at the last whole block (the ids after it
+    not counted) or steps past a block that differs; tuples (a server's kept entries) against
+    lists too. Reference: the first index where the ids differ."""
+    ref = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    assert common_prefix(tuple(a) if as_tuple else a, b, block) == ref
+    assert common_prefix(a + a, a + b, block) == len(a) + ref

@@ -23,6 +23,7 @@ from kvpipe.pipeline.replay import Replay, blocker, resolve
 from kvpipe.pipeline.stage import Graph, Phase
 from kvpipe.pipeline.workload import Workload
 
+from kvpipe.executor.engine.decoding import token_row
 from kvpipe.executor.engine.runner import MODES, RunResult, execute
 from kvpipe.executor.kv.layout import DiskOptions, KVLayout
 from kvpipe.executor.kv.store import KVStore
@@ -97,7 +98,8 @@ class LiveSession:
         """Prefill `ids` past the tokens already home (they must start with them), then run
         `decode_tokens` decode steps (`decoding` picks the tokens, engine/decoding.py; None: greedy).
         Afterwards the K/V of `ids` and of every kept generated token but the last is home."""
-        ids = [int(i) for i in ids]
+        prompt = token_row(ids)             # [1, total]
+        ids = prompt[0].numpy().tolist()    # plain ints, compared with the tokens home
         if ids[:self.length] != self.tokens:
             raise ValueError("tokens: the conversation's tokens are not a prefix of the new ones")
         if len(ids) + decode_tokens > self.capacity:
@@ -112,7 +114,6 @@ class LiveSession:
             plan = replace(plan, prefill=replace(plan.prefill, chunk=total))
         key = (total, decode_tokens, plan, chunk_starts(self.length, total, plan.prefill.chunk, breaks))
         graph, more = self._graph(key)
-        prompt = torch.tensor([ids], dtype=torch.long)
         try:
             res = execute(graph, self.hf, prompt, self.device, keep_logits=keep_logits, stage_hook=stage_hook,
                           replay=self.replay, fuse=self.fuse, decoding=decoding, store=self.store, more=more)
