@@ -42,9 +42,10 @@ def test_conversation_decides_the_plan_generate_decides_for_its_prompt(tiny_conf
 
 
 def test_a_question_of_the_same_shape_reuses_the_graph_and_answers_as_a_fresh_one(tiny_config):
-    """Fault caught: every question building its stage graph again (host time before its first
-    token: 0.3 s at 128K), or a kept graph reused for another shape (a question prefilling the
-    document again, or attending with the previous question's chunk starts)."""
+    """Fault caught: every question building its stage graph again (0.3 s of host time at 128K,
+    spent as its run goes), or a kept graph reused for another shape (a question prefilling the
+    document again, or attending with the previous question's chunk starts); the kept stages,
+    revealed step by step, answer as a fresh graph does."""
     from unittest import mock
 
     from kvpipe.executor.engine import live
@@ -61,13 +62,15 @@ def test_a_question_of_the_same_shape_reuses_the_graph_and_answers_as_a_fresh_on
     assert (got[2].tokens, got[2].output_digest) == (ref.tokens, ref.output_digest)
 
 
-def test_no_decode_step_is_built_before_the_first_token(tiny_config):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_no_decode_step_is_built_before_the_first_token(tiny_config, device):
     """Fault caught: a question's decode steps' stages all built (or, for a repeated shape, the
     kept ones all handed to the run) before its prefill runs: 0.3 s of host time before the first
     token for a 128K prompt and 64 new tokens, the server's second question over its 5% TTFT
     target. At the first token the run's graph holds at most the decode steps its compute lane
     issues ahead of that token (engine/decoding.LAG), whatever the number of new tokens (the
-    repeated shape answering as a fresh graph does: the test above)."""
+    repeated shape answering as a fresh graph does: the test above). On CUDA (fp32: eager decode)
+    the host issues ahead of the GPU, as on the server's GPU."""
     from unittest import mock
 
     from kvpipe.executor.engine import live
@@ -85,7 +88,7 @@ def test_no_decode_step_is_built_before_the_first_token(tiny_config):
         return False
 
     doc, n = [7] * 60, 12
-    opts = dict(random_weights=True, device="cpu", max_context=70 + n, chat=False, max_new_tokens=n, chunk=32)
+    opts = dict(random_weights=True, device=device, max_context=70 + n, chat=False, max_new_tokens=n, chunk=32)
     with Conversation(tiny_config, **opts) as c, mock.patch.object(live, "execute", spied):
         got = [c.append(doc + q, max_new_tokens=n, ignore_eos=True, reuse=True, cancel=on_token)
                for q in ([1, 2, 3], [4, 5, 6], [8, 9, 10])]   # a cold prompt, a new shape, a repeated one
