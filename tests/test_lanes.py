@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kvpipe.executor.layers.adapter import HFAdapter
 from kvpipe.executor.engine.lanes import STREAM_LANES, Lanes, cross_lane_waits
 from kvpipe.executor.engine.runner import execute
-from kvpipe.pipeline.builder import build
+from kvpipe.pipeline.builder import build, build_lazily
 from kvpipe.pipeline.model import ModelSpec
 from kvpipe.pipeline.plan import Method, PhasePlan, Plan
 from kvpipe.pipeline.stage import Graph, Kind, Lane, Phase, Stage
@@ -206,6 +206,33 @@ def test_shuffled_turns_keep_lane_order_and_dependencies(seed):
     for s in g.stages:
         assert all(pos[d] < pos[s.id] for d in s.deps), s.name
 
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_a_graph_built_as_it_runs_issues_every_stage_in_order_and_late(seed):
+    """Fault caught: lanes that build a growing graph whole before issuing it (its steps' build
+    again in front of the first token), or that lose or reorder the stages a growth adds (a lane
+    whose actor stopped at the end of the first part, or issued a stage before its dependency).
+    When a stage is issued the graph holds at most the steps up to the next one."""
+    whole = build(SPEC, Workload(20, 4), headwise(2, 5, 3, 1, decode_group=1, disk=2))
+    graph, more = build_lazily(SPEC, Workload(20, 4), headwise(2, 5, 3, 1, decode_group=1, disk=2))
+    step_of = lambda s: s.step if s.phase is Phase.PREFILL else 4 + s.step   # noqa: E731  (4 chunks first)
+    issued, ahead = [], []
+
+    def issue(s: Stage) -> None:
+        issued.append(s.id)
+        ahead.append(max(step_of(t) for t in graph.stages[-1:]) - step_of(s))
+    with Lanes(torch.device("cpu"), turns=random.Random(seed)) as lanes:
+        spans = lanes.run(graph, issue, more=more)
+    assert graph == whole and len(spans) == len(whole.stages)
+    pos = {sid: i for i, sid in enumerate(issued)}
+    assert sorted(issued) == list(range(len(whole.stages)))
+    for order in whole.lane_order().values():
+        assert [pos[s.id] for s in order] == sorted(pos[s.id] for s in order)
+    for s in whole.stages:
+        assert all(pos[d] < pos[s.id] for d in s.deps), s.name
+    assert max(ahead) <= 1, max(ahead)
 
 def test_shuffled_turns_give_many_interleavings():
     """Fault caught: a `turns` mode that does not change the order (the bitwise property would

@@ -16,6 +16,7 @@ import hashlib
 import threading
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from kvpipe.pipeline.sampling import Sampling
@@ -24,6 +25,12 @@ from kvpipe.pipeline.stage import Phase, Stage
 LAG = 2                       # decode steps the host may issue before it must know a token
 _M32 = 0xFFFFFFFF
 _MIX = 0x45D9F3B              # < 2^31: products of 32-bit values stay inside int64 (no overflow)
+
+
+def token_row(ids) -> torch.Tensor:
+    """[1, n] int64 on the CPU of n token ids (ints): through numpy, 2 ms for a 128K-token prompt
+    where torch.tensor of the list takes 40 (host time before every request's first token)."""
+    return torch.from_numpy(np.fromiter(ids, dtype=np.int64, count=len(ids))).view(1, -1)
 
 
 def _keys(seed: int) -> tuple[int, int]:
@@ -117,7 +124,7 @@ class Decoding:
     def __init__(self, sampling: Sampling, prompt_ids: list[int], vocab: int, n_tokens: int,
                  device: torch.device, take: Callable[[int, int], bool], lag: int = LAG) -> None:
         self.device, self.cuda = torch.device(device), torch.device(device).type == "cuda"
-        prompt = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
+        prompt = token_row(prompt_ids).to(self.device)
         self.sampler = Sampler(sampling, prompt, vocab, n_tokens)
         self.take, self.lag = take, lag
         self.host = torch.empty(n_tokens, dtype=torch.long, pin_memory=self.cuda)

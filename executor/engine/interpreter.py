@@ -62,6 +62,8 @@ class Interpreter:
         op = self._ops.get(s.tag)
         if op is None:
             raise ValueError(f"stage {s.name}: the executor has no op for tag {s.tag!r}")
+        if s.id >= len(self.moved):   # a graph built as it runs (pipeline/builder.build_lazily)
+            self.moved += [0] * (s.id + 1 - len(self.moved))
         op(s)
 
     # ---- compute lane ------------------------------------------------------------------

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -36,11 +36,11 @@ TURN_YIELDS = (0, 0, 1, 1, 2, 3, 8, 40)   # turns an actor lets pass after a sta
 LANE_PRIORITY = {Lane.GPU: -1, Lane.H2D: -2, Lane.D2H: 0}
 
 
-def cross_lane_waits(graph: Graph) -> list[tuple[int, ...]]:
-    """Per stage, the dependencies it must wait for on other lanes: the latest one per lane
-    suffices, since a lane runs in issue order (same-lane deps are implied by the order)."""
+def cross_lane_waits(graph: Graph, first: int = 0) -> list[tuple[int, ...]]:
+    """Per stage (from stage `first` on), the dependencies it must wait for on other lanes: the
+    latest one per lane suffices, since a lane runs in issue order (same-lane deps are implied)."""
     stages, waits = graph.stages, []
-    for s in stages:
+    for s in stages[first:]:
         latest: dict[Lane, int] = {}
         for d in s.deps:
             if not 0 <= d < s.id:
@@ -50,6 +50,62 @@ def cross_lane_waits(graph: Graph) -> list[tuple[int, ...]]:
                 latest[lane] = d
         waits.append(tuple(sorted(latest.values())))
     return waits
+
+
+class _Book:
+    """A run's per-stage bookkeeping (enqueued futures, cross-lane waits, marks, host seconds, each
+    lane's order), extended as the graph grows: `more` (pipeline/builder.build_lazily) appends one
+    step (a prefill chunk, a decode step) per `next()`, called when the compute lane has issued
+    every stage it has, so a step's stages are built just before they are issued, and no token
+    waits for the stages of the steps after it."""
+
+    def __init__(self, graph: Graph, more: Iterator | None, loop) -> None:
+        self.graph, self.more, self.loop = graph, more, loop
+        self.enqueued, self.waits, self.marks, self.host_s = [], [], [], []
+        self.orders: dict[Lane, list[Stage]] = {lane: [] for lane in Lane}
+        self.grown = loop.create_future()   # resolved at each growth (and at the end)
+        self.spawn: Callable[[Lane], None] = lambda lane: None   # an actor for a lane new to the run
+        self._extend()
+
+    @property
+    def complete(self) -> bool:
+        return self.more is None
+
+    def _extend(self) -> None:
+        stages, first = self.graph.stages, len(self.enqueued)
+        self.waits += cross_lane_waits(self.graph, first)
+        for s in stages[first:]:
+            self.enqueued.append(self.loop.create_future())
+            self.orders[s.lane].append(s)
+        self.marks += [()] * (len(stages) - first)
+        self.host_s += [0.0] * (len(stages) - first)
+
+    def grow(self) -> None:
+        """The next step's stages (none left: the graph is complete)."""
+        lanes = {lane for lane, order in self.orders.items() if order}
+        if next(self.more, None) is None:
+            self.more = None
+        self._extend()
+        for lane, order in self.orders.items():
+            if order and lane not in lanes:
+                self.spawn(lane)
+        self.grown.set_result(None)
+        self.grown = self.loop.create_future()
+
+    async def feed(self, lane: Lane) -> AsyncIterator[Stage]:
+        """The lane's stages in issue order; the compute lane grows the graph when it runs out,
+        the other lanes wait for it to."""
+        i, order = 0, self.orders[lane]
+        while True:
+            if i < len(order):
+                yield order[i]
+                i += 1
+            elif self.complete:
+                return
+            elif lane is Lane.GPU:
+                self.grow()
+            else:
+                await asyncio.shield(self.grown)
 
 
 class CudaStreams:
@@ -140,14 +196,15 @@ class Lanes:
             self.ops.protect(tensor, self.streams[lane])
 
     def run(self, graph: Graph, issue: Callable[[Stage], None],
-            before: Callable[[Stage], None] | None = None) -> list[Span]:
+            before: Callable[[Stage], None] | None = None, more: Iterator | None = None) -> list[Span]:
         """Issue every stage of `graph` with `issue` (called with the lane's stream current);
         returns the spans, in seconds from the start of the run. `before(stage)`, if given, runs
-        on the lane after the stage's dependency waits and outside its span (progress, tests)."""
+        on the lane after the stage's dependency waits and outside its span (progress, tests).
+        `more`: the graph's steps still to build (_Book), built as the compute lane needs them."""
         used = {s.lane for s in graph.stages}
         if not used <= set(STREAM_LANES + HOST_LANES):
             raise ValueError(f"lanes: {sorted(l.value for l in used - set(STREAM_LANES + HOST_LANES))} have no actor")
-        return asyncio.run(self._run(graph, issue, before))
+        return asyncio.run(self._run(graph, issue, before, more))
 
     async def _pass_turns(self) -> None:
         """Let other actors go: one turn in fixed order, a random number when shuffled."""
@@ -156,56 +213,58 @@ class Lanes:
             await asyncio.sleep(0)
 
     async def _run(self, graph: Graph, issue: Callable[[Stage], None],
-                   before: Callable[[Stage], None] | None) -> list[Span]:
+                   before: Callable[[Stage], None] | None, more: Iterator | None) -> list[Span]:
         loop = asyncio.get_running_loop()
-        ops, n = self.ops, len(graph.stages)
-        enqueued = [loop.create_future() for _ in range(n)]
-        waits = cross_lane_waits(graph)
-        marks: list[tuple] = [()] * n     # (start, end): stream events, or perf_counter seconds
-        host_s = [0.0] * n
+        ops, book = self.ops, _Book(graph, more, loop)
         if ops is not None:  # the run starts after whatever the caller enqueued (inputs, buffers)
             ops.follow_current(self.streams[Lane.GPU])
         base = self._mark(None)
-        host_base = self._host_base(base) if any(s.lane in HOST_LANES for s in graph.stages) else None
+        host = any(s.lane in HOST_LANES for s in graph.stages) or (more is not None and graph.plan.disk > 0)
+        host_base = self._host_base(base) if host else None
+        tasks = []
+        book.spawn = lambda lane: tasks.append(loop.create_task(actor(lane)))
 
-        async def actor(lane: Lane, order: list[Stage]) -> None:
+        async def actor(lane: Lane) -> None:
             if lane in HOST_LANES:
-                return await self._host_actor(graph, order, issue, before, waits, marks, host_s, enqueued)
+                return await self._host_actor(book, lane, issue, before)
             stream = self.streams.get(lane)
             if stream is not None:
                 ops.wait(stream, base)   # nothing of this run starts before the base mark
             ctx = ops.use(stream) if stream is not None else contextlib.nullcontext()
             if self.turns is not None:
                 await self._pass_turns()
-            for s in order:
+            async for s in book.feed(lane):
                 for d in s.deps:
-                    if not enqueued[d].done():   # shielded: a cancelled waiter (Ctrl-C) must not
-                        await asyncio.shield(enqueued[d])   # cancel the future other lanes share
+                    if not book.enqueued[d].done():   # shielded: a cancelled waiter (Ctrl-C) must not
+                        await asyncio.shield(book.enqueued[d])   # cancel the future other lanes share
                 with ctx:
                     if stream is not None:
-                        for d in waits[s.id]:
+                        for d in book.waits[s.id]:
                             if graph.stages[d].lane not in HOST_LANES:   # host lanes: already done
-                                ops.wait(stream, marks[d][1])   # the dependency's END event
+                                ops.wait(stream, book.marks[d][1])   # the dependency's END event
                     if before is not None:
                         before(s)
                     t0 = time.perf_counter()
                     start = self._mark(stream)
                     issue(s)
-                    marks[s.id] = (start, self._mark(stream))
-                    host_s[s.id] = time.perf_counter() - t0
-                enqueued[s.id].set_result(None)
+                    book.marks[s.id] = (start, self._mark(stream))
+                    book.host_s[s.id] = time.perf_counter() - t0
+                book.enqueued[s.id].set_result(None)
                 await self._pass_turns()   # one stage per turn: every lane issues as early as it may
 
-        actors = [(lane, order) for lane, order in graph.lane_order().items() if order]
+        lanes = [lane for lane, order in book.orders.items() if order]
         if self.turns is not None:
-            self.turns.shuffle(actors)
-        await asyncio.gather(*(actor(lane, order) for lane, order in actors))
+            self.turns.shuffle(lanes)
+        for lane in lanes:
+            book.spawn(lane)
+        while not all(t.done() for t in tasks):   # a lane new to a grown graph adds its actor
+            await asyncio.gather(*tasks)
         if ops is not None:
             ops.synchronize()
             sec = lambda ev: ev - host_base if isinstance(ev, float) else ops.seconds(base, ev)
         else:
             sec = lambda t: t - base
-        return [Span(i, sec(a), sec(b), host_s[i]) for i, (a, b) in enumerate(marks)]
+        return [Span(i, sec(a), sec(b), book.host_s[i]) for i, (a, b) in enumerate(book.marks)]
 
     def _host_base(self, base) -> float:
         """The host clock at the base mark (on a GPU: once it reaches the mark)."""
@@ -214,11 +273,11 @@ class Lanes:
         self.ops.finish(base)
         return time.perf_counter()
 
-    async def _host_actor(self, graph, order, issue, before, waits, marks, host_s, enqueued) -> None:
+    async def _host_actor(self, book: _Book, lane: Lane, issue, before) -> None:
         """A host lane: each stage waits (on its worker thread) until the stream work it depends
         on has finished, then runs there; its marks are host-clock seconds, and it counts as
         enqueued once done, so stream lanes after it need no event."""
-        loop = asyncio.get_running_loop()
+        loop, stages = asyncio.get_running_loop(), book.graph.stages
 
         def work(s: Stage, events) -> tuple[float, float]:
             for ev in events:
@@ -230,16 +289,16 @@ class Lanes:
             return t0, time.perf_counter()
 
         with ThreadPoolExecutor(1, thread_name_prefix="kvpipe-lane") as pool:
-            for s in order:
+            async for s in book.feed(lane):
                 for d in s.deps:
-                    if not enqueued[d].done():
-                        await asyncio.shield(enqueued[d])
-                events = [marks[d][1] for d in waits[s.id]
-                          if self.ops is not None and graph.stages[d].lane not in HOST_LANES]
+                    if not book.enqueued[d].done():
+                        await asyncio.shield(book.enqueued[d])
+                events = [book.marks[d][1] for d in book.waits[s.id]
+                          if self.ops is not None and stages[d].lane not in HOST_LANES]
                 t0, t1 = await asyncio.shield(loop.run_in_executor(pool, work, s, events))
-                marks[s.id] = (t0, t1)
-                host_s[s.id] = t1 - t0
-                enqueued[s.id].set_result(None)
+                book.marks[s.id] = (t0, t1)
+                book.host_s[s.id] = t1 - t0
+                book.enqueued[s.id].set_result(None)
                 await self._pass_turns()
 
     def _mark(self, stream):

@@ -16,17 +16,19 @@ the question's prefill streams layer L while later layers still load; a failed l
 error at the first stage that needs it, and empties the conversation."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
 
 import torch
 
-from kvpipe.pipeline.builder import build
+from kvpipe.pipeline.builder import build_lazily
 from kvpipe.pipeline.model import ModelSpec
 from kvpipe.pipeline.plan import Plan
 from kvpipe.pipeline.replay import Replay, blocker, resolve
 from kvpipe.pipeline.stage import Graph, Phase, Stage
 from kvpipe.pipeline.workload import Workload
 
+from kvpipe.executor.engine.decoding import token_row
 from kvpipe.executor.engine.lanes import HOST_LANES
 from kvpipe.executor.engine.runner import MODES, RunResult, execute
 from kvpipe.executor.kv.loader import Loading, LoadStats
@@ -70,7 +72,7 @@ class LiveSession:
         self.pending: Loading | None = None   # a load the next prefill runs behind (`load`)
         self.loaded: LoadStats | None = None  # the last load's figures
         self._waited: set = set()             # (stream, layer) pairs that waited for a pending load's copies
-        self._last: tuple | None = None   # (shape key, stage graph) of the last run
+        self._last: tuple | None = None   # (shape key, whole stage graph, its steps' first stages) of the last run
         self.layout = KVLayout.of(Graph(spec, Workload(capacity - 1, 1, 1), plan))
         why = unsupported(self.layout)
         if why:
@@ -107,7 +109,8 @@ class LiveSession:
         """Prefill `ids` past the tokens already home (they must start with them), then run
         `decode_tokens` decode steps (`decoding` picks the tokens, engine/decoding.py; None: greedy).
         Afterwards the K/V of `ids` and of every kept generated token but the last is home."""
-        ids = [int(i) for i in ids]
+        prompt = token_row(ids)             # [1, total]
+        ids = prompt[0].numpy().tolist()    # plain ints, compared with the tokens home
         if ids[:self.length] != self.tokens or len(ids) + decode_tokens > self.capacity:
             self.settle()   # the load must end (or fail) before any refusal leaves the conversation as it is
         if ids[:self.length] != self.tokens:
@@ -122,12 +125,12 @@ class LiveSession:
         total, plan = len(ids), self.plan
         if plan.prefill.chunk > total:   # one chunk; the store was sized for the plan's chunk
             plan = replace(plan, prefill=replace(plan.prefill, chunk=total))
-        graph = self._graph(total, decode_tokens, plan, chunk_starts(self.length, total, plan.prefill.chunk, breaks))
-        prompt = torch.tensor([ids], dtype=torch.long)
+        key = (total, decode_tokens, plan, chunk_starts(self.length, total, plan.prefill.chunk, breaks))
+        graph, more = self._graph(key)
         try:
             res = execute(graph, self.hf, prompt, self.device, keep_logits=keep_logits,
                           stage_hook=self._hook(stage_hook), replay=self.replay, fuse=self.fuse,
-                          decoding=decoding, store=self.store)
+                          decoding=decoding, store=self.store, more=more)
         except BaseException:    # Ctrl-C, an error: what is home stays the conversation so far
             if self.store.cuda:
                 torch.cuda.synchronize(self.device)   # no copy of the stopped run still in flight
@@ -135,20 +138,39 @@ class LiveSession:
             self._truncate_disk()
             raise
         self.settle()
+        self._keep(key, graph)
         kept = decoding.finish() if decoding is not None else decode_tokens + 1
         made = res.tokens[0, :kept].cpu().tolist()
         self.tokens = ids + made[:kept - 1]
         self._truncate_disk()
         return res
 
-    def _graph(self, total: int, decode_tokens: int, plan: Plan, starts: tuple[int, ...]) -> Graph:
-        """The run's stage graph, the last one again where the shape repeats (a server's next
-        question of the same length): building one costs host time before the first token, mostly
-        for its decode steps' stages."""
-        key = (total, decode_tokens, plan, starts)
+    def _graph(self, key: tuple) -> tuple[Graph, Iterator]:
+        """The run's stage graph holding its first prefill chunk, and the iterator that appends its
+        other steps as the run reaches them (runner.execute's `more`): building a step costs host
+        time (0.3 s for the decode steps of a 128K prompt and 64 new tokens), which then never
+        precedes a token that does not need it. A shape that repeats (a server's next question of
+        the same length) reuses the last run's stages, revealed step by step too (the run's setup
+        is per stage)."""
+        total, decode_tokens, plan, starts = key
         if self._last is None or self._last[0] != key:
-            self._last = (key, build(self.spec, Workload(total, decode_tokens, 1), plan, starts=starts))
-        return self._last[1]
+            return build_lazily(self.spec, Workload(total, decode_tokens, 1), plan, starts=starts)
+        _, whole, bounds = self._last
+        ends = bounds + [len(whole.stages)]
+        graph = Graph(whole.model, whole.workload, whole.plan, whole.stages[:ends[0]], whole.static)
+
+        def reveal() -> Iterator[int]:
+            for k, (a, b) in enumerate(zip(ends, ends[1:])):
+                graph.stages += whole.stages[a:b]
+                yield k
+        return graph, reveal()
+
+    def _keep(self, key: tuple, graph: Graph) -> None:
+        """Remember the whole graph of a run that ended, with the first stage of each step past
+        its first (every step starts with its embed)."""
+        bounds = [s.id for s in graph.stages if s.tag == "embed"][1:]
+        assert len(bounds) == len(key[3]) - 1 + key[1], (len(bounds), key)
+        self._last = (key, graph, bounds)
 
     def rewind(self, n: int) -> None:
         """Keep the first `n` tokens' K/V (a conversation whose later tokens changed); none where a

@@ -4,7 +4,7 @@ returns the measured trace with the logits and greedy tokens."""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -65,24 +65,30 @@ class RunResult:
         return self.replay.issued
 
 
-def decode_steps(graph: Graph) -> int:
-    """Decode steps in the graph; ValueError unless it is a whole run (prefill, steps 0..n-1)."""
+def decode_steps(graph: Graph, lazy: bool = False) -> int:
+    """Decode steps in the graph; ValueError unless it is a whole run (prefill, steps 0..n-1).
+    `lazy`: the graph holds its first prefill chunk only, its other steps built as the run goes
+    (pipeline/builder.build_lazily): the workload's."""
     phases = {s.phase for s in graph.stages}
     if Phase.PREFILL not in phases:
         raise ValueError("graph: has no prefill; the executor runs whole workloads "
                          "(build(..., prefill=True))")
+    if lazy:
+        assert phases == {Phase.PREFILL}, "a lazily built graph starts with its first prefill chunk"
+        return graph.workload.decode_tokens
     steps = sorted({s.step for s in graph.stages if s.phase is Phase.DECODE})
     if steps != list(range(len(steps))):
         raise ValueError(f"graph: decode steps must be 0..n-1, got {steps[:3]}..")
     return len(steps)
 
 
-def decode_mode(graph: Graph, setting: Replay | str, device: torch.device, dtype: torch.dtype) -> Replay:
+def decode_mode(graph: Graph, setting: Replay | str, device: torch.device, dtype: torch.dtype,
+                lazy: bool = False) -> Replay:
     """How this run issues decode steps under `setting` (one of MODES): the rule the planner
     predicts with (pipeline/replay.py) on this device and the weights' dtype, ON and ISSUE refused
     (ValueError naming replay) where it forbids them."""
     mode = resolve(Replay.parse(setting, MODES), blocker(graph.model, graph.workload, graph.plan, device.type,
-                                                         spec_dtype(dtype)), decode_steps(graph))
+                                                         spec_dtype(dtype)), decode_steps(graph, lazy))
     assert mode is Replay.OFF or not any(s.lane in HOST_LANES for s in graph.stages), \
         "host-lane stages under replay: pipeline/replay.blocker misses a reason"
     return mode
@@ -92,7 +98,7 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
             device: str | torch.device | None = None, *, keep_logits: bool = False,
             stage_hook: Callable[[Stage], None] | None = None, turns: random.Random | None = None,
             replay: Replay | str = Replay.OFF, disk: DiskOptions | None = None, fuse: str | None = None,
-            decoding=None, store: KVStore | None = None) -> RunResult:
+            decoding=None, store: KVStore | None = None, more: Iterator[int] | None = None) -> RunResult:
     """Run `graph` with `hf_model` (already on `device`, default: the model's) on `prompt_ids`
     [B, context]. Greedy decoding; bitwise independent of where the KV cache lives.
     `stage_hook(stage)` is called on the stage's lane (its stream current) after the stage's
@@ -107,7 +113,9 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
     when the run ends, however it ends. `decoding` (engine/decoding.py, None: greedy) picks each
     token and skips the decode steps past the end of a generation. `store`: an open KVStore whose
     tokens before the graph's first prefill chunk are home (engine/live.py), left open; None: one
-    is opened for the graph and closed when it ends."""
+    is opened for the graph and closed when it ends. `more`: `graph` holds its first prefill chunk
+    and this iterator appends its other steps (pipeline/builder.build_lazily); an eager run builds
+    each step as its compute lane reaches it, a replayed one all of them before it starts."""
     adapter = HFAdapter(hf_model)
     device = adapter.device if device is None else torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -115,12 +123,14 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
     if adapter.device != device:
         raise ValueError(f"device: the model is on {adapter.device}, the run asks for {device}")
     w = graph.workload
-    n_decode = decode_steps(graph)
+    n_decode = decode_steps(graph, lazy=more is not None)
     adapter.check(graph.model, w.kv_capacity)
     if tuple(prompt_ids.shape) != (w.batch, w.context):
         raise ValueError(f"prompt_ids: shape {tuple(prompt_ids.shape)}, the workload needs "
                          f"[batch, context] = [{w.batch}, {w.context}]")
-    mode = decode_mode(graph, replay, device, adapter.dtype)
+    mode = decode_mode(graph, replay, device, adapter.dtype, lazy=more is not None)
+    if mode is not Replay.OFF and more is not None:   # a replayed run takes its steps whole
+        more = _finish(more)
     auto = Replay.parse(replay, MODES) is Replay.AUTO
     cuda = device.type == "cuda"
     with torch.inference_mode():
@@ -143,7 +153,8 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
                 mode, extra = Replay.OFF, dict(replay_note=why)
             if mode is Replay.OFF:
                 interp = Interpreter(graph, adapter, store, lanes, prompt, tokens, step_logits, decoding)
-                spans = lanes.run(graph, interp if decoding is None else decoding.gate(interp), before=stage_hook)
+                spans = lanes.run(graph, interp if decoding is None else decoding.gate(interp), before=stage_hook,
+                                  more=more)
             else:
                 interp = ReplayInterpreter(graph, adapter, store, lanes, prompt, tokens, step_logits, decoding,
                                            fuse=fuse)
@@ -160,9 +171,16 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
         note += (f"; decode steps issued as {'CUDA-graph replays' if mode is Replay.ON else 'device steps'}: "
                  "one span per step on its head stage, the step's other compute/h2d stages empty at its end")
     trace = Trace(graph, "real", spans, note=note)
-    return RunResult(trace, interp.last_logits, tokens, peak, host, tuple(interp.moved), step_logits,
+    moved = tuple(interp.moved) + (0,) * (len(graph.stages) - len(interp.moved))   # stages never issued
+    return RunResult(trace, interp.last_logits, tokens, peak, host, moved, step_logits,
                      disk_bytes=disk_bytes, disk=disk_stats, lossy_error=interp.lossy_error, h2d_codec=codec_stats,
                      sparse_paths=sparse_paths, dequant_paths=dequant_paths, **extra)
+
+
+def _finish(more: Iterator[int]) -> None:
+    """Build every step `more` has left (returns None: no more to build)."""
+    for _ in more:
+        pass
 
 
 def _prefill_then_replay(graph: Graph, interp: ReplayInterpreter, lanes: Lanes, tokens: torch.Tensor,

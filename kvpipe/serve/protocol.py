@@ -172,7 +172,7 @@ def _prompt(body: dict) -> str | tuple[int, ...]:
     p = body.get("prompt")
     if p is None:
         raise ApiError(400, "prompt: required", param="prompt", code="missing_field")
-    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+    if isinstance(p, list) and p and all(type(t) is int for t in p):   # JSON ints (not bools): no subclass
         return tuple(p)
     if isinstance(p, list):
         raise ApiError(400, "prompt: one prompt per request (a string or a list of token ids)", param="prompt",

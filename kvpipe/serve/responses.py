@@ -22,7 +22,7 @@ def prompt_ids(tok, q: Query) -> list[int]:
         ids = tok.apply_chat_template(list(q.messages), add_generation_prompt=True, tokenize=True, return_dict=False)
         return [int(i) for i in ids]
     if isinstance(q.prompt, tuple):
-        bad = [i for i in q.prompt if not 0 <= i < vocab]
+        bad = [] if 0 <= min(q.prompt) and max(q.prompt) < vocab else [i for i in q.prompt if not 0 <= i < vocab]
         if bad:
             raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary (0 to {vocab - 1})",
                            param="prompt", code="invalid_value")
