@@ -47,15 +47,22 @@ def fingerprint(hf_model, method: str | None = None) -> dict:
            if k not in ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures")}
     params = sorted(hf_model.state_dict().items())
     method = method or ("crc32c" if params[0][1].device.type == "cpu" else "sums")
-    h = hashlib.sha256()
     with torch.inference_mode():
-        for name, t in params:
-            h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{_tensor_hash(t, method)};".encode())
+        # every tensor's sums stay on the device until one read at the end (a sync per tensor cost
+        # more than the sums)
+        digests = [_tensor_hash(t, method) for _, t in params]
+        if method == "sums":
+            flat = torch.stack(digests).tolist() if digests else []
+            digests = [f"{a}:{b}" for a, b in flat]
+    h = hashlib.sha256()
+    for (name, t), d in zip(params, digests):
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{d};".encode())
     return {"config_sha256": hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest(),
             "weights_sha256": h.hexdigest(), "weights_hash": method}
 
 
-def _tensor_hash(t, method: str) -> str:
+def _tensor_hash(t, method: str):
+    """crc32c of the tensor's bytes (a str), or its two weighted sums of bits (int64 [2] on its device)."""
     import torch
     flat = t.detach().reshape(-1).view(torch.uint8) if method == "crc32c" else \
         t.detach().reshape(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
@@ -68,7 +75,7 @@ def _tensor_hash(t, method: str) -> str:
         part = flat[i:i + coef.numel()].to(torch.int64)
         sums[0] += (part * coef[:part.numel()]).sum()
         sums[1] += part.sum()
-    return f"{int(sums[0])}:{int(sums[1])}"
+    return sums
 
 
 @dataclasses.dataclass
