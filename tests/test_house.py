@@ -87,7 +87,7 @@ def test_no_history_in_library_docs_readme():
     assert not bad, "history in the library or its docs:\n" + "\n".join(bad)
 
 
-RESULT_FILE = re.compile(r"\b[a-z0-9]+-20\d\d-\d\d-\d\d-[\w.-]*?\.(?:json|png)\b")
+RESULT_FILE = re.compile(r"\b[a-z0-9]+-20\d\d-\d\d-\d\d-[\w.-]*?\.(?:json|png)(?:\.gz)?\b")
 
 
 def test_cited_result_files_exist():
