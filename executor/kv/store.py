@@ -6,9 +6,11 @@ Layout, per layer, K and V interleaved per token so that one head's prefix is ON
 copy per sequence (the builder's `ops = batch * heads`); S: S_cap, or a window layer's ring (ring.py):
   gpu[layer]   [B, n_res, S, 2, D]   resident heads 0 .. n_res-1 (lowest indices first)
   host[layer]  [B, n_host, S, 2, D]  host heads n_res .. n_res+n_host-1, pinned on CUDA
-  disk rows    one row per (layer, sequence, disk head), heads n_res+n_host .. H-1 (the top ones)
+  disk rows    one row per (layer, sequence, disk head), heads n_res+n_host .. H-1 (the top ones);
+               a window layer's a ring row (disk/tier.py) where layout.disk_rings says so
   wstage[layer] [B, n_disk, W, 2, D] new K/V of disk heads on their way to disk (W: chunk)
-  rstage[i]    [B, G_max, row]       disk heads' prefixes read for slot i (page-aligned rows)
+  rstage[i]    [B, G_max, row]       disk heads' prefixes read for slot i (page-aligned rows; a ring
+                                     row's window from the start of its first block)
   slots[i]     [B, G_max, S_slot, 2, D]  group head j at slot row j
 Every buffer is allocated once (uninitialised: only written tokens are ever read), in `open()`,
 for the whole workload; `close()` frees it all. Copies are issued on the caller's current
@@ -17,9 +19,11 @@ from __future__ import annotations
 
 import torch
 
+from kvpipe.pipeline.disk_rows import block_bytes, ring_block_bytes
+
 from kvpipe.executor.disk.tier import ALIGN, DiskFile, aligned_buffer, default_kv_dir
 from kvpipe.executor.disk.frames import FramedDiskFile
-from kvpipe.executor.kv.layout import MAX_BLOCK, DiskOptions, KVLayout
+from kvpipe.executor.kv.layout import DiskOptions, KVLayout
 from kvpipe.executor.kv.pinned import HostArena
 from kvpipe.executor.kv import ring as rings
 
@@ -84,7 +88,11 @@ class KVStore:
 
     @property
     def row_stride(self) -> int:
-        return -(-self.layout.capacity * self.token_bytes // ALIGN) * ALIGN
+        """Bytes of a read staging row: a unit's whole length, or a ring row's read where longer."""
+        lo, tb = self.layout, self.token_bytes
+        spans = [(lo.windows[i] - 1) * tb + ring_block_bytes(r * tb, self.disk_block)
+                 for i, r in enumerate(lo.disk_rings) if r]
+        return -(-max([lo.capacity * tb] + spans) // ALIGN) * ALIGN
 
     def _open_disk(self) -> None:
         lo, opts = self.layout, self.disk_opts
@@ -92,21 +100,23 @@ class KVStore:
         self.row_base = [B * sum(lo.disk[:i]) for i in range(lo.layers)]
         self.wstage = [self.arena.empty((B, d, W, 2, D), self.dtype) if d and not lo.quant_bits else None
                        for d in lo.disk]
+        wbytes = W * self.token_bytes
+        if lo.quant_bits:   # LOSSY: a step writes quantised records (executor/quant/store.py)
+            from kvpipe.executor.quant.blocks import BlockCodec
+            wbytes = max(1, W // lo.quant_group) * BlockCodec(lo.quant_bits, lo.quant_group, D, self.dtype,
+                                                              lo.quant_vgroup).record
+        self.disk_block = opts.block_bytes or block_bytes(wbytes)
         self.rstage = self.arena.bytes(lo.slots * B * lo.slot_heads * self.row_stride)
         codec = None
         if lo.disk_codec != "none":
             from kvpipe.executor.codecs import load
             codec = load(lo.disk_codec)
             self.cstage = aligned_buffer(self.rstage.numel(), pin=False)   # stored frames, as read
-        wbytes = W * self.token_bytes
-        if lo.quant_bits:   # LOSSY: a step writes quantised records (executor/quant/store.py)
-            from kvpipe.executor.quant.blocks import BlockCodec
-            wbytes = max(1, W // lo.quant_group) * BlockCodec(lo.quant_bits, lo.quant_group, D, self.dtype,
-                                                              lo.quant_vgroup).record
-        block = opts.block_bytes or min(max(1 << (wbytes - 1).bit_length(), ALIGN), MAX_BLOCK)
-        args = (opts.kv_dir or default_kv_dir(), B * sum(lo.disk), lo.capacity * self.token_bytes, block,
+        args = (opts.kv_dir or default_kv_dir(), B * sum(lo.disk), lo.capacity * self.token_bytes, self.disk_block,
                 opts.threads, self.cuda)
-        self.disk = DiskFile(*args) if codec is None else FramedDiskFile(*args, codec, self.dtype.itemsize)
+        rings = tuple(lo.disk_ring(i) * self.token_bytes for i in range(lo.layers) for _ in range(B * lo.n_disk(i)))
+        self.disk = DiskFile(*args, rings=rings if any(rings) else ()) if codec is None else \
+            FramedDiskFile(*args, codec, self.dtype.itemsize)
         self.disk.open()
 
     def close(self) -> None:
@@ -144,6 +154,12 @@ class KVStore:
         return self.arena.reserved_bytes
 
     disk_bytes = property(lambda self: self.disk.file_bytes if self.disk is not None else 0)
+
+    def disk_bytes_by_layer(self) -> list[int]:
+        """Bytes each layer's disk rows take in the file."""
+        lo = self.layout
+        return [sum(self.disk.row_file_bytes(self.row_base[i] + j) for j in range(lo.batch * lo.n_disk(i)))
+                if self.disk is not None else 0 for i in range(lo.layers)]
 
     @property
     def gpu_bytes(self) -> int:
@@ -206,7 +222,7 @@ class KVStore:
                 if h < first_disk:   # [R, 2, D] home, contiguous
                     moved += rings.read(host[b, h - n], first, length, ring, dst[b, h - base], self.cuda)
                     continue
-                src = self._rstage_row(slot, b, h - base, length)[first:]   # disk rows hold every token
+                src = self._staged(layer, slot, b, h - base, first, length)
                 dst[b, h - base, :length - first].copy_(src, non_blocking=self.cuda)
                 moved += src.numel() * src.element_size()
         return moved
@@ -238,31 +254,55 @@ class KVStore:
         at = ((slot * lo.batch + b) * lo.slot_heads + j) * self.row_stride
         return self.rstage[at:at + length * self.token_bytes].view(self.dtype).view(length, 2, lo.head_dim)
 
+    def _read_from(self, layer: int, first: int) -> int:
+        """The byte of a disk row a read of tokens from `first` starts at: 0, or in a ring row the
+        start of the block holding `first` (reads start on a block)."""
+        if not self.layout.disk_ring(layer):
+            return 0
+        B = self.disk.block[self.row_base[layer]]
+        return first * self.token_bytes // B * B
+
+    def _staged(self, layer: int, slot: int, b: int, j: int, first: int, length: int) -> torch.Tensor:
+        """[length - first, 2, D] view of tokens [first, length) in the read staging of slot
+        `slot`, sequence b, group row j: a row's prefix, or a ring row's read from its block."""
+        if not self.layout.disk_ring(layer):
+            return self._rstage_row(slot, b, j, length)[first:]   # full rows are read from 0
+        lo = self.layout
+        at = ((slot * lo.batch + b) * lo.slot_heads + j) * self.row_stride
+        at += first * self.token_bytes - self._read_from(layer, first)
+        n = (length - first) * self.token_bytes
+        return self.rstage[at:at + n].view(self.dtype).view(length - first, 2, lo.head_dim)
+
     def _row(self, layer: int, b: int, h: int) -> int:
         return self.row_base[layer] + b * self.layout.n_disk(layer) + h - self.layout.first_disk(layer)
 
     def _read_items(self, layer, heads, base, slot, length):
-        """(row, staging bytes) of each disk head's prefix, and the rows' frame staging."""
-        assert heads and heads[0] >= self.layout.first_disk(layer), (layer, heads)
+        """(row, staging bytes[, first byte]) of each disk head's read (a ring row's from the block
+        holding its window's first token), and the rows' frame staging."""
+        lo = self.layout
+        assert heads and heads[0] >= lo.first_disk(layer), (layer, heads)
+        start = self._read_from(layer, lo.disk_first(layer, length))   # 0 but in a ring row
         items, frames = [], []
-        for b in range(self.layout.batch):
+        for b in range(lo.batch):
             for h in heads:
-                dst = self._rstage_row(slot, b, h - base, length).view(torch.uint8).reshape(-1)
-                items.append((self._row(layer, b, h), memoryview(dst.numpy())))
-                if self.cstage is not None:
-                    at = dst.data_ptr() - self.rstage.data_ptr()     # same place in the frame staging
-                    frames.append(memoryview(self.cstage[at:at + self.row_stride].numpy()))
+                row0 = ((slot * lo.batch + b) * lo.slot_heads + h - base) * self.row_stride
+                dst = self.rstage[row0:row0 + length * self.token_bytes - start]
+                item = (self._row(layer, b, h), memoryview(dst.numpy()))
+                items.append(item + (start,) if start else item)
+                if self.cstage is not None:   # same place in the frame staging
+                    frames.append(memoryview(self.cstage[row0:row0 + self.row_stride].numpy()))
         return items, frames
 
     def disk_read(self, layer: int, heads: tuple[int, ...], base: int, slot: int, length: int) -> int:
-        """Read the prefix [0, length) of disk `heads` into the read staging of `slot` (head h at
-        group row h - base), verifying every block (with a codec: their frames, for
-        `disk_decode`); returns bytes read from the file (raw: bytes delivered)."""
+        """Read the tokens [first, length) of disk `heads` (first: 0, or a ring row's window's
+        first, layout.disk_first) into the read staging of `slot` (head h at group row h - base),
+        verifying every block (with a codec: their frames, for `disk_decode`); returns bytes
+        read from the file (raw: the tokens' bytes delivered)."""
         items, frames = self._read_items(layer, heads, base, slot, length)
         if frames:
             return self.disk.read(items, frames)
         self.disk.read(items)
-        return sum(len(mv) for _, mv in items)
+        return len(items) * (length - self.layout.disk_first(layer, length)) * self.token_bytes
 
     def disk_decode(self, layer: int, heads: tuple[int, ...], base: int, slot: int, length: int) -> int:
         """Decode the frames `disk_read` fetched into the read staging of `slot`; returns raw bytes."""
@@ -285,8 +325,9 @@ class KVStore:
                 assert self.disk.fill[row] == start * self.token_bytes, (layer, h, start, self.disk.fill[row])
                 src = self.wstage[layer][b, h - fd, :tokens]
                 items.append((row, memoryview(src.view(torch.uint8).reshape(-1).numpy())))
-        self.disk.append(items)
-        return sum(len(mv) for _, mv in items)
+        self.disk.append(items)   # a ring row writes no block that the append overwrites again
+        ring = self.layout.disk_ring(layer)
+        return len(items) * min(tokens, ring or tokens) * self.token_bytes
 
 
 def k_of(buf: torch.Tensor) -> torch.Tensor:
