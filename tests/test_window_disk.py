@@ -158,18 +158,20 @@ def test_estimate_disk_lane_stays_a_lower_bound():
 
 
 def test_kept_conversation_on_disk_steps_back_within_the_ring():
-    """Fault: a disk ring row's truncate refusing (or mis-reading) a cut its ring still holds,
-    or a rewind past the ring's end kept, so the next tokens attend overwritten keys."""
-    model = _model(WINDOWS[0])
+    """Fault (seen failing): a disk ring row's truncate inside a written block not reading it back
+    into the row's tail (the next read takes stale bytes for the kept tokens), or a rewind past
+    the ring's end kept, so the next tokens attend overwritten keys."""
+    model = _model(WINDOWS[0])   # window 3, 512-byte tokens: a 4096-byte block holds 8 of them
     spec = HFAdapter(model).spec()
-    ids = torch.randint(2, 128, (1, 40), generator=torch.Generator().manual_seed(9)).tolist()[0]
+    ids = torch.randint(2, 128, (1, 42), generator=torch.Generator().manual_seed(9)).tolist()[0]
     plan = replace(headwise(1, CHUNK, 2, 0), disk=spec.units)
     with LiveSession(spec, plan, model, torch.device("cpu"), 80) as live:
-        live.extend(ids[:36], decode_tokens=8)       # 44 tokens home
-        live.rewind(42)
-        assert live.length == 42                      # position 42 sees 40, 41: still home
-        res = live.extend(ids[:42] + [7], decode_tokens=5)
-        _, ref = hf_greedy(model, torch.tensor([ids[:42] + [7]]), 5)
+        live.extend(ids, decode_tokens=8)            # 50 tokens home: block 5 (tokens 40..47) written
+        kept = live.tokens[:47]
+        live.rewind(47)
+        assert live.length == 47                      # position 47 sees 45, 46: in block 5, read back
+        res = live.extend(kept + [7], decode_tokens=5)
+        _, ref = hf_greedy(model, torch.tensor([kept + [7]]), 5)
         assert res.tokens[0, :6].tolist() == ref[0].tolist()
         live.rewind(20)
         assert live.length == 0                       # position 20 sees 18: long overwritten
