@@ -87,8 +87,8 @@ def _plans(units):
 @pytest.mark.parametrize("cfg", WINDOWS, ids=["w3", "w6", "w11-d48", "w80", "gemma3", "gemma2"])
 def test_window_units_on_disk_match_hf_and_resident(cfg):
     """Fault (each seen failing): a ring row's read staged from the window's first token instead
-    of its block's start (the fetch takes shifted keys), a read from position 0 in a ring row, a
-    ring row written before the step's fetch read it, or a placement-dependent bit."""
+    of its block's start (the fetch takes shifted keys), a read from position 0 in a ring row
+    (the ring no longer holds it), or window units on disk keeping every token (disk_rings off)."""
     model = _model(cfg)
     spec = HFAdapter(model).spec()
     ids = torch.randint(2, 128, (1, CONTEXT), generator=torch.Generator().manual_seed(5))
@@ -113,8 +113,9 @@ def _disk_store(spec, context, plan):
 @pytest.mark.parametrize("context", [60, 600])
 def test_disk_file_is_ring_sized_and_equals_the_memory_model(context):
     """Fault (each seen failing): a window unit's disk row allocated at the whole length (its file
-    bytes grow with the context), the memory model counting it so (or a ring row's blocks other
-    than the file's), the per-kind disk bytes of kv_by_kind off the file's."""
+    bytes grow with the context), the memory model counting it so, the per-kind disk bytes of
+    kv_by_kind off the file's, or a ring row's blocks as large as a full row's (3 MiB on disk for
+    Gemma 3's 1 MiB ring)."""
     spec = HFAdapter(_model(WINDOWS[4])).spec()   # layers: sliding 9, full, sliding 9
     plan = replace(headwise(1, CHUNK, 2, 0), disk=spec.units)
     work, lo, store = _disk_store(spec, context, plan)
@@ -135,6 +136,8 @@ def test_disk_file_is_ring_sized_and_equals_the_memory_model(context):
         assert kinds == {"sliding 9": per_layer[0] + per_layer[2], "full": per_layer[1] + tails}
     if context == 600:
         assert per_layer[0] < per_layer[1] / 10
+    ring = 1027 * 1024   # Gemma 3's ring: W - 1 + 4 tokens of 1 KiB, beside full rows of 1 MiB blocks
+    assert ring < row_file_bytes(131072 * 1024, 1 << 20, ring) <= ring * 5 // 4   # blocks of <= 1/8 of it
 
 
 def test_estimate_disk_lane_stays_a_lower_bound():
@@ -161,15 +164,15 @@ def test_kept_conversation_on_disk_steps_back_within_the_ring():
     """Fault (seen failing): a disk ring row's truncate inside a written block not reading it back
     into the row's tail (the next read takes stale bytes for the kept tokens), or a rewind past
     the ring's end kept, so the next tokens attend overwritten keys."""
-    model = _model(WINDOWS[0])   # window 3, 512-byte tokens: a 4096-byte block holds 8 of them
+    model = _model(dict(WINDOWS[0], head_dim=256))   # window 3, 2048-byte tokens: 2 to a block
     spec = HFAdapter(model).spec()
     ids = torch.randint(2, 128, (1, 42), generator=torch.Generator().manual_seed(9)).tolist()[0]
     plan = replace(headwise(1, CHUNK, 2, 0), disk=spec.units)
     with LiveSession(spec, plan, model, torch.device("cpu"), 80) as live:
-        live.extend(ids, decode_tokens=8)            # 50 tokens home: block 5 (tokens 40..47) written
+        live.extend(ids, decode_tokens=8)            # 50 tokens home; the tail holds 48, 49
         kept = live.tokens[:47]
         live.rewind(47)
-        assert live.length == 47                      # position 47 sees 45, 46: in block 5, read back
+        assert live.length == 47                      # position 47 sees 45, 46: block 23 (46, 47) read back
         res = live.extend(kept + [7], decode_tokens=5)
         _, ref = hf_greedy(model, torch.tensor([kept + [7]]), 5)
         assert res.tokens[0, :6].tolist() == ref[0].tolist()
