@@ -47,13 +47,14 @@ def disk_unit_bytes(m: ModelSpec, work: Workload, plan: Plan, ring_tokens_: int)
 
 
 def staging_row_bytes(m: ModelSpec, work: Workload, plan: Plan, ring: tuple[int, ...]) -> int:
-    """Bytes of one disk unit's read staging row (one sequence): the whole length, or where more,
-    what a ring row's read of the W - 1 keys covers (whole blocks: its first one starts up to a
-    block before the window's first key)."""
+    """Bytes of one disk unit's read staging row (one sequence), the longest read of a layer with
+    disk units: a full row's whole length, a ring row's W - 1 keys from the start of the block
+    holding the first (up to a block before it)."""
     tok, on = m.kv_unit_bytes_per_token, disk_rings(plan, ring)
     block = disk_block(m, work, plan)
-    spans = [(m.windows[i] - 1) * tok + ring_block_bytes(r * tok, block) for i, r in enumerate(on) if r]
-    return max([work.kv_capacity * tok] + spans)
+    disk = [c[2] for c in tier_counts(m, plan)]
+    return max([(m.windows[i] - 1) * tok + ring_block_bytes(on[i] * tok, block) if on and on[i]
+                else work.kv_capacity * tok for i in range(m.layers) if disk[i]], default=0)
 
 
 def fetch_from(m: ModelSpec, ring: tuple[int, ...], layer: int, start: int) -> int:
@@ -72,18 +73,24 @@ def slot_tokens(m: ModelSpec, work: Workload, ring: tuple[int, ...]) -> int:
 def tier_counts(m: ModelSpec, plan: Plan) -> list[tuple[int, int, int]]:
     """(GPU, host, disk) units of every layer, as `placement` splits them (without building it):
     resident spread evenly, lowest heads first; disk from the highest offloaded head down, full
-    layers before window layers (plan.placement says why)."""
+    layers before window layers or, with plan.disk_windows_first, after them."""
     L, H = m.layers, m.kv_heads
     res = [min(H, plan.resident // L + (layer < plan.resident % L)) for layer in range(L)]
     disk, left = [0] * L, plan.disk
     kinds = [[i for i in range(L) if not (m.windows and m.windows[i])], [i for i in range(L) if m.windows and m.windows[i]]]
-    for layers in kinds:
+    for layers in kinds[::-1] if plan.disk_windows_first else kinds:
         for h in range(H - 1, -1, -1):
             for layer in layers:
                 if left and h >= res[layer]:
                     disk[layer] += 1
                     left -= 1
     return [(r, H - r - d, d) for r, d in zip(res, disk)]
+
+
+def windowed_offloaded(m: ModelSpec, resident: int) -> int:
+    """Offloaded units of window layers with `resident` units spread as `placement` spreads them."""
+    L, H = m.layers, m.kv_heads
+    return sum(H - min(H, resident // L + (i < resident % L)) for i in range(L) if m.windows and m.windows[i])
 
 
 def window_homes(m: ModelSpec, work: Workload, plan: Plan, ring: tuple[int, ...]) -> tuple[int, int, int]:

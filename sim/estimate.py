@@ -28,9 +28,10 @@ LANES = ("gpu", "h2d", "d2h", "disk")
 SEGMENTS = 6   # runs of prefill chunks evaluated at their mean start
 
 
-def layer_classes(model: ModelSpec, resident: int, disk: int) -> Counter:
+def layer_classes(model: ModelSpec, resident: int, disk: int, windows_first: bool = False) -> Counter:
     """How many layers share each (offloaded heads, disk heads) split."""
-    tiers = placement(model, Plan(Method.HEADWISE, PhasePlan(1, 1), PhasePlan(1, 1), resident, disk))
+    tiers = placement(model, Plan(Method.HEADWISE, PhasePlan(1, 1), PhasePlan(1, 1), resident, disk,
+                                  disk_windows_first=windows_first))
     classes: Counter = Counter()
     for layer in range(model.layers):
         off = tuple(h for h in range(model.kv_heads) if tiers[(layer, h)] is not Tier.GPU)

@@ -178,3 +178,33 @@ def test_kept_conversation_on_disk_steps_back_within_the_ring():
         assert res.tokens[0, :6].tolist() == ref[0].tolist()
         live.rewind(20)
         assert live.length == 0                       # position 20 sees 18: long overwritten
+
+
+def test_planner_puts_window_units_on_disk_first_where_host_ram_is_short_by_little():
+    """Fault (each seen failing): window units never offered to disk first (a host 20 MiB short
+    moves whole 64 MiB full units and their full-length staging), the order not kept in the
+    plan's JSON, or the memory model placing them apart from `placement`."""
+    from kvpipe.hw_profiles import load_profile
+    from kvpipe.pipeline.model import PRESETS
+    from kvpipe.pipeline.plan import Plan, Tier, placement
+    from kvpipe.pipeline.rules import HOST_KV_FRACTION
+    from kvpipe.pipeline.windows import tier_counts
+    from kvpipe.sim.planner import _Search
+    from kvpipe.sim.simulate import simulate
+    spec, hw = PRESETS["gemma-3-4b"], load_profile("h200")
+    work = Workload(65536, 8)
+    base = headwise(4, 16384, 2, 0)
+    need = breakdown(spec, work, base).host
+    for short, windows_first in ((20 << 20, True), (400 << 20, False)):
+        budgets = {"gpu": 2**50, "host": int((need - short) / HOST_KV_FRACTION), "disk": 2**50}
+        s = _Search(spec, work, hw, budgets)
+        plans = s.placements(base, 0, True, True)
+        assert [p.disk_windows_first for p in plans] == [False, True][:len(plans)] and plans, plans
+        totals = [simulate(spec, work, p, hw).report.timing.total_s for p in plans]
+        assert plans[totals.index(min(totals))].disk_windows_first == windows_first, (short, totals)
+        for p in plans:
+            tiers = placement(spec, p)
+            by_layer = [tuple(sum(tiers[(i, h)] is t for h in range(spec.kv_heads)) for t in (Tier.GPU, Tier.HOST, Tier.DISK))
+                        for i in range(spec.layers)]
+            assert by_layer == tier_counts(spec, p)
+            assert Plan.from_json(p.to_json(spec), spec) == p

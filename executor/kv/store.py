@@ -88,11 +88,12 @@ class KVStore:
 
     @property
     def row_stride(self) -> int:
-        """Bytes of a read staging row: a unit's whole length, or a ring row's read where longer."""
+        """Bytes of a read staging row: the longest read of a layer with disk units (a full row's
+        whole length, a ring row's window from the start of its first block)."""
         lo, tb = self.layout, self.token_bytes
-        spans = [(lo.windows[i] - 1) * tb + ring_block_bytes(r * tb, self.disk_block)
-                 for i, r in enumerate(lo.disk_rings) if r]
-        return -(-max([lo.capacity * tb] + spans) // ALIGN) * ALIGN
+        spans = [(lo.windows[i] - 1) * tb + ring_block_bytes(lo.disk_ring(i) * tb, self.disk_block)
+                 if lo.disk_ring(i) else lo.capacity * tb for i in range(lo.layers) if lo.n_disk(i)]
+        return -(-max(spans, default=0) // ALIGN) * ALIGN
 
     def _open_disk(self) -> None:
         lo, opts = self.layout, self.disk_opts
