@@ -17,6 +17,8 @@ for the whole workload; `close()` frees it all. Copies are issued on the caller'
 stream; ordering is the caller's business (the graph's deps)."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kvpipe.pipeline.disk_rows import block_bytes, ring_block_bytes
@@ -161,6 +163,13 @@ class KVStore:
         lo = self.layout
         return [sum(self.disk.row_file_bytes(self.row_base[i] + j) for j in range(lo.batch * lo.n_disk(i)))
                 if self.disk is not None else 0 for i in range(lo.layers)]
+
+    def disk_file_json(self, kinds: list[str]) -> dict:
+        """The disk file's size on disk (st_size) and its bytes per layer kind (`kinds`, one a layer)."""
+        by_kind: dict[str, int] = {}
+        for kind, n in zip(kinds, self.disk_bytes_by_layer()):
+            by_kind[kind] = by_kind.get(kind, 0) + n
+        return {"file_bytes": os.fstat(self.disk.fd).st_size, "file_bytes_by_kind": by_kind}
 
     @property
     def gpu_bytes(self) -> int:
