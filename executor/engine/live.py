@@ -147,8 +147,9 @@ class LiveSession:
         self._truncate_disk()
 
     def _truncate_disk(self) -> None:
-        """Disk rows are append-only: decode steps run past the end (engine/decoding.LAG) wrote
-        tokens the conversation does not keep; their rows are cut back to its length."""
+        """Disk rows grow at their end (a ring row's too): decode steps run past the end
+        (engine/decoding.LAG) wrote tokens the conversation does not keep; their rows are cut back
+        to its length (a ring row's within what it still holds: RingMarks.holds decided)."""
         disk = self.store.disk
         if disk is not None:
             for row in range(disk.rows):
