@@ -148,7 +148,9 @@ def breakdown(m: ModelSpec, work: Workload, plan: Plan) -> MemoryBreakdown:
     # Slots are shared by the phases: as many as the deepest phase, each as large as the largest group.
     kept = rings(m, work, plan)
     depth, group = max(p.depth for p in phases), max(p.group for p in phases)
-    row = staging_row_bytes(m, work, plan, kept) if kept and count[Tier.DISK] else work.kv_capacity * m.kv_unit_bytes_per_token
+    row = work.kv_capacity * m.kv_unit_bytes_per_token
+    if kept and count[Tier.DISK]:
+        row = staging_row_bytes(m, work, plan, kept)
     ring = depth * work.batch * group * row     # a disk unit's read: its whole length, a ring row's window
     slots = depth * slot_bytes(m, work, group, slot_tokens(m, work, kept)) if count[Tier.HOST] + count[Tier.DISK] else 0
     staging = ring if count[Tier.DISK] else 0

@@ -134,7 +134,8 @@ class _Search:
         off = U - resident
         disk = 0
         if rings(self.model, self.work, plan):   # units of unequal sizes: the fewest by bisection
-            fits = lambda d: breakdown(self.model, self.work, plan.with_(resident=resident, disk=d)).host <= host_cap  # noqa: E731
+            fits = lambda d: (breakdown(self.model, self.work, plan.with_(resident=resident, disk=d)).host  # noqa: E731
+                              <= host_cap)
             most = windowed_offloaded(self.model, resident) if plan.disk_windows_first else off
             disk = 0 if fits(0) else least_true(most, fits)
         elif off * unit > host_cap:

@@ -17,11 +17,9 @@ import errno
 import os
 import shutil
 import tempfile
-import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from itertools import accumulate
 
 import crc32c
@@ -31,6 +29,7 @@ from kvpipe.pipeline.disk_rows import ring_block_bytes, ring_blocks
 from kvpipe.pipeline.units import fmt_bytes
 
 from kvpipe.executor.disk.io import PosixIO, lock, open_io
+from kvpipe.executor.disk.stats import DiskStats
 from kvpipe.executor.kv.pinned import ALIGN   # O_DIRECT alignment of addresses, offsets and lengths (safe for 512e and 4Kn disks)
 
 IO_BYTES = 8 << 20      # one read request covers at most this many bytes (several blocks)
@@ -64,37 +63,6 @@ def free_bytes(kv_dir: str) -> int:
     if not os.path.isdir(kv_dir):
         raise ValueError(f"kv-dir: {kv_dir!r} is not a directory")
     return shutil.disk_usage(kv_dir).free
-
-
-@dataclass
-class DiskStats:
-    """What the disk tier did: bytes and seconds (summed over threads), and notes for the report."""
-
-    read_bytes: int = 0
-    write_bytes: int = 0
-    read_s: float = 0.0          # inside preadv, summed over threads
-    write_s: float = 0.0         # inside pwritev
-    checksum_s: float = 0.0      # crc32c of written and read blocks
-    checksum_bytes: int = 0
-    codec_raw_bytes: int = 0     # raw bytes of the blocks a codec encoded
-    codec_stored_bytes: int = 0  # what they became (raw-stored blocks count their raw size)
-    encode_s: float = 0.0        # codec time, summed over threads
-    decode_s: float = 0.0
-    io: str = ""                 # the I/O backend's description (executor.disk.io)
-    notes: list[str] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add(self, **kw) -> None:
-        with self.lock:
-            for k, v in kw.items():
-                setattr(self, k, getattr(self, k) + v)
-
-    def to_json(self) -> dict:
-        return {"read_bytes": self.read_bytes, "write_bytes": self.write_bytes, "read_s": self.read_s,
-                "write_s": self.write_s, "checksum_s": self.checksum_s,
-                "checksum_bytes": self.checksum_bytes, "codec_raw_bytes": self.codec_raw_bytes,
-                "codec_stored_bytes": self.codec_stored_bytes, "encode_s": self.encode_s,
-                "decode_s": self.decode_s, "io": self.io, "notes": list(self.notes)}
 
 
 class DiskFile:
