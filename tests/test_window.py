@@ -105,7 +105,7 @@ def test_ring_store_waits_for_the_steps_fetches():
 
 def test_store_keeps_the_ring_and_equals_the_memory_model():
     """Fault: the executor allocating window units at full length (or the memory model counting
-    them so), the disk file's size off the memory model's disk bytes, or slots longer than the
+    them so, window units' disk rows too), or slots longer than the
     longest window a step fetches."""
     model = _model(WINDOWS[4])
     spec = HFAdapter(model).spec()

@@ -151,6 +151,7 @@ class LiveSession:
         (engine/decoding.LAG) wrote tokens the conversation does not keep; their rows are cut back
         to its length (a ring row's within what it still holds: RingMarks.holds decided)."""
         disk = self.store.disk
-        if disk is not None:
+        if disk is not None:   # a run stopped after its rings moved on: emptied (the next extend prefills all)
+            n = self.length if self.store.marks.holds(self.length) else 0
             for row in range(disk.rows):
-                disk.truncate(row, self.length * self.store.token_bytes)
+                disk.truncate(row, n * self.store.token_bytes)
