@@ -8,11 +8,17 @@ gemma-3-4b (7.8 GB of weights), the same layer kinds.
   python -m benchmarks.hybrid long             # the longest context this machine's RAM and disk hold
                                                # (kvpipe plan --max-context), capped by --max-tokens
   python -m benchmarks.hybrid all --model gemma-3-12b --gpu-mem 40GB
+  python -m benchmarks.hybrid 128k --model DIR --device cpu --context 96 --plan-args='--disk 6'
+                                               # a CPU check of the paths (a tiny config.json in DIR)
 
 Each measurement runs in its own process. The decode floor: the h2d bytes one step of this plan
 moves (its graph's fetches: a window layer's offloaded heads fetch the W - 1 keys their window
 sees, its units keep a ring of W - 1 + 4 tokens off disk), beside what full attention would
-move. Results: benchmarks/results/<machine>-<date>-hybrid-<stage>.json."""
+move. Disk bytes per layer kind: the memory model's (the run's kv_per_layer_kind, disk_bytes) beside
+the disk file's (its rows per kind; file_bytes is its size on disk): a window layer's disk units
+keep a ring of blocks, equal in both; a full layer's file holds its full blocks, the model counts
+the partial last one too (it stays in RAM). Results:
+benchmarks/results/<machine>-<date>-hybrid-<stage>.json."""
 from __future__ import annotations
 
 import argparse
@@ -22,16 +28,26 @@ import sys
 from pathlib import Path
 
 from benchmarks.result_file import result_file
+from kvpipe.pipeline.units import fmt_bytes
 from benchmarks.vs_hf import sh
 
 
-def kvpipe(model: str, context: int, decode: int, gpu_mem: str, *knobs: str, timeout: int = 560) -> dict:
+def kvpipe(model: str, context: int, decode: int, gpu_mem: str, *knobs: str, timeout: int = 560,
+           device: str = "cuda") -> dict:
     return sh([sys.executable, "-m", "kvpipe", "run", "--model", model, "--random-weights", "--context",
-               str(context), "--decode-tokens", str(decode), "--gpu-mem", gpu_mem, "--device", "cuda",
+               str(context), "--decode-tokens", str(decode), "--gpu-mem", gpu_mem, "--device", device,
                "--hw", "h200", "--json", "--no-progress", *knobs], timeout)
 
 
-def floors(run: dict, h2d: float | None) -> dict:
+def disk_kinds(run: dict) -> dict:
+    """Disk bytes per layer kind: predicted (the memory model's, the run's kv_per_layer_kind) and
+    the file's (the run's disk tier: its rows per kind, and its size on disk)."""
+    disk = run.get("disk") or {}
+    return {"predicted": {r["kind"]: r.get("disk_bytes", 0) for r in run.get("kv_per_layer_kind", [])},
+            "file": dict(disk.get("file_bytes_by_kind", {})), "file_bytes": disk.get("file_bytes", 0)}
+
+
+def floors(model: str, run: dict, h2d: float | None) -> dict:
     """Decode floors (seconds per step at the run's mean decode position): the bytes the plan's
     graph moves over h2d in one step (pipeline/builder.py: a window layer's offloaded heads fetch
     only the W - 1 keys its window sees, a full layer's every token; disk units' reads are also
@@ -43,7 +59,7 @@ def floors(run: dict, h2d: float | None) -> dict:
     from kvpipe.pipeline.plan import Plan
     from kvpipe.pipeline.workload import Workload
     from kvpipe.hw_profiles import load_profile
-    m = load_model(run["model"]["name"])
+    m = load_model(model)
     plan = Plan.from_json(run["plan"], m)
     w = run["workload"]
     step = w["decode_tokens"] // 2
@@ -91,47 +107,62 @@ def hf_gpu(model: str, context: int, decode: int) -> dict:
     return sh([sys.executable, "-c", code], 560)
 
 
-def summarise(name: str, run: dict, h2d: float | None, hf: dict | None) -> None:
+def summarise(name: str, run: dict, h2d: float | None, hf: dict | None, model: str) -> None:
     if "measured" not in run:
         print(f"{name}: {run.get('error')}")
         return
-    m, p = run["measured"], run["predicted"]
-    run["floors"] = floors(run, h2d)
+    m, p = run["measured"], run["predicted"] or {}   # no prediction for a CPU run
+    run["floors"] = floors(model, run, h2d)
+    run["disk_by_kind"] = disk_kinds(run)
+    ratio = lambda a, b: a / b if a is not None and b else None   # noqa: E731
     run["ratios"] = {
-        "prefill_sim_over_measured": p["prefill_s"] / m["prefill_s"],
-        "decode_sim_over_measured": p["decode_s_per_token"] / m["decode_s_per_token"],
+        "prefill_sim_over_measured": ratio(p.get("prefill_s"), m["prefill_s"]),
+        "decode_sim_over_measured": ratio(p.get("decode_s_per_token"), m["decode_s_per_token"]),
         "decode_over_floor": m["decode_s_per_token"] / run["floors"]["floor_s"] if run["floors"]["floor_s"] else None,
         "prefill_over_hf_gpu": m["prefill_s"] / hf["prefill_s"] if hf and "prefill_s" in hf else None,
     }
     r, f = run["ratios"], run["floors"]
+    sim = (f"sim {p['prefill_s']:.1f}, {r['prefill_sim_over_measured']:.3f}x" if p else "no prediction")
+    sim_dec = (f"sim {p['decode_s_per_token'] * 1e3:.1f}, {r['decode_sim_over_measured']:.3f}x" if p else "no prediction")
     print(f"{name}: {run['workload']['context']} tokens, plan {run['plan']['resident']} resident units, "
-          f"{run['plan']['disk']} on disk; prefill {m['prefill_s']:.1f} s (sim {p['prefill_s']:.1f}, "
-          f"{r['prefill_sim_over_measured']:.3f}x), decode {m['decode_s_per_token'] * 1e3:.1f} ms/token "
-          f"(sim {p['decode_s_per_token'] * 1e3:.1f}, {r['decode_sim_over_measured']:.3f}x); floor "
-          f"{(f['floor_s'] or 0) * 1e3:.1f} ms ({f['bytes_per_step'] / 1e9:.2f} GB/step; full attention "
-          f"would move {f['full_attention_bytes_per_step'] / 1e9:.2f} GB); "
+          f"{run['plan']['disk']} on disk{'; window units first' if run['plan'].get('disk_windows_first') else ''}; "
+          f"prefill {m['prefill_s']:.1f} s ({sim}), decode {m['decode_s_per_token'] * 1e3:.1f} ms/token "
+          f"({sim_dec}); floor {(f['floor_s'] or 0) * 1e3:.1f} ms ({f['bytes_per_step'] / 1e9:.2f} GB/step; full "
+          f"attention would move {f['full_attention_bytes_per_step'] / 1e9:.2f} GB); "
           f"peak GPU {m['peak_bytes']['gpu'] / 1e9:.1f} GB" +
           (f"; prefill / HF all-on-GPU {r['prefill_over_hf_gpu']:.2f}" if r["prefill_over_hf_gpu"] else ""))
+    d = run["disk_by_kind"]
+    if d["file_bytes"] or any(d["predicted"].values()):
+        print("  disk per layer kind (predicted / file): " + "; ".join(
+            f"{k} {fmt_bytes(d['predicted'].get(k, 0))} / {fmt_bytes(d['file'].get(k, 0))}"
+            for k in d["predicted"]) + f"; the file {fmt_bytes(d['file_bytes'])} on disk")
+
+
+def link(res: dict, args) -> float | None:
+    """The h2d rate measured on the GPU (None on a CPU check)."""
+    if args.device == "cpu":
+        return None
+    res["link"] = res.get("link") or sh([sys.executable, "-m", "benchmarks.link"], 120)
+    return res["link"].get("h2d_bytes_per_s")
 
 
 def stage_128k(res: dict, save, args) -> None:
-    res["link"] = res.get("link") or sh([sys.executable, "-m", "benchmarks.link"], 120)
-    h2d = res["link"].get("h2d_bytes_per_s")
-    ctx = 131072
-    res["hf_gpu"] = hf_gpu(args.model, ctx, 4)
+    h2d = link(res, args)
+    ctx = args.context
+    res["hf_gpu"] = hf_gpu(args.model, ctx, 4) if args.device != "cpu" else None
     save()
-    res["kvpipe_stream"] = kvpipe(args.model, ctx, 8, args.gpu_mem, "--resident", "none")
+    run = lambda *knobs: kvpipe(args.model, ctx, 8, args.gpu_mem, *knobs, *args.plan_args, device=args.device)  # noqa: E731
+    res["kvpipe_stream"] = run("--resident", "none")
     save()
-    res["kvpipe_planner"] = kvpipe(args.model, ctx, 8, args.gpu_mem)
+    res["kvpipe_planner"] = run()
     save()
     for key in ("kvpipe_stream", "kvpipe_planner"):
-        summarise(key, res[key], h2d, res["hf_gpu"])
+        summarise(key, res[key], h2d, res["hf_gpu"], args.model)
     print(f"hf_gpu: {res['hf_gpu']}")
 
 
 def stage_long(res: dict, save, args) -> None:
-    res["link"] = res.get("link") or sh([sys.executable, "-m", "benchmarks.link"], 120)
-    h2d = res["link"].get("h2d_bytes_per_s")
+    h2d = link(res, args)
     plan = sh([sys.executable, "-m", "kvpipe", "plan", "--model", args.model, "--hw", "h200", "--gpu-mem",
                args.gpu_mem, "--max-context", "--json", *args.plan_args], 300)
     res["max_context_plan"] = {k: plan.get(k) for k in ("max_context", "plan", "kv_per_layer_kind",
@@ -140,9 +171,9 @@ def stage_long(res: dict, save, args) -> None:
     res["long_context"] = ctx
     save()
     if ctx:
-        res["kvpipe_long"] = kvpipe(args.model, ctx, 4, args.gpu_mem, *args.plan_args)
+        res["kvpipe_long"] = kvpipe(args.model, ctx, 4, args.gpu_mem, *args.plan_args, device=args.device)
         save()
-        summarise("kvpipe_long", res["kvpipe_long"], h2d, None)
+        summarise("kvpipe_long", res["kvpipe_long"], h2d, None, args.model)
 
 
 def main() -> None:
@@ -151,13 +182,16 @@ def main() -> None:
     ap.add_argument("--model", default="gemma-3-4b")
     ap.add_argument("--gpu-mem", default="24GB")
     ap.add_argument("--max-tokens", type=int, default=1 << 20, help="cap on the long stage's context")
-    ap.add_argument("--plan-args", nargs="*", default=[], help="extra plan/run flags (e.g. --host-mem 100GB)")
+    ap.add_argument("--context", type=int, default=131072, help="the 128k stage's context")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu to check the paths (no link, no HF baseline)")
+    ap.add_argument("--plan-args", default="", help="extra plan/run flags, one string (e.g. '--host-mem 100GB')")
     ap.add_argument("--out")
     args = ap.parse_args()
+    args.plan_args = args.plan_args.split()
     res = {"command": "python -m benchmarks.hybrid " + " ".join(sys.argv[1:]), "model": args.model,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "gpu_budget": args.gpu_mem}
-    out = Path(args.out or result_file(f"hybrid-{args.stage}", "cuda"))
+    out = Path(args.out or result_file(f"hybrid-{args.stage}", args.device))
     out.parent.mkdir(parents=True, exist_ok=True)
     save = lambda: out.write_text(json.dumps(res, indent=2))
     for stage in {"128k": [stage_128k], "long": [stage_long], "all": [stage_128k, stage_long]}[args.stage]:

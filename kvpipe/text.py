@@ -63,10 +63,11 @@ def _print_kinds(model, work, plan) -> None:
     print("  kv per layer kind: " + "; ".join(
         f"{r['kind']} x{r['layers']} {fmt_bytes(r['kv_bytes'])}"
         + (f" (of {fmt_bytes(r['full_bytes'])} at full length)" if r["kv_bytes"] < r["full_bytes"] else "")
+        + (f", {fmt_bytes(r['disk_bytes'])} of it on disk" if r["disk_bytes"] else "")
         for r in rows))
     held, full = sum(r["kv_bytes"] for r in rows), sum(r["full_bytes"] for r in rows)
     print(f"    KV held {fmt_bytes(held)}, {held / full:.1%} of full attention's {fmt_bytes(full)}: "
-          "window layers keep only what their window still sees (off disk)")
+          "window layers keep only what their window still sees")
 
 
 def _print_fused(p) -> None:

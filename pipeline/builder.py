@@ -24,7 +24,7 @@ from .memory import (attn_ws_bytes, breakdown, hidden_bytes, layer_act_bytes, lo
 from .model import ModelSpec
 from .plan import PhasePlan, Plan, Tier, placement
 from .stage import Alloc, Graph, Kind, Phase, Pool, Stage
-from .windows import fetch_from, rings
+from .windows import disk_rings, fetch_from, rings
 from .workload import Workload
 
 
@@ -48,6 +48,7 @@ class _Builder:
         # window layers' rings (memory.rings): their fetches start at the first visible token,
         # their stores write only what the ring keeps, after the step's fetches have read it
         self.ring = rings(model, work, plan)
+        self.disk_ring = disk_rings(plan, self.ring)       # and their disk rows, where no codec frames them
         self.layer_fetches: list[int] = []                 # kv_fetch stages of the layer in flight
 
     def add(self, kind: Kind, tag: str, phase: Phase, step: int, layer, group, tokens,
@@ -172,7 +173,8 @@ class _Builder:
         for h in off:
             self.last_write[(layer, h)] = store
         if disk:
-            codec, raw = self.disk_codec(phase), nbytes * len(disk)
+            disk_kept = kept if self.disk_ring and self.disk_ring[layer] else nbytes   # a ring row: its last R
+            codec, raw = self.disk_codec(phase), disk_kept * len(disk)
             src = store
             if codec != "none":   # compressed on the CPU pool, then written
                 src = self.add(Kind.COMPRESS, "kv_compress", phase, idx, layer, None, (start, start + n),
@@ -220,8 +222,9 @@ class _Builder:
             read = None
             if disk:
                 codec = self.disk_codec(phase)
-                raw = (B * start * unit_tok if lo else unit_fetch) * len(disk)   # disk rows hold every token
-                read = self.add(Kind.DISK_READ, "kv_read", phase, idx, layer, g, (0, start),
+                ringed_disk = bool(self.disk_ring and self.disk_ring[layer])   # a ring row: the window's keys
+                raw = (B * start * unit_tok if lo and not ringed_disk else unit_fetch) * len(disk)
+                read = self.add(Kind.DISK_READ, "kv_read", phase, idx, layer, g, (lo if ringed_disk else 0, start),
                                 [self.last_write.get((layer, h)) for h in disk]
                                 + [self.staging_user.get(slot), score], heads=disk, slot=slot,
                                 bytes=raw, ops=B * len(disk), codec=codec)

@@ -12,7 +12,8 @@ from .layer_kinds import ring_tokens
 from .model import ModelSpec
 from .pinned_blocks import carve
 from .plan import Plan, Tier, decode_replayed
-from .windows import rings, slot_tokens, tier_counts, window_homes, window_scratch_bytes
+from .windows import (disk_rings, disk_unit_bytes, rings, slot_tokens, staging_row_bytes, tier_counts,
+                      window_homes, window_scratch_bytes)
 from .workload import Workload
 
 FP32 = 4
@@ -147,7 +148,10 @@ def breakdown(m: ModelSpec, work: Workload, plan: Plan) -> MemoryBreakdown:
     # Slots are shared by the phases: as many as the deepest phase, each as large as the largest group.
     kept = rings(m, work, plan)
     depth, group = max(p.depth for p in phases), max(p.group for p in phases)
-    ring = depth * slot_bytes(m, work, group)     # disk staging rows hold a disk unit's whole length
+    row = work.kv_capacity * m.kv_unit_bytes_per_token
+    if kept and count[Tier.DISK]:
+        row = staging_row_bytes(m, work, plan, kept)
+    ring = depth * work.batch * group * row     # a disk unit's read: its whole length, a ring row's window
     slots = depth * slot_bytes(m, work, group, slot_tokens(m, work, kept)) if count[Tier.HOST] + count[Tier.DISK] else 0
     staging = ring if count[Tier.DISK] else 0
     chunk = plan.prefill.chunk   # only the last chunk also holds the logits
@@ -201,23 +205,28 @@ def h2d_codec_bytes(m: ModelSpec, work: Workload, plan: Plan, host_units: int) -
 def kv_by_kind(m: ModelSpec, work: Workload, plan: Plan | None = None) -> list[dict]:
     """The KV cache per layer kind ('full', 'sliding W'), in the order the kinds first appear:
     `layers`; `kv_bytes`, what the executor holds for them under `plan` (every tier together: a
-    window layer's GPU and host units keep a ring of W - 1 + REWIND_TOKENS tokens, its disk units
-    every token; without a plan, as an exact plan with no disk units keeps them); `window_bytes`,
-    what their windows still see at the end of the run; `full_bytes`, their KV at full length."""
+    window layer's units keep a ring of W - 1 + REWIND_TOKENS tokens, on disk a ring of blocks,
+    windows.disk_unit_bytes; without a plan, as an exact plan with no disk units keeps them), of
+    which `disk_bytes` on disk; `window_bytes`, what their windows still see at the end of the
+    run; `full_bytes`, their KV at full length."""
     per_tok = work.batch * m.kv_unit_bytes_per_token
     cap = work.kv_capacity
     if plan is None:
         kept = tuple(ring_tokens(w, cap) for w in m.windows) if m.windows else ()
-        counts = [(0, m.kv_heads, 0)] * m.layers
+        counts, on_disk = [(0, m.kv_heads, 0)] * m.layers, ()
     else:
         kept, counts = rings(m, work, plan), tier_counts(m, plan)
+        on_disk = disk_rings(plan, kept)
     out: dict[str, dict] = {}
     for layer, (kind, w) in enumerate(zip(m.layer_kinds, m.windows or (0,) * m.layers)):
-        row = out.setdefault(kind, {"kind": kind, "layers": 0, "kv_bytes": 0, "window_bytes": 0, "full_bytes": 0})
+        row = out.setdefault(kind, {"kind": kind, "layers": 0, "kv_bytes": 0, "disk_bytes": 0,
+                                    "window_bytes": 0, "full_bytes": 0})
         gpu, host, disk = counts[layer]
         held = kept[layer] if kept and kept[layer] else cap
+        disk_bytes = disk * disk_unit_bytes(m, work, plan, on_disk[layer] if on_disk else 0) if disk else 0
         row["layers"] += 1
-        row["kv_bytes"] += ((gpu + host) * held + disk * cap) * per_tok
+        row["kv_bytes"] += (gpu + host) * held * per_tok + disk_bytes
+        row["disk_bytes"] += disk_bytes
         row["window_bytes"] += m.kv_heads * (min(w, cap) if w else cap) * per_tok
         row["full_bytes"] += m.kv_heads * cap * per_tok
     return list(out.values())

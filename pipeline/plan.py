@@ -70,12 +70,15 @@ class Plan:
     source: str = "user"   # where the plan came from: a rule, the user, the planner
     lossy: LossySpec | None = None   # opt-in lossy KV (quantised / sparse); None = exact
     replay: Replay = Replay.AUTO     # decode as CUDA-graph replays (ON), eager (OFF), or by the rule (AUTO)
+    disk_windows_first: bool = False   # window layers' units go to disk before full layers' (`placement`)
 
     def __post_init__(self) -> None:
         if not isinstance(self.resident, int) or self.resident < 0:
             raise ValueError(f"resident: must be >= 0 units, got {self.resident!r}")
         if not isinstance(self.disk, int) or self.disk < 0:
             raise ValueError(f"disk: must be >= 0 units, got {self.disk!r}")
+        if type(self.disk_windows_first) is not bool:
+            raise ValueError(f"disk_windows_first: must be a bool, got {self.disk_windows_first!r}")
         if self.replay not in (Replay.AUTO, Replay.ON, Replay.OFF):
             raise ValueError(f"replay: must be Replay.AUTO, ON or OFF, got {self.replay!r}")
         if self.replay is Replay.ON and self.replay_blocker:
@@ -140,6 +143,7 @@ class Plan:
                 f"decode group={d.group} depth={d.depth}; resident units={self.resident}, "
                 f"disk units={self.disk}" + "".join(f"; {link} codec {name}" for link, name in p.codecs
                                                     if name != "none")
+                + ("; window units to disk first" if self.disk_windows_first and self.disk else "")
                 + {Replay.AUTO: "", Replay.ON: "; decode replayed (CUDA graph)",
                    Replay.OFF: "; decode eager (replay off)"}[self.replay]
                 + (f"; LOSSY: {self.lossy.describe()}" if self.lossy else ""))
@@ -156,6 +160,8 @@ class Plan:
             out["lossy"] = self.lossy.to_json()
         if self.replay is not Replay.AUTO:
             out["replay"] = self.replay.to_json()
+        if self.disk_windows_first:
+            out["disk_windows_first"] = True
         return out
 
     @classmethod
@@ -210,11 +216,11 @@ class Plan:
                    LossySpec.from_json(field(obj, "lossy", dict, "", None) if obj.get("lossy") is not None else None))
         if replay is Replay.ON and plan.replay_blocker:
             raise ValueError(f"plan.replay: true, but {plan.replay_blocker}; set it to false or null")
-        return plan.with_(replay=replay)
+        return plan.with_(replay=replay, disk_windows_first=field(obj, "disk_windows_first", bool, "", False))
 
 
 _REQUIRED = object()
-_JSON_NAMES = {dict: "object", str: "string", int: "integer", list: "array"}
+_JSON_NAMES = {dict: "object", str: "string", int: "integer", list: "array", bool: "boolean"}
 
 
 def _json_type(value: object) -> str:
@@ -248,7 +254,11 @@ def decode_replayed(model: ModelSpec, work: Workload, plan: Plan, device: str = 
 def placement(model: ModelSpec, plan: Plan) -> dict[tuple[int, int], Tier]:
     """Tier of every (layer, KV head) unit. Resident units are spread evenly over layers, lowest
     head indices first (so whole head groups become resident); `disk` offloaded units live on
-    disk, spread over the layers from the highest head index down."""
+    disk, spread over the layers from the highest head index down, full layers' first (or, with
+    `disk_windows_first`, window layers'). A window layer's unit is small on disk as on the host
+    (a ring): full units free the most host RAM a unit, window units move the fewest bytes a
+    step, so where host RAM is short by less than the window units hold, windows first is
+    faster; the planner simulates both (sim/space.py)."""
     L, H = model.layers, model.kv_heads
     tiers: dict[tuple[int, int], Tier] = {}
     for layer in range(L):
@@ -257,9 +267,8 @@ def placement(model: ModelSpec, plan: Plan) -> dict[tuple[int, int], Tier]:
             tiers[(layer, head)] = Tier.GPU if head < n else Tier.HOST
     # Disk takes the highest offloaded head of every layer first, so each layer streams from
     # both tiers and the disk and h2d lanes overlap instead of taking turns layer by layer.
-    # Window layers' units go to disk last: there they keep every token, on the host only a ring.
-    windowed = lambda layer: bool(model.windows) and model.windows[layer] > 0   # noqa: E731
-    offloaded = sorted((u for u in tiers if tiers[u] is Tier.HOST), key=lambda u: (windowed(u[0]), -u[1], u[0]))
+    later = lambda layer: (bool(model.windows) and model.windows[layer] > 0) != plan.disk_windows_first   # noqa: E731
+    offloaded = sorted((u for u in tiers if tiers[u] is Tier.HOST), key=lambda u: (later(u[0]), -u[1], u[0]))
     for u in offloaded[:plan.disk]:
         tiers[u] = Tier.DISK
     return tiers

@@ -28,9 +28,10 @@ LANES = ("gpu", "h2d", "d2h", "disk")
 SEGMENTS = 6   # runs of prefill chunks evaluated at their mean start
 
 
-def layer_classes(model: ModelSpec, resident: int, disk: int) -> Counter:
+def layer_classes(model: ModelSpec, resident: int, disk: int, windows_first: bool = False) -> Counter:
     """How many layers share each (offloaded heads, disk heads) split."""
-    tiers = placement(model, Plan(Method.HEADWISE, PhasePlan(1, 1), PhasePlan(1, 1), resident, disk))
+    tiers = placement(model, Plan(Method.HEADWISE, PhasePlan(1, 1), PhasePlan(1, 1), resident, disk,
+                                  disk_windows_first=windows_first))
     classes: Counter = Counter()
     for layer in range(model.layers):
         off = tuple(h for h in range(model.kv_heads) if tiers[(layer, h)] is not Tier.GPU)
@@ -99,13 +100,13 @@ def step_busy(model: ModelSpec, work: Workload, hw: HardwareProfile, layout: tup
             if o and start > 0:
                 h2d += k * (B * o * hw.h2d_alpha_s + B * fetched * o * ut / hw.h2d_bytes_per_s)
             if d and start > 0:
-                disk += k * (B * d * hw.disk_alpha_s + B * start * d * ut / hw.disk_read_bytes_per_s)
+                disk += k * (B * d * hw.disk_alpha_s + B * fetched * d * ut / hw.disk_read_bytes_per_s)   # ring rows too
         d2h = 0.0
+        stored = min([n] + [ring_tokens(w, work.kv_capacity) or n for w in m.windows])   # a ring keeps its tail
         if n_off:
-            stored = min([n] + [ring_tokens(w, work.kv_capacity) or n for w in m.windows])   # a ring keeps its tail
             d2h = B * n_off * hw.d2h_alpha_s + B * stored * n_off * ut / hw.d2h_bytes_per_s
         if n_dsk:
-            disk += B * n_dsk * hw.disk_alpha_s + B * n * n_dsk * ut / hw.disk_write_bytes_per_s
+            disk += B * n_dsk * hw.disk_alpha_s + B * stored * n_dsk * ut / hw.disk_write_bytes_per_s
         for lane, v in (("gpu", layer), ("h2d", h2d), ("d2h", d2h), ("disk", disk)):
             busy[lane] += count * v
     if with_head:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from kvpipe.pipeline.fusion import decode_fused
 from kvpipe.pipeline.hardware import HardwareProfile
 from kvpipe.pipeline.memory import breakdown, gpu_budget_for, over_limits
-from kvpipe.pipeline.windows import least_true, most_true, rings
+from kvpipe.pipeline.windows import least_true, most_true, rings, windowed_offloaded
 from kvpipe.pipeline.model import ModelSpec
 from kvpipe.pipeline.plan import Method, PhasePlan, Plan, decode_replayed
 from kvpipe.pipeline.replay import Replay, blocker
@@ -134,7 +134,10 @@ class _Search:
         off = U - resident
         disk = 0
         if rings(self.model, self.work, plan):   # units of unequal sizes: the fewest by bisection
-            disk = least_true(off, lambda d: breakdown(self.model, self.work, plan.with_(resident=resident, disk=d)).host <= host_cap)
+            fits = lambda d: (breakdown(self.model, self.work, plan.with_(resident=resident, disk=d)).host  # noqa: E731
+                              <= host_cap)
+            most = windowed_offloaded(self.model, resident) if plan.disk_windows_first else off
+            disk = 0 if fits(0) else least_true(most, fits)
         elif off * unit > host_cap:
             ring = breakdown(self.model, self.work, plan.with_(resident=resident, disk=1)).host_buffers
             disk = min(off, math.ceil((off * unit + ring - host_cap) / unit))
@@ -154,6 +157,16 @@ class _Search:
         if not chunk_pinned and mem.gpu + self.fragmentation(plan) > fill:
             return None   # a chunk the search chose must leave the allocator room for its blocks
         return placed
+
+    def placements(self, plan: Plan, resident: int, pinned: bool, chunk_pinned: bool) -> list[Plan]:
+        """`place`'s plan, and where it has disk units and window layers keep rings, the plan
+        placed with window units to disk first (plan.placement: fewer bytes a step where host RAM
+        is short by less than they hold); the simulator ranks them."""
+        first = self.place(plan, resident, pinned, chunk_pinned)
+        if first is None or not first.disk or not rings(self.model, self.work, plan):
+            return [first] if first is not None else []
+        other = self.place(plan.with_(disk_windows_first=True), resident, pinned, chunk_pinned)
+        return [first] + ([other] if other is not None else [])
 
     def fragmentation(self, plan: Plan) -> int:
         return fragmentation_room(self.model, self.work, plan)
@@ -185,14 +198,12 @@ class _Search:
                             if m.units <= EVERY_RESIDENT_UNITS:
                                 rs = set(range(top + 1))
                         for r in rs:
-                            plan = self.place(base, r, pins.resident is not None, pins.chunk is not None)
-                            if plan is None:
-                                continue
-                            if plan.resident == m.units:   # nothing streams: depth is moot
-                                plan = plan.with_(prefill=PhasePlan(gp, chunk, 2), decode=PhasePlan(gd, 1, 2))
-                            plan = self.stamped(plan)
-                            if plan is not None:
-                                out.setdefault(_key(plan), plan)
+                            for plan in self.placements(base, r, pins.resident is not None, pins.chunk is not None):
+                                if plan.resident == m.units:   # nothing streams: depth is moot
+                                    plan = plan.with_(prefill=PhasePlan(gp, chunk, 2), decode=PhasePlan(gd, 1, 2))
+                                plan = self.stamped(plan)
+                                if plan is not None:
+                                    out.setdefault(_key(plan), plan)
         return list(out.values())
 
     def layout(self, rd: tuple[int, int], group: int) -> tuple:
@@ -204,7 +215,7 @@ class _Search:
         return self.layouts[key]
 
     def estimate(self, plan: Plan) -> Estimate:
-        rd = (plan.resident, plan.disk)
+        rd = (plan.resident, plan.disk, plan.disk_windows_first)
         pk = (plan.prefill.group, plan.prefill.chunk) + rd
         if pk not in self.pre:
             self.pre[pk] = prefill_estimate(self.model, self.work, self.hw, self.layout(rd, pk[0]), *pk[:2])
@@ -237,7 +248,7 @@ def sim_cost(model: ModelSpec, work: Workload, plan: Plan, full: bool = False) -
 
 
 def _key(plan: Plan) -> tuple:
-    return (plan.prefill, plan.decode, plan.resident, plan.disk, plan.replay)
+    return (plan.prefill, plan.decode, plan.resident, plan.disk, plan.replay, plan.disk_windows_first)
 
 
 def _smallest_budget(s: _Search, space: Space, pins: Pins) -> str:

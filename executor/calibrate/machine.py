@@ -37,7 +37,8 @@ def link_codecs(cal: Calibration, quick: bool, tokens: int = 32768) -> None:
     from kvpipe.pipeline.codecs import H2D_BLOCK_TOKENS
 
     from kvpipe.executor.calibrate import codecs
-    from kvpipe.executor.kv.layout import MAX_BLOCK, DiskOptions
+    from kvpipe.executor.kv.layout import DiskOptions
+    from kvpipe.pipeline.disk_rows import MAX_BLOCK
     made: list[torch.Tensor] = []
 
     def kv() -> torch.Tensor:                    # [units, tokens, 2, D] bf16, made once (a failure: each step says so)

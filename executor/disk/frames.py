@@ -19,7 +19,7 @@ class FramedDiskFile(DiskFile):
 
     def __init__(self, kv_dir: str, rows: int, row_bytes: int, block_bytes: int, threads: int,
                  pin: bool, codec, elem: int, io: str | None = None) -> None:
-        super().__init__(kv_dir, rows, row_bytes, block_bytes, threads, pin, io)
+        super().__init__(kv_dir, rows, row_bytes, block_bytes, threads, pin, io)   # no ring rows (windows.disk_rings)
         self.codec, self.elem = codec, elem
         self.stored = [[0] * self.blocks_per_row for _ in range(rows)]      # frame bytes; 0: raw
         self.pending: list[list[tuple[int, torch.Tensor]]] = [[] for _ in range(rows)]

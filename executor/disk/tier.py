@@ -6,26 +6,30 @@ A *row* is one sequence's K/V of one disk unit, `row_bytes` long at most, stored
 `block_bytes`. Rows only grow at their end: new bytes go into the row's in-memory tail block;
 a full tail is written to its slot in the file. A read of a row's prefix takes the full blocks
 from the file (verifying each one's crc) and the rest from the tail, so nothing is read that was
-not written, and every offset and length the kernel sees is block-aligned. (With a codec the
-blocks are stored as frames: `executor.disk.frames`.)"""
+not written, and every offset and length the kernel sees is block-aligned. A *ring row* (a
+window layer's unit, pipeline/disk_rows.py) has smaller blocks and few slots: logical block k of
+its byte stream lies in slot k mod n, so the file keeps only the stream's last n blocks, and a
+read of its end from a block boundary is at most two contiguous requests and the tail. (With a
+codec the blocks are stored as frames: `executor.disk.frames`.)"""
 from __future__ import annotations
 
 import errno
 import os
 import shutil
 import tempfile
-import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from itertools import accumulate
 
 import crc32c
 import torch
 
+from kvpipe.pipeline.disk_rows import ring_block_bytes, ring_blocks
 from kvpipe.pipeline.units import fmt_bytes
 
 from kvpipe.executor.disk.io import PosixIO, lock, open_io
+from kvpipe.executor.disk.stats import DiskStats
 from kvpipe.executor.kv.pinned import ALIGN   # O_DIRECT alignment of addresses, offsets and lengths (safe for 512e and 4Kn disks)
 
 IO_BYTES = 8 << 20      # one read request covers at most this many bytes (several blocks)
@@ -61,44 +65,15 @@ def free_bytes(kv_dir: str) -> int:
     return shutil.disk_usage(kv_dir).free
 
 
-@dataclass
-class DiskStats:
-    """What the disk tier did: bytes and seconds (summed over threads), and notes for the report."""
-
-    read_bytes: int = 0
-    write_bytes: int = 0
-    read_s: float = 0.0          # inside preadv, summed over threads
-    write_s: float = 0.0         # inside pwritev
-    checksum_s: float = 0.0      # crc32c of written and read blocks
-    checksum_bytes: int = 0
-    codec_raw_bytes: int = 0     # raw bytes of the blocks a codec encoded
-    codec_stored_bytes: int = 0  # what they became (raw-stored blocks count their raw size)
-    encode_s: float = 0.0        # codec time, summed over threads
-    decode_s: float = 0.0
-    io: str = ""                 # the I/O backend's description (executor.disk.io)
-    notes: list[str] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add(self, **kw) -> None:
-        with self.lock:
-            for k, v in kw.items():
-                setattr(self, k, getattr(self, k) + v)
-
-    def to_json(self) -> dict:
-        return {"read_bytes": self.read_bytes, "write_bytes": self.write_bytes, "read_s": self.read_s,
-                "write_s": self.write_s, "checksum_s": self.checksum_s,
-                "checksum_bytes": self.checksum_bytes, "codec_raw_bytes": self.codec_raw_bytes,
-                "codec_stored_bytes": self.codec_stored_bytes, "encode_s": self.encode_s,
-                "decode_s": self.decode_s, "io": self.io, "notes": list(self.notes)}
-
-
 class DiskFile:
     """Rows of blocks in one file under `kv_dir`; a context manager (creates on enter, removes on
     exit, whatever the exit). Thread-safe across rows; one row is used by one stage at a time."""
 
     def __init__(self, kv_dir: str, rows: int, row_bytes: int, block_bytes: int, threads: int,
-                 pin: bool, io: str | None = None) -> None:
-        """`io`: the I/O backend, auto/posix/kvikio (None: $KVPIPE_DISK_IO; see executor.disk.io)."""
+                 pin: bool, io: str | None = None, rings: tuple[int, ...] = ()) -> None:
+        """`io`: the I/O backend, auto/posix/kvikio (None: $KVPIPE_DISK_IO; see executor.disk.io);
+        `rings`: per row, the bytes of the stream's end it must keep as a ring row (0: a row of
+        every byte; (): none)."""
         if block_bytes <= 0 or block_bytes % ALIGN:
             raise ValueError(f"block_bytes: must be a positive multiple of {ALIGN}, got {block_bytes}")
         if threads <= 0:
@@ -107,13 +82,23 @@ class DiskFile:
         self.threads, self.pin, self.io_kind = threads, pin, io
         self.io: PosixIO | None = None
         self.blocks_per_row = row_bytes // block_bytes        # full blocks; the partial one stays a tail
+        if rings and len(rings) != rows:
+            raise ValueError(f"rings: one entry per row expected ({rows}), got {len(rings)}")
+        self.rings = tuple(rings) or (0,) * rows
+        self.block = [ring_block_bytes(r, block_bytes) if r else block_bytes for r in self.rings]   # per row
+        self.slots = [ring_blocks(r, b) if r else self.blocks_per_row for r, b in zip(self.rings, self.block)]
+        self.base = [0, *accumulate(n * b for n, b in zip(self.slots, self.block))][:rows]   # a row's first slot
+        self.tail_at = [0, *accumulate(self.block)][:rows]                                # its tail in `tails`
         self.path: str | None = None
         self.fd: int | None = None
         self.stats = DiskStats()
 
     @property
     def file_bytes(self) -> int:
-        return self.rows * self.blocks_per_row * self.block_bytes
+        return sum(n * b for n, b in zip(self.slots, self.block))
+
+    def row_file_bytes(self, row: int) -> int:
+        return self.slots[row] * self.block[row]
 
     # ---- lifetime ----------------------------------------------------------------------
     def open(self) -> "DiskFile":
@@ -127,9 +112,10 @@ class DiskFile:
             lock(self.fd)   # held while the run lives: a file without it was left by a dead run
             self.io = open_io(self.io_kind, self.path, self.fd, self.threads)
             self.stats.io = self.io.describe()
-            self.tails = aligned_buffer(self.rows * self.block_bytes, pin=False)   # [rows * block]
+            self.tails = aligned_buffer(sum(self.block), pin=False)   # each row's tail block
             self.fill = [0] * self.rows                      # bytes written to each row so far
-            self.crcs = [[0] * self.blocks_per_row for _ in range(self.rows)]
+            self.top = [0] * self.rows                       # the most a ring row held since it was emptied
+            self.crcs = [[0] * n for n in self.slots]        # per slot
             self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kvpipe-disk")
         except BaseException:
             self.close()
@@ -188,11 +174,16 @@ class DiskFile:
         self.close()
 
     # ---- I/O ---------------------------------------------------------------------------
+    def _slot(self, row: int, block: int) -> int:
+        """The slot of the row's logical block (a ring row's wraps)."""
+        return block % self.slots[row] if self.rings[row] else block
+
     def _offset(self, row: int, block: int) -> int:
-        return (row * self.blocks_per_row + block) * self.block_bytes
+        return self.base[row] + self._slot(row, block) * self.block[row]
 
     def _tail(self, row: int) -> memoryview:
-        return memoryview(self.tails[row * self.block_bytes:(row + 1) * self.block_bytes].numpy())
+        at = self.tail_at[row]
+        return memoryview(self.tails[at:at + self.block[row]].numpy())
 
     def append(self, items: list[tuple[int, memoryview]]) -> None:
         """Append bytes to rows: items (row, bytes); full tail blocks are checksummed and written.
@@ -200,9 +191,14 @@ class DiskFile:
         self._parallel([(self._append_row, row, data) for row, data in items])
 
     def _append_row(self, row: int, data: memoryview) -> None:
-        B, pos, n = self.block_bytes, 0, len(data)
+        B, pos, n = self.block[row], 0, len(data)
         if self.fill[row] + n > self.row_bytes:
             raise ValueError(f"disk row {row}: {self.fill[row] + n} bytes exceed its {self.row_bytes}")
+        if self.rings[row]:   # a ring row: blocks this append would overwrite again are not written
+            keep = ((self.fill[row] + n) // B - self.slots[row]) * B
+            pos = max(0, keep - self.fill[row])
+            self.fill[row] += pos
+            self.top[row] = max(self.top[row], self.fill[row] + n - pos)
         tail = self._tail(row)
         while pos < n:
             at = self.fill[row] % B
@@ -220,7 +216,7 @@ class DiskFile:
     def _write_block(self, row: int, block: int, buf: memoryview, checksum: bool = True) -> None:
         t0 = time.perf_counter()
         if checksum:
-            self.crcs[row][block] = crc32c.crc32c(buf)
+            self.crcs[row][self._slot(row, block)] = crc32c.crc32c(buf)
         t1 = time.perf_counter()
         try:
             done = self.io.pwrite(buf, self._offset(row, block))
@@ -238,7 +234,11 @@ class DiskFile:
         """Keep the row's first `nbytes`; a cut inside a written block brings it back to the tail."""
         if nbytes >= self.fill[row]:
             return
-        B, k = self.block_bytes, nbytes // self.block_bytes
+        B, k = self.block[row], nbytes // self.block[row]
+        if nbytes == 0:
+            self.top[row] = 0
+        elif self.rings[row] and k < self.top[row] // B - self.slots[row]:
+            raise ValueError(f"disk row {row}: its ring no longer holds byte {nbytes}")
         if nbytes % B and (k + 1) * B <= self.fill[row]:
             tail = self._tail(row)
             if self.io.pread(tail, self._offset(row, k)) != B:
@@ -246,37 +246,51 @@ class DiskFile:
             self._verify(row, k, tail)
         self.fill[row] = nbytes
 
-    def read(self, items: list[tuple[int, memoryview]]) -> int:
-        """Fill each (row, dst) with the row's first len(dst) bytes, which must be all it holds;
-        dst must start ALIGN-aligned. Raises DiskError naming file and offset on a bad checksum.
-        Returns the bytes read from the file."""
+    def read(self, items: list[tuple]) -> int:
+        """Fill each (row, dst) with the row's first len(dst) bytes, which must be all it holds,
+        or each (row, dst, first) with its bytes from `first` (a multiple of the row's block) to
+        its end; dst must start ALIGN-aligned. Raises DiskError naming file and offset on a bad
+        checksum. Returns the bytes read from the file."""
         before = self.stats.read_bytes
         tasks = []
-        for row, dst in items:
-            n = len(dst)
-            full = self._full_blocks(row, n)
-            step = max(IO_BYTES // self.block_bytes, 1)
-            for b0 in range(0, full, step):
-                tasks.append((self._read_blocks, row, b0, min(b0 + step, full), dst))
-            if n % self.block_bytes:
-                tasks.append((self._copy_tail, row, full, dst))
+        for row, dst, *first in items:
+            first = first[0] if first else 0
+            k0, full = self._span(row, first, len(dst))
+            B = self.block[row]
+            step = max(IO_BYTES // B, 1)
+            b0 = k0
+            while b0 < full:   # a request ends at IO_BYTES or where a ring row wraps
+                wrap = b0 + self.slots[row] - b0 % self.slots[row] if self.rings[row] else full
+                b1 = min(b0 + step, full, wrap)
+                tasks.append((self._read_blocks, row, b0, b1, dst, k0))
+                b0 = b1
+            if (first + len(dst)) % B:
+                tasks.append((self._copy_tail, row, full, dst, k0))
         self._parallel(tasks)
         return self.stats.read_bytes - before
 
+    def _span(self, row: int, first: int, n: int) -> tuple[int, int]:
+        """(first block, full blocks) of a read of the row from byte `first` to its end, `n` bytes."""
+        B = self.block[row]
+        if first + n != self.fill[row] or first % B:
+            raise ValueError(f"disk row {row}: read of {n} bytes from {first}, it holds {self.fill[row]} "
+                             f"(reads start on a {B}-byte block)")
+        if self.rings[row] and first // B < self.top[row] // B - self.slots[row]:
+            raise ValueError(f"disk row {row}: its ring no longer holds byte {first}")
+        return first // B, self.fill[row] // B
+
     def _full_blocks(self, row: int, n: int) -> int:
-        if n != self.fill[row]:
-            raise ValueError(f"disk row {row}: read of {n} bytes, it holds {self.fill[row]}")
-        return n // self.block_bytes
+        return self._span(row, 0, n)[1]
 
     def _verify(self, row: int, k: int, data: memoryview) -> None:
-        if crc32c.crc32c(data) != self.crcs[row][k]:
+        if crc32c.crc32c(data) != self.crcs[row][self._slot(row, k)]:
             raise DiskError(errno.EIO, f"disk: checksum mismatch in {self.path} at offset "
                                        f"{self._offset(row, k)} (block of {self.block_bytes} bytes): "
                                        "the KV file is corrupt")
 
-    def _read_blocks(self, row: int, b0: int, b1: int, dst: memoryview) -> None:
-        B = self.block_bytes
-        view = dst[b0 * B:b1 * B]
+    def _read_blocks(self, row: int, b0: int, b1: int, dst: memoryview, k0: int = 0) -> None:
+        B = self.block[row]
+        view = dst[(b0 - k0) * B:(b1 - k0) * B]
         t0 = time.perf_counter()
         done = self.io.pread(view, self._offset(row, b0))
         t1 = time.perf_counter()
@@ -287,8 +301,8 @@ class DiskFile:
         self.stats.add(read_bytes=len(view), read_s=t1 - t0, checksum_s=time.perf_counter() - t1,
                        checksum_bytes=len(view))
 
-    def _copy_tail(self, row: int, full: int, dst: memoryview) -> None:
-        at = full * self.block_bytes
+    def _copy_tail(self, row: int, full: int, dst: memoryview, k0: int = 0) -> None:
+        at = (full - k0) * self.block[row]
         dst[at:] = self._tail(row)[:len(dst) - at]
 
     def _parallel(self, tasks: list[tuple]) -> None:

@@ -217,7 +217,7 @@ class Interpreter:
 
     # ---- disk lane (runs on a worker thread, after the CUDA work it depends on is done) -------
     def _disk_read(self, s: Stage) -> None:
-        assert s.tokens[0] == 0 and s.slot is not None, (s.name, s.tokens, s.slot)
+        assert s.tokens[0] == self.store.layout.disk_first(s.layer, s.tokens[1]) and s.slot is not None, (s.name, s.tokens)
         base = s.group * self.group[s.phase]
         self.moved[s.id] = self._home.disk_read(s.layer, s.heads, base, s.slot, s.tokens[1])
 

@@ -186,12 +186,14 @@ class LiveSession:
         self._truncate_disk()
 
     def _truncate_disk(self) -> None:
-        """Disk rows are append-only: decode steps run past the end (engine/decoding.LAG) wrote
-        tokens the conversation does not keep; their rows are cut back to its length."""
+        """Disk rows grow at their end (a ring row's too): decode steps run past the end
+        (engine/decoding.LAG) wrote tokens the conversation does not keep; their rows are cut back
+        to its length (a ring row's within what it still holds: RingMarks.holds decided)."""
         disk = self.store.disk
-        if disk is not None:
+        if disk is not None:   # a run stopped after its rings moved on: emptied (the next extend prefills all)
+            n = self.length if self.store.marks.holds(self.length) else 0
             for row in range(disk.rows):
-                disk.truncate(row, self.length * self.store.token_bytes)
+                disk.truncate(row, n * self.store.token_bytes)
 
     # ---- a saved KV directory (executor/kv/saved.py) ---------------------------------------
     def load(self, directory, man: dict, overlap: bool = False) -> LoadStats | None:

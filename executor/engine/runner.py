@@ -163,6 +163,8 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
             peak = torch.cuda.max_memory_allocated(device) if cuda else 0
             host, disk_bytes = store.host_bytes, store.disk_bytes
             disk_stats = store.disk.stats.to_json() if store.disk is not None else None
+            if disk_stats is not None:   # the file's size, and per layer kind
+                disk_stats.update(store.disk_file_json(graph.model.layer_kinds))
             codec_stats = store.coded.stats() if store.coded is not None else None
             sparse_paths = store.sparse.paths() if store.sparse is not None else None
             dequant_paths = store.q.paths() if store.q is not None else None

@@ -8,11 +8,9 @@ from kvpipe.pipeline.layer_kinds import first_visible
 from kvpipe.pipeline.lossy import LossySpec
 from kvpipe.pipeline.plan import Tier, placement
 from kvpipe.pipeline.stage import Graph
-from kvpipe.pipeline.windows import rings, scratch_tokens, slot_tokens
+from kvpipe.pipeline.windows import disk_rings, rings, scratch_tokens, slot_tokens
 
 from kvpipe.executor.disk.tier import ALIGN
-
-MAX_BLOCK = 1 << 20   # checksummed disk block: large enough for full-speed requests, small for the tail
 
 
 @dataclass(frozen=True)
@@ -41,6 +39,7 @@ class KVLayout:
     windows: tuple[int, ...] = ()   # per layer, its attention window (0: full), where `rings` is set
     slot_tokens: int = 0          # tokens a transfer slot holds (0: capacity)
     scratch_tokens: int = 0       # tokens of the buffer a ring layer's resident window is copied into
+    disk_rings: tuple[int, ...] = ()   # per layer, the tokens its disk rows keep as a ring (0: all; windows.disk_rings)
 
     def __post_init__(self) -> None:
         for f in ("batch", "kv_heads", "head_dim", "capacity"):
@@ -78,7 +77,7 @@ class KVLayout:
                    quant, plan.lossy.group if quant else 0, plan.lossy.vgroup if quant else 0, h2d,
                    plan.lossy if plan.lossy is not None and plan.lossy.sparse is not None and offloaded else None,
                    ring, m.windows if ring else (), slot_tokens(m, w, ring) if ring else 0,
-                   scratch_tokens(m, plan, ring))
+                   scratch_tokens(m, plan, ring), disk_rings(plan, ring) if any(disk) else ())
 
     @property
     def layers(self) -> int:
@@ -96,6 +95,15 @@ class KVLayout:
         """The first token a step at `start` reads of the layer's prefix (its window's first where
         the layer keeps a ring: pipeline/windows.fetch_from)."""
         return first_visible(start, self.windows[layer]) if self.ring(layer) else 0
+
+    def disk_ring(self, layer: int) -> int:
+        """Tokens the layer's disk rows keep as a ring, 0: every token."""
+        return self.disk_rings[layer] if self.disk_rings else 0
+
+    def disk_first(self, layer: int, start: int) -> int:
+        """The first token a step at `start` reads of the layer's disk rows (its window's first
+        where they keep a ring, else 0)."""
+        return first_visible(start, self.windows[layer]) if self.disk_ring(layer) else 0
 
     def n_disk(self, layer: int) -> int:
         return self.disk[layer] if self.disk else 0

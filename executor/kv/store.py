@@ -6,9 +6,11 @@ Layout, per layer, K and V interleaved per token so that one head's prefix is ON
 copy per sequence (the builder's `ops = batch * heads`); S: S_cap, or a window layer's ring (ring.py):
   gpu[layer]   [B, n_res, S, 2, D]   resident heads 0 .. n_res-1 (lowest indices first)
   host[layer]  [B, n_host, S, 2, D]  host heads n_res .. n_res+n_host-1, pinned on CUDA
-  disk rows    one row per (layer, sequence, disk head), heads n_res+n_host .. H-1 (the top ones)
+  disk rows    one row per (layer, sequence, disk head), heads n_res+n_host .. H-1 (the top ones);
+               a window layer's a ring row (disk/tier.py) where layout.disk_rings says so
   wstage[layer] [B, n_disk, W, 2, D] new K/V of disk heads on their way to disk (W: chunk)
-  rstage[i]    [B, G_max, row]       disk heads' prefixes read for slot i (page-aligned rows)
+  rstage[i]    [B, G_max, row]       disk heads' prefixes read for slot i (page-aligned rows; a ring
+                                     row's window from the start of its first block)
   slots[i]     [B, G_max, S_slot, 2, D]  group head j at slot row j
 Every buffer is allocated once (uninitialised: only written tokens are ever read), in `open()`,
 for the whole workload; `close()` frees it all. Copies are issued on the caller's current
@@ -17,13 +19,13 @@ from __future__ import annotations
 
 import torch
 
-from kvpipe.executor.disk.tier import ALIGN, DiskFile, aligned_buffer, default_kv_dir
-from kvpipe.executor.disk.frames import FramedDiskFile
-from kvpipe.executor.kv.layout import MAX_BLOCK, DiskOptions, KVLayout
+from kvpipe.executor.disk.tier import DiskFile
+from kvpipe.executor.kv.disk_lane import DiskLane
+from kvpipe.executor.kv.layout import DiskOptions, KVLayout
 from kvpipe.executor.kv.pinned import HostArena
 from kvpipe.executor.kv import ring as rings
 
-class KVStore:
+class KVStore(DiskLane):
     """The KV buffers of one run on `device` in `dtype`; a context manager (allocates on enter)."""
 
     def __init__(self, layout: KVLayout, device: torch.device, dtype: torch.dtype,
@@ -82,33 +84,6 @@ class KVStore:
 
     token_bytes = property(lambda self: 2 * self.layout.head_dim * self.dtype.itemsize)   # one unit's token, K and V
 
-    @property
-    def row_stride(self) -> int:
-        return -(-self.layout.capacity * self.token_bytes // ALIGN) * ALIGN
-
-    def _open_disk(self) -> None:
-        lo, opts = self.layout, self.disk_opts
-        B, D, W = lo.batch, lo.head_dim, lo.write_tokens
-        self.row_base = [B * sum(lo.disk[:i]) for i in range(lo.layers)]
-        self.wstage = [self.arena.empty((B, d, W, 2, D), self.dtype) if d and not lo.quant_bits else None
-                       for d in lo.disk]
-        self.rstage = self.arena.bytes(lo.slots * B * lo.slot_heads * self.row_stride)
-        codec = None
-        if lo.disk_codec != "none":
-            from kvpipe.executor.codecs import load
-            codec = load(lo.disk_codec)
-            self.cstage = aligned_buffer(self.rstage.numel(), pin=False)   # stored frames, as read
-        wbytes = W * self.token_bytes
-        if lo.quant_bits:   # LOSSY: a step writes quantised records (executor/quant/store.py)
-            from kvpipe.executor.quant.blocks import BlockCodec
-            wbytes = max(1, W // lo.quant_group) * BlockCodec(lo.quant_bits, lo.quant_group, D, self.dtype,
-                                                              lo.quant_vgroup).record
-        block = opts.block_bytes or min(max(1 << (wbytes - 1).bit_length(), ALIGN), MAX_BLOCK)
-        args = (opts.kv_dir or default_kv_dir(), B * sum(lo.disk), lo.capacity * self.token_bytes, block,
-                opts.threads, self.cuda)
-        self.disk = DiskFile(*args) if codec is None else FramedDiskFile(*args, codec, self.dtype.itemsize)
-        self.disk.open()
-
     def close(self) -> None:
         try:
             if self.cuda:
@@ -142,8 +117,6 @@ class KVStore:
         """Host bytes the arena pinned or carved: its share of `host_bytes` and the slack of the
         power-of-two blocks torch-pinned homes are carved from (pinned.carve); 0 on CPU runs."""
         return self.arena.reserved_bytes
-
-    disk_bytes = property(lambda self: self.disk.file_bytes if self.disk is not None else 0)
 
     @property
     def gpu_bytes(self) -> int:
@@ -206,7 +179,7 @@ class KVStore:
                 if h < first_disk:   # [R, 2, D] home, contiguous
                     moved += rings.read(host[b, h - n], first, length, ring, dst[b, h - base], self.cuda)
                     continue
-                src = self._rstage_row(slot, b, h - base, length)[first:]   # disk rows hold every token
+                src = self._staged(layer, slot, b, h - base, first, length)
                 dst[b, h - base, :length - first].copy_(src, non_blocking=self.cuda)
                 moved += src.numel() * src.element_size()
         return moved
@@ -230,63 +203,6 @@ class KVStore:
                 self.wstage[layer][b, h - first_disk, :T].copy_(src, non_blocking=self.cuda)   # staged for kv_write
                 moved += src.numel() * src.element_size()
         return moved
-
-    # ---- disk lane -----------------------------------------------------------------------
-    def _rstage_row(self, slot: int, b: int, j: int, length: int) -> torch.Tensor:
-        """[P, 2, D] view of the read staging row of slot `slot`, sequence b, group row j."""
-        lo = self.layout
-        at = ((slot * lo.batch + b) * lo.slot_heads + j) * self.row_stride
-        return self.rstage[at:at + length * self.token_bytes].view(self.dtype).view(length, 2, lo.head_dim)
-
-    def _row(self, layer: int, b: int, h: int) -> int:
-        return self.row_base[layer] + b * self.layout.n_disk(layer) + h - self.layout.first_disk(layer)
-
-    def _read_items(self, layer, heads, base, slot, length):
-        """(row, staging bytes) of each disk head's prefix, and the rows' frame staging."""
-        assert heads and heads[0] >= self.layout.first_disk(layer), (layer, heads)
-        items, frames = [], []
-        for b in range(self.layout.batch):
-            for h in heads:
-                dst = self._rstage_row(slot, b, h - base, length).view(torch.uint8).reshape(-1)
-                items.append((self._row(layer, b, h), memoryview(dst.numpy())))
-                if self.cstage is not None:
-                    at = dst.data_ptr() - self.rstage.data_ptr()     # same place in the frame staging
-                    frames.append(memoryview(self.cstage[at:at + self.row_stride].numpy()))
-        return items, frames
-
-    def disk_read(self, layer: int, heads: tuple[int, ...], base: int, slot: int, length: int) -> int:
-        """Read the prefix [0, length) of disk `heads` into the read staging of `slot` (head h at
-        group row h - base), verifying every block (with a codec: their frames, for
-        `disk_decode`); returns bytes read from the file (raw: bytes delivered)."""
-        items, frames = self._read_items(layer, heads, base, slot, length)
-        if frames:
-            return self.disk.read(items, frames)
-        self.disk.read(items)
-        return sum(len(mv) for _, mv in items)
-
-    def disk_decode(self, layer: int, heads: tuple[int, ...], base: int, slot: int, length: int) -> int:
-        """Decode the frames `disk_read` fetched into the read staging of `slot`; returns raw bytes."""
-        items, frames = self._read_items(layer, heads, base, slot, length)
-        self.disk.decode(items, frames)
-        return sum(len(mv) for _, mv in items)
-
-    def disk_flush(self, layer: int, heads: tuple[int, ...]) -> int:
-        """Write the frames `disk_write` encoded (with a codec); returns bytes written."""
-        return self.disk.flush([self._row(layer, b, h) for b in range(self.layout.batch) for h in heads])
-
-    def disk_write(self, layer: int, heads: tuple[int, ...], start: int, tokens: int) -> int:
-        """Append the staged new K/V [start, start+tokens) of disk `heads` to their rows."""
-        fd = self.layout.first_disk(layer)
-        assert heads and heads[0] >= fd, (layer, heads)
-        items = []
-        for b in range(self.layout.batch):
-            for h in heads:
-                row = self._row(layer, b, h)
-                assert self.disk.fill[row] == start * self.token_bytes, (layer, h, start, self.disk.fill[row])
-                src = self.wstage[layer][b, h - fd, :tokens]
-                items.append((row, memoryview(src.view(torch.uint8).reshape(-1).numpy())))
-        self.disk.append(items)
-        return sum(len(mv) for _, mv in items)
 
 
 def k_of(buf: torch.Tensor) -> torch.Tensor:
