@@ -8,7 +8,7 @@ import argparse
 import json
 import sys
 
-from kvpipe.pipeline.units import fmt_seconds
+from kvpipe.pipeline.units import fmt_seconds, parse_tokens
 
 from . import cli, generation as gen
 
@@ -71,9 +71,17 @@ def add_sampling_flags(g) -> None:
 
 def add_kept_flags(g) -> None:
     """The capacity of a kept conversation (generate --save-kv/--load-kv, chat)."""
-    g.add_argument("--max-context", type=int, metavar="TOKENS",
+    g.add_argument("--max-context", type=_token_count, metavar="TOKENS",
                    help="tokens the kept KV can hold, planned up front (generate: prompt + --max-new-tokens; "
                         "chat: the model's positions, at most 32K)")
+
+
+def _token_count(text: str) -> int:
+    """`16K` as --context reads it (argparse names the flag; the message drops parse_tokens' field)."""
+    try:
+        return parse_tokens(text, "tokens")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("tokens: ")) from None
 
 
 def _options(args: argparse.Namespace) -> dict:
