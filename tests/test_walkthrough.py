@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvpipe.cli import build_parser, main
+from test_chat import PLACE, chat, chat_model  # noqa: F401  (a tiny Llama with SmolLM2's chat template)
+from test_generate_smollm2 import smollm2  # noqa: F401  (the converted GGUF, a session fixture)
 
 
 @pytest.mark.parametrize("command", ["generate", "chat"])
@@ -24,3 +26,34 @@ def test_a_bad_max_context_says_which_units_it_takes(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith("kvpipe: error: --max-context: "), err
     assert "128K" in err[0] and "Traceback" not in err[0], err
+
+
+def test_chat_save_faults_are_one_line_and_the_session_goes_on(chat_model, monkeypatch, capsys, tmp_path):
+    """Fault caught: `/save DIR` where DIR cannot be created ending the whole chat session (the
+    conversation lost) with `kvpipe: error: [Errno 20] ...`; `/save` after /reset (or before the
+    first turn) printing transformers' "Cannot apply chat template to an empty conversation";
+    `/save` without DIR and `/foo` answered by the help line alone, not saying what was wrong."""
+    (tmp_path / "file").write_text("x")
+    script = (f"/save {tmp_path / 'early'}\n/save\n/foo\nHi\n/save {tmp_path / 'file' / 'kv'}\n"
+              f"Hi again\n/reset\n/save {tmp_path / 'late'}\n/exit\n")
+    code, turns, err = chat(chat_model, monkeypatch, capsys, script, "--max-context", "200", *PLACE)
+    lines = [x for x in err.splitlines() if not x.startswith("kvpipe: chat, up to")]
+    assert code == 0 and len(turns) == 2, err
+    assert "Traceback" not in err and "chat template" not in err and "error:" not in err, err
+    assert sum("nothing to save yet" in x for x in lines) == 2, lines
+    assert any(x.startswith("kvpipe: /save needs a directory") for x in lines), lines
+    assert any(x.startswith("kvpipe: unknown command /foo") for x in lines), lines
+    assert any(x.startswith(f"kvpipe: /save {tmp_path / 'file' / 'kv'}: ") for x in lines), lines
+    assert not (tmp_path / "early").exists() and not (tmp_path / "late").exists()
+
+
+def test_ctrl_d_at_the_chat_prompt_ends_its_line(monkeypatch, capsys):
+    """Fault caught: Ctrl-D at `> ` leaving the shell's next prompt on the same line as `> `
+    (input() prints no newline at end of file)."""
+    from kvpipe.chat_cli import _lines
+
+    def eof(prompt):
+        raise EOFError
+    monkeypatch.setattr("builtins.input", eof)
+    assert list(_lines(tty=True)) == []
+    assert capsys.readouterr().err == "\n"
