@@ -111,6 +111,15 @@ def summary(res: gen.GenerateResult) -> list[str]:
     return lines
 
 
+def saved_line(directory) -> list[str]:
+    """Where --save-kv wrote the prompt's KV, read back from its manifest (what --load-kv will see)."""
+    if directory is None:
+        return []
+    from pathlib import Path
+    man = json.loads((Path(directory) / "manifest.json").read_text())
+    return [f"kvpipe: saved {man['tokens_saved']} tokens' KV to {directory} (continue with --load-kv {directory})"]
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     stdin = None if args.prompt is not None or args.prompt_file is not None or sys.stdin.isatty() else sys.stdin
     stream = None
@@ -124,7 +133,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         if res.text is None or not res.text.endswith("\n"):
             print()
-        for line in summary(res):
+        for line in summary(res) + saved_line(args.save_kv):
             print(line, file=sys.stderr)
     cli._print_files(args)
     return 0

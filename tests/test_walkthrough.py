@@ -57,3 +57,15 @@ def test_ctrl_d_at_the_chat_prompt_ends_its_line(monkeypatch, capsys):
     monkeypatch.setattr("builtins.input", eof)
     assert list(_lines(tty=True)) == []
     assert capsys.readouterr().err == "\n"
+
+
+def test_generate_save_kv_says_what_it_saved_and_where(chat_model, capsys, tmp_path):
+    """Fault caught: `generate --save-kv DIR` finishing with no word that anything was saved (the
+    user cannot tell a save happened, or how many tokens --load-kv will reuse)."""
+    import json
+    kv = tmp_path / "doc.kv"
+    rc = main(["generate", "--model", str(chat_model), "--random-weights", "--device", "cpu", "--prompt", "Hi",
+               "--max-new-tokens", "2", "--save-kv", str(kv), *PLACE])
+    err = capsys.readouterr().err.splitlines()
+    n = json.loads((kv / "manifest.json").read_text())["tokens_saved"]
+    assert rc == 0 and f"kvpipe: saved {n} tokens' KV to {kv} (continue with --load-kv {kv})" in err, err
