@@ -69,3 +69,13 @@ def test_generate_save_kv_says_what_it_saved_and_where(chat_model, capsys, tmp_p
     err = capsys.readouterr().err.splitlines()
     n = json.loads((kv / "manifest.json").read_text())["tokens_saved"]
     assert rc == 0 and f"kvpipe: saved {n} tokens' KV to {kv} (continue with --load-kv {kv})" in err, err
+
+
+def test_a_cpu_run_does_not_name_the_gpu_as_where_it_ran(tiny_config, capsys):
+    """Fault caught: `kvpipe run --device cpu` printing "measured critical lane: gpu" on a machine
+    with no GPU (the compute lane's name, unexplained)."""
+    rc = main(["run", "--model", tiny_config, "--random-weights", "--device", "cpu", "--context", "32",
+               "--decode-tokens", "2", "--resident", "all", "--no-progress"])
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "measured critical lane:" in x)
+    assert rc == 0 and "gpu" in line and "ran on the CPU" in line, line
