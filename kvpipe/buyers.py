@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 
@@ -102,21 +103,37 @@ def card_rows(jobs: list[PlanOptions], contexts=CONTEXTS, share: bool = True) ->
 
 
 def table(opts: PlanOptions, hws: list[str], host_mems: list[str | None], contexts=CONTEXTS,
-          workers: int | None = None, share: bool = True) -> list[Row]:
+          workers: int | None = None, share: bool = True, progress=None) -> list[Row]:
     """One row per (card, host budget), cards outer, in the order given. A card's rows run in one
     process, sharing its simulations (`card_rows`); `workers` processes (None: one per core)
     compute the cards at once. With fewer cards than workers each row gets its own process
-    instead (sooner done, though the rows of a card then simulate their shared plans twice)."""
+    instead (sooner done, though the rows of a card then simulate their shared plans twice).
+    `progress(done, total)` is called as rows complete (in order)."""
     cards = [[replace(opts, hw=hw, host_mem=host) for host in host_mems] for hw in hws]
     workers = (os.cpu_count() or 1) if workers is None else workers
     if len(cards) < workers and len(host_mems) > 1:   # more cores than cards: one row per process
         cards, share = [[j] for jobs in cards for j in jobs], False
-    workers = min(workers, len(cards))
+    workers, total = min(workers, len(cards)), sum(map(len, cards))
     if workers <= 1:
-        return [r for jobs in cards for r in card_rows(jobs, contexts, share)]
+        done = (card_rows(jobs, contexts, share) for jobs in cards)
+        return _collect(done, total, progress)
     with ProcessPoolExecutor(workers) as pool:
-        done = pool.map(card_rows, cards, [contexts] * len(cards), [share] * len(cards))
-        return [r for rows in done for r in rows]
+        return _collect(pool.map(card_rows, cards, [contexts] * len(cards), [share] * len(cards)), total, progress)
+
+
+def _collect(done, total: int, progress) -> list[Row]:
+    out: list[Row] = []
+    for rows in done:
+        out += rows
+        if progress is not None:
+            progress(len(out), total)
+    return out
+
+
+def _progress_line(done: int, total: int) -> None:
+    """A row counter on stderr (a terminal only): a table of many rows takes minutes."""
+    end = "\n" if done == total else ""
+    print(f"\rkvpipe: buyer's table: {done} of {total} rows done", end=end, file=sys.stderr, flush=True)
 
 
 def _secs(v: float | None) -> str:
@@ -182,7 +199,12 @@ def cmd_table(args) -> int:
         load_profile(hw)
     given = {**vars(args), "hw": hws[0], "host_mem": hosts[0], "plot": None, "trace": None, "out": None}
     opts = PlanOptions.from_args(given)
-    rows = table(opts, hws, hosts)
+    total = len(hws) * len(hosts)
+    tty = sys.stderr.isatty()
+    if tty and total > 1:
+        print(f"kvpipe: buyer's table: {total} rows, each a few seconds of CPU, on up to {os.cpu_count() or 1} "
+              "processes", file=sys.stderr)
+    rows = table(opts, hws, hosts, progress=_progress_line if tty else None)
     if args.json:
         print(json.dumps(to_json(rows, opts.model), indent=2))
     else:

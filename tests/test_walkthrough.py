@@ -79,3 +79,15 @@ def test_a_cpu_run_does_not_name_the_gpu_as_where_it_ran(tiny_config, capsys):
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if "measured critical lane:" in x)
     assert rc == 0 and "gpu" in line and "ran on the CPU" in line, line
+
+
+def test_the_buyers_table_reports_its_rows_as_they_complete():
+    """Fault caught: `kvpipe plan --hw a,b --host-mem x,y` silent for minutes (about 7 s of CPU a
+    row) with no sign of progress: the counter must be called once per row, ending at the total."""
+    from kvpipe import buyers
+    from kvpipe.options import PlanOptions
+    seen = []
+    opts = PlanOptions.from_args({"model": "llama-3-8b", "hw": "rtx4090", "context": "8K"})
+    rows = buyers.table(opts, ["rtx4090", "rtx5090"], ["32GB"], contexts=(8192,), workers=1,
+                        progress=lambda done, total: seen.append((done, total)))
+    assert len(rows) == 2 and seen == [(1, 2), (2, 2)]
