@@ -91,3 +91,15 @@ def test_the_buyers_table_reports_its_rows_as_they_complete():
     rows = buyers.table(opts, ["rtx4090", "rtx5090"], ["32GB"], contexts=(8192,), workers=1,
                         progress=lambda done, total: seen.append((done, total)))
     assert len(rows) == 2 and seen == [(1, 2), (2, 2)]
+
+
+def test_the_readme_commands_table_lists_each_subcommand_once():
+    """Fault caught: the README's Commands table listing `kvpipe generate` twice with two
+    different descriptions, or missing a subcommand `kvpipe --help` offers."""
+    import re
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = text.split("## Commands", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"^\| `kvpipe (\w+)` \|", table, flags=re.M)
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    assert sorted(listed) == sorted(sub.choices), listed
