@@ -103,3 +103,15 @@ def test_the_readme_commands_table_lists_each_subcommand_once():
     listed = re.findall(r"^\| `kvpipe (\w+)` \|", table, flags=re.M)
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     assert sorted(listed) == sorted(sub.choices), listed
+
+
+@pytest.mark.parametrize("flag", [["--compare"], ["--max-context"], ["--out", "p.json"], ["--trace", "t.json"]])
+def test_the_buyers_table_refuses_flags_it_would_drop(capsys, tmp_path, monkeypatch, flag):
+    """Fault caught: `kvpipe plan --hw rtx4090,rtx5090 --compare` (or --max-context, --out FILE,
+    --trace FILE) printing the buyer's table as if the flag were not there: no comparison, and
+    no plan or trace file written though the user asked for one."""
+    monkeypatch.chdir(tmp_path)
+    rc = main(["plan", "--hw", "rtx4090,rtx5090", *flag])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith(f"kvpipe: error: {flag[0]}: "), err
+    assert not any(tmp_path.iterdir())
