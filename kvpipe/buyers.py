@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 
@@ -102,17 +103,34 @@ def card_rows(jobs: list[PlanOptions], contexts=CONTEXTS, share: bool = True) ->
 
 
 def table(opts: PlanOptions, hws: list[str], host_mems: list[str | None], contexts=CONTEXTS,
-          workers: int | None = None, share: bool = True) -> list[Row]:
+          workers: int | None = None, share: bool = True, progress=None) -> list[Row]:
     """One row per (card, host budget), cards outer, in the order given. `workers` processes
-    (None: one per core) compute them: `tasks` says which rows share a process."""
+    (None: one per core) compute them: `tasks` says which rows share a process.
+    `progress(done, total)` is called as rows complete (in order)."""
     cards = [[replace(opts, hw=hw, host_mem=host) for host in host_mems] for hw in hws]
     workers = (os.cpu_count() or 1) if workers is None else workers
+    total = sum(map(len, cards))
     if workers <= 1:
-        return [r for jobs in cards for r in card_rows(jobs, contexts, share)]
+        return _collect((card_rows(jobs, contexts, share) for jobs in cards), total, progress)
     jobs = tasks(cards, workers)
     with ProcessPoolExecutor(min(workers, len(jobs))) as pool:
         done = pool.map(card_rows, jobs, [contexts] * len(jobs), [share] * len(jobs))
-        return [r for rows in done for r in rows]
+        return _collect(done, total, progress)
+
+
+def _collect(done, total: int, progress) -> list[Row]:
+    out: list[Row] = []
+    for rows in done:
+        out += rows
+        if progress is not None:
+            progress(len(out), total)
+    return out
+
+
+def _progress_line(done: int, total: int) -> None:
+    """A row counter on stderr (a terminal only): a table of many rows takes minutes."""
+    end = "\n" if done == total else ""
+    print(f"\rkvpipe: buyer's table: {done} of {total} rows done", end=end, file=sys.stderr, flush=True)
 
 
 def tasks(cards: list[list], workers: int) -> list[list]:
@@ -183,11 +201,20 @@ def cmd_table(args) -> int:
     """`kvpipe plan --hw a,b --host-mem x,y`: the buyer's table (text or --json, and --plot)."""
     from kvpipe.hw_profiles import load_profile
     hws, hosts = split_list(args.hw, "--hw"), split_list(args.host_mem, "--host-mem")
+    for flag in ("compare", "max_context", "out", "trace"):   # the table has no place for them: refused, not dropped
+        if getattr(args, flag, None):
+            raise ValueError(f"{flag.replace('_', '-')}: not with several --hw or --host-mem values (the buyer's "
+                             "table); give one card and one budget")
     for hw in hws:   # a bad name fails in one line before any row is searched
         load_profile(hw)
     given = {**vars(args), "hw": hws[0], "host_mem": hosts[0], "plot": None, "trace": None, "out": None}
     opts = PlanOptions.from_args(given)
-    rows = table(opts, hws, hosts)
+    total = len(hws) * len(hosts)
+    tty = sys.stderr.isatty()
+    if tty and total > 1:
+        print(f"kvpipe: buyer's table: {total} rows, each a few seconds of CPU, on up to {os.cpu_count() or 1} "
+              "processes", file=sys.stderr)
+    rows = table(opts, hws, hosts, progress=_progress_line if tty else None)
     if args.json:
         print(json.dumps(to_json(rows, opts.model), indent=2))
     else:

@@ -14,7 +14,8 @@ from kvpipe.pipeline.units import fmt_seconds
 
 from . import cli, generate_cli, generation as gen
 
-HELP = "/reset forgets the conversation, /save DIR writes its KV, /exit (or Ctrl-D) leaves; Ctrl-C stops an answer"
+HELP = ("/reset forgets the conversation, /save DIR writes its KV, /exit (or Ctrl-D) leaves, /help shows this; "
+        "Ctrl-C stops an answer")
 SAMPLING = ("max_new_tokens", "stop", "ignore_eos", "temperature", "top_k", "top_p", "min_p",
             "repetition_penalty", "seed")
 
@@ -48,7 +49,9 @@ def _lines(tty: bool):
     while True:
         try:
             line = input("> ") if tty else sys.stdin.readline()
-        except EOFError:
+        except EOFError:   # Ctrl-D: end the prompt's line so the shell's prompt starts on its own
+            if tty:
+                print(file=sys.stderr)
             return
         except KeyboardInterrupt:     # Ctrl-C at the prompt: a fresh line, not the end
             print(file=sys.stderr)
@@ -73,12 +76,27 @@ def _command(conv, line: str) -> bool:
     if word == "/reset":
         conv.reset()
         print("kvpipe: the conversation is reset", file=sys.stderr)
-    elif word == "/save" and arg.strip():
-        man = conv.save(arg.strip())
-        print(f"kvpipe: saved {man['tokens_saved']} tokens' KV to {arg.strip()}", file=sys.stderr)
+    elif word == "/save":
+        _save(conv, arg.strip())
     else:
-        print(f"kvpipe: {HELP}", file=sys.stderr)
+        known = word == "/help"
+        print(f"kvpipe: {'' if known else f'unknown command {word}; '}{HELP}", file=sys.stderr)
     return True
+
+
+def _save(conv, directory: str) -> None:
+    """`/save DIR`; a refused or failed save is one line and the conversation goes on."""
+    if not directory:
+        print("kvpipe: /save needs a directory: /save DIR", file=sys.stderr)
+    elif not conv.tokens:   # nothing home yet (a fresh or /reset conversation)
+        print("kvpipe: nothing to save yet: the conversation is empty", file=sys.stderr)
+    else:
+        try:
+            man = conv.save(directory)
+        except OSError as e:   # a save refused by the file system must not end the session
+            print(f"kvpipe: /save {directory}: {e.strerror or e}", file=sys.stderr)
+            return
+        print(f"kvpipe: saved {man['tokens_saved']} tokens' KV to {directory}", file=sys.stderr)
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -96,6 +114,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if not conv.chat:
             raise ValueError("model: kvpipe chat needs a tokenizer with a chat template")
         print(f"kvpipe: chat, up to {conv.capacity} tokens; plan: {conv.engine.plan.describe()}", file=sys.stderr)
+        if tty:
+            print("kvpipe: /help lists the commands; Ctrl-C stops an answer, Ctrl-D leaves", file=sys.stderr)
         for line in _lines(tty):
             if not line.strip():
                 continue

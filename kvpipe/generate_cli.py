@@ -8,7 +8,7 @@ import argparse
 import json
 import sys
 
-from kvpipe.pipeline.units import fmt_bytes, fmt_seconds
+from kvpipe.pipeline.units import fmt_bytes, fmt_seconds, parse_tokens
 
 from . import cli, generation as gen
 
@@ -71,9 +71,17 @@ def add_sampling_flags(g) -> None:
 
 def add_kept_flags(g) -> None:
     """The capacity of a kept conversation (generate --save-kv/--load-kv, chat)."""
-    g.add_argument("--max-context", type=int, metavar="TOKENS",
+    g.add_argument("--max-context", type=_token_count, metavar="TOKENS",
                    help="tokens the kept KV can hold, planned up front (generate: prompt + --max-new-tokens; "
                         "chat: the model's positions, at most 32K)")
+
+
+def _token_count(text: str) -> int:
+    """`16K` as --context reads it (argparse names the flag; the message drops parse_tokens' field)."""
+    try:
+        return parse_tokens(text, "tokens")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("tokens: ")) from None
 
 
 def _options(args: argparse.Namespace) -> dict:
@@ -108,6 +116,15 @@ def summary(res: gen.GenerateResult) -> list[str]:
     return lines
 
 
+def saved_line(directory) -> list[str]:
+    """Where --save-kv wrote the prompt's KV, read back from its manifest (what --load-kv will see)."""
+    if directory is None:
+        return []
+    from pathlib import Path
+    man = json.loads((Path(directory) / "manifest.json").read_text())
+    return [f"kvpipe: saved {man['tokens_saved']} tokens' KV to {directory} (continue with --load-kv {directory})"]
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     stdin = None if args.prompt is not None or args.prompt_file is not None or sys.stdin.isatty() else sys.stdin
     stream = None
@@ -121,7 +138,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         if res.text is None or not res.text.endswith("\n"):
             print()
-        for line in summary(res):
+        for line in summary(res) + saved_line(args.save_kv):
             print(line, file=sys.stderr)
     cli._print_files(args)
     return 0

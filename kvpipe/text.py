@@ -114,6 +114,11 @@ def _print_cpu_run(res: RunResult) -> None:
     print(f"  note: {CPU_NOTE}")
 
 
+def _lane_here(lane: str, on_gpu: bool) -> str:
+    """The compute lane keeps its name `gpu` everywhere; on a CPU run say where it actually ran."""
+    return lane if on_gpu or lane != "gpu" else "gpu (the compute lane; it ran on the CPU here)"
+
+
 def print_run(res: RunResult) -> None:
     lossy = f"LOSSY ({res.plan.lossy.describe(res.workload.context)}) " if res.plan.lossy else ""
     where = f"predicted on profile {res.hardware.name}" if res.modelled else "measured on CPU, nothing predicted"
@@ -134,7 +139,7 @@ def print_run(res: RunResult) -> None:
     if d.get("fused"):
         print(f"  measured: decode fused; compile in the timed run {fmt_s(d.get('compile_s') or 0.0)} "
               "(the warm-up compiles first)")
-    print(f"  measured critical lane: {res.measured.critical_lane}; {res.real_trace.note}")
+    print(f"  measured critical lane: {_lane_here(res.measured.critical_lane, res.modelled)}; {res.real_trace.note}")
     steps = decode_step_stats(res.real_trace)
     if steps:
         q, h = steps["step_s"], steps["host_issue_s"]
