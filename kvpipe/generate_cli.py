@@ -71,12 +71,12 @@ def add_sampling_flags(g) -> None:
 
 def add_kept_flags(g) -> None:
     """The capacity of a kept conversation (generate --save-kv/--load-kv, chat)."""
-    g.add_argument("--max-context", type=_token_count, metavar="TOKENS",
+    g.add_argument("--max-context", type=token_count, metavar="TOKENS",
                    help="tokens the kept KV can hold, planned up front (generate: prompt + --max-new-tokens; "
                         "chat: the model's positions, at most 32K)")
 
 
-def _token_count(text: str) -> int:
+def token_count(text: str) -> int:
     """`16K` as --context reads it (argparse names the flag; the message drops parse_tokens' field)."""
     try:
         return parse_tokens(text, "tokens")

@@ -9,6 +9,8 @@ import os
 import sys
 import tempfile
 
+from kvpipe.generate_cli import token_count
+
 API_KEY_ENV = "KVPIPE_API_KEY"
 PLANNED_NEW_TOKENS = 256      # the decode length the server's plan is decided for
 DEFAULT_MAX_BODY = "8MB"       # a 128K-token document is about 0.5 MB of text: room for 10x
@@ -29,7 +31,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                    "needs the serve extra: pip install 'kvpipe[serve]'.")
     s.add_argument("--model", help="local HF directory, a .gguf file, or a preset / config.json with "
                                    "--random-weights (its directory holding a tokenizer)")
-    s.add_argument("--max-context", type=int, metavar="TOKENS",
+    s.add_argument("--max-context", type=token_count, metavar="TOKENS",
                    help="the server's context: a request's prompt plus max_tokens at most this (default: the "
                         "model's positions, at most 32768, and what the budgets hold); the plan is decided for it")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes it to the network)")
@@ -69,11 +71,29 @@ def _checked(args: argparse.Namespace) -> dict:
         raise ValueError(f"max-context: expected a token count of at least 2, got {args.max_context}")
     if args.max_queue < 1:
         raise ValueError(f"max-queue: must be at least 1, got {args.max_queue}")
+    _bindable(args.host, args.port)
     sizes = {f: parse_bytes(getattr(args, f), f.replace("_", "-")) for f in ("max_body", "cache_mem", "cache_disk")}
     for flag in ("cache_mem", "cache_disk"):
         if sizes[flag] < 0:
             raise ValueError(f"{flag.replace('_', '-')}: a budget must not be negative, got {getattr(args, flag)!r}")
     return sizes
+
+
+def _bindable(host: str, port: int) -> None:
+    """Bind (host, port) as uvicorn will (SO_REUSEADDR) and let go: a port in use is one line
+    naming --port before the model loads, not uvicorn's error after it."""
+    import socket
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"host: cannot resolve {host!r} ({e.strerror})") from None
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            raise ValueError(f"port: {host}:{port} cannot be bound ({e.strerror}); "
+                             "another server may be on it") from None
 
 
 def build(args: argparse.Namespace):
