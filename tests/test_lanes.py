@@ -199,14 +199,17 @@ def test_shuffled_turns_keep_lane_order_and_dependencies(seed):
     issued = []
     with Lanes(torch.device("cpu"), turns=random.Random(seed)) as lanes:
         lanes.run(g, lambda s: issued.append(s.id))
+    assert_issue_order(g, issued)
+
+
+def assert_issue_order(g, issued: list[int]) -> None:
+    """Every stage issued once, each lane in its order, each stage after its dependencies."""
     pos = {sid: i for i, sid in enumerate(issued)}
     assert sorted(issued) == list(range(len(g.stages)))
     for order in g.lane_order().values():
         assert [pos[s.id] for s in order] == sorted(pos[s.id] for s in order)
     for s in g.stages:
         assert all(pos[d] < pos[s.id] for d in s.deps), s.name
-
-
 
 @settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1))
@@ -226,13 +229,9 @@ def test_a_graph_built_as_it_runs_issues_every_stage_in_order_and_late(seed):
     with Lanes(torch.device("cpu"), turns=random.Random(seed)) as lanes:
         spans = lanes.run(graph, issue, more=more)
     assert graph == whole and len(spans) == len(whole.stages)
-    pos = {sid: i for i, sid in enumerate(issued)}
-    assert sorted(issued) == list(range(len(whole.stages)))
-    for order in whole.lane_order().values():
-        assert [pos[s.id] for s in order] == sorted(pos[s.id] for s in order)
-    for s in whole.stages:
-        assert all(pos[d] < pos[s.id] for d in s.deps), s.name
+    assert_issue_order(whole, issued)
     assert max(ahead) <= 1, max(ahead)
+
 
 def test_shuffled_turns_give_many_interleavings():
     """Fault caught: a `turns` mode that does not change the order (the bitwise property would

@@ -76,11 +76,16 @@ def test_decode_past_the_window_matches_hf_and_placement(cfg):
     short is not: the oldest visible key overwritten), the resident ring written before
     attention read it, a host store not waiting for the step's fetches, a fetch starting at 0
     in a ring layer, or a placement-dependent bit (offloaded logits differ from resident)."""
-    model = _model(cfg)
-    ids = torch.randint(2, 128, (1, CONTEXT), generator=torch.Generator().manual_seed(5))
-    ref_logits, ref_tokens = hf_greedy(model, ids, DECODE)
-    runs = [run_kvpipe(model, ids, DECODE, plan) for plan in PLANS]
-    for plan, res in zip(PLANS, runs):
+    check_plans(_model(cfg), CONTEXT, DECODE, PLANS)
+
+
+def check_plans(model, context: int, decode: int, plans) -> None:
+    """Every plan's greedy tokens equal HF's (logits within fp32 rounding), and every plan's logits
+    equal the first's bit for bit (placement never changes a bit)."""
+    ids = torch.randint(2, 128, (1, context), generator=torch.Generator().manual_seed(5))
+    ref_logits, ref_tokens = hf_greedy(model, ids, decode)
+    runs = [run_kvpipe(model, ids, decode, plan) for plan in plans]
+    for plan, res in zip(plans, runs):
         torch.testing.assert_close(res.step_logits, ref_logits, **TOL[torch.float32])
         assert torch.equal(res.tokens, ref_tokens), plan.describe()
     for res in runs[1:]:

@@ -23,7 +23,8 @@ from kvpipe.pipeline.memory import breakdown, kv_by_kind
 from kvpipe.pipeline.windows import disk_block
 from kvpipe.pipeline.workload import Workload
 
-from test_end_to_end import TOL, headwise, hf_greedy, run_kvpipe
+from test_end_to_end import headwise, hf_greedy
+from test_window import check_plans
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -91,15 +92,8 @@ def test_window_units_on_disk_match_hf_and_resident(cfg):
     (the ring no longer holds it), or window units on disk keeping every token (disk_rings off)."""
     model = _model(cfg)
     spec = HFAdapter(model).spec()
-    ids = torch.randint(2, 128, (1, CONTEXT), generator=torch.Generator().manual_seed(5))
-    ref_logits, ref_tokens = hf_greedy(model, ids, DECODE)
     plans = _plans(spec.units)
-    runs = [run_kvpipe(model, ids, DECODE, plan) for plan in plans]
-    for plan, res in zip(plans, runs):
-        torch.testing.assert_close(res.step_logits, ref_logits, **TOL[torch.float32])
-        assert torch.equal(res.tokens, ref_tokens), plan.describe()
-    for res in runs[1:]:
-        assert torch.equal(res.step_logits, runs[0].step_logits)
+    check_plans(model, CONTEXT, DECODE, plans)
     lo = KVLayout.of(build(spec, Workload(CONTEXT, DECODE), plans[1]))
     assert any(lo.disk_rings) == (cfg["sliding_window"] < 60), lo.disk_rings   # ring rows where a ring fits
 
