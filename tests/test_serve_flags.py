@@ -5,6 +5,7 @@ import socket
 import pytest
 
 from kvpipe.cli import main
+from test_generate_smollm2 import smollm2  # noqa: F401  (the fixture: SmolLM2's tokenizer)
 
 
 @pytest.fixture
@@ -47,3 +48,17 @@ def test_max_context_takes_the_units_of_the_other_commands(tiny_config, capsys, 
                "--max-context", "16K", "--port", str(port)])
     assert seen["ctx"] == 16384, capsys.readouterr().err
     assert rc == 2 and "stopped here by the test" in capsys.readouterr().err
+
+
+def test_a_model_without_weights_names_model_not_max_context(smollm2, tmp_path, capsys):  # noqa: F811
+    """Fault caught: a model folder holding a config and a tokenizer but no weights blamed on the
+    default context ("--max-context: the default context ... does not fit (model: ...)") instead
+    of one line naming --model."""
+    from serve_helpers import tiny_dir
+    d = tiny_dir(tmp_path, smollm2[2])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rc = main(["serve", "--model", str(d), "--device", "cpu", "--port", str(port)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1].startswith("kvpipe: error: --model:"), err

@@ -118,7 +118,7 @@ def build(args: argparse.Namespace):
         conv = Conversation(args.model, loaded=(ck, spec, tok), max_context=capacity, chat=False, seed=args.seed,
                             max_new_tokens=PLANNED_NEW_TOKENS, **options)
     except ValueError as e:
-        if args.max_context is not None:
+        if args.max_context is not None or str(e).startswith("model:"):   # the model's own fault names --model
             raise
         raise ValueError(f"max-context: the default context of {capacity} tokens does not fit ({str(e).splitlines()[0]}); "
                          "give a smaller --max-context") from None
