@@ -139,8 +139,10 @@ class FusedDecode:
         self.adapter, self.act = adapter, act
         self.norm, self.add_norm = compiled("norm", compile), compiled("add_norm", compile)
         self.rope, self.act_mul = compiled("rope", compile), compiled("act_mul", compile)
-        self.weights = [fuse_projections(mod) for mod in adapter.body.layers]
-        if adapter.device.type == "cuda":
+        layers = adapter.body.layers
+        kept = [getattr(mod, "_kvpipe_fused", None) for mod in layers]
+        self.weights = [fuse_projections(mod) for mod in layers]
+        if adapter.device.type == "cuda" and any(a is not b for a, b in zip(kept, self.weights)):
             torch.cuda.empty_cache()   # the layers' old separate weights, freed, back to the cap
         self.compile_s = 0.0
 
