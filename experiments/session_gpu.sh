@@ -2,7 +2,7 @@
 # One device call of this session's GPU work: install kvpipe with the carried wheels (.whl/), then
 # the named steps under their own limits; logs and JSON under $OUT.
 #   bash experiments/session_gpu.sh STEP[:SECONDS] ...
-# Steps: gputests robust32 robustres hfgen32 hfgen128 savekv smollm (needs out/g1 + out/g2 carried
+# Steps: gputests robust (ROWS, P, RTAG) robust32 robustres hfgen32 hfgen128 savekv smollm (needs out/g1 + out/g2 carried
 # over two calls: the SmolLM2 GGUF in two halves) serve needle hybrid captured chatturns servecache calib
 # resprof
 set -u
@@ -27,6 +27,7 @@ for spec in "$@"; do
     gputests) timeout "$lim" python3 -m pytest -q -m gpu -p no:cacheprovider --rootdir "$R" ${GPU_TESTS:-"$R/tests"} > "$OUT/gpu-tests.log" 2>&1
               grep -E "passed|failed" "$OUT/gpu-tests.log" | tail -1; grep -E "^FAILED|^ERROR" "$OUT/gpu-tests.log" | head -20 ;;
     robust32) timeout "$lim" python3 -m benchmarks.robust_decode --rows ${ROWS:-32k-g1-none,32k-g2-none,32k-g4-none,32k-g8-none} --processes ${P:-3} --out "$OUT/robust-decode-32k.json" 2>&1 | tail -6 ;;
+    robust) timeout "$lim" python3 -m benchmarks.robust_decode --rows "$ROWS" --processes ${P:-5} --out "$OUT/robust-decode${RTAG:-}.json" 2>&1 | tail -${RTAIL:-16} ;;
     robustres) timeout "$lim" python3 -m benchmarks.robust_decode --rows 8k-max,32k-max --processes ${P:-3} --out "$OUT/robust-decode-resident.json" 2>&1 | tail -4 ;;
     hfgen32) timeout "$lim" python3 -m benchmarks.hf_generate --context 32K --cases stream,resident-max --gpu-mem 24GB --out "$OUT/hf-generate-32k.json" 2>&1 | tail -8 ;;
     hfgen128) timeout "$lim" python3 -m benchmarks.hf_generate --context 128K --cases ${CASES:-stream,resident-max} --new-tokens ${NEW:-16} --gpu-mem 24GB --out "$OUT/hf-generate-128k.json" 2>&1 | tail -8 ;;

@@ -25,6 +25,7 @@ from .options import RunOptions
 
 DEFAULT_MAX_CONTEXT = 32768   # chat's capacity when the model allows more positions
 PREFIX_BLOCK = 4096           # tokens common_prefix compares at once
+DEVICE_HASHES = ("lines", "sums")   # weights hashes computed where the weights are (fingerprint)
 
 
 def common_prefix(a, b, block: int = PREFIX_BLOCK) -> int:
@@ -41,17 +42,18 @@ def common_prefix(a, b, block: int = PREFIX_BLOCK) -> int:
 def fingerprint(hf_model, method: str | None = None) -> dict:
     """sha256 of the model's config (without the fields that name no shape or weight) and of every
     weight's bits, hashed where the weights live: `crc32c` of each tensor's bytes (on the CPU) or
-    `sums`, two weighted sums of its bits computed on the device (a GPU's weights stay there)."""
+    `lines`, weighted sums of its rows' and columns' bits computed on the device (a GPU's weights
+    stay there); `sums`, the earlier device hash, still checks directories saved with it."""
     import torch
     cfg = {k: v for k, v in hf_model.config.to_dict().items()
            if k not in ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures")}
     params = sorted(hf_model.state_dict().items())
-    method = method or ("crc32c" if params[0][1].device.type == "cpu" else "sums")
+    method = method or ("crc32c" if params[0][1].device.type == "cpu" else "lines")
     with torch.inference_mode():
         # every tensor's sums stay on the device until one read at the end (a sync per tensor cost
         # more than the sums)
         digests = [_tensor_hash(t, method) for _, t in params]
-        if method == "sums":
+        if method in DEVICE_HASHES:
             flat = torch.stack(digests).tolist() if digests else []
             digests = [f"{a}:{b}" for a, b in flat]
     h = hashlib.sha256()
@@ -62,13 +64,17 @@ def fingerprint(hf_model, method: str | None = None) -> dict:
 
 
 def _tensor_hash(t, method: str):
-    """crc32c of the tensor's bytes (a str), or its two weighted sums of bits (int64 [2] on its device)."""
+    """crc32c of the tensor's bytes (a str), or two weighted sums of its bits (int64 [2] on its device)."""
     import torch
+    if method not in ("crc32c", *DEVICE_HASHES):
+        raise ValueError(f"unknown weights hash {method!r}")
     flat = t.detach().reshape(-1).view(torch.uint8) if method == "crc32c" else \
         t.detach().reshape(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
     if method == "crc32c":
         import crc32c
         return str(crc32c.crc32c(flat.cpu().contiguous().numpy()))
+    if method == "lines":
+        return _line_sums(flat, t.shape[-1] if t.dim() > 1 else flat.numel())
     coef = torch.arange(min(flat.numel(), 1 << 22), device=flat.device, dtype=torch.int64) * 2 + 1
     sums = torch.zeros(2, dtype=torch.int64, device=flat.device)
     for i in range(0, flat.numel(), coef.numel()):
@@ -76,6 +82,23 @@ def _tensor_hash(t, method: str):
         sums[0] += (part * coef[:part.numel()]).sum()
         sums[1] += part.sum()
     return sums
+
+
+def _line_sums(flat, cols: int):
+    """sum((2r + 1) * row_sum[r]) and sum((2c + 1) * col_sum[c]) of the bits laid out [rows, cols]
+    (int64, wrapping): two reductions that widen as they read, where `sums` wrote int64 copies of
+    every chunk (1 s for 8B of weights). Any two unequal elements swapped change a row or a column."""
+    import torch
+    m = flat.view(-1, cols)
+    rows = m.sum(1, dtype=torch.int64)
+    cols_ = m.sum(0, dtype=torch.int64)
+    return torch.stack([(rows * _odd(rows)).sum(), (cols_ * _odd(cols_)).sum()])
+
+
+def _odd(v):
+    """1, 3, 5, ... as long as `v`, on its device (int64)."""
+    import torch
+    return torch.arange(v.numel(), device=v.device, dtype=torch.int64) * 2 + 1
 
 
 @dataclasses.dataclass

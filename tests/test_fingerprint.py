@@ -26,3 +26,37 @@ def test_sums_fingerprint_is_the_documented_function_of_the_bits():
     for name, t in sorted(m.state_dict().items()):
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{reference_sums(t)};".encode())
     assert fingerprint(m, "sums")["weights_sha256"] == h.hexdigest()
+
+
+def reference_lines(t: torch.Tensor) -> str:
+    """The bits laid out [rows, last dim]: sum((2r + 1) * row_sum[r]) and sum((2c + 1) * col_sum[c]),
+    as int64 (Python ints, wrapped to 64 bits)."""
+    bits = t.detach().view(torch.int16).numpy().astype(object)
+    m = bits.reshape(-1, t.shape[-1] if t.dim() > 1 else bits.size)
+    rows = [int(x) for x in m.sum(axis=1)]
+    cols = [int(x) for x in m.sum(axis=0)]
+    wrap = lambda x: (x + (1 << 63)) % (1 << 64) - (1 << 63)   # noqa: E731
+    return f"{wrap(sum((2 * r + 1) * v for r, v in enumerate(rows)))}:{wrap(sum((2 * c + 1) * v for c, v in enumerate(cols)))}"
+
+
+def test_lines_fingerprint_is_the_documented_function_of_the_bits():
+    """Fault caught: the default device hash computing other sums (rows and columns swapped, a
+    coefficient, the layout of a 1-D tensor, the per-tensor order or the text hashed changed)."""
+    m = random_model(TINY_LLAMA, dtype=torch.bfloat16)
+    h = hashlib.sha256()
+    for name, t in sorted(m.state_dict().items()):
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{reference_lines(t)};".encode())
+    assert fingerprint(m, "lines")["weights_sha256"] == h.hexdigest()
+
+
+def test_lines_fingerprint_sees_two_weights_swapped():
+    """Fault caught: a device hash blind to a reordering inside one tensor (plain sums of the bits,
+    or row sums only: two weights of one row swapped)."""
+    m = random_model(TINY_LLAMA, dtype=torch.bfloat16)
+    before = fingerprint(m, "lines")["weights_sha256"]
+    w = m.model.layers[0].mlp.down_proj.weight
+    with torch.no_grad():
+        a, b = w[3, 5].clone(), w[3, 9].clone()
+        assert a != b
+        w[3, 5], w[3, 9] = b, a
+    assert fingerprint(m, "lines")["weights_sha256"] != before
