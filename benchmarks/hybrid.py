@@ -122,12 +122,14 @@ def summarise(name: str, run: dict, h2d: float | None, hf: dict | None, model: s
         "prefill_over_hf_gpu": m["prefill_s"] / hf["prefill_s"] if hf and "prefill_s" in hf else None,
     }
     r, f = run["ratios"], run["floors"]
+    issued = (run.get("decode_issue") or {}).get("mode", "eager")   # graph: replayed as CUDA graphs
     sim = (f"sim {p['prefill_s']:.1f}, {r['prefill_sim_over_measured']:.3f}x" if p else "no prediction")
     sim_dec = (f"sim {p['decode_s_per_token'] * 1e3:.1f}, {r['decode_sim_over_measured']:.3f}x" if p else "no prediction")
     print(f"{name}: {run['workload']['context']} tokens, plan {run['plan']['resident']} resident units, "
           f"{run['plan']['disk']} on disk{'; window units first' if run['plan'].get('disk_windows_first') else ''}; "
           f"prefill {m['prefill_s']:.1f} s ({sim}), decode {m['decode_s_per_token'] * 1e3:.1f} ms/token "
-          f"({sim_dec}); floor {(f['floor_s'] or 0) * 1e3:.1f} ms ({f['bytes_per_step'] / 1e9:.2f} GB/step; full "
+          f"({sim_dec}; steps issued as {issued}); "
+          f"floor {(f['floor_s'] or 0) * 1e3:.1f} ms ({f['bytes_per_step'] / 1e9:.2f} GB/step; full "
           f"attention would move {f['full_attention_bytes_per_step'] / 1e9:.2f} GB); "
           f"peak GPU {m['peak_bytes']['gpu'] / 1e9:.1f} GB" +
           (f"; prefill / HF all-on-GPU {r['prefill_over_hf_gpu']:.2f}" if r["prefill_over_hf_gpu"] else ""))

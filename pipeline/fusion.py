@@ -14,6 +14,8 @@ from collections.abc import Mapping
 
 FUSE_ENV = "KVPIPE_FUSE"
 MODES = ("auto", "on", "off")
+# Families with a fused form (executor/layers/fused.py): separate q/k/v and gate/up projections, two norms
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 _ALIASES = {"1": "on", "true": "on", "0": "off", "false": "off"}
 
 
@@ -35,13 +37,14 @@ def fuse_mode(value: str | None = None, env: Mapping[str, str] | None = None) ->
     return v
 
 
-def decode_fused(mode: str, replayed: bool) -> bool:
+def decode_fused(mode: str, replayed: bool, family: str | None = None) -> bool:
     """Whether decode steps run (and the simulator models) the fused pieces: only replayed decode
-    steps run them, under `auto` or `on`. Assumes the model's activation has a fused form (SiLU,
-    every supported family's; executor/layers/fused.py runs others unfused) and that compile works."""
+    steps of a family in FAMILIES (None: assumed one) run them, under `auto` or `on`. Assumes the
+    model's activation has a fused form (SiLU; executor/layers/fused.py runs others unfused) and
+    that compile works."""
     if mode not in MODES:
         raise ValueError(f"fuse: expected one of {', '.join(MODES)}, got {mode!r}")
-    return mode != "off" and replayed
+    return mode != "off" and replayed and (family is None or family in FAMILIES)
 
 
 def refuse_unfusable(mode: str, replayed: bool) -> None:

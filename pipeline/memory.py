@@ -172,22 +172,24 @@ def breakdown(m: ModelSpec, work: Workload, plan: Plan) -> MemoryBreakdown:
     host_kv, disk_kv = count[Tier.HOST] * home, count[Tier.DISK] * home
     if kept:   # window layers keep rings: every layer's units at their own length
         gpu_kv, host_kv, disk_kv = window_homes(m, work, plan, kept)
-        slots += window_scratch_bytes(m, work, plan, kept)
+    slots += window_scratch_bytes(m, work, plan)
     # Replayed decode (no disk units, lossy KV or codec): torch pins the homes, carved from blocks.
-    slack = pinned_homes_bytes(m, work, resident) - host_kv if decode_replayed(m, work, plan) else 0
+    slack = pinned_homes_bytes(m, work, resident, kept) - host_kv if decode_replayed(m, work, plan) else 0
     return MemoryBreakdown(weights=m.weight_bytes, gpu_kv=gpu_kv, gpu_buffers=slots,
                            activations=act, host_kv=host_kv, host_buffers=staging,
                            disk_kv=disk_kv, host_slack=slack)
 
 
-def pinned_homes_bytes(m: ModelSpec, work: Workload, resident: int) -> int:
+def pinned_homes_bytes(m: ModelSpec, work: Workload, resident: int, ring: tuple[int, ...] = ()) -> int:
     """Host bytes torch pins for the KV homes of a plan with `resident` units and none on disk,
     as the executor takes them where decode is replayed (executor/kv/store.py, pinned.HostArena):
     one home per layer that keeps heads on the host (its heads not resident, `placement`'s split),
-    all carved in one call out of power-of-two blocks (pinned_blocks.carve), slack included."""
+    all carved in one call out of power-of-two blocks (pinned_blocks.carve), slack included; a
+    layer keeping a ring (`ring`, windows.rings) holds its ring's tokens."""
     L, H = m.layers, m.kv_heads
-    unit = work.batch * work.kv_capacity * m.kv_unit_bytes_per_token
-    homes = [(H - resident // L - (layer < resident % L)) * unit for layer in range(L)]
+    tok = work.batch * m.kv_unit_bytes_per_token
+    held = lambda layer: ring[layer] if ring and ring[layer] else work.kv_capacity   # noqa: E731
+    homes = [max(0, H - resident // L - (layer < resident % L)) * held(layer) * tok for layer in range(L)]
     homes = [b for b in homes if b > 0]
     return carve(homes).total_bytes if homes else 0
 

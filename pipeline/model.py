@@ -115,9 +115,8 @@ class ModelSpec:
 
     def eager_reason(self, capacity: int) -> str | None:
         """Why decode of this model to `capacity` tokens cannot be replayed as a CUDA graph (its
-        FA2 call attends every cached key, unmasked, uncapped), or None."""
-        if any(0 < w < capacity for w in self.windows):
-            return "runs eagerly for sliding-window layers"
+        FA2 call attends the keys it is given uncapped, at fixed frequencies), or None. Window
+        layers replay: their window is gathered in position order (executor/replay/window_step.py)."""
         if self.softcap:
             return "runs eagerly for softcapped attention"
         if self.rope == "longrope":

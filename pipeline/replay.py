@@ -77,12 +77,20 @@ def shape_blocker(dtype: str, batch: int, head_dim: int, device: str = "cuda") -
 def blocker(model: "ModelSpec", work: "Workload", plan: "Plan | None" = None, device: str = "cuda",
             dtype: str | None = None) -> str | None:
     """Why decode steps of `work` under `plan` cannot be replayed on `device`, or None: the plan's
-    own reasons (`Plan.replay_blocker`: disk units, quantised KV alone, an h2d codec), then the
-    device and the model's shape (`dtype`: the weights' where they differ from the spec's)."""
+    own reasons (`Plan.replay_blocker`: disk units, quantised KV alone, an h2d codec; sparse decode
+    beside window layers), then the device and the model's shape (`dtype`: the weights' where
+    they differ from the spec's)."""
     if plan is not None and plan.replay_blocker:
         return plan.replay_blocker
+    if plan is not None and plan.lossy is not None and windowed(model, work.kv_capacity):
+        return "decode replay cannot run sparse decode with sliding-window layers"
     why = model.eager_reason(work.kv_capacity) or shape_blocker(dtype or model.dtype, work.batch, model.head_dim, device)
     return None if why is None else f"decode replay {why}"
+
+
+def windowed(model: "ModelSpec", capacity: int) -> tuple[int, ...]:
+    """The layers whose window is shorter than `capacity`: a replayed step gathers their window."""
+    return tuple(i for i, w in enumerate(model.windows) if 0 < w < capacity)
 
 
 def resolve(setting: Replay, why: str | None, decode_steps: int) -> Replay:

@@ -17,11 +17,15 @@ def rings(m: ModelSpec, work: Workload, plan: Plan) -> tuple[int, ...]:
     the executor's store holds position p at row p mod R), 0 where it keeps the whole length;
     () when no layer has a ring. Window layers of exact plans without an h2d codec only (LOSSY and
     compressed homes keep every token); their disk units too where `disk_rings` says so."""
-    if not m.windows or plan.lossy is not None or "none" != plan.decode.codec("h2d") or \
-            "none" != plan.prefill.codec("h2d"):
+    if not m.windows or not _plain_homes(plan):
         return ()
     out = tuple(ring_tokens(w, work.kv_capacity) for w in m.windows)
     return out if any(out) else ()
+
+
+def _plain_homes(plan: Plan) -> bool:
+    """Whether the plan's homes hold K/V as computed (exact, no h2d codec): rings and replay need it."""
+    return plan.lossy is None and "none" == plan.decode.codec("h2d") == plan.prefill.codec("h2d")
 
 
 def disk_rings(plan: Plan, ring: tuple[int, ...]) -> tuple[int, ...]:
@@ -64,10 +68,11 @@ def fetch_from(m: ModelSpec, ring: tuple[int, ...], layer: int, start: int) -> i
 
 
 def slot_tokens(m: ModelSpec, work: Workload, ring: tuple[int, ...]) -> int:
-    """Tokens a transfer slot holds: the longest prefix any layer fetches (W - 1 for a ring layer)."""
+    """Tokens a transfer slot holds: the longest prefix any layer fetches, a ring layer's whole
+    ring (R rows: a replayed step copies it all, a fixed size; an eager one its W - 1 keys)."""
     if not ring:
         return work.kv_capacity
-    return max(m.windows[i] - 1 if r else work.kv_capacity for i, r in enumerate(ring))
+    return max(r or work.kv_capacity for r in ring)
 
 
 def tier_counts(m: ModelSpec, plan: Plan) -> list[tuple[int, int, int]]:
@@ -109,18 +114,20 @@ def window_homes(m: ModelSpec, work: Workload, plan: Plan, ring: tuple[int, ...]
     return pools[0], pools[1], pools[2]
 
 
-def scratch_tokens(m: ModelSpec, plan: Plan, ring: tuple[int, ...]) -> int:
-    """Tokens of the GPU buffer a ring layer's resident heads' window is copied into, in position
-    order, for attention (one group at a time on the compute stream): the longest window less its
-    own token; 0 without resident units in ring layers."""
-    counts = tier_counts(m, plan) if ring else []
-    return max([m.windows[i] - 1 for i, r in enumerate(ring) if r and counts[i][0]], default=0)
+def scratch_tokens(m: ModelSpec, work: Workload, plan: Plan) -> int:
+    """Tokens of the GPU buffer a window layer's keys are copied into in position order, one group
+    at a time on the compute stream: the longest window shorter than the capacity (a replayed
+    step gathers its W keys there, its own included; an eager step a ring layer's resident W - 1);
+    0 without such windows or where the homes are not plain (lossy, an h2d codec: no replay, no ring)."""
+    if not m.windows or not _plain_homes(plan):
+        return 0
+    return max([w for w in m.windows if 0 < w < work.kv_capacity], default=0)
 
 
-def window_scratch_bytes(m: ModelSpec, work: Workload, plan: Plan, ring: tuple[int, ...]) -> int:
+def window_scratch_bytes(m: ModelSpec, work: Workload, plan: Plan) -> int:
     """GPU bytes of that buffer: a group of the largest phase group's heads."""
     group = max(plan.prefill.group, plan.decode.group)
-    return work.batch * group * scratch_tokens(m, plan, ring) * m.kv_unit_bytes_per_token
+    return work.batch * group * scratch_tokens(m, work, plan) * m.kv_unit_bytes_per_token
 
 
 def least_true(n: int, ok) -> int:

@@ -122,7 +122,7 @@ def predict(model: ModelSpec, work: Workload, plan: Plan, hw: HardwareProfile, b
         replayed = decode_replayed(model, work, plan, target.device)
     refuse_unfusable(fuse, replayed)
     sim = simulate if memo is None else memo.simulate
-    run = lambda h: sim(model, work, plan, h, full=req.full, replay=replayed, fuse=decode_fused(fuse, replayed))  # noqa: E731
+    run = lambda h: sim(model, work, plan, h, full=req.full, replay=replayed, fuse=decode_fused(fuse, replayed, model.family))  # noqa: E731
     pred = pred or run(hw)
     p90 = (slow or run(hw.at_quantile("p90"))).report.timing if hw.host_issue_p90 > 1 else None
     return Predicted(plan, problems, pred.report, pred.trace, None, pred.fused, pred.compile_s, p90)

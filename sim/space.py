@@ -118,7 +118,7 @@ class _Search:
         return plan.with_(replay=Replay.OFF if self.replay is Replay.OFF else Replay.ON)
 
     def fuses(self, plan: Plan) -> bool:
-        return decode_fused(self.fuse, self.replays(plan))
+        return decode_fused(self.fuse, self.replays(plan), self.model.family)
 
     unit_bytes = property(lambda self: self.work.batch * self.work.kv_capacity * self.model.kv_unit_bytes_per_token)
 

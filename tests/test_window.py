@@ -161,7 +161,9 @@ def test_gemma3_plan_keeps_about_a_sixth_and_a_longer_max_context():
     assert rows["full"]["kv_bytes"] == 8 * per_layer * (131072 + 32)
     assert rows["sliding 1024"]["kv_bytes"] == 40 * per_layer * 1027
     assert 0.16 < d["kv_vs_full_attention"] < 0.18
-    assert d["predicted"]["peak_bytes"]["host"] + d["predicted"]["peak_bytes"]["disk"] < 10 * 2**30
+    # 8.9 GB of homes in power-of-two pinned blocks (decode replays: pipeline/memory.pinned_homes_bytes);
+    # full attention's would be 51 GB
+    assert d["predicted"]["peak_bytes"]["host"] + d["predicted"]["peak_bytes"]["disk"] < 12 * 2**30
     from kvpipe.sim.decide import Request, max_context
     spec = PRESETS["gemma-3-12b"]
     budgets = {"gpu": 40 * 10**9, "host": 64 * 2**30, "disk": 0}

@@ -163,11 +163,15 @@ class Interpreter:
         cur = self._step(s)
         if s.phase is Phase.DECODE:
             self._sel.pop((s.step, s.layer), None)
-        if self.store.layout.ring(s.layer):   # every attention of the layer has read the ring
-            self.store.write_resident(s.layer, self._kv[(s.phase, s.step, s.layer)][0], cur.start)
+        self._write_ring(s)
         cur.hidden = self.adapter.mlp(s.layer, cur.hidden, cur.out)
         cur.q = cur.out = None
         self._release((s.phase, s.step, s.layer))
+
+    def _write_ring(self, s: Stage) -> None:
+        """A ring layer's new K/V go home once every attention of the layer has read the ring."""
+        if self.store.layout.ring(s.layer):
+            self.store.write_resident(s.layer, self._kv[(s.phase, s.step, s.layer)][0], self._step(s).start)
 
     def _head(self, s: Stage) -> None:
         cur = self._step(s)

@@ -36,9 +36,9 @@ class KVLayout:
     h2d_codec: str = "none"    # lossless GPU codec of the h2d link: host units stored compressed (executor/codecs/h2d_store.py)
     sparse: LossySpec | None = None   # LOSSY (--sparse): the selection's GPU state (executor/sparse/homes.py)
     rings: tuple[int, ...] = ()   # per layer, the tokens its GPU/host homes keep as a ring (0: all; pipeline/windows.py)
-    windows: tuple[int, ...] = ()   # per layer, its attention window (0: full), where `rings` is set
+    windows: tuple[int, ...] = ()   # per layer, its attention window (0: full); () when every layer is full
     slot_tokens: int = 0          # tokens a transfer slot holds (0: capacity)
-    scratch_tokens: int = 0       # tokens of the buffer a ring layer's resident window is copied into
+    scratch_tokens: int = 0       # tokens of the buffer a window's keys are copied into in position order
     disk_rings: tuple[int, ...] = ()   # per layer, the tokens its disk rows keep as a ring (0: all; windows.disk_rings)
 
     def __post_init__(self) -> None:
@@ -76,8 +76,8 @@ class KVLayout:
                    disk, min(plan.prefill.chunk, w.context), codecs.pop() if any(disk) else "none",
                    quant, plan.lossy.group if quant else 0, plan.lossy.vgroup if quant else 0, h2d,
                    plan.lossy if plan.lossy is not None and plan.lossy.sparse is not None and offloaded else None,
-                   ring, m.windows if ring else (), slot_tokens(m, w, ring) if ring else 0,
-                   scratch_tokens(m, plan, ring), disk_rings(plan, ring) if any(disk) else ())
+                   ring, m.windows, slot_tokens(m, w, ring) if ring else 0,
+                   scratch_tokens(m, w, plan), disk_rings(plan, ring) if any(disk) else ())
 
     @property
     def layers(self) -> int:
@@ -95,6 +95,11 @@ class KVLayout:
         """The first token a step at `start` reads of the layer's prefix (its window's first where
         the layer keeps a ring: pipeline/windows.fetch_from)."""
         return first_visible(start, self.windows[layer]) if self.ring(layer) else 0
+
+    def window(self, layer: int) -> int:
+        """The layer's window where it is shorter than the capacity (a replayed step gathers it), else 0."""
+        w = self.windows[layer] if self.windows else 0
+        return w if w < self.capacity else 0
 
     def disk_ring(self, layer: int) -> int:
         """Tokens the layer's disk rows keep as a ring, 0: every token."""

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpipe.executor.engine.compiling import compile_fn
-from kvpipe.pipeline.fusion import FUSE_ENV, fuse_mode  # noqa: F401  (the setting's one definition)
+from kvpipe.pipeline.fusion import FAMILIES, FUSE_ENV, fuse_mode  # noqa: F401  (the setting's one definition)
 
 _ACTS = {"silu": F.silu}      # hidden_act -> the function HF's ACT2FN applies (extension: one line)
 
@@ -205,7 +205,7 @@ class FusedDecode:
 
 
 # ---- where it runs, and the fallback ----------------------------------------------------------------
-_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")   # separate q/k/v and gate/up projections, two norms
+_FAMILIES = FAMILIES   # one list for the simulator (pipeline/fusion.decode_fused) and the executor
 
 
 def unavailable(adapter) -> str | None:

@@ -29,6 +29,7 @@ from kvpipe.pipeline.trace import Span
 
 from kvpipe.executor.replay import sparse_step as lossy_replay
 from kvpipe.executor.replay.device_step import DeviceStep, ReplayInterpreter
+from kvpipe.executor.replay.window_step import open_windows
 from kvpipe.executor.engine.lanes import Lanes, cross_lane_waits
 
 BUCKET_TOKENS = 128      # prefix copies are rounded up to this many tokens (<= 0.4% extra at 32K)
@@ -103,7 +104,8 @@ class DecodeReplay:
                               pos=torch.empty(1, dtype=torch.long, device=device),
                               lens=torch.empty(1, **i32),
                               logits=torch.empty(1, self.graph.model.vocab, dtype=torch.float32, device=device),
-                              cu_q=torch.tensor([0, 1], **i32), cu_k=torch.tensor([0, lo.capacity], **i32))
+                              cu_q=torch.tensor([0, 1], **i32), cu_k=torch.tensor([0, lo.capacity], **i32),
+                              windows=open_windows(lo, device))
         self.lossy = self.store.sparse is not None   # LOSSY sparse steps (executor/replay/sparse_step.py)
         if self.lossy:
             spec = self.graph.plan.lossy
@@ -126,6 +128,7 @@ class DecodeReplay:
             self.sp_width = {key: (w, torch.tensor([0, w], **i32)) for key, w in widths.items()}
             if self.store.q is not None:
                 self.store.q.open_replay()
+        self.rings = [i for i in range(lo.layers) if lo.ring(i)]
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         return self
 
@@ -285,6 +288,8 @@ class DecodeReplay:
                     self._issue(stages)
                     kv = self._take_kv(k)
                 self.tokens[:, k + 1:k + 2].copy_(dev.ids)
+                for layer in self.rings:   # the step's own K/V went to its ring row in the step
+                    self.store.marks.wrote(layer, self.context + k + 1)
                 if decoding is not None:
                     decoding.produced(self.tokens, k + 1)
                 if self.step_logits is not None:

@@ -8,7 +8,7 @@ decode ops call `fused.FusedDecode` instead of the adapter's pieces: the same ma
 elementwise work fused (every placement runs the same code)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,6 +17,7 @@ from kvpipe.pipeline.stage import Phase, Stage
 
 from kvpipe.executor.layers.attention import attend_decode
 from kvpipe.executor.layers.fused import fuse_mode, make_fused, warm_or_fall_back
+from kvpipe.executor.replay.window_step import WindowIndex, gathered
 from kvpipe.executor.engine.interpreter import Interpreter, _Step
 
 
@@ -26,7 +27,9 @@ class DeviceStep:
     ids [B, 1] long: the token embedded, then the greedy next token; pos [1] long: its position
     (= keys cached before it); lens [1] int32: keys attended (pos + 1); logits [B, V] fp32;
     cu_q (0, 1), cu_k (0, capacity) int32; copy_len: tokens each prefix copy moves (host int,
-    baked into a graph); args, sp_lens, bucket, sp_width, sp_cu_k: a sparse step's (LOSSY)."""
+    baked into a graph); windows: layer -> its window's rows and length (window_step.py), for
+    layers whose window is shorter than the capacity; args, sp_lens, bucket, sp_width, sp_cu_k:
+    a sparse step's (LOSSY)."""
 
     ids: torch.Tensor
     pos: torch.Tensor
@@ -35,6 +38,7 @@ class DeviceStep:
     cu_q: torch.Tensor
     cu_k: torch.Tensor
     copy_len: int = 0
+    windows: dict[int, WindowIndex] = field(default_factory=dict)
     # LOSSY sparse steps (executor/replay/sparse_step.py): the step's counts (int64 [ARGS]), the keys its
     # offloaded heads attend (int32 [1]: the fetched ones and its own) and the graph's fixed shapes
     args: torch.Tensor | None = None
@@ -94,6 +98,8 @@ class ReplayInterpreter(Interpreter):
         hidden, rope = self.adapter.embed(self.dev.ids, 0, positions=self.dev.pos.view(1, 1))
         self._cur = _Step(s.phase, s.step, s.tokens[0], hidden, rope)
         self._pending = None
+        for win in {id(w): w for w in self.dev.windows.values()}.values():   # one per kind
+            win.refresh(self.dev.pos)
 
     def _qkv(self, s: Stage) -> None:
         if not self._device_step(s):
@@ -104,9 +110,9 @@ class ReplayInterpreter(Interpreter):
         else:
             cur.hidden, q, kv = self.fused.qkv(s.layer, cur.hidden, self._pending, cur.rope)
             self._pending = None
-        n = lo.resident[s.layer]
-        if n:
-            self.store.gpu[s.layer].index_copy_(2, self.dev.pos, kv[:, :n])  # at the device-held position
+        n, win = lo.resident[s.layer], self.dev.windows.get(s.layer)
+        if n:   # at the device-held row: the position, or in a ring its row (past the window's keys)
+            self.store.gpu[s.layer].index_copy_(2, self.dev.pos if win is None else win.write, kv[:, :n])
         if self.sp is not None:           # LOSSY: the sketch's unsealed chunk (replay/sparse_step.py)
             self.sp.append_static(s.layer, kv, self.dev.args, self.side())
         B, Hq, T, D = q.shape
@@ -121,22 +127,34 @@ class ReplayInterpreter(Interpreter):
         new = self._kv[(s.phase, s.step, s.layer)][0][:, h0:h0 + G]   # [1, G, 1, 2, D]
         if s.slot is not None and self.sp is not None:   # LOSSY sparse
             return self._attn_sparse_static(s, cur, new)
-        lens = self.dev.lens
+        win = self.dev.windows.get(s.layer)
+        lens, cu_k = (self.dev.lens, self.dev.cu_k) if win is None else (win.lens, win.cu_k)
         if s.slot is not None:   # offloaded heads were fetched into the slot; add the rest and the new token
-            self.store.fill_resident(s.layer, s.heads, s.slot, self.dev.copy_len)
+            self.store.fill_resident(s.layer, s.heads, s.slot, self._copy_rows(s.layer))
             buf = self.store.slots[s.slot][:, :G]                      # [1, G, S, 2, D]
-            buf.index_copy_(2, self.dev.pos, new)
+            buf.index_copy_(2, self.dev.pos if win is None else win.write, new)
         else:                    # resident: the new token was written home by qkv
             buf = self.store.gpu[s.layer][:, h0:h0 + G]                # [1, G, S, 2, D]
+        if win is not None:      # the window's keys in position order, the own token at lens - 1
+            buf = gathered(self.store.scratch, buf, win)               # [1, G, W, 2, D]
         qs = slice(h0 * r, (h0 + G) * r)
         scale = self.adapter.body.layers[s.layer].self_attn.scaling
-        o = attend_decode(cur.q[:, qs], buf, lens, self.dev.cu_q, self.dev.cu_k, scale)  # [1, 1, G*r, D]
+        o = attend_decode(cur.q[:, qs], buf, lens, self.dev.cu_q, cu_k, scale)  # [1, 1, G*r, D]
         if cur.out is None and G == self.store.layout.kv_heads:   # fused: one group holds every head
             cur.out = o
             return
         if cur.out is None:
             cur.out = o.new_empty(1, 1, cur.q.shape[1], o.shape[-1])    # [B, T, Hq, D]
         cur.out[:, :, qs] = o
+
+    def _copy_rows(self, layer: int) -> int:
+        """Rows a step's copy into a slot moves for `layer`: a ring's every row (a fixed size, wherever
+        the window lies in it), else the bucket's prefix."""
+        return self.store.layout.ring(layer) or self.dev.copy_len
+
+    def _write_ring(self, s: Stage) -> None:
+        if not self._device_step(s):   # a device step's qkv wrote its ring row already
+            super()._write_ring(s)
 
     # ---- LOSSY sparse steps (executor/replay/sparse_step.py) -----------------------------------
     def _attn_sparse_static(self, s: Stage, cur, new: torch.Tensor) -> None:
@@ -227,4 +245,4 @@ class ReplayInterpreter(Interpreter):
         if not self._device_step(s):
             return super()._fetch(s)
         base = s.group * self.group[s.phase]
-        self.moved[s.id] = self.store.fetch(s.layer, s.heads, base, s.slot, self.dev.copy_len)
+        self.moved[s.id] = self.store.fetch(s.layer, s.heads, base, s.slot, self._copy_rows(s.layer))
