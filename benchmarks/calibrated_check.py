@@ -86,7 +86,7 @@ def cpu_calibration(dev):
         import tomllib
     except ModuleNotFoundError:   # Python < 3.11
         import tomli as tomllib
-    from kvpipe.hw_profiles import _HERE, _flatten
+    from kvpipe.hw_profiles import _HERE, _flatten, load_profile
     from kvpipe.pipeline.calibration import Calibration
     from kvpipe.executor.calibrate.machine import run_shape_steps
     cal = Calibration("calibrated-session-cpu", "h200-testbox with run-shape steps measured on a CPU", "calibrated_check")
@@ -94,8 +94,8 @@ def cpu_calibration(dev):
         if k not in ("name", "description"):
             cal.set(k, v, "from profile h200-testbox", measured=False)
     dims = {"hidden": TINY["hidden_size"], "inner": TINY["intermediate_size"], "q_dim": 64, "kv_dim": 32}
-    grids = dict(d=16, kv_heads=2, rows=(256, 1024), keys=(256, 2048), groups=(1, 2), chunks=(256, 1024))
-    for label, step in run_shape_steps(cal, dev, dims, grids, chunks=(256, 1024)):
+    grids = dict(d=16, rows=(256, 1024), keys=(256, 2048), groups=(1, 2))
+    for label, step in run_shape_steps(cal, dev, load_profile("h200-testbox"), dims, grids, chunks=(256, 1024)):
         step()
     return cal
 
