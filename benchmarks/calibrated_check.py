@@ -65,17 +65,25 @@ def rows_of(args) -> dict:
 
 
 def calibrate_profile(args, dev, out_toml: Path) -> tuple[str, float]:
-    """Run `kvpipe calibrate --quick` (CUDA) or its run-shape steps over h200-testbox (CPU) and write the profile."""
+    """Run `kvpipe calibrate --quick` (CUDA) or its run-shape steps over h200-testbox (CPU) and write the
+    profile, and beside it as OUT.calibrate.json the measurements behind its fits (as `kvpipe calibrate`
+    writes them) with the steps' times."""
     from kvpipe.hw_profiles import load_profile
     from kvpipe.pipeline.calibration import to_toml
-    t0 = time.perf_counter()
+    t0, steps = time.perf_counter(), []
+
+    def progress(line: str) -> None:
+        steps.append(line)
+        print(line, file=sys.stderr, flush=True)
     if dev.type == "cuda":
         from kvpipe.executor.calibrate.machine import calibrate
-        cal = calibrate(load_profile("h200"), "calibrated-session", tempfile.gettempdir(), quick=True,
-                        progress=lambda s: print(s, file=sys.stderr, flush=True))
+        cal = calibrate(load_profile("h200"), "calibrated-session", tempfile.gettempdir(), quick=True, progress=progress)
     else:
         cal = cpu_calibration(dev)
     out_toml.write_text(to_toml(cal))
+    out_toml.with_suffix(".calibrate.json").write_text(json.dumps(
+        {"source": cal.source, "steps": steps, "values": cal.values, "notes": cal.notes, "extra": cal.extra},
+        indent=1, default=str))
     load_profile(str(out_toml))   # fails here, not at the first prediction
     return str(out_toml), time.perf_counter() - t0
 
@@ -246,7 +254,7 @@ def report(path: Path, model: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, metavar="OUT.json", help="the JSON (written after every row); the "
-                    "calibrated profile goes beside it as OUT.toml")
+                    "calibrated profile goes beside it as OUT.toml, its measurements as OUT.calibrate.json")
     ap.add_argument("--set", default="all", choices=("all", "exact", "lossy"), help="which rows")
     ap.add_argument("--rows", default=None, help="comma-separated row names instead of --set: "
                     + ", ".join({**EXACT, **LOSSY, **LONG}))
