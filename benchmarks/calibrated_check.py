@@ -84,6 +84,12 @@ def calibrate_profile(args, dev, out_toml: Path) -> tuple[str, float]:
     out_toml.with_suffix(".calibrate.json").write_text(json.dumps(
         {"source": cal.source, "steps": steps, "values": cal.values, "notes": cal.notes, "extra": cal.extra},
         indent=1, default=str))
+    seq = cal.extra.get("prefill_stages")
+    if seq:   # each point's timed stages must have run back to back (the busy work covered the host)
+        worst = max(seq["points"], key=lambda r: r["idle_s"])
+        print(f"prefill stages in sequence: {len(seq['points'])} points; compute lane idle between timed stages "
+              f"at most {worst['idle_s'] * 1e3:.3f} ms (group {worst['group']}, chunk {worst['chunk']}, prefix "
+              f"{worst['prefix']}); {len(seq['clamped'])} kernel times clamped", file=sys.stderr, flush=True)
     load_profile(str(out_toml))   # fails here, not at the first prediction
     return str(out_toml), time.perf_counter() - t0
 
