@@ -65,17 +65,31 @@ def rows_of(args) -> dict:
 
 
 def calibrate_profile(args, dev, out_toml: Path) -> tuple[str, float]:
-    """Run `kvpipe calibrate --quick` (CUDA) or its run-shape steps over h200-testbox (CPU) and write the profile."""
+    """Run `kvpipe calibrate --quick` (CUDA) or its run-shape steps over h200-testbox (CPU) and write the
+    profile, and beside it as OUT.calibrate.json the measurements behind its fits (as `kvpipe calibrate`
+    writes them) with the steps' times."""
     from kvpipe.hw_profiles import load_profile
     from kvpipe.pipeline.calibration import to_toml
-    t0 = time.perf_counter()
+    t0, steps = time.perf_counter(), []
+
+    def progress(line: str) -> None:
+        steps.append(line)
+        print(line, file=sys.stderr, flush=True)
     if dev.type == "cuda":
         from kvpipe.executor.calibrate.machine import calibrate
-        cal = calibrate(load_profile("h200"), "calibrated-session", tempfile.gettempdir(), quick=True,
-                        progress=lambda s: print(s, file=sys.stderr, flush=True))
+        cal = calibrate(load_profile("h200"), "calibrated-session", tempfile.gettempdir(), quick=True, progress=progress)
     else:
         cal = cpu_calibration(dev)
     out_toml.write_text(to_toml(cal))
+    out_toml.with_suffix(".calibrate.json").write_text(json.dumps(
+        {"source": cal.source, "steps": steps, "values": cal.values, "notes": cal.notes, "extra": cal.extra},
+        indent=1, default=str))
+    seq = cal.extra.get("prefill_stages")
+    if seq:   # each point's timed stages must have run back to back (the busy work covered the host)
+        worst = max(seq["points"], key=lambda r: r["idle_s"])
+        print(f"prefill stages in sequence: {len(seq['points'])} points; compute lane idle between timed stages "
+              f"at most {worst['idle_s'] * 1e3:.3f} ms (group {worst['group']}, chunk {worst['chunk']}, prefix "
+              f"{worst['prefix']}); {len(seq['clamped'])} kernel times clamped", file=sys.stderr, flush=True)
     load_profile(str(out_toml))   # fails here, not at the first prediction
     return str(out_toml), time.perf_counter() - t0
 
@@ -86,7 +100,7 @@ def cpu_calibration(dev):
         import tomllib
     except ModuleNotFoundError:   # Python < 3.11
         import tomli as tomllib
-    from kvpipe.hw_profiles import _HERE, _flatten
+    from kvpipe.hw_profiles import _HERE, _flatten, load_profile
     from kvpipe.pipeline.calibration import Calibration
     from kvpipe.executor.calibrate.machine import run_shape_steps
     cal = Calibration("calibrated-session-cpu", "h200-testbox with run-shape steps measured on a CPU", "calibrated_check")
@@ -94,8 +108,8 @@ def cpu_calibration(dev):
         if k not in ("name", "description"):
             cal.set(k, v, "from profile h200-testbox", measured=False)
     dims = {"hidden": TINY["hidden_size"], "inner": TINY["intermediate_size"], "q_dim": 64, "kv_dim": 32}
-    grids = dict(d=16, kv_heads=2, rows=(256, 1024), keys=(256, 2048), groups=(1, 2), chunks=(256, 1024))
-    for label, step in run_shape_steps(cal, dev, dims, grids, chunks=(256, 1024)):
+    grids = dict(d=16, rows=(256, 1024), keys=(256, 2048), groups=(1, 2))
+    for label, step in run_shape_steps(cal, dev, load_profile("h200-testbox"), dims, grids, chunks=(256, 1024)):
         step()
     return cal
 
@@ -246,7 +260,7 @@ def report(path: Path, model: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, metavar="OUT.json", help="the JSON (written after every row); the "
-                    "calibrated profile goes beside it as OUT.toml")
+                    "calibrated profile goes beside it as OUT.toml, its measurements as OUT.calibrate.json")
     ap.add_argument("--set", default="all", choices=("all", "exact", "lossy"), help="which rows")
     ap.add_argument("--rows", default=None, help="comma-separated row names instead of --set: "
                     + ", ".join({**EXACT, **LOSSY, **LONG}))

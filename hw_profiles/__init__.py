@@ -11,7 +11,7 @@ except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib  # type: ignore[no-redef]
 
 from kvpipe.pipeline.hardware import CodecRates, DecodeAttention, HardwareFieldError, HardwareProfile
-from kvpipe.pipeline.run_rates import AttentionRates, RateGrid
+from kvpipe.pipeline.run_rates import STAGE_GEMM_TAGS, AttentionRates, RateGrid, StageGemmRates
 
 _HERE = Path(__file__).resolve().parent
 # TOML key -> (HardwareProfile field, kind). The [gpu.compute.<dtype>] tables are read apart.
@@ -66,6 +66,8 @@ _OPTIONAL = {   # TOML key -> HardwareProfile field: absent means the field's de
 # [gpu.attention_rates] (pipeline/run_rates.AttentionRates): each grid's two axes and its rates
 _ATTENTION_RATES = {"prefix": ("prefix_rows", "prefix_keys", "prefix_flops_per_s"),
                     "own": ("own_groups", "own_chunks", "own_flops_per_s")}
+# [gpu.stage_gemm] (pipeline/run_rates.StageGemmRates): a rate and a half per stage tag, and a dtype
+_STAGE_GEMM = tuple(f"{tag}_{f}" for tag in STAGE_GEMM_TAGS for f in ("flops_per_s", "half_flops"))
 _COMPUTE = {"peak_flops_per_s": "flops_peak_per_s", "effective_flops_per_s": "flops_eff_per_s"}
 _CODEC = ("compress_bytes_per_s", "decompress_bytes_per_s", "ratio")   # [codec.<name>] fields
 # optional [codec.<name>] fields (absent: CodecRates' defaults, as profiles written before them say)
@@ -108,7 +110,8 @@ def _load(path: Path, label: str) -> HardwareProfile:
     except (OSError, UnicodeDecodeError) as e:
         raise fail(f"cannot read: {e}") from None
     flat = _flatten(doc)
-    tabled = [k for k in flat if k.startswith(("gpu.compute.", "codec.", "gpu.decode_attention.", "gpu.attention_rates."))]
+    tabled = [k for k in flat if k.startswith(("gpu.compute.", "codec.", "gpu.decode_attention.", "gpu.attention_rates.",
+                                            "gpu.stage_gemm."))]
     unknown = sorted(set(flat) - set(_FIELDS) - set(_OPTIONAL) - set(tabled))
     if unknown:
         raise fail(f"field '{unknown[0]}' is not a known field")
@@ -137,6 +140,8 @@ def _load(path: Path, label: str) -> HardwareProfile:
         kwargs["decode_attention"] = _decode_attention(flat, fail)
         if any(k.startswith("gpu.attention_rates.") for k in flat):
             kwargs["attention_rates"] = _attention_rates(flat, fail)
+        if any(k.startswith("gpu.stage_gemm.") for k in flat):
+            kwargs["stage_gemm"] = _stage_gemm(flat, fail)
         return HardwareProfile(**kwargs, **tables)
     except HardwareFieldError as e:
         raise fail(f"field '{_toml_key(e.field)}' {e.problem}") from None
@@ -173,6 +178,30 @@ def _attention_rates(flat: dict[str, object], fail) -> AttentionRates:
     if not isinstance(dtype, str):
         raise fail(f"field '{pre}dtype' is not a string: {dtype!r}")
     return AttentionRates(grids["prefix"], grids["own"], dtype)
+
+
+def _stage_gemm(flat: dict[str, object], fail) -> StageGemmRates:
+    """[gpu.stage_gemm]: every stage tag's rate and half (numbers) and a dtype."""
+    pre = "gpu.stage_gemm."
+    unknown = sorted(k for k in flat if k.startswith(pre) and k[len(pre):] not in (*_STAGE_GEMM, "dtype"))
+    if unknown:
+        raise fail(f"field '{unknown[0]}' is not a known field")
+    values = {}
+    for f in _STAGE_GEMM:
+        if pre + f not in flat:
+            raise fail(f"field '{pre}{f}' is missing")
+        try:
+            values[f] = _typed(flat[pre + f], float)
+        except ValueError as e:
+            raise fail(f"field '{pre}{f}' {e}") from None
+    dtype = flat.get(pre + "dtype", "bf16")
+    if not isinstance(dtype, str):
+        raise fail(f"field '{pre}dtype' is not a string: {dtype!r}")
+    try:
+        return StageGemmRates(**values, dtype=dtype)
+    except ValueError as e:   # "<field>: <problem>"
+        name, _, problem = str(e).partition(": ")
+        raise fail(f"field '{pre}{name}' {problem}") from None
 
 
 def _tables(flat: dict[str, object], prefix: str, fields: tuple[str, ...], fail,

@@ -13,12 +13,16 @@ def compute_seconds(flops: float, mem_bytes: float, ops: int, hw: HardwareProfil
     """Roofline with an efficiency that falls for small shapes: a kernel of `f` FLOPs runs at
     eff * f / (f + half), i.e. takes (f + half) / eff; memory traffic at the effective HBM rate;
     plus a launch overhead per kernel (the graph node time when replayed). `small_shape=False`:
-    a kernel that is not GEMM-shaped in its rows (`split_kv_attention`) pays no `half`."""
+    a kernel that is not GEMM-shaped in its rows (`split_kv_attention`) pays no `half`. A qkv or
+    mlp stage takes its own rate and half where the profile has [gpu.stage_gemm] for `dtype`."""
     launch = hw.graph_node_s if replayed else hw.launch_overhead_s
     if few_row_gemm(flops, mem_bytes, tag, hw):
         return max(flops / hw.flops_eff(dtype), mem_bytes / hw.decode_gemm_bytes_per_s) + ops * launch
     rate = hw.flops_eff(dtype) * (hw.attention_efficiency if tag == "attn" else 1.0)
     half = hw.small_shape_half_flops if small_shape else 0.0
+    own = hw.stage_gemm.of(tag) if hw.stage_gemm is not None and hw.stage_gemm.dtype == dtype else None
+    if own is not None:
+        rate, half = own
     arith = (flops + half) / rate if flops else 0.0
     return max(arith, mem_bytes / hw.hbm_eff_bytes_per_s) + ops * launch
 

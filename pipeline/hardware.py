@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 from .profile_parts import (DTYPES, CodecRates, DecodeAttention, FlopsTable, HardwareFieldError,  # noqa: F401
                             flops_table, number)
-from .run_rates import AttentionRates
+from .run_rates import AttentionRates, StageGemmRates
 # The host's issue figures (seconds of host time per stage, launch, copy call, replayed step or
 # attention plan), which `at_quantile` scales by the run-to-run spread.
 HOST_ISSUE_FIELDS = ("host_issue_s_per_stage", "host_issue_s_per_op", "graph_replay_s", "attention_plan_s",
@@ -108,6 +108,10 @@ class HardwareProfile:
     # memory-bound, no small-shape half; replayed in a CUDA graph); the executor's quantise of the K/V
     # a step fills (LOSSY int8/int4) as `quant_call_s + (bytes read + written) / quant_bytes_per_s`.
     attention_rates: AttentionRates | None = None
+    # The prefill qkv and mlp stages' GEMM rate and small-shape half each, fitted on stages timed
+    # in a run's sequence ([gpu.stage_gemm], pipeline/stage_fit.py); None: the profile's one GEMM
+    # rate and half cost both.
+    stage_gemm: StageGemmRates | None = None
     decode_gemm_bytes_per_s: float | None = None
     quant_call_s: float | None = None
     quant_bytes_per_s: float | None = None
@@ -160,6 +164,8 @@ class HardwareProfile:
                                      "or not at all")
         if self.attention_rates is not None and not isinstance(self.attention_rates, AttentionRates):
             raise HardwareFieldError("attention_rates", f"must be AttentionRates, got {self.attention_rates!r}")
+        if self.stage_gemm is not None and not isinstance(self.stage_gemm, StageGemmRates):
+            raise HardwareFieldError("stage_gemm", f"must be StageGemmRates, got {self.stage_gemm!r}")
         if (self.peer_alpha_s is None) != (self.peer_bytes_per_s is None):
             raise HardwareFieldError("peer_bytes_per_s", "peer_alpha_s and peer_bytes_per_s come together or not at all")
         if (self.sparse_score_call_s is None) != (self.sparse_score_bytes_per_s is None):

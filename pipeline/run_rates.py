@@ -1,6 +1,7 @@
 """Measured rates at the shapes a run has: the prefill attention kernels' FLOP/s over a grid of
-call shapes (`AttentionRates`, `kvpipe calibrate`'s [gpu.attention_rates]), and the shapes
-calibrate measures them at (the planner's chunks and groups, the prefixes real plans reach).
+call shapes (`AttentionRates`, `kvpipe calibrate`'s [gpu.attention_rates]), the qkv and mlp
+stages' GEMM rates (`StageGemmRates`, [gpu.stage_gemm]), and the shapes calibrate measures them at
+(the planner's chunks and groups, the prefixes real plans reach).
 
 A prefill chunk of n tokens over a P-token prefix attends in two fused calls per head group of G
 KV heads (executor/layers/attention.attend_chunk): the chunk over itself, causal (`own`, G*r query
@@ -21,9 +22,21 @@ CALIBRATE_GROUPS = (1, 2, 4, 8)
 # last chunk reaches ~128K; beyond, the rate is flat: the call is long enough to be steady).
 PREFIX_ROWS = (1024, 4096, 16384, 65536, 262144)
 PREFIX_KEYS = (2048, 8192, 32768, 131072)
-# The grid of the own (causal) call: KV heads per call and chunk tokens.
+# The grid of the own (causal) call: KV heads per call and chunk tokens (every chunk the planner picks).
 OWN_GROUPS = (1, 2, 4, 8)
-OWN_CHUNKS = (1024, 4096, 16384, 32768)
+OWN_CHUNKS = CALIBRATE_CHUNKS
+# A prefix grid row of R rows is measured as a chunk of R / G tokens over G = R / ROWS_PER_HEAD KV
+# heads (1 to 8): the (group, chunk) pairs of plans at 32K-128K (4 x 4096, 8 x 8192).
+ROWS_PER_HEAD = 4096
+
+
+def prefix_call(rows: int, groups=OWN_GROUPS, chunks=OWN_CHUNKS) -> tuple[int, int]:
+    """(KV heads per call, chunk tokens) that calibrate times a prefix grid row of `rows` at: a
+    pair of the own grid (its own call's rate is known), so the prefix call's share is the rest."""
+    g = max([x for x in groups if x <= max(1, rows // ROWS_PER_HEAD)] or [min(groups)])
+    if rows % g or rows // g not in chunks:
+        raise ValueError(f"rows: {rows} is not {g} KV heads x a chunk of {tuple(chunks)}")
+    return g, rows // g
 
 
 def _bracket(axis: tuple[int, ...], x: float) -> tuple[int, int, float]:
@@ -99,3 +112,35 @@ class AttentionRates:
         the GEMM rate, so the planner's estimate (sim/estimate.py, one efficiency for every
         shape) stays a lower bound of the simulated time."""
         return min(1.0, self.peak() / eff_flops_per_s)
+
+
+STAGE_GEMM_TAGS = ("qkv", "mlp")   # the prefill stages whose GEMMs [gpu.stage_gemm] rates
+
+
+@dataclass(frozen=True)
+class StageGemmRates:
+    """A prefill stage's GEMMs at their rate in a run, per stage tag ([gpu.stage_gemm]): a qkv or
+    mlp stage's GEMM seconds are `(flops + half) / rate` with its own pair (the qkv stage's narrow
+    k and v projections run below the mlp's wide GEMMs), for `dtype` models."""
+
+    qkv_flops_per_s: float
+    qkv_half_flops: float
+    mlp_flops_per_s: float
+    mlp_half_flops: float
+    dtype: str = "bf16"
+
+    def __post_init__(self) -> None:
+        for tag in STAGE_GEMM_TAGS:
+            rate, half = getattr(self, f"{tag}_flops_per_s"), getattr(self, f"{tag}_half_flops")
+            if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
+                raise ValueError(f"{tag}_flops_per_s: must be a finite number > 0, got {rate!r}")
+            if not (isinstance(half, (int, float)) and math.isfinite(half) and half >= 0):
+                raise ValueError(f"{tag}_half_flops: must be a finite number >= 0, got {half!r}")
+            object.__setattr__(self, f"{tag}_flops_per_s", float(rate))
+            object.__setattr__(self, f"{tag}_half_flops", float(half))
+
+    def of(self, tag: str) -> tuple[float, float] | None:
+        """(rate, half) of stage tag `tag`, None for a tag the table does not rate."""
+        if tag not in STAGE_GEMM_TAGS:
+            return None
+        return getattr(self, f"{tag}_flops_per_s"), getattr(self, f"{tag}_half_flops")

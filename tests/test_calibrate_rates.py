@@ -13,7 +13,7 @@ from kvpipe.pipeline import run_rates
 from kvpipe.pipeline.calibration import Calibration, to_toml
 from kvpipe.pipeline.cost import stage_seconds
 from kvpipe.pipeline.lossy import QUANT_ENCODE_OPS, QUANT_TAIL_OPS
-from kvpipe.pipeline.run_rates import AttentionRates, RateGrid
+from kvpipe.pipeline.run_rates import AttentionRates, RateGrid, StageGemmRates
 from kvpipe.pipeline.stage import Kind, Phase, Stage
 
 GRID = RateGrid((1024, 4096), (2048, 8192), ((100e12, 400e12), (200e12, 800e12)))
@@ -67,7 +67,10 @@ def _cal_with_rates() -> Calibration:
                  "gpu.attention_rates.own_flops_per_s": [list(r) for r in OWN.rates],
                  "gpu.attention_rates.dtype": "bf16", "gpu.decode_gemm_bytes_per_s": 3.3e12,
                  "gpu.quant_call_s": 2.5e-4, "gpu.quant_bytes_per_s": 4.0e11,
-                 "link.gather_call_s": 6e-6, "link.gather_bytes_per_s": 4.9e10}.items():
+                 "link.gather_call_s": 6e-6, "link.gather_bytes_per_s": 4.9e10,
+                 "gpu.stage_gemm.dtype": "bf16", "gpu.stage_gemm.qkv_flops_per_s": 5.5e14,
+                 "gpu.stage_gemm.qkv_half_flops": 1.2e10, "gpu.stage_gemm.mlp_flops_per_s": 8.1e14,
+                 "gpu.stage_gemm.mlp_half_flops": 3.4e10}.items():
         cal.set(k, v, "by hand")
     return cal
 
@@ -83,8 +86,15 @@ def test_profile_fields_written_and_read_back(tmp_path):
     assert (hw.decode_gemm_bytes_per_s, hw.quant_call_s, hw.quant_bytes_per_s) == (3.3e12, 2.5e-4, 4.0e11)
     assert (hw.gather_call_s, hw.gather_bytes_per_s) == (6e-6, 4.9e10)
     assert "prefix_flops_per_s = [[1e+14, 4e+14], [2e+14, 8e+14]]" in text and "source: measured by kvpipe calibrate, by hand" in text
+    assert hw.stage_gemm == StageGemmRates(5.5e14, 1.2e10, 8.1e14, 3.4e10, "bf16")
     path.write_text(text.replace("own_chunks = [1024, 4096]", "own_chunks = [4096, 1024]"))
     with pytest.raises(ValueError, match="attention_rates.own"):
+        load_profile(str(path))
+    path.write_text("\n".join(x for x in text.splitlines() if not x.startswith("mlp_half_flops")))
+    with pytest.raises(ValueError, match="gpu.stage_gemm.mlp_half_flops' is missing"):
+        load_profile(str(path))
+    path.write_text(text.replace("qkv_flops_per_s = 5.5e+14", "qkv_flops_per_s = -1.0"))
+    with pytest.raises(ValueError, match="gpu.stage_gemm.qkv_flops_per_s' must be"):
         load_profile(str(path))
 
 
@@ -96,7 +106,7 @@ def test_bundled_profiles_have_none_of_the_new_fields():
     for name in known_profiles():
         hw = load_profile(name)
         text = files("kvpipe.hw_profiles").joinpath(f"{name}.toml").read_text()
-        assert hw.attention_rates is None and hw.quant_call_s is None, name
+        assert hw.attention_rates is None and hw.quant_call_s is None and hw.stage_gemm is None, name
         stated = "\ndecode_gemm_bytes_per_s = " in text
         assert (hw.decode_gemm_bytes_per_s is not None) == stated, name
         assert not stated or "# source: measured" in text.split("\ndecode_gemm_bytes_per_s = ")[1].splitlines()[0], name
@@ -117,6 +127,21 @@ def test_simulator_costs_prefill_attention_from_the_grid():
     old = load_profile("h200-testbox")
     assert stage_seconds(replace(s, small_ops=0), old, "bf16") != pytest.approx(want, rel=1e-3)
     assert stage_seconds(s, hw, "fp32") == stage_seconds(s, replace(old, attention_rates=None), "fp32")  # other dtype
+
+
+def test_simulator_costs_qkv_and_mlp_from_their_own_gemm_rates():
+    # Fault caught: stage_seconds ignoring [gpu.stage_gemm] (one GEMM rate and half for the narrow
+    # qkv and the wide mlp GEMMs: qkv predicted fast, mlp slow), the pairs swapped, or the table
+    # used for a dtype it was not measured in or for a stage it does not rate.
+    table = StageGemmRates(4.0e14, 1.0e10, 9.0e14, 5.0e10)
+    hw = replace(load_profile("h200-testbox"), stage_gemm=table)
+    for tag, rate, half in (("qkv", 4.0e14, 1.0e10), ("mlp", 9.0e14, 5.0e10)):
+        s = Stage(0, Kind.COMPUTE, tag, Phase.PREFILL, 0, 0, None, (0, 4096), flops=3.0e12, mem_bytes=1e6, ops=3)
+        assert stage_seconds(s, hw, "bf16") == pytest.approx((3.0e12 + half) / rate + 3 * hw.launch_overhead_s,
+                                                             rel=1e-12), tag
+        assert stage_seconds(s, hw, "fp32") == stage_seconds(s, load_profile("h200-testbox"), "fp32"), tag
+    head = Stage(0, Kind.COMPUTE, "head", Phase.PREFILL, 0, None, None, (4095, 4096), flops=3.0e12, mem_bytes=1e6, ops=3)
+    assert stage_seconds(head, hw, "bf16") == stage_seconds(head, load_profile("h200-testbox"), "bf16")
 
 
 def test_few_row_gemms_read_weights_at_the_measured_rate():
@@ -209,7 +234,8 @@ def test_the_estimate_stays_a_lower_bound_on_a_calibrated_profile():
                  tuple(tuple(0.6 * eff * min(1, (g * n / 8192) ** 0.1) for n in run_rates.OWN_CHUNKS)
                        for g in run_rates.OWN_GROUPS)))
     hw = replace(base, attention_rates=grids, attention_efficiency=grids.estimate_efficiency(eff),
-                 decode_gemm_bytes_per_s=3.4e12, quant_call_s=3e-4, quant_bytes_per_s=3e11)
+                 decode_gemm_bytes_per_s=3.4e12, quant_call_s=3e-4, quant_bytes_per_s=3e11,
+                 stage_gemm=StageGemmRates(0.6 * eff, 2e10, 1.05 * eff, 1e10))
     m = ModelSpec("two", layers=2, hidden=4096, q_heads=32, kv_heads=8, intermediate=14336, family="llama",
                   vocab=128256, head_dim=128)
     roomy = {"gpu": 2**50, "host": 2**50, "disk": 2**50}

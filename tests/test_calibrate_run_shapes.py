@@ -1,7 +1,8 @@
 """`kvpipe calibrate`'s run-shape steps (executor/calibrate/machine.run_shape_steps: run_shapes.py,
-gemm_shapes.py, lossy.py) on the CPU at tiny shapes: every profile field they feed is written,
-with a source, and loads; the attention grid is the shapes asked for, and times attend_part as
-attend_chunk calls it; the quantise is fitted over the bytes the builder's `quant` stage counts."""
+prefill_stages.py, gemm_shapes.py, lossy.py) on the CPU at tiny shapes: every profile field they
+feed is written, with a source, and loads; the attention grid is the shapes asked for; the
+quantise is fitted over the bytes the builder's `quant` stage counts. The prefill stages' own
+checks (timed in the executor's order at the plan's shapes): tests/test_calibrate_prefill_stages.py."""
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -10,10 +11,11 @@ from kvpipe.hw_profiles import load_profile  # noqa: E402
 from kvpipe.pipeline.calibration import Calibration, to_toml  # noqa: E402
 
 DIMS = {"hidden": 64, "inner": 128, "q_dim": 64, "kv_dim": 32}
-GRIDS = dict(d=16, kv_heads=2, rows=(256, 1024), keys=(256, 1024), groups=(1, 2), chunks=(256, 512))
+GRIDS = dict(d=16, rows=(256, 1024), keys=(256, 1024), groups=(1, 2))
 NEW = ("gpu.attention_rates.prefix_flops_per_s", "gpu.attention_rates.own_flops_per_s", "gpu.decode_gemm_bytes_per_s",
        "gpu.quant_call_s", "gpu.quant_bytes_per_s", "gpu.compute.fp32.effective_flops_per_s",
-       "gpu.small_shape_half_flops", "gpu.attention_efficiency")
+       "gpu.small_shape_half_flops", "gpu.attention_efficiency", "gpu.stage_gemm.qkv_flops_per_s",
+       "gpu.stage_gemm.qkv_half_flops", "gpu.stage_gemm.mlp_flops_per_s", "gpu.stage_gemm.mlp_half_flops")
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +31,8 @@ def measured():
     before = torch.get_num_threads()
     torch.set_num_threads(1)   # restored: later tests' CPU digests depend on the thread count
     try:
-        for _, step in run_shape_steps(cal, torch.device("cpu"), DIMS, GRIDS, chunks=(256, 1024)):
+        for _, step in run_shape_steps(cal, torch.device("cpu"), load_profile("h200-testbox"), DIMS, GRIDS,
+                                       chunks=(256, 1024)):
             step()
     finally:
         torch.set_num_threads(before)
@@ -47,7 +50,8 @@ def test_every_new_field_is_measured_and_loads(measured, tmp_path):
     path.write_text(to_toml(measured))
     hw = load_profile(str(path))
     r = hw.attention_rates
-    assert (r.prefix.xs, r.prefix.ys, r.own.xs, r.own.ys, r.dtype) == ((256, 1024), (256, 1024), (1, 2), (256, 512), "fp32")
+    assert (r.prefix.xs, r.prefix.ys, r.own.xs, r.own.ys, r.dtype) == ((256, 1024), (256, 1024), (1, 2), (256, 1024), "fp32")
+    assert hw.stage_gemm is not None and hw.stage_gemm.dtype == "fp32"
     peak = max(v for g in (r.prefix, r.own) for row in g.rates for v in row)
     assert hw.attention_efficiency == pytest.approx(min(1.0, peak / hw.flops_eff("fp32")), rel=1e-3)
 
@@ -61,16 +65,3 @@ def test_quantise_fit_is_over_the_builders_bytes(measured):
         raw = p["units"] * p["tokens"] * 2 * 128 * 4   # fp32 on the CPU, D 128
         assert p["bytes"] == raw + p["units"] * spec.unit_bytes(p["tokens"], 128, 4)
     assert {p["quant"] for p in measured.extra["quant_points"]} == {"int4", "int8"}
-
-
-def test_gemm_points_are_the_graphs_stages(measured):
-    # Fault caught: GEMMs timed at shapes the graph has no stage of (one square GEMM, best over T),
-    # or the stage's FLOPs counted other than the builder's qkv / mlp stages.
-    from kvpipe.pipeline.model import ModelSpec
-    m = ModelSpec("t", layers=1, hidden=64, q_heads=4, kv_heads=2, intermediate=128, family="llama", vocab=256,
-                  head_dim=16)
-    pts = measured.extra["gemm_stage_points_fp32"]
-    assert {(p["stage"], p["tokens"]) for p in pts} == {(s, t) for s in ("qkv", "mlp") for t in (256, 1024)}
-    for p in pts:
-        per_token = m.qkv_flops_per_token if p["stage"] == "qkv" else m.mlp_flops_per_token
-        assert p["flops"] == p["tokens"] * per_token

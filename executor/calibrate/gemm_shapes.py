@@ -1,14 +1,12 @@
-"""`kvpipe calibrate`'s GEMM rates at the graph's shapes: a layer's qkv and mlp stages' GEMMs at
-the planner's prefill chunks, fitted as the simulator costs a stage (`(flops + half) / eff`:
-gpu.compute.<dtype>.effective_flops_per_s and gpu.small_shape_half_flops), and a decode step's
-one-row GEMMs replayed in a CUDA graph over several layers' weights (gpu.decode_gemm_bytes_per_s).
-Both after the clock warm-up of executor/calibrate/run_shapes.py."""
+"""`kvpipe calibrate`'s decode GEMM rate: a decode step's one-row GEMMs replayed in a CUDA graph
+over several layers' weights (gpu.decode_gemm_bytes_per_s), after the clock warm-up of
+executor/calibrate/run_shapes.py. The prefill stages' GEMM rates are fitted on stages timed in a
+run's sequence (executor/calibrate/prefill_stages.py)."""
 from __future__ import annotations
 
 import torch
 
-from kvpipe.pipeline.calibration import Calibration, fit_alpha_beta_relative
-from kvpipe.pipeline.run_rates import CALIBRATE_CHUNKS
+from kvpipe.pipeline.calibration import Calibration
 
 from kvpipe.executor.calibrate.run_shapes import back_to_back_s, stage_gemms
 from kvpipe.executor.calibrate.timing import graph_median_s
@@ -21,31 +19,6 @@ def llama_dims(model=None) -> dict:
         model = load_model("llama-3-8b")
     return {"hidden": model.hidden, "inner": model.intermediate, "q_dim": model.q_heads * model.head_dim,
             "kv_dim": model.kv_heads * model.head_dim}
-
-
-def prefill_gemms(cal: Calibration, dev: torch.device, dims: dict, chunks=CALIBRATE_CHUNKS,
-                  dtype_name: str = "bf16") -> tuple[float, float]:
-    """The qkv and mlp stages' GEMMs at every chunk, back to back; the relative least-squares fit
-    of stage seconds = half / eff + flops / eff over the points. Returns (eff, half)."""
-    dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
-    pts = []
-    for T in chunks:
-        (qkv, f_qkv), (mlp, f_mlp), _ = stage_gemms(dev, T, dims["hidden"], dims["inner"], dims["q_dim"],
-                                                    dims["kv_dim"], dt)
-        pts += [("qkv", T, f_qkv, back_to_back_s(qkv, dev)), ("mlp", T, f_mlp, back_to_back_s(mlp, dev))]
-        del qkv, mlp
-    try:
-        alpha, eff, fit = *fit_alpha_beta_relative([f for _, _, f, _ in pts], [t for _, _, _, t in pts]), "the relative least-squares fit"
-    except ValueError:   # times that do not grow with FLOPs (a noisy host): the best rate, no half
-        alpha, eff, fit = 0.0, max(f / t for _, _, f, t in pts), "the best point (the fit's slope was not positive)"
-    how = (f"{dtype_name} GEMMs of a layer's qkv stage (q, k, v projections) and mlp stage (o, gate, up, down) at "
-           f"{hidden_str(dims)}, T = {list(chunks)} (the planner's prefill chunks), back to back after the clock warm-up")
-    cal.set(f"gpu.compute.{dtype_name}.effective_flops_per_s", eff,
-            how + f"; slope of {fit} of stage seconds = (flops + half) / eff")
-    cal.set("gpu.small_shape_half_flops", alpha * eff, how + f"; intercept x slope of {fit}")
-    cal.extra[f"gemm_stage_points_{dtype_name}"] = [{"stage": s, "tokens": T, "flops": f, "seconds": t}
-                                                    for s, T, f, t in pts]
-    return eff, alpha * eff
 
 
 def hidden_str(dims: dict) -> str:

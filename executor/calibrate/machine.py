@@ -4,8 +4,9 @@ decoder layer's non-GEMM ops, HBM copy rate and kernel launch cost (calibrate/gp
 rate per kernel (calibrate/attention.py), pinned H2D/D2H as alpha + bytes/beta and O_DIRECT disk
 read/write (calibrate/links.py), the executor's host issue costs (calibrate/host_issue.py), and the
 codecs of the h2d and disk links on random-weight K/V (calibrate/codecs.py); then, after a clock
-warm-up, the rates at the run's shapes (`run_shape_steps`: the stages' GEMMs at the planner's
-chunks, the decode GEMMs, the prefill attention grid, the LOSSY quantise and sparse score). Timings are CUDA
+warm-up, the rates at the run's shapes (`run_shape_steps`: the prefill stages timed in a run's
+sequence at the planner's chunks and the prefixes real plans reach, giving the stages' GEMM rates
+and the prefill attention grid; the decode GEMMs, the LOSSY quantise and sparse score). Timings are CUDA
 events around the region, medians of repeats, after a warm-up. Datasheet peaks (which no
 measurement gives) come from a base profile and are labelled so."""
 from __future__ import annotations
@@ -104,35 +105,30 @@ def _optional(cal: Calibration, what: str, step) -> None:
         print(f"kvpipe: calibrate: {what} not measured ({type(e).__name__}: {e}); the profile has no such table",
               file=sys.stderr)
 
-def run_shape_steps(cal: Calibration, dev: torch.device, dims: dict | None = None, grids: dict | None = None,
-                    chunks=None) -> list:
+def run_shape_steps(cal: Calibration, dev: torch.device, base: HardwareProfile, dims: dict | None = None,
+                    grids: dict | None = None, chunks=None) -> list:
     """The steps that measure at the run's shapes after the run's warm-up (executor/calibrate/run_shapes.py,
-    gemm_shapes.py, lossy.py): the clock warm-up, the stages' GEMMs at the planner's chunks (they
-    replace the best-over-T GEMM rate and its half), the decode step's one-row GEMMs, the prefill
-    attention grid (attention_efficiency becomes its fastest rate over the GEMM rate: the
-    estimate's bound), the quantise and the sparse score (each optional). `dims`, `grids`, `chunks`:
-    smaller shapes for a CPU check (default: Llama-3-8B, pipeline/run_rates.py's grids)."""
-    from kvpipe.pipeline.run_rates import CALIBRATE_CHUNKS
+    prefill_stages.py, gemm_shapes.py, lossy.py): the clock warm-up, the prefill stages timed in a
+    run's sequence at the planner's chunks, groups and the prefixes real plans reach (the GEMM rate
+    and half, [gpu.stage_gemm], [gpu.attention_rates]; attention_efficiency becomes the grids'
+    fastest rate over the GEMM rate: the estimate's bound), the decode step's one-row GEMMs, the
+    quantise and the sparse score (each optional). `base` supplies what no step before measured;
+    `dims`, `grids` (d, rows, keys, groups), `chunks`: smaller shapes for a CPU check (default:
+    Llama-3-8B, pipeline/run_rates.py's grids)."""
+    from kvpipe.pipeline.run_rates import CALIBRATE_CHUNKS, OWN_GROUPS, PREFIX_KEYS, PREFIX_ROWS
 
-    from kvpipe.executor.calibrate import gemm_shapes, lossy, run_shapes
+    from kvpipe.executor.calibrate import gemm_shapes, lossy, prefill_stages, run_shapes
     dims = dims or gemm_shapes.llama_dims()
     chunks = chunks or CALIBRATE_CHUNKS
-
-    def attention_grid() -> None:
-        rates = run_shapes.attention_rates(cal, dev, **(grids or {}))
-        eff = cal.values[f"gpu.compute.{rates.dtype}.effective_flops_per_s"]
-        cal.set("gpu.attention_efficiency", rates.estimate_efficiency(eff),
-                "the fastest rate of [gpu.attention_rates] over the stage-fitted GEMM rate (the planner's "
-                "estimate bound; the simulator costs prefill attention from the grids)")
-    dtype = "bf16" if dev.type == "cuda" else "fp32"
+    g = {"d": 128, "rows": PREFIX_ROWS, "keys": PREFIX_KEYS, "groups": OWN_GROUPS, **(grids or {})}
     quant_chunks = tuple(c for c in (2048, 8192, 32768) if c <= max(chunks)) or tuple(chunks)
     steps = [("clock warm-up", lambda: run_shapes.warm_clock(cal, dev)),
-            ("GEMM at the graph's shapes", lambda: gemm_shapes.prefill_gemms(cal, dev, dims, chunks, dtype)),
-            ("decode GEMMs", lambda: gemm_shapes.decode_gemms(cal, dev, dims)),
-            ("attention at the run's shapes", attention_grid),
-            ("LOSSY quantise", lambda: _optional(cal, "gpu.quant", lambda c: lossy.quant(c, dev, quant_chunks))),
-            ("LOSSY sparse score", lambda: _optional(cal, "gpu.sparse_score", lambda c: lossy.sparse_score(c, dev))),
-            ("LOSSY sparse gather", lambda: _optional(cal, "link.gather", lambda c: lossy.gather(c, dev)))]
+             ("prefill stages in sequence", lambda: prefill_stages.measure(cal, dev, base, dims, g["d"], g["groups"],
+                                                                          chunks, g["rows"], g["keys"])),
+             ("decode GEMMs", lambda: gemm_shapes.decode_gemms(cal, dev, dims)),
+             ("LOSSY quantise", lambda: _optional(cal, "gpu.quant", lambda c: lossy.quant(c, dev, quant_chunks))),
+             ("LOSSY sparse score", lambda: _optional(cal, "gpu.sparse_score", lambda c: lossy.sparse_score(c, dev))),
+             ("LOSSY sparse gather", lambda: _optional(cal, "link.gather", lambda c: lossy.gather(c, dev)))]
     if dev.type != "cuda":   # the UVA gather needs a GPU view of pinned memory
         steps = steps[:-1]
     return steps
@@ -174,7 +170,7 @@ def calibrate(base: HardwareProfile, name: str, kv_dir: str | None = None, quick
     steps.append(("host issue", lambda: host_issue(cal)))
     steps.append(("host issue per stage", lambda: host_stage_costs(cal)))
     steps.append(("host issue spread", lambda: host_spread(cal)))
-    steps += run_shape_steps(cal, torch.device("cuda", torch.cuda.current_device()))
+    steps += run_shape_steps(cal, torch.device("cuda", torch.cuda.current_device()), base)
     steps.append(("codecs", lambda: link_codecs(cal, quick)))
     for i, (label, step) in enumerate(steps, 1):
         t0 = time.perf_counter()

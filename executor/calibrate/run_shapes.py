@@ -1,11 +1,10 @@
-"""`kvpipe calibrate`'s rates at the shapes a run has, after the warm-up a run has: the GPU held
+"""`kvpipe calibrate`'s timers at the shapes a run has, after the warm-up a run has: the GPU held
 busy first until its clock settles (a run's prefill keeps it busy for seconds; a cold GPU's first
-calls run at boost clocks), then the prefill attention calls at the planner's chunks, groups and
-the prefixes real plans reach ([gpu.attention_rates]), the GEMMs of a layer's qkv and mlp stages at
-those chunks (the effective rate and small-shape half the simulator's stage formula uses), and a
-decode step's few-row GEMMs replayed in a CUDA graph (their weight-read rate). Calls are timed
-back to back behind a sleep kernel, so the host's issue rate never shows, as in a prefill whose
-host runs ahead. Device-generic: on a CPU the host clock times them (for tests)."""
+calls run at boost clocks); calls timed back to back behind a sleep kernel, so the host's issue
+rate never shows, as in a prefill whose host runs ahead (the LOSSY quantise, executor/calibrate/lossy.py);
+a layer's GEMMs as callables (a decode step's few-row GEMMs, executor/calibrate/gemm_shapes.py).
+The prefill stages are timed in a run's sequence instead (executor/calibrate/prefill_stages.py).
+Device-generic: on a CPU the host clock times them (for tests)."""
 from __future__ import annotations
 
 import math
@@ -15,9 +14,6 @@ import time
 import torch
 
 from kvpipe.pipeline.calibration import Calibration
-from kvpipe.pipeline.run_rates import OWN_CHUNKS, OWN_GROUPS, PREFIX_KEYS, PREFIX_ROWS, AttentionRates, RateGrid
-
-from kvpipe.executor.layers.attention import attend_part, repeat_kv
 
 CYCLES_PER_S = 2.0e9   # the sleep kernel counts GPU cycles; at a lower clock it only sleeps longer
 
@@ -85,54 +81,6 @@ def warm_clock(cal: Calibration, dev: torch.device, seconds: float = 2.0, size: 
         if len(rates) >= 4 and abs(rates[-1] / rates[-2] - 1) < 0.01:
             break
     cal.extra["warm_clock_gemm_flops_per_s"] = rates
-
-
-def attention_rates(cal: Calibration, dev: torch.device, r: int = 4, d: int = 128, kv_heads: int = 8,
-                    rows=PREFIX_ROWS, keys=PREFIX_KEYS, groups=OWN_GROUPS, chunks=OWN_CHUNKS) -> AttentionRates:
-    """[gpu.attention_rates]: the executor's attend_part (the kernel it picks by shape: cuDNN for
-    prefill chunks on sm90+, else FA2) as attend_chunk calls it: the prefix call over interleaved
-    K/V views of one buffer (the KV store's layout) with the query heads folded into rows, and the
-    own causal call over the chunk's K/V repeated per query head; FLOP/s per grid point."""
-    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    scale = d ** -0.5
-    pre = []
-    for R in rows:
-        G = min(kv_heads, 8, max(1, R // 4096))
-        n = R // G
-        line = []
-        for P in keys:
-            buf = torch.randn(1, G, P, 2, d, device=dev, dtype=dt)
-            q = torch.randn(1, G, r * n, d, device=dev, dtype=dt)
-            sec = back_to_back_s(lambda: attend_part(q, buf[:, :, :, 0], buf[:, :, :, 1], scale, False), dev)
-            line.append(4.0 * G * r * n * P * d / sec)
-            del buf, q
-        pre.append(line)
-    own = []
-    for G in groups:
-        line = []
-        for n in chunks:
-            q = torch.randn(1, G * r, n, d, device=dev, dtype=dt)
-            kv = torch.randn(1, G, n, 2, d, device=dev, dtype=dt)
-            k, v = repeat_kv(kv[:, :, :, 0], r).contiguous(), repeat_kv(kv[:, :, :, 1], r).contiguous()
-            sec = back_to_back_s(lambda: attend_part(q, k, v, scale, True), dev)
-            line.append(4.0 * G * r * d * n * (n + 1) / 2 / sec)
-            del q, kv, k, v
-        own.append(line)
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-    rates = AttentionRates(RateGrid(tuple(rows), tuple(keys), tuple(map(tuple, pre))),
-                           RateGrid(tuple(groups), tuple(chunks), tuple(map(tuple, own))),
-                           "bf16" if dt == torch.bfloat16 else "fp32")
-    how = (f"attend_part (executor/layers/attention.py, the kernel it picks by shape) as attend_chunk calls it, "
-           f"GQA {r}:1, D={d}, {dt}; calls back to back behind a sleep kernel after the clock warm-up, median of 3 windows")
-    cal.set("gpu.attention_rates.dtype", rates.dtype, "the models' dtype the grids were measured in")
-    cal.set("gpu.attention_rates.prefix_rows", list(rows), "prefix call grid: KV heads x chunk tokens per call")
-    cal.set("gpu.attention_rates.prefix_keys", list(keys), "prefix call grid: prefix keys")
-    cal.set("gpu.attention_rates.prefix_flops_per_s", pre, f"the chunk over its prefix, no mask: {how}")
-    cal.set("gpu.attention_rates.own_groups", list(groups), "own call grid: KV heads per call")
-    cal.set("gpu.attention_rates.own_chunks", list(chunks), "own call grid: chunk tokens")
-    cal.set("gpu.attention_rates.own_flops_per_s", own, f"the chunk over itself, causal (causal pairs): {how}")
-    return rates
 
 
 def stage_gemms(dev: torch.device, T: int, hidden: int, inner: int, q_dim: int, kv_dim: int, dt,
