@@ -33,10 +33,10 @@ from benchmarks.vs_hf import sh
 
 
 def kvpipe(model: str, context: int, decode: int, gpu_mem: str, *knobs: str, timeout: int = 560,
-           device: str = "cuda") -> dict:
+           device: str = "cuda", hw: str = "h200-testbox") -> dict:
     return sh([sys.executable, "-m", "kvpipe", "run", "--model", model, "--random-weights", "--context",
                str(context), "--decode-tokens", str(decode), "--gpu-mem", gpu_mem, "--device", device,
-               "--hw", "h200", "--json", "--no-progress", *knobs], timeout)
+               "--hw", hw, "--json", "--no-progress", *knobs], timeout)
 
 
 def disk_kinds(run: dict) -> dict:
@@ -153,7 +153,8 @@ def stage_128k(res: dict, save, args) -> None:
     ctx = args.context
     res["hf_gpu"] = hf_gpu(args.model, ctx, 4) if args.device != "cpu" else None
     save()
-    run = lambda *knobs: kvpipe(args.model, ctx, 8, args.gpu_mem, *knobs, *args.plan_args, device=args.device)  # noqa: E731
+    run = lambda *knobs: kvpipe(args.model, ctx, 8, args.gpu_mem, *knobs, *args.plan_args, device=args.device,  # noqa: E731
+                              hw=args.hw)
     res["kvpipe_stream"] = run("--resident", "none")
     save()
     res["kvpipe_planner"] = run()
@@ -165,7 +166,7 @@ def stage_128k(res: dict, save, args) -> None:
 
 def stage_long(res: dict, save, args) -> None:
     h2d = link(res, args)
-    plan = sh([sys.executable, "-m", "kvpipe", "plan", "--model", args.model, "--hw", "h200", "--gpu-mem",
+    plan = sh([sys.executable, "-m", "kvpipe", "plan", "--model", args.model, "--hw", args.hw, "--gpu-mem",
                args.gpu_mem, "--max-context", "--json", *args.plan_args], 300)
     res["max_context_plan"] = {k: plan.get(k) for k in ("max_context", "plan", "kv_per_layer_kind",
                                                          "kv_vs_full_attention", "error")}
@@ -173,7 +174,7 @@ def stage_long(res: dict, save, args) -> None:
     res["long_context"] = ctx
     save()
     if ctx:
-        res["kvpipe_long"] = kvpipe(args.model, ctx, 4, args.gpu_mem, *args.plan_args, device=args.device)
+        res["kvpipe_long"] = kvpipe(args.model, ctx, 4, args.gpu_mem, *args.plan_args, device=args.device, hw=args.hw)
         save()
         summarise("kvpipe_long", res["kvpipe_long"], h2d, None, args.model)
 
@@ -187,6 +188,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=131072, help="the 128k stage's context")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu to check the paths (no link, no HF baseline)")
     ap.add_argument("--plan-args", default="", help="extra plan/run flags, one string (e.g. '--host-mem 100GB')")
+    ap.add_argument("--hw", default="h200-testbox", help="the profile plans and predictions use (the test machine's)")
     ap.add_argument("--out")
     args = ap.parse_args()
     args.plan_args = args.plan_args.split()

@@ -36,6 +36,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--hw", default="h200-testbox", help="the profile the stage rows are predicted with (a name or a .toml)")
     ap.add_argument("--traces", action="store_true", help="also write each row's Chrome traces and run JSON "
                     "(the device returns at most 8 files)")
     args = ap.parse_args()
@@ -54,7 +55,7 @@ def main() -> None:
     if staged:
         from experiments.diag_stages import stage_trace
         summary["stage_rows"] = {}
-        stage_trace(staged, summary["stage_rows"], lambda: (out / "diag.json").write_text(json.dumps(summary, indent=1)))
+        stage_trace(staged, summary["stage_rows"], args.hw, lambda: (out / "diag.json").write_text(json.dumps(summary, indent=1)))
     for name in (n for n in names if n in ROWS):
         ctx, dec, knobs, prof = ROWS[name]
         kw = dict(model="llama-3-8b", random_weights=True, context=ctx, decode_tokens=dec, gpu_mem="24GB",

@@ -20,7 +20,6 @@ from collections import defaultdict
 from benchmarks import sim_check
 from experiments.kernel_split import ANNOTATION_PREFIX, CATEGORIES, split
 
-HW = "h200-testbox"
 
 
 class StageRanges:
@@ -182,15 +181,16 @@ def table(name: str, row: dict) -> list[str]:
     return lines
 
 
-def stage_trace(names: list[str], out: dict, save) -> None:
-    """Trace `names` (sim_check rows) into `out[name]`, calling `save()` after each row."""
+def stage_trace(names: list[str], out: dict, hw_name: str, save) -> None:
+    """Trace `names` (sim_check rows) into `out[name]`, predicted with profile `hw_name`, calling
+    `save()` after each row."""
     import torch
 
     from kvpipe.executor.engine import session
     from kvpipe.hw_profiles import load_profile
     from kvpipe.pipeline.model import load_model
     t0 = time.perf_counter()
-    spec, hw = load_model(sim_check.MODEL), load_profile(HW)
+    spec, hw = load_model(sim_check.MODEL), load_profile(hw_name)
     device = session.resolve_device("cuda")
     torch.cuda.set_per_process_memory_fraction(
         min(1.0, sim_check.GPU_BUDGET / torch.cuda.get_device_properties(device).total_memory), device)

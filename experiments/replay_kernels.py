@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", default="128K")
     ap.add_argument("--group", default="8")
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--model", help="a preset or config.json to profile whole instead of Llama-3-8B cut to --layers")
     ap.add_argument("--decode-tokens", type=int, default=8)
     ap.add_argument("--resident", default="none", help="the run's --resident (none, all, max, a count)")
     ap.add_argument("--lossy", choices=("int8", "int4"))
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = Path(tmp) / "config.json"
         cfg.write_text(json.dumps(model_config(args.layers)))
         t0 = time.time()
-        res = kvpipe.run(model=str(cfg), random_weights=True, context=args.context, decode_tokens=args.decode_tokens,
+        res = kvpipe.run(model=args.model or str(cfg), random_weights=True, context=args.context, decode_tokens=args.decode_tokens,
                          gpu_mem=args.gpu_mem, group=args.group, resident=args.resident, device="cuda", hw=args.hw,
                          progress=False, lossy=args.lossy, sparse=args.sparse)
         trace = Path(tmp) / "trace.json"
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     last = next((s for s in reversed(steps) if s), [])
     timeline = [(e["name"][:90], e["args"].get("stream"), round(e["ts"] - last[0]["ts"], 2), round(e["dur"], 2))
                 for e in last]
-    tag = f"{args.context}-g{args.group}-r{args.resident}-{args.lossy or 'exact'}-{args.sparse or 'dense'}"
+    tag = f"{Path(args.model).stem + '-' if args.model else ''}{args.context}-g{args.group}-r{args.resident}-{args.lossy or 'exact'}-{args.sparse or 'dense'}"
     path = Path(args.out) if args.out else RESULTS / f"replay-kernels-{tag}-{datetime.date.today()}.json.gz"
     doc = {"command": " ".join([sys.executable, "-m", "experiments.replay_kernels", *(argv or sys.argv[1:])]),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

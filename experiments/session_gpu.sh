@@ -41,7 +41,11 @@ for spec in "$@"; do
     servecache) timeout "$lim" python3 -m benchmarks.serve_cache --context 16K --gpu-mem 24GB --cache-mem 8GiB --out "$OUT/serve-cache.json" 2>&1 | grep -v Warning | tail -8 ;;
     calib) timeout "$lim" python3 -m benchmarks.calibrated_check ${CALIB_ARGS:-} --out "$OUT/calibrated-check${CALIB_TAG:-}.json" 2>&1 | grep -v Warning | tail -30 ;;
     resprof) timeout "$lim" python3 -m experiments.replay_kernels --context ${CTX:-8K} --group 8 ${RESPROF_ARGS:-} --out "$OUT/replay-kernels${RESPROF_TAG:-}.json.gz" 2>&1 | grep -v Warning | tail -40 ;;
+    diag) timeout "$lim" python3 -m experiments.diag --rows "${DIAG_ROWS:-32k-g8-all-c8k}" --hw "${DIAG_HW:-h200-testbox}" --out "$OUT/diag" 2>&1 | grep -v Warning | tail -${DTAIL:-40} ;;
+    runtrace) timeout "$lim" python3 -m kvpipe run --random-weights --gpu-mem 24GB --no-progress --json ${TRACE_ARGS} --trace "$OUT/${TRACE_TAG:-run}.trace.json" > "$OUT/${TRACE_TAG:-run}.json" 2> "$OUT/${TRACE_TAG:-run}.err"
+              tail -3 "$OUT/${TRACE_TAG:-run}.err"; python3 -c "import json,sys; j=json.load(open(sys.argv[1])); print({k: (j['measured'][k], j['predicted'][k]) for k in ('prefill_s', 'decode_s_per_token')})" "$OUT/${TRACE_TAG:-run}.json" ;;
     stash) echo "stashed: $(ls -la /tmp/gguf_aa 2>&1)" ;;
     *) echo "unknown step $step" ;;
   esac
 done
+cp "$R"/benchmarks/results/*"$(date -u +%Y-%m-%d)"* "$OUT"/ 2>/dev/null; true
