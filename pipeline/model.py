@@ -14,8 +14,8 @@ _HF_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 # HF `model_type` -> the adapter family that runs it.
 FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
             "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
-_NORMS = {"gemma2": 4, "gemma3": 4}
-BANDED_ROWS = 4096   # queries per masked call of a window layer's chunk (executor/layers/banded.py)   # RMSNorms per layer (Gemma: around attention and MLP both)
+_NORMS = {"gemma2": 4, "gemma3": 4}   # RMSNorms per layer (Gemma: around attention and MLP both)
+BANDED_ROWS = 4096   # queries per masked call of a window layer's chunk off the GPU (executor/layers/banded.py)
 
 
 @dataclass(frozen=True)
@@ -156,22 +156,28 @@ class ModelSpec:
     def attn_work(self, layer: int, start: int, n: int, q_heads: int | None = None) -> tuple[int, int]:
         """(FLOPs, keys read per head) of the executor's attention of the chunk [start, start+n) at
         `layer`: the causal pairs over [0, start+n) for a full layer (or a window none of its
-        queries outgrows); for a window layer the visible keys from the chunk's first query on,
-        every pair of the chunk's banded call counted, masked ones too (executor/layers/banded.py)."""
+        queries outgrows); for a window layer the visible keys from the chunk's first query on and
+        the band's pairs, each query's W keys (the GPU's windowed FA2 call skips the tiles outside
+        the band; executor/layers/banded.py)."""
         w = self.windows[layer] if self.windows else 0
         if not w or start + n <= w:
             return self.attn_flops(start, start + n, start + n, q_heads), start + n
         h = self.q_heads if q_heads is None else q_heads
         keys = start + n - max(0, start - w + 1)
-        pairs = sum(min(n - a, BANDED_ROWS) * (start + min(n, a + BANDED_ROWS) - max(0, start + a - w + 1))
-                    for a in range(0, n, BANDED_ROWS)) if n > 1 else keys   # the banded call's blocks
-        return 4 * self.head_dim * h * pairs, keys
+        return 4 * self.head_dim * h * band_pairs(start, n, w), keys
 
     def attn_work_floor(self, start: int, n: int, q_heads: int | None = None) -> tuple[int, int]:
         """The least attn_work of any layer kind (a bound for estimates that cost every layer alike)."""
         firsts = {w: i for i, w in reversed(list(enumerate(self.windows)))} if self.windows else {0: 0}
         works = [self.attn_work(i, start, n, q_heads) for i in firsts.values()]
         return min(f for f, _ in works), min(k for _, k in works)
+
+
+def band_pairs(start: int, n: int, window: int) -> int:
+    """Number of (i, j) with start <= i < start + n and i - window < j <= i, j >= 0."""
+    edge = min(start + n, window - 1)   # queries before it see i + 1 keys, the rest `window`
+    short = (edge * (edge + 1) - start * (start + 1)) // 2 if edge > start else 0
+    return short + (start + n - max(start, edge)) * window
 
 
 def causal_pairs(q_start: int, q_end: int, k_end: int) -> int:

@@ -56,6 +56,21 @@ def test_window_sees_what_hf_sees_at_chunk_boundaries(P, T, W, cap):
     torch.testing.assert_close(got.double(), windowed_reference(q, k, v, 0.3, W, cap), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("P,T,W", [(0, 300, 8), (200, 300, 16), (1000, 257, 8), (40, 130, 64), (3, 90, 50)])
+def test_windowed_flash_sees_what_hf_sees_on_cuda(P, T, W):
+    """The GPU's windowed FA2 call (bf16) against the float64 reference. Fault (not seen failing on
+    this CPU-only machine): FA2's left window W (each query one key too many) or W - 2, the causal
+    alignment top-left instead of at the last key, or the prefix tail cut at the wrong first key."""
+    g = torch.Generator().manual_seed(P + T + W)
+    q = torch.randn(1, 4, T, 64, generator=g)
+    k, v = torch.randn(2, 1, 2, P + T, 64, generator=g)
+    dev = lambda x: x.to("cuda", torch.bfloat16)   # noqa: E731
+    got = attend_kind(dev(q), dev(k[:, :, :P]), dev(v[:, :, :P]), dev(k[:, :, P:]), dev(v[:, :, P:]), 0.5, W)
+    ref = windowed_reference(*(dev(x).cpu() for x in (q, k, v)), 0.5, W)
+    assert (got.double().cpu() - ref).abs().max().item() < 2e-2, (P, T, W)
+
+
 def _model(**cfg):
     return random_model(dict(BASE, **cfg), "cpu", torch.float32, seed=len(json.dumps(cfg)))
 
@@ -154,8 +169,8 @@ def test_window_layers_cost_their_banded_call_and_the_estimate_stays_a_bound():
     g = build(m, work, plan)
     attn = {(s.layer, s.tokens[0]): s for s in g.stages if s.tag == "attn" and s.phase.name == "PREFILL"}
     local, full = attn[(0, 16384)], attn[(5, 16384)]
-    n, keys = 20000 - 16384, 20000 - (16384 - 1023)
-    assert local.flops == 4 * m.head_dim * 2 * m.gqa_ratio * n * keys
+    n = 20000 - 16384
+    assert local.flops == 4 * m.head_dim * 2 * m.gqa_ratio * n * 1024   # every query sees its 1024 keys
     assert full.flops == m.attn_flops(16384, 20000, 20000, 2 * m.gqa_ratio)
     # the bound at 64K, all resident, where prefill attention sets the time
     work, hw = Workload(65536, 0), load_profile("rtx4090")
@@ -172,7 +187,7 @@ def test_window_layers_cost_their_banded_call_and_the_estimate_stays_a_bound():
 def test_long_chunks_run_in_row_blocks_each_over_its_own_keys(P, T, W, cap, monkeypatch):
     """Fault: a row block after the first masked at the chunk's first positions (its rows seeing
     keys their window dropped, or missing the chunk's keys before it); the cost model's pairs not
-    summed per block."""
+    summed per block (the GPU's windowed call counts the band's pairs: below)."""
     from dataclasses import replace
 
     import kvpipe.executor.layers.banded as banded
@@ -183,7 +198,6 @@ def test_long_chunks_run_in_row_blocks_each_over_its_own_keys(P, T, W, cap, monk
     got = attend_kind(q, k[:, :, :P], v[:, :, :P], k[:, :, P:], v[:, :, P:], 0.3, W, cap)
     torch.testing.assert_close(got.double(), windowed_reference(q, k, v, 0.3, W, cap), rtol=1e-5, atol=1e-6)
     m = replace(PRESETS["gemma-3-4b"], layers=1, windows=(1024,))
-    from kvpipe.pipeline.model import BANDED_ROWS
-    n, start = 2 * BANDED_ROWS, 3000
-    blocks = [(a, start + a + BANDED_ROWS - max(0, start + a - 1023)) for a in (0, BANDED_ROWS)]
-    assert m.attn_work(0, start, n, 1)[0] == 4 * m.head_dim * sum(BANDED_ROWS * keys for _, keys in blocks)
+    assert m.attn_work(0, 3000, 8192, 1)[0] == 4 * m.head_dim * 8192 * 1024
+    # from position 0: query i < 1023 sees i + 1 keys (1023 * 1024 / 2 pairs), the other 1025 see 1024
+    assert m.attn_work(0, 0, 2048, 1)[0] == 4 * m.head_dim * (1023 * 1024 // 2 + 1025 * 1024)

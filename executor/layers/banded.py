@@ -4,8 +4,10 @@ causal mask, its own key included) and an attention logit softcap (Gemma 2: the 
 becomes cap * tanh(s / cap) before the softmax, as HF's eager attention does).
 
 Where every query of the chunk sees a suffix of the keys (a decode step, a window no row's reach
-exceeds) the fused chunked path runs on the visible part of the prefix; otherwise one masked call
-over the visible keys (prefix tail and chunk). The bits depend only on the values, shapes, dtype
+exceeds) the fused chunked path runs on the visible part of the prefix. Otherwise, on CUDA in
+bf16/fp16 without a softcap, one FA2 call over the visible keys (prefix tail and chunk) with FA2's
+own sliding window, which skips the tiles outside the band; elsewhere masked calls over the
+visible keys in blocks of BANDED_ROWS queries. The bits depend only on the values, shapes, dtype
 and device, never on where the prefix lives: the same code runs for a resident and a fetched one."""
 from __future__ import annotations
 
@@ -35,6 +37,9 @@ def attend_kind(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor,
     if not softcap and (T == 1 or P + T <= window or not window):
         at = max(0, lo - first)
         return attend_chunk(q, k_prefix[:, :, at:], v_prefix[:, :, at:], k_new, v_new, scale)
+    if not softcap and q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16):
+        at = max(0, lo - first)
+        return _windowed_flash(q, k_prefix[:, :, at:], v_prefix[:, :, at:], k_new, v_new, scale, window)
     rows = BANDED_ROWS if window else T
     if rows >= T:
         return _banded(q, k_prefix, v_prefix, k_new, v_new, P, first, scale, window, softcap)
@@ -43,6 +48,19 @@ def attend_kind(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor,
         b = min(T, a + rows)
         out[:, :, a:b] = _banded(q[:, :, a:b], k_prefix, v_prefix, k_new, v_new, P + a, first, scale, window, softcap)
     return out
+
+
+def _windowed_flash(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch.Tensor, k_new: torch.Tensor,
+                    v_new: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+    """One FA2 call of the chunk's T queries over the prefix tail its first query sees and the
+    chunk's keys (tail then chunk: [B, Hkv, L + T, D]), causal aligned to the last key and `window`
+    keys deep (left W - 1, right 0): query t sees keys L + t - W < j <= L + t. FA2 takes GQA heads
+    and [B, S, H, D] views, so only the tail and chunk K/V are copied (into one tensor)."""
+    k, v = (torch.cat(p, 2).transpose(1, 2) for p in ((k_tail, k_new), (v_tail, v_new)))   # [B, S, Hkv, D]
+    res = torch.ops.aten._flash_attention_forward(q.transpose(1, 2), k, v, None, None, q.shape[2], k.shape[1],
+                                                  0.0, True, False, scale=scale, window_size_left=window - 1,
+                                                  window_size_right=0)
+    return res[0].transpose(1, 2)   # [B, T, Hq, D] -> [B, Hq, T, D]
 
 
 def _banded(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor, k_new: torch.Tensor,
