@@ -23,8 +23,7 @@ from kvpipe.pipeline.trace import Trace
 from kvpipe.executor.calibrate.host_issue import probe_model
 
 WARM_LAYERS = 1   # layers of each point run before the timed ones (plans built, allocator warm)
-ISSUE_MARGIN = 2.0   # the busy work lasts this many times the host's estimated issue time of the rest ...
-SETTLE_S = 0.2       # ... and at least this long: a run's attention kernels slowed 10% over its first ~0.15 s (H200)
+ISSUE_MARGIN = 2.0   # the busy work lasts this many times the host's estimated issue time of the rest
 
 
 def points(groups, chunks, rows, keys) -> list[tuple[int, int, int]]:
@@ -82,7 +81,7 @@ def time_points(dev: torch.device, dims: dict, d: int, pts, layers: int,
 
             def hook(s: Stage, rest=rest) -> None:
                 if busy is not None and s.id == rest[0].id:
-                    busy(max(SETTLE_S, ISSUE_MARGIN * sum(issue_s(x) for x in rest)))
+                    busy(ISSUE_MARGIN * sum(issue_s(x) for x in rest))
             traces.append(execute(graph, model, ids[:, :p + n], dev, store=store, stage_hook=hook).trace)
     del model
     if dev.type == "cuda":
