@@ -16,8 +16,10 @@ Systems:
 - llama.cpp `llama-bench`, F16 weights, flash_attn = 0, as published in
   XiongjieDai/GPU-Benchmarks-on-LLM-Inference (README tables and the notebooks they come from).
   Predicted through sim/baselines.py: the prompt in 512-token micro-batches (chunked, chunk 512),
-  decode all on the GPU (standard), kernels queued from C++ (`native_issue`), and the attention
-  scores materialised without flash attention (`prompt_scores_seconds`).
+  decode all on the GPU (standard), kernels queued from C++ (`native_issue`), the attention
+  scores materialised without flash attention (`prompt_scores_seconds`), and in the prompt its
+  F16 GEMMs at the fp16-accumulate rate (`fp16_accumulate`) and its F32 elementwise kernels in
+  place of kvpipe's (`elementwise_seconds`).
 - LMDeploy's TurboMind on an A100 (its docs' static inference tables): decode all on the GPU, its
   first token as `turbomind_first_token` (the prompt less one in one pass, then a decode step).
 Each prefill row carries its predicted seconds by stage (`prefill_split`)."""
@@ -40,8 +42,9 @@ from kvpipe.pipeline.rules import default_plan, first_true
 from kvpipe.pipeline.stage import Kind, Phase
 from kvpipe.pipeline.rules import max_context as rule_max_context
 from kvpipe.pipeline.workload import Workload
-from kvpipe.sim.baselines import (HEADINFER_LIVE_COPIES, UBATCH, live_copies, native_issue, one_pass,
-                                  prompt_scores_seconds, scores_seconds, turbomind_first_token)
+from kvpipe.sim.baselines import (HEADINFER_LIVE_COPIES, UBATCH, elementwise_seconds, fp16_accumulate, live_copies,
+                                  native_issue, one_pass, prompt_scores_seconds, scores_seconds,
+                                  turbomind_first_token)
 from kvpipe.sim.simulate import simulate
 
 HOST_BYTES = 10**12       # HeadInfer's 1 TB RAM
@@ -138,14 +141,17 @@ def predict_llamacpp(profile: str, model_name: str, kind: str, n: int) -> dict:
     hw = native_issue(load_profile(profile))
     budgets = {"gpu": hw.gpu_mem_bytes, "host": hw.host_mem_bytes, "disk": hw.disk_bytes}
     if kind == "pp":
+        hw = fp16_accumulate(hw)
         work = Workload(n, 0)
         plan = default_plan(Method.CHUNKED, model, work, budgets)
         plan = plan.with_(prefill=replace(plan.prefill, chunk=min(UBATCH, n)))
         split = {}
         timing, fits = _simulate(model, work, plan, hw, budgets, split)
-        scores = prompt_scores_seconds(model, n, hw)
-        return {"predicted": timing.prefill_s + scores, "scores_s": scores, "fits": fits, "plan": plan.describe(),
-                "split": {**split, "scores": scores}}
+        scores, small = prompt_scores_seconds(model, n, hw), elementwise_seconds(model, n, hw)
+        # llama.cpp's F32 elementwise kernels in place of kvpipe's (the split holds the GPU's seconds in them)
+        predicted = timing.prefill_s - split["small"] + small + scores
+        return {"predicted": predicted, "scores_s": scores, "fits": fits, "plan": plan.describe(),
+                "split": {**split, "small": small, "scores": scores}}
     work = Workload(max(n // 2, 1), DECODE_STEPS)
     plan = default_plan(Method.STANDARD, model, work, budgets)
     timing, fits = _simulate(model, work, plan, hw, budgets)

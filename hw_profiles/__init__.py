@@ -55,6 +55,8 @@ _OPTIONAL = {   # TOML key -> HardwareProfile field: absent means the field's de
     "gpu.sparse_score_call_s": "sparse_score_call_s",
     "gpu.sparse_score_bytes_per_s": "sparse_score_bytes_per_s",
     "gpu.decode_gemm_bytes_per_s": "decode_gemm_bytes_per_s",
+    "gpu.fp16_acc16_peak_flops_per_s": "fp16_acc16_peak_flops_per_s",
+    "gpu.fp16_acc16_flops_per_s": "fp16_acc16_flops_per_s",
     "gpu.quant_call_s": "quant_call_s",
     "gpu.quant_bytes_per_s": "quant_bytes_per_s",
     "link.gather_call_s": "gather_call_s",

@@ -120,6 +120,12 @@ class HardwareProfile:
     # h2d copy figures stand in (a gather measured ~0.9x a bulk copy's rate on the H200).
     gather_call_s: float | None = None
     gather_bytes_per_s: float | None = None
+    # fp16 tensor-core GEMMs that accumulate in fp16 (cuBLAS CUBLAS_COMPUTE_16F, what llama.cpp's
+    # F16 matmuls use, sim/baselines.py): peak and effective FLOP/s. GeForce cards run them at twice
+    # their fp32-accumulate rate (the `fp16` table's); None: the `fp16` rates stand in (workstation
+    # and data-centre parts accumulate in fp32 at the full rate).
+    fp16_acc16_peak_flops_per_s: float | None = None
+    fp16_acc16_flops_per_s: float | None = None
 
     def __post_init__(self) -> None:
         for f in ("name", "description"):
@@ -156,6 +162,7 @@ class HardwareProfile:
         for f in ("decode_gemm_bytes_per_s", "quant_call_s", "quant_bytes_per_s", "gather_call_s", "gather_bytes_per_s"):
             if getattr(self, f) is not None:
                 object.__setattr__(self, f, number(f, getattr(self, f), f in ("quant_call_s", "gather_call_s")))
+        self._check_acc16()
         if (self.gather_call_s is None) != (self.gather_bytes_per_s is None):
             raise HardwareFieldError("gather_bytes_per_s", "gather_call_s and gather_bytes_per_s come together (one fit) "
                                      "or not at all")
@@ -196,6 +203,18 @@ class HardwareProfile:
         if self.hbm_eff_bytes_per_s > self.hbm_peak_bytes_per_s:
             raise HardwareFieldError("hbm_eff_bytes_per_s", f"{self.hbm_eff_bytes_per_s!r} exceeds "
                                      f"the peak {self.hbm_peak_bytes_per_s!r}")
+
+    def _check_acc16(self) -> None:
+        peak, eff = self.fp16_acc16_peak_flops_per_s, self.fp16_acc16_flops_per_s
+        if (peak is None) != (eff is None):
+            raise HardwareFieldError("fp16_acc16_flops_per_s", "fp16_acc16_peak_flops_per_s and fp16_acc16_flops_per_s "
+                                     "come together or not at all")
+        if peak is None:
+            return
+        object.__setattr__(self, "fp16_acc16_peak_flops_per_s", number("fp16_acc16_peak_flops_per_s", peak, False))
+        object.__setattr__(self, "fp16_acc16_flops_per_s", number("fp16_acc16_flops_per_s", eff, False))
+        if self.fp16_acc16_flops_per_s > self.fp16_acc16_peak_flops_per_s:
+            raise HardwareFieldError("fp16_acc16_flops_per_s", f"{eff!r} exceeds the peak {peak!r}")
 
     def at_quantile(self, quantile: str) -> HardwareProfile:
         """This machine on a run at `quantile` (QUANTILES) of the host's issue speed: every host

@@ -8,13 +8,20 @@ llama.cpp (CUDA backend, `llama-bench`, the builds the validation figures name):
   so the host pays the CUDA launch call per kernel and the GPU pays only each kernel's own start
   (the profile's `graph_node_s`), not kvpipe's eager Python issue.
 - `scores_seconds`: llama-bench ran with `flash_attn = 0` (its default; printed in the sources'
-  notebooks). Without flash attention, llm_build_kqv computes KQ = K Q^T as an F32 tensor over all
-  KV cells of the micro-batch's view, softmaxes it (ggml_soft_max_ext: read and write F32), and
-  multiplies V by it through cuBLAS after converting it to F16 (read F32, write F16, read F16):
-  SCORE_BYTES bytes of HBM traffic per score element, beside the FLOPs the simulator costs.
-- its F16 GEMMs are costed at the profile's measured GEMM rate (the profile's `fp16` effective
-  rate); the fp16-accumulate peak its cuBLAS call could reach on GeForce cards has no published
-  measurement we found (benchmarks/published.md says so and shows that variant's error)."""
+  notebooks). Without flash attention, llm_build_kqv computes KQ = K Q^T over all KV cells of the
+  micro-batch's view through cuBLAS (ggml_cuda_mul_mat_batched_cublas: CUBLAS_COMPUTE_16F, an F16
+  result at GGML_PREC_DEFAULT, then converted to F32), softmaxes it (ggml_soft_max_ext: read and
+  write F32), and multiplies V by it after converting it back to F16: SCORE_BYTES bytes of HBM
+  traffic per score element, beside the FLOPs the simulator costs.
+- `fp16_accumulate`: its F16 weight GEMMs go through ggml_cuda_op_mul_mat_cublas, which on NVIDIA
+  parts calls cublasGemmEx with CUBLAS_COMPUTE_16F (fp16 accumulation, an F16 result); a GeForce
+  card runs that at twice its fp32-accumulate rate (the profile's `fp16_acc16_*` fields).
+- `elementwise_seconds`: its activations are F32 between kernels, and every cuBLAS GEMM converts
+  its F32 input to F16 and its F16 result back to F32 (ggml_cuda_op_mul_mat_cublas); norms, RoPE,
+  the K/V cache copies, SiLU, multiplies and residual adds are separate F32 kernels
+  (llm_build_llama, llm_build_norm, llm_build_ffn). Those bytes replace kvpipe's own small-kernel
+  list (HF's bf16 ops) in a prompt's prediction.
+Source read: ggml-cuda.cu of the 2024 builds (ggml_cuda_op_mul_mat_cublas, ggml_cuda_mul_mat_batched_cublas)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -22,9 +29,9 @@ from dataclasses import replace
 from kvpipe.pipeline.hardware import HardwareProfile
 from kvpipe.pipeline.model import ModelSpec
 
-# F32 KQ written (4) + softmax read and write (4 + 4) + F32->F16 conversion read and write (4 + 2)
-# + the KQV GEMM's read of the F16 copy (2)
-SCORE_BYTES = 20
+# KQ written F16 by cuBLAS (2) + its F16->F32 conversion read and write (2 + 4) + softmax read and
+# write (4 + 4) + the F32->F16 conversion for KQV read and write (4 + 2) + the KQV GEMM's read (2)
+SCORE_BYTES = 24
 UBATCH = 512        # llama-bench's default n_ubatch (llama.cpp common/common.h, n_ubatch = 512)
 KV_PAD = 32         # llama.cpp pads the KV view to 32 cells when flash attention is off (llama_kv_cache_get_padding)
 
@@ -37,6 +44,39 @@ def native_issue(hw: HardwareProfile) -> HardwareProfile:
                    host_copy_s_per_stage=0.0, host_copy_s_per_op=hw.launch_overhead_s,
                    host_prefill_issue_s_per_stage=None, host_prefill_issue_s_per_launch=None,
                    host_prefill_issue_gap_s=None, launch_overhead_s=hw.graph_node_s)
+
+
+def fp16_accumulate(hw: HardwareProfile) -> HardwareProfile:
+    """The profile as llama.cpp's F16 GEMMs see it: fp16-accumulate rates in place of the `fp16`
+    ones where the profile has them (a GeForce card); unchanged elsewhere (full-rate fp32 accumulate)."""
+    if hw.fp16_acc16_flops_per_s is None:
+        return hw
+    eff, peak = dict(hw.flops_eff_per_s), dict(hw.flops_peak_per_s)
+    eff["fp16"], peak["fp16"] = hw.fp16_acc16_flops_per_s, hw.fp16_acc16_peak_flops_per_s
+    return replace(hw, flops_eff_per_s=eff, flops_peak_per_s=peak)
+
+
+def elementwise_bytes(model: ModelSpec) -> int:
+    """HBM bytes of one layer's non-GEMM, non-score kernels per prompt token in llama.cpp's graph,
+    F32 activations (4 B) and F16 GEMM operands (2 B): h = hidden, q / kv = query / K-or-V width,
+    i = intermediate."""
+    h, i = model.hidden, model.intermediate
+    q, kv = model.q_heads * model.head_dim, model.kv_heads * model.head_dim
+    norms = 2 * (8 + 8) * h                    # rms_norm and the weight multiply, attention and FFN
+    to_f16 = 6 * (3 * h + q + 2 * h + i)       # each GEMM's F32 input read, F16 copy written: q, k, v, o, gate, up, down
+    to_f32 = 6 * (q + 2 * kv + h + 2 * i + h)  # each GEMM's F16 result read, F32 written
+    rope = 8 * (q + kv)                        # RoPE on Q and K, F32 in and out
+    cache = 2 * 6 * kv                         # K and V copied into the F16 cache
+    attn = 6 * q + 6 * q + 8 * q               # Q to F16 for KQ, KQV's F16 result to F32, its permute made contiguous
+    ffn = 8 * i + 12 * i                       # SiLU, then its multiply with up
+    residual = 2 * 12 * h                      # two residual adds
+    return norms + to_f16 + to_f32 + rope + cache + attn + ffn + residual
+
+
+def elementwise_seconds(model: ModelSpec, tokens: int, hw: HardwareProfile) -> float:
+    """GPU seconds of `elementwise_bytes` over `tokens` prompt tokens, every layer, at the profile's
+    elementwise HBM rate."""
+    return tokens * model.layers * elementwise_bytes(model) / (hw.hbm_eff_bytes_per_s * hw.elementwise_efficiency)
 
 
 def padded(cells: int) -> int:

@@ -134,6 +134,10 @@ def test_bad_field_names_it(tmp_path, key, value, expect):
      "field 'gpu.elementwise_efficiency' must be a number in (0, 1], got 1.5"),
     ("elementwise_efficiency = 1.0 ", "# dropped ", "field 'gpu.elementwise_efficiency' is missing"),
     ("small_kernel_s = 1.05e-6 ", "small_kernel_s = -1e-6 ", "field 'gpu.small_kernel_s' must be finite and >= 0"),
+    ("small_kernel_s = 1.05e-6 ", "small_kernel_s = 1.05e-6\nfp16_acc16_flops_per_s = 1e12 ",
+     "field 'gpu.fp16_acc16_flops_per_s' fp16_acc16_peak_flops_per_s and fp16_acc16_flops_per_s come together"),
+    ("small_kernel_s = 1.05e-6 ", "small_kernel_s = 1.05e-6\nfp16_acc16_peak_flops_per_s = 1e12\n"
+     "fp16_acc16_flops_per_s = 2e12 ", "field 'gpu.fp16_acc16_flops_per_s' 2000000000000.0 exceeds the peak"),
 ])
 def test_bad_structure_names_it(tmp_path, old, new, expect):
     """Fault caught: malformed TOML structure accepted or reported without the field."""

@@ -19,15 +19,56 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_scores_bytes_by_hand():
     """Fault caught: the materialised scores of a micro-batch without flash attention counted over
-    the causal triangle, over an unpadded KV view, or at another byte count per score element.
-    Hand-worked: 2 layers x 4 query heads x 40 queries x 64 cells (40 padded to 32s) x 20 B."""
+    the causal triangle, over an unpadded KV view, or at another byte count per score element (the
+    F16 result cuBLAS writes at CUBLAS_COMPUTE_16F and its conversion to F32 left out: 20 B).
+    Hand-worked: 2 layers x 4 query heads x 40 queries x 64 cells (40 padded to 32s) x 24 B
+    (2 + 2 + 4 + 4 + 4 + 4 + 2 + 2)."""
     m = replace(PRESETS["llama-2-7b"], layers=2, q_heads=4, kv_heads=4)
     hw = load_profile("rtx4090")
-    want = 2 * 4 * 40 * 64 * 20 / hw.hbm_eff_bytes_per_s
+    want = 2 * 4 * 40 * 64 * 24 / hw.hbm_eff_bytes_per_s
     assert baselines.scores_seconds(m, 0, 40, hw) == want
     # a prompt of 600 tokens: micro-batches [0, 512) over 512 cells and [512, 600) over 608
     whole = baselines.prompt_scores_seconds(m, 600, hw)
-    assert whole == (2 * 4 * 512 * 512 + 2 * 4 * 88 * 608) * 20 / hw.hbm_eff_bytes_per_s
+    assert whole == (2 * 4 * 512 * 512 + 2 * 4 * 88 * 608) * 24 / hw.hbm_eff_bytes_per_s
+
+
+def test_llamacpp_elementwise_bytes_by_hand():
+    """Fault caught: llama.cpp's prompt kernels besides its GEMMs and scores counted at kvpipe's
+    bf16 widths, a GEMM's F32->F16 input or F16->F32 output conversion left out, or a kernel of
+    its Llama graph missing. Hand-worked on a toy layer (h 8, q 8, kv 4, i 16), kernel by kernel:
+    norms 2 x 16h, input conversions 6 x (5h + q + i), output conversions 6 x (q + 2kv + 2h + 2i),
+    RoPE 8 x (q + kv), cache copies 12 kv, Q / KQV / permute 20 q, SiLU and multiply 20 i,
+    residuals 24 h."""
+    m = replace(PRESETS["llama-2-7b"], hidden=8, q_heads=2, kv_heads=1, head_dim=4, intermediate=16, layers=3)
+    want = 256 + 6 * (40 + 8 + 16) + 6 * (8 + 8 + 16 + 32) + 8 * 12 + 12 * 4 + 20 * 8 + 20 * 16 + 24 * 8
+    assert baselines.elementwise_bytes(m) == want
+    hw = load_profile("rtx4090")
+    assert baselines.elementwise_seconds(m, 100, hw) == 100 * 3 * want / (hw.hbm_eff_bytes_per_s * hw.elementwise_efficiency)
+
+
+def test_fp16_accumulate_takes_the_profiles_acc16_rate_where_it_has_one():
+    """Fault caught: llama.cpp's F16 GEMMs (cuBLAS CUBLAS_COMPUTE_16F) costed at a GeForce card's
+    fp32-accumulate rate, or a workstation part's rate changed though it has no acc16 figure, or
+    another dtype's rate touched."""
+    hw = load_profile("rtx4090")
+    acc = baselines.fp16_accumulate(hw)
+    assert acc.flops_eff("fp16") == hw.fp16_acc16_flops_per_s == 317.5e12
+    assert acc.flops_peak("fp16") == hw.fp16_acc16_peak_flops_per_s == 330.3e12
+    assert acc.flops_eff("bf16") == hw.flops_eff("bf16")
+    a100 = load_profile("a100-80g")
+    assert a100.fp16_acc16_flops_per_s is None and baselines.fp16_accumulate(a100) == a100
+
+
+def test_llamacpp_prompt_swaps_kvpipes_small_kernels_for_its_own():
+    """Fault caught: a llama.cpp prompt's prediction keeping kvpipe's own small kernels beside
+    llama.cpp's elementwise ones (both charged), or dropping the scores. Reference: the stages
+    the row reports, which add up to the prediction, with `small` equal to elementwise_seconds."""
+    p = published.predict_llamacpp("rtx3090", "llama-3-8b", "pp", 1024)
+    hw = baselines.fp16_accumulate(baselines.native_issue(load_profile("rtx3090")))
+    m = replace(PRESETS["llama-3-8b"], dtype="fp16")
+    assert p["split"]["small"] == baselines.elementwise_seconds(m, 1024, hw)
+    assert p["split"]["scores"] == baselines.prompt_scores_seconds(m, 1024, hw)
+    assert abs(sum(p["split"].values()) - p["predicted"]) <= 1e-9 * p["predicted"]
 
 
 def test_native_issue_charges_the_gpu_its_kernel_start_not_a_launch():
