@@ -6,7 +6,7 @@ import datetime
 import re
 from pathlib import Path
 
-RESULTS = Path("benchmarks/results")
+RESULTS = Path(__file__).resolve().parent / "results"   # not the working directory's: a run from elsewhere keeps its file
 
 
 def machine(device: str = "cpu") -> str:
