@@ -21,7 +21,6 @@ from benchmarks import sim_check
 from experiments.kernel_split import ANNOTATION_PREFIX, CATEGORIES, split
 
 
-
 class StageRanges:
     """A runner stage hook that opens a profiler range per stage, `<prefix><stage id>`, closing the
     previous one (the lanes issue one stage at a time on one thread: the ranges never overlap)."""

@@ -15,7 +15,6 @@ _HF_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
             "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
 _NORMS = {"gemma2": 4, "gemma3": 4}   # RMSNorms per layer (Gemma: around attention and MLP both)
-BANDED_ROWS = 4096   # queries per masked call of a window layer's chunk off the GPU (executor/layers/banded.py)
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 
 from kvpipe.pipeline.layer_kinds import first_visible
-from kvpipe.pipeline.model import BANDED_ROWS
 
 from kvpipe.executor.layers.attention import attend_chunk
 
+BANDED_ROWS = 4096         # queries per masked call of a window layer's chunk off the GPU
 SCORE_ELEMENTS = 1 << 25   # softcapped scores held at once (fp32: 128 MiB); query rows are tiled to it
 
 
@@ -34,11 +34,10 @@ def attend_kind(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor,
     P = first + k_prefix.shape[2]
     lo = first_visible(P, window)
     assert first <= lo or P == first, (first, lo, P)
+    at = max(0, lo - first)   # the first key the chunk's first query sees, in the prefix
     if not softcap and (T == 1 or P + T <= window or not window):
-        at = max(0, lo - first)
         return attend_chunk(q, k_prefix[:, :, at:], v_prefix[:, :, at:], k_new, v_new, scale)
     if not softcap and q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16):
-        at = max(0, lo - first)
         return _windowed_flash(q, k_prefix[:, :, at:], v_prefix[:, :, at:], k_new, v_new, scale, window)
     rows = BANDED_ROWS if window else T
     if rows >= T:
