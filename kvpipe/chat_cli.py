@@ -96,7 +96,7 @@ def _save(conv, directory: str) -> None:
             previous = saved.check_target(directory, "/save")
             man = conv.save(directory)
         except ValueError as e:   # not a folder a save may write: one line, the session goes on
-            print(f"kvpipe: {str(e).splitlines()[0]}", file=sys.stderr)
+            print(f"kvpipe: /save {directory}: {str(e).splitlines()[0].removeprefix('/save: ')}", file=sys.stderr)
             return
         except OSError as e:   # a save refused by the file system must not end the session
             print(f"kvpipe: /save {directory}: {e.strerror or e}", file=sys.stderr)

@@ -96,8 +96,8 @@ def test_save_says_what_it_replaced_and_refuses_a_file_on_one_line(chat_model, m
     first = int(re.fullmatch(rf"kvpipe: saved (\d+) tokens' KV to {re.escape(str(kv))}", saves[0]).group(1))
     last = json.loads((kv / "manifest.json").read_text())["tokens_saved"]
     assert saves[1] == f"kvpipe: saved {last} tokens' KV to {kv}, replacing its save of {first} tokens"
-    assert saves[2] == f"kvpipe: /save: {str(afile)!r} is a file; give a folder (new, empty, or a saved KV directory)"
-    assert saves[3].startswith(f"kvpipe: /save: {str(mine)!r} holds other files") and (mine / "kv-keep.bin").exists()
+    assert saves[2] == f"kvpipe: /save {afile}: {str(afile)!r} is a file; give a folder (new, empty, or a saved KV directory)"
+    assert saves[3].startswith(f"kvpipe: /save {mine}: {str(mine)!r} holds other files") and (mine / "kv-keep.bin").exists()
 
 
 def test_a_full_conversation_says_so_on_one_line(chat_model, monkeypatch, capsys):

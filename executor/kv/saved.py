@@ -93,6 +93,8 @@ def check_target(directory: str | os.PathLike, flag: str = "save-kv") -> dict | 
     if d.exists() and not d.is_dir():
         raise ValueError(f"{flag}: {str(d)!r} is a file; give a folder (new, empty, or a saved KV directory)")
     top = next(p for p in (d, *d.parents) if p.exists())   # the folder the save creates its own in
+    if not top.is_dir():
+        raise ValueError(f"{flag}: {str(top)!r} is a file, so no folder can be made under it")
     if not os.access(top, os.W_OK | os.X_OK):
         raise ValueError(f"{flag}: cannot write in {str(top)!r} (permission denied)")
     if not d.exists():
