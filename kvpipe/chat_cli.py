@@ -91,12 +91,19 @@ def _save(conv, directory: str) -> None:
     elif not conv.tokens:   # nothing home yet (a fresh or /reset conversation)
         print("kvpipe: nothing to save yet: the conversation is empty", file=sys.stderr)
     else:
+        from kvpipe.executor.kv import saved
         try:
+            previous = saved.check_target(directory, "/save")
             man = conv.save(directory)
+        except ValueError as e:   # not a folder a save may write: one line, the session goes on
+            print(f"kvpipe: /save {directory}: {str(e).splitlines()[0].removeprefix('/save: ')}", file=sys.stderr)
+            return
         except OSError as e:   # a save refused by the file system must not end the session
             print(f"kvpipe: /save {directory}: {e.strerror or e}", file=sys.stderr)
             return
-        print(f"kvpipe: saved {man['tokens_saved']} tokens' KV to {directory}", file=sys.stderr)
+        note = saved.replaced_note(previous)
+        print(f"kvpipe: saved {man['tokens_saved']} tokens' KV to {directory}{', ' + note if note else ''}",
+              file=sys.stderr)
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -106,11 +113,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
     turn["stop"] = tuple(turn["stop"] or ())
     gen._max_new(turn["max_new_tokens"])
     tty = sys.stdin.isatty()
+    if args.load_kv:   # not a KV directory: said before the model loads
+        from kvpipe.executor.kv import saved
+        saved.read_manifest(args.load_kv)
     conv = Conversation(args.model, max_context=args.max_context, system=args.system, seed=args.seed,
                         max_new_tokens=args.max_new_tokens, **kw)
     with conv:
         if args.load_kv:
-            conv.load(args.load_kv)
+            man = conv.load(args.load_kv)
+            print(f"kvpipe: continuing {args.load_kv}: {man['tokens_saved']} tokens' KV loaded", file=sys.stderr)
         if not conv.chat:
             raise ValueError("model: kvpipe chat needs a tokenizer with a chat template")
         print(f"kvpipe: chat, up to {conv.capacity} tokens; plan: {conv.engine.plan.describe()}", file=sys.stderr)

@@ -10,6 +10,7 @@ no plan, weights over --gpu-mem, a CUDA out-of-memory during a run); 130 interru
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import os
@@ -48,7 +49,7 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
     """Shows `(default: X)` where a default means something (not for None or off switches)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default is None or isinstance(action.default, bool) or action.default is argparse.SUPPRESS:
+        if action.default in (None, [], ()) or isinstance(action.default, bool) or action.default is argparse.SUPPRESS:
             return action.help or ""
         return super()._get_help_string(action)
 
@@ -71,6 +72,16 @@ def _flags(parser: argparse.ArgumentParser, command: str | None) -> set[str]:
     sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
     target = sub.choices.get(command, parser) if sub is not None and command else parser
     return {o for a in target._actions for o in a.option_strings if o.startswith("--")}
+
+
+def unknown_line(extras: list[str], flags: set[str], command: str | None) -> str:
+    """One line for arguments no flag of `command` takes, naming the first and the closest flag."""
+    where = f" of {command}" if command else ""
+    flag = next((a.split("=", 1)[0] for a in extras if a.startswith("-")), None)
+    if flag is None:
+        return f"command: unexpected argument {extras[0]!r} ({command or 'the command'} takes flags only)"
+    close = difflib.get_close_matches(flag, sorted(flags), n=1, cutoff=0.8)   # a typo or another tool's name
+    return f"{flag}: not an option{where}" + (f" (did you mean {close[0]}?)" if close else "; --help lists them")
 
 
 def oom_line(message: str) -> str:
@@ -128,7 +139,7 @@ def add_plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--objective", default="total", choices=["total", "ttft", "decode"],
                    help="what the planner minimises: total time, time to first token or decode time per token")
     p.add_argument("--quantile", default="p90", choices=["p50", "p90"],
-                   help="the run it is minimised on: p90 (default) a slow run of the host's issue speed, where the "
+                   help="the run it is minimised on: p90 a slow run of the host's issue speed, where the "
                         "profile knows its spread, so a plan fast only on a good run is not picked; p50 a median run")
     p.add_argument("--fuse", type=str.lower, choices=["auto", "on", "off"],
                    help="fused decode: the elementwise work of replayed decode steps compiled by torch.compile "
@@ -220,7 +231,12 @@ def cmd_calibrate(args) -> int:
     from kvpipe.pipeline.calibration import to_toml
     if not args.out.endswith(".toml"):
         raise ValueError(f"out: expected a .toml path, got {args.out!r}")
-    base = load_profile(args.base)
+    from kvpipe.inputs import output_path
+    output_path(args.out.removesuffix(".toml") + ".json", "out")   # the folder, before minutes of measuring
+    try:
+        base = load_profile(args.base)
+    except ValueError as e:
+        raise ValueError(f"base: {e}") from None
     try:
         import torch  # noqa: F401
     except ImportError:
@@ -279,9 +295,11 @@ def cmd_run(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extras = parser.parse_known_args(argv)
     except SystemExit as e:
         return int(e.code or 0)
+    if extras:
+        return _fail(unknown_line(extras, _flags(parser, args.command), args.command))
     if args.command is None:          # bare `kvpipe`: what it can do
         parser.print_help()
         return 0

@@ -116,13 +116,13 @@ def summary(res: gen.GenerateResult) -> list[str]:
     return lines
 
 
-def saved_line(directory) -> list[str]:
-    """Where --save-kv wrote the prompt's KV, read back from its manifest (what --load-kv will see)."""
-    if directory is None:
+def saved_line(res: gen.GenerateResult) -> list[str]:
+    """Where --save-kv wrote the prompt's KV, and what it replaced there."""
+    s = res.saved_kv
+    if s is None:
         return []
-    from pathlib import Path
-    man = json.loads((Path(directory) / "manifest.json").read_text())
-    return [f"kvpipe: saved {man['tokens_saved']} tokens' KV to {directory} (continue with --load-kv {directory})"]
+    note = f", {s['note']}" if s["note"] else ""
+    return [f"kvpipe: saved {s['tokens']} tokens' KV to {s['directory']}{note} (continue with --load-kv {s['directory']})"]
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -138,7 +138,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         if res.text is None or not res.text.endswith("\n"):
             print()
-        for line in summary(res) + saved_line(args.save_kv):
+        for line in summary(res) + saved_line(res):
             print(line, file=sys.stderr)
     cli._print_files(args)
     return 0

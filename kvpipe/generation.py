@@ -40,6 +40,7 @@ class GenerateResult:
     timings: dict
     output_digest: str
     run: api.RunResult           # the run underneath: plan, prediction, measured trace, device
+    saved_kv: dict | None = None  # --save-kv: directory, tokens, replaced_tokens (None: a new one), note
 
     @property
     def plan(self):
@@ -64,7 +65,8 @@ class GenerateResult:
                 "chat_template": self.chat_template, "sampling": self.sampling.to_json(),
                 "output_digest": self.output_digest, "lossy": lossy_json(r.plan, r.lossy_error, run=True,
                                                                 context=r.workload.context),
-                "warnings": list(r.warnings)}
+                "warnings": list(r.warnings),
+                **({"saved_kv": {k: v for k, v in self.saved_kv.items() if k != "note"}} if self.saved_kv else {})}
 
 
 def _timings(run: api.RunResult, n: int, prompt_tokens: int) -> dict:
@@ -175,6 +177,9 @@ def generate(model: str | os.PathLike | None = None, prompt: str | None = None, 
     stops = _stops(stop)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed: expected an integer, got {seed!r}")
+    if max_context is not None and save_kv is None and load_kv is None:
+        raise ValueError("max-context: sizes a kept KV (--save-kv, --load-kv); without one, generate plans "
+                         "the prompt plus --max-new-tokens")
     if save_kv is not None or load_kv is not None:
         from .kept import generate_kept
         return generate_kept(model, prompt, prompt_file, prompt_format, chat, system, n, stdin, save_kv, load_kv,

@@ -82,6 +82,8 @@ def generate_kept(model, prompt, prompt_file, prompt_format, chat, system, n, st
     from kvpipe.executor.kv import saved
     from .conversation import Conversation, common_prefix
     from .generation import encode, load
+    from kvpipe.executor.layers.loader import progress_bars
+    previous = saved.check_target(save_kv) if save_kv is not None else None
     man = saved.read_manifest(load_kv) if load_kv is not None else None
     if man is not None and system is not None:
         raise ValueError("system: the saved conversation has its own system turn (--load-kv)")
@@ -98,9 +100,14 @@ def generate_kept(model, prompt, prompt_file, prompt_format, chat, system, n, st
         ids, templated = encode(text, prompt_format, tok, spec, chat, system, flag)
         msgs = ([{"role": "system", "content": system}] if system is not None else []) + \
             [{"role": "user", "content": text}] if templated else None
-    conv = Conversation(model, loaded=(ck, spec, tok), max_context=max_context or len(ids) + n,
-                        chat=chat and msgs is not None, system=system, seed=gen["seed"], max_new_tokens=n, **options)
-    loaded = {}
+    if max_context is not None and len(ids) >= max_context:   # before the model loads
+        raise ValueError(f"max-context: {max_context} tokens cannot hold the prompt's {len(ids)} tokens "
+                         "and a new one")
+    with progress_bars(False):   # as plain generate: no loading bars around the text
+        conv = Conversation(model, loaded=(ck, spec, tok), max_context=max_context or len(ids) + n,
+                            chat=chat and msgs is not None, system=system, seed=gen["seed"], max_new_tokens=n,
+                            **options)
+    loaded, wrote = {}, None
     try:
         if save_kv is not None:   # before any work: a window layer's ring cannot be saved
             saved.refuse_rings(conv.live.layout, "save-kv")
@@ -114,7 +121,10 @@ def generate_kept(model, prompt, prompt_file, prompt_format, chat, system, n, st
             loaded = load_timings(conv.live.loaded, held, conv.load_figures)
         if save_kv is not None:
             conv.messages = msgs
-            conv.save(save_kv, upto=cut)
+            done = conv.save(save_kv, upto=cut)
+            wrote = {"directory": str(save_kv), "tokens": done["tokens_saved"],
+                    "replaced_tokens": previous["tokens_saved"] if previous else None,
+                    "note": saved.replaced_note(previous)}
     finally:
         conv.close()
-    return replace(res, timings=dict(res.timings, **loaded))
+    return replace(res, timings=dict(res.timings, **loaded), saved_kv=wrote)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shutil
 
 import pytest
@@ -76,6 +77,27 @@ def test_reset_forgets_and_save_writes_a_kv_directory(chat_model, monkeypatch, c
                           random_weights=True, device="cpu", resident="2", disk="2", chunk=16, group=1)
     man = json.loads((tmp_path / "kv" / "manifest.json").read_text())
     assert got.timings["reused_tokens"] == man["tokens_saved"] > 0 and len(man["messages"]) == 2
+
+
+
+def test_save_says_what_it_replaced_and_refuses_a_file_on_one_line(chat_model, monkeypatch, capsys, tmp_path):
+    """Fault caught: a second /save replacing the first without a word, or /save to a file
+    ("File exists") or to a folder of other files (their kv-*.bin deleted) instead of one line
+    naming the problem, the session going on."""
+    kv, afile = tmp_path / "kv", tmp_path / "afile"
+    afile.write_text("x")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "kv-keep.bin").write_text("keep")
+    code, turns, err = chat(chat_model, monkeypatch, capsys, f"Hi\n/save {kv}\nMore\n/save {kv}\n/save {afile}\n"
+                            f"/save {mine}\nAgain\n/exit\n", "--max-context", "200", *PLACE)
+    saves = [line for line in err.splitlines() if "/save" in line or "saved" in line]
+    assert code == 0 and len(turns) == 3 and len(saves) == 4, err
+    first = int(re.fullmatch(rf"kvpipe: saved (\d+) tokens' KV to {re.escape(str(kv))}", saves[0]).group(1))
+    last = json.loads((kv / "manifest.json").read_text())["tokens_saved"]
+    assert saves[1] == f"kvpipe: saved {last} tokens' KV to {kv}, replacing its save of {first} tokens"
+    assert saves[2] == f"kvpipe: /save {afile}: {str(afile)!r} is a file; give a folder (new, empty, or a saved KV directory)"
+    assert saves[3].startswith(f"kvpipe: /save {mine}: {str(mine)!r} holds other files") and (mine / "kv-keep.bin").exists()
 
 
 def test_a_full_conversation_says_so_on_one_line(chat_model, monkeypatch, capsys):

@@ -356,6 +356,17 @@ def test_help_shows_defaults_batch_and_units(capsys, command):
         assert needle in text, needle
 
 
+
+@pytest.mark.parametrize("command", ["plan", "run", "generate", "chat", "serve"])
+def test_help_shows_no_empty_or_doubled_default(capsys, command):
+    # Fault caught: `(default: [])` after the repeatable --stop and --codec, and --quantile's
+    # "(default)" said twice.
+    rc, out, _ = cli(capsys, command, "--help")
+    text = " ".join(out.split())
+    assert rc == 0 and "(default: [])" not in text and "(default: ())" not in text
+    q = text[text.index("--quantile {p50,p90} the run"):]
+    assert q[:q.index("--fuse")].count("default") == 1
+
 def test_decode_tokens_default_is_the_same_for_plan_and_run():
     # Fault caught (issue 7): plan defaulted to 32 decode steps and run to 16.
     from kvpipe.cli import build_parser

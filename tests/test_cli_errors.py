@@ -92,17 +92,48 @@ def _main(capsys, *argv):
     (["codecs", "--bogus"], None),
     (["plan", "--bogus"], None),
     (["nope"], "command"),
+    (["plan", "--context", "abc"], "--context"),
+    (["plan", "--gpu-mem", "12XB"], "--gpu-mem"),
+    (["plan", "--host-mem", "-1"], "--host-mem"),
+    (["plan", "--group", "7"], "--group"),
+    (["run", "--model", "TINY", "--random-weights", "--device", "cpu", "--group", "3"], "--group"),
+    (["generate", "--model", "/nonexistent", "--prompt", "hi"], "--model"),
+    (["generate", "--model", "TINY", "--random-weights", "--prompt-format", "ids", "--prompt", "1 2",
+      "--temperature", "-1"], "--temperature"),
+    (["generate", "--model", "TINY", "--random-weights", "--prompt-format", "ids", "--prompt", "1 2",
+      "--top-p", "2"], "--top-p"),
+    (["generate", "--max-new-tokens", "0", "--prompt", "hi"], "--max-new-tokens"),
+    (["generate", "--max-tokens", "0"], "--max-tokens"),          # vLLM's and OpenAI's name
+    (["plan", "--contxt", "1M"], "--contxt"),
+    (["plan", "1M"], "command"),
+    (["calibrate", "--base", "nosuch"], "--base"),
+    (["calibrate", "--out", "/nonexistent/x.toml"], "--out"),
 ])
-def test_each_subcommand_names_the_flag_once_after_one_prefix(capsys, argv, flag):
+def test_each_subcommand_names_the_flag_once_after_one_prefix(capsys, tiny_config, argv, flag):
     """Fault caught: `kvpipe: error: kvpipe plan: argument --decode-tokens: ...` (the prefix
-    doubled), `decode_tokens:` or `model:` (the API's name, not the flag), a traceback, or an
-    exit code other than 2 for bad input."""
-    rc, _, err = _main(capsys, *argv)
+    doubled), `decode_tokens:` or `model:` (the API's name, not the flag), argparse's
+    "unrecognized arguments: ..." naming no flag, calibrate's --base unnamed or its --out folder
+    found missing only after the measurements, a traceback, or an exit code other than 2 for bad
+    input."""
+    rc, _, err = _main(capsys, *[tiny_config if a == "TINY" else a for a in argv])
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and "Traceback" not in err, (rc, err)
     assert lines[0].startswith("kvpipe: error: ") and lines[0].count("kvpipe") == 1, lines
     if flag is not None:
         assert lines[0].startswith(f"kvpipe: error: {flag}: "), lines
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["generate", "--max-tokens", "5"], "--max-tokens: not an option of generate (did you mean --max-new-tokens?)"),
+    (["plan", "--gpu-memory=24GB"], "--gpu-memory: not an option of plan (did you mean --gpu-mem?)"),
+    (["serve", "--served-name", "x"], "--served-name: not an option of serve (did you mean --served-model-name?)"),
+    (["plan", "--bogus"], "--bogus: not an option of plan; --help lists them"),
+])
+def test_an_unknown_flag_is_named_with_the_closest_one(capsys, argv, line):
+    """Fault caught: argparse's "unrecognized arguments: --max-tokens 5" (no flag named first, no
+    hint that generate spells it --max-new-tokens), or a hint from another subcommand's flags."""
+    rc, _, err = _main(capsys, *argv)
+    assert rc == 2 and err == f"kvpipe: error: {line}\n"
 
 
 @pytest.mark.parametrize("argv", [

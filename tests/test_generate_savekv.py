@@ -167,6 +167,88 @@ def test_a_missing_directory_is_one_line_naming_the_flag(model_dir, tmp_path, ca
     shutil.rmtree(tmp_path, ignore_errors=True)
 
 
+
+def _cli(model_dir, capsys, *flags) -> tuple[int, str, list[str]]:
+    code = main(["generate", "--model", str(model_dir), "--random-weights", "--device", "cpu", "--prompt-format", "ids",
+                 "--max-new-tokens", "2", *flags])
+    out = capsys.readouterr()
+    return code, out.out, out.err.strip().splitlines()
+
+
+def test_a_second_save_says_what_it_replaced(model_dir, tmp_path, capsys):
+    """Fault caught: --save-kv over an existing KV directory replacing the save there without a
+    word (the line and --json's saved_kv say nothing of the earlier save's tokens)."""
+    kv = str(tmp_path / "kv")
+    code, _, err = _cli(model_dir, capsys, "--prompt", ids(P), "--save-kv", kv)
+    assert code == 0 and err[-1] == f"kvpipe: saved {len(P)} tokens' KV to {kv} (continue with --load-kv {kv})"
+    code, _, err = _cli(model_dir, capsys, "--prompt", ids(Q), "--save-kv", kv)
+    assert code == 0 and err[-1].startswith(f"kvpipe: saved {len(Q)} tokens' KV to {kv}, replacing its save of {len(P)} tokens")
+    code, out, _ = _cli(model_dir, capsys, "--prompt", ids(P), "--save-kv", kv, "--json")
+    assert json.loads(out)["saved_kv"] == {"directory": kv, "tokens": len(P), "replaced_tokens": len(Q)}
+
+
+@pytest.mark.parametrize("at", ["data", "manifest"])
+@pytest.mark.parametrize("fresh", [True, False], ids=["new folder", "over a save"])
+def test_a_save_that_fails_midway_leaves_no_partial_file(model_dir, tmp_path, monkeypatch, fresh, at):
+    """Fault caught: a save that fails while writing (disk full: an OSError after some units of
+    the data file, or at its manifest) leaving its temporary data file, its renamed data file
+    (no manifest names it), or the folder it made for itself."""
+    from kvpipe.executor.kv import saved
+    kv, opts = tmp_path / "kv", place("2", 1, None)
+    if not fresh:
+        kvpipe.generate(str(model_dir), ids(P), max_new_tokens=2, save_kv=kv, **opts)
+    before = sorted(p.name for p in kv.iterdir()) if not fresh else None
+    real_get, real_write, calls = saved._get, saved._write_atomic, []
+
+    def get(*a):
+        calls.append(1)
+        if at == "data" and len(calls) > 2:
+            raise OSError(28, "No space left on device")
+        real_get(*a)
+
+    def write(path, fn):
+        if at == "manifest" and path.name == saved.MANIFEST:
+            raise OSError(28, "No space left on device")
+        real_write(path, fn)
+    monkeypatch.setattr(saved, "_get", get)
+    monkeypatch.setattr(saved, "_write_atomic", write)
+    with pytest.raises(OSError, match="No space left"):
+        kvpipe.generate(str(model_dir), ids(P[:20]), max_new_tokens=2, save_kv=kv, **opts)
+    monkeypatch.undo()
+    if fresh:
+        assert not kv.exists(), sorted(p.name for p in kv.iterdir())
+    else:
+        assert sorted(p.name for p in kv.iterdir()) == before
+
+
+def test_a_file_or_a_folder_of_other_files_is_refused_before_the_run(model_dir, tmp_path, capsys):
+    """Fault caught: --save-kv to a file failing only after the whole generation ("[Errno 17] File
+    exists"), or a save into a folder of the user's files deleting its kv-*.bin files."""
+    (tmp_path / "afile").write_text("x")
+    code, out, err = _cli(model_dir, capsys, "--prompt", ids(P), "--save-kv", str(tmp_path / "afile"))
+    assert code == 2 and out == "" and err == [f"kvpipe: error: --save-kv: {str(tmp_path / 'afile')!r} is a file; "
+                                               "give a folder (new, empty, or a saved KV directory)"]
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    (mine / "kv-keep.bin").write_text("keep")
+    code, out, err = _cli(model_dir, capsys, "--prompt", ids(P), "--save-kv", str(mine))
+    assert code == 2 and out == "" and len(err) == 1 and err[0].startswith("kvpipe: error: --save-kv: ")
+    assert sorted(p.name for p in mine.iterdir()) == ["kv-keep.bin", "notes.txt"]
+
+
+@pytest.mark.parametrize("flags, words", [
+    ((), "sizes a kept KV"),
+    (("--save-kv", "KV"), f"4 tokens cannot hold the prompt's {len(P)} tokens"),
+])
+def test_max_context_is_refused_where_it_cannot_apply(model_dir, tmp_path, capsys, flags, words):
+    """Fault caught: --max-context ignored by a plain generate (no kept KV to size), or one
+    smaller than the prompt failing after the model loaded with chat's "/reset" advice."""
+    flags = tuple(str(tmp_path / f) if f == "KV" else f for f in flags)
+    code, out, err = _cli(model_dir, capsys, "--prompt", ids(P), "--max-context", "4", *flags)
+    assert code == 2 and out == "" and len(err) == 1 and err[0].startswith(f"kvpipe: error: --max-context: {words}"), err
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("resident,group,disk", [("none", 1, None), ("all", 3, None), ("2", 1, "2"), ("3", 3, None)])
 def test_continuation_is_the_uninterrupted_run_on_the_gpu(model_dir, tmp_path, resident, group, disk):

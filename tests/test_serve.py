@@ -53,24 +53,24 @@ C, P = "/v1/chat/completions", "/v1/completions"
 # (path, body, status, error.param): each a kind of bad request
 BAD = [
     (C, b"{not json", 400, None), (C, b"[1, 2]", 400, None), (C, {"messages": CHAT["messages"]}, 400, "model"),
-    (C, {**CHAT, "model": 123}, 422, "model"), (C, {**CHAT, "model": "gpt-4o"}, 400, "model"),
+    (C, {**CHAT, "model": 123}, 400, "model"), (C, {**CHAT, "model": "gpt-4o"}, 404, "model"),
     (C, {"model": NAME}, 400, "messages"), (C, {**CHAT, "messages": []}, 400, "messages"),
-    (C, {**CHAT, "messages": "hi"}, 422, "messages"), (C, {**CHAT, "messages": ["hi"]}, 422, "messages[0]"),
+    (C, {**CHAT, "messages": "hi"}, 400, "messages"), (C, {**CHAT, "messages": ["hi"]}, 400, "messages[0]"),
     (C, {**CHAT, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),
-    (C, {**CHAT, "messages": [{"role": "user", "content": 5}]}, 422, "messages[0].content"),
+    (C, {**CHAT, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
     (C, {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      400, "messages[0].content"),
     (C, {**CHAT, "messages": [{"role": "user", "content": "x", "name": "bob"}]}, 400, "messages[0].name"),
     (C, {**CHAT, "messages": [{"role": "user", "content": "   "}]}, 400, "messages"),
     (C, {**CHAT, "n": 2}, 400, "n"), (C, {**CHAT, "max_tokens": 0}, 400, "max_tokens"),
-    (C, {**CHAT, "max_tokens": "ten"}, 422, "max_tokens"), (C, {**CHAT, "max_completion_tokens": -1}, 400,
+    (C, {**CHAT, "max_tokens": "ten"}, 400, "max_tokens"), (C, {**CHAT, "max_completion_tokens": -1}, 400,
                                                              "max_completion_tokens"),
-    (C, {**CHAT, "temperature": 3}, 400, "temperature"), (C, {**CHAT, "temperature": "hot"}, 422, "temperature"),
+    (C, {**CHAT, "temperature": 3}, 400, "temperature"), (C, {**CHAT, "temperature": "hot"}, 400, "temperature"),
     (C, {**CHAT, "top_p": 0}, 400, "top_p"), (C, {**CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
-    (C, {**CHAT, "stop": 12}, 422, "stop"), (C, {**CHAT, "stream": "yes"}, 422, "stream"),
+    (C, {**CHAT, "stop": 12}, 400, "stop"), (C, {**CHAT, "stream": "yes"}, 400, "stream"),
     (C, {**CHAT, "stream_options": {"include_usage": True}}, 400, "stream_options"),
     (C, {**CHAT, "logprobs": True}, 400, "logprobs"), (C, {**CHAT, "tools": []}, 400, "tools"),
-    (C, {**CHAT, "presence_penalty": 0.5}, 400, "presence_penalty"), (C, {**CHAT, "seed": "x"}, 422, "seed"),
+    (C, {**CHAT, "presence_penalty": 0.5}, 400, "presence_penalty"), (C, {**CHAT, "seed": "x"}, 400, "seed"),
     (P, {"model": NAME}, 400, "prompt"), (P, {**COMP, "prompt": ["a", "b"]}, 400, "prompt"),
     (P, {**COMP, "prompt": [1, 49152]}, 400, "prompt"), (P, {**COMP, "echo": True}, 400, "echo"),
     (P, {**COMP, "best_of": 3}, 400, "best_of"), (P, {**COMP, "messages": CHAT["messages"]}, 400, "messages"),
@@ -97,6 +97,44 @@ def test_budget_refusal_says_the_numbers(server):
     assert "do not fit the budgets" in msg and "host 3.8 MiB" in msg and "largest prompt that fits" in msg
 
 
+
+@pytest.mark.parametrize("path, body, status, param, code", [
+    (C, {**CHAT, "model": "gpt-4o"}, 404, "model", "model_not_found"),
+    (C, b"{not json", 400, None, "invalid_json"),
+    (C, {"model": NAME}, 400, "messages", "missing_field"),
+    (C, {**CHAT, "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
+    (C, {**CHAT, "max_tokens": "ten"}, 400, "max_tokens", "invalid_type"),
+    (C, {**CHAT, "messages": [{"role": "user", "content": "hi " * 9000}]}, 400, "messages", "context_length_exceeded"),
+    (P, {**COMP, "prompt": "hi " * 9000}, 400, "prompt", "context_length_exceeded"),
+    (P, {**COMP, "max_tokens": 100_000}, 400, "max_tokens", "context_length_exceeded"),
+])
+def test_error_body_is_openai_shaped_with_openai_status(server, path, body, status, param, code):
+    # Fault caught: an unknown model answered 400 (OpenAI and vLLM: 404), a wrong JSON type 422
+    # (FastAPI's habit; the openai client raises UnprocessableEntityError, not BadRequestError), a
+    # prompt too long by itself blamed on max_tokens, or a body not {"error": {message, type, param, code}}.
+    r = post(server, path, body)
+    assert r.status_code == status, r.text
+    assert set(r.json()) == {"error"} and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    err = r.json()["error"]
+    assert (err["param"], err["code"], err["type"]) == (param, code, "invalid_request_error") and err["message"]
+
+
+def test_the_openai_client_gets_its_own_exceptions_and_the_model(server):
+    # Fault caught: GET /v1/models/{id} missing (openai's models.retrieve a 404 for the served
+    # model), an unknown model not openai.NotFoundError, a wrong type not openai.BadRequestError.
+    openai = pytest.importorskip("openai")
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    assert c.models.retrieve(NAME).id == NAME and [m.id for m in c.models.list()] == [NAME]
+    with pytest.raises(openai.NotFoundError) as e:
+        c.models.retrieve("gpt-4o")
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        c.chat.completions.create(model="gpt-4o", messages=CHAT["messages"], max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=NAME, messages=CHAT["messages"], max_tokens="ten")
+    assert e.value.body["param"] == "max_tokens"
+
+
 @pytest.mark.parametrize("headers, path, status", [
     ({}, C, 401), ({"Authorization": "Bearer wrong"}, C, 401), ({"Authorization": KEY}, P, 401),
     ({}, "/metrics", 401), ({}, "/v1/models", 401),
@@ -115,7 +153,7 @@ def test_oversized_body_unknown_route_and_method(server):
     assert r.status_code == 413 and r.json()["error"]["message"].startswith("the request body exceeds")
     assert httpx.get(server.url + "/v1/nothing", timeout=10).json()["error"]["message"]
     r = httpx.get(server.url + C, headers=AUTH, timeout=10)
-    assert r.status_code == 405 and r.json()["error"]["message"]
+    assert r.status_code == 405 and r.json()["error"]["message"] and r.json()["error"]["type"] == "invalid_request_error"
     assert httpx.get(server.url + "/health", timeout=10).json() == {"status": "ok"}
 
 

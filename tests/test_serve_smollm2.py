@@ -77,10 +77,10 @@ def test_completion_whole_and_streamed_with_stop_are_generates_text(client, smol
 
 
 def test_models_and_errors_through_the_client(client):
-    # Fault caught: /v1/models not listing the served name, or an unknown model / n > 1 not
-    # raised by the client as the 400 it is (a 200 or a dropped connection instead).
+    # Fault caught: /v1/models not listing the served name, or an unknown model (404) / n > 1
+    # (400) not raised by the client as what it is (a 200 or a dropped connection instead).
     assert [m.id for m in client.models.list().data] == [NAME]
-    with pytest.raises(openai.BadRequestError, match="model"):
+    with pytest.raises(openai.NotFoundError, match="model"):
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": Q}])
     with pytest.raises(openai.BadRequestError, match="n = 1"):
         client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": Q}], n=2)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -67,11 +68,53 @@ def _write_atomic(path: Path, write) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        write(fd)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            write(fd)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:   # a failed or interrupted write leaves no partial file behind
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _ours(name: str) -> bool:
+    """A file a save writes (data, manifest, or their temporary names)."""
+    return re.fullmatch(r"\.?(kv-[0-9a-f]{12}\.bin|manifest\.json)(\.tmp-\d+)?", name) is not None
+
+
+def check_target(directory: str | os.PathLike, flag: str = "save-kv") -> dict | None:
+    """Before any work: `directory` can take a save (a new or empty folder, or a KV directory,
+    whose save it replaces). Returns the manifest it would replace, or None; ValueError naming
+    `flag` for a file, a folder of other files (a save deletes stale data files there) or one
+    that cannot be written."""
+    d = Path(directory)
+    if d.exists() and not d.is_dir():
+        raise ValueError(f"{flag}: {str(d)!r} is a file; give a folder (new, empty, or a saved KV directory)")
+    top = next(p for p in (d, *d.parents) if p.exists())   # the folder the save creates its own in
+    if not top.is_dir():
+        raise ValueError(f"{flag}: {str(top)!r} is a file, so no folder can be made under it")
+    if not os.access(top, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag}: cannot write in {str(top)!r} (permission denied)")
+    if not d.exists():
+        return None
+    if (d / MANIFEST).is_file():
+        try:
+            return read_manifest(d, flag)
+        except ValueError:
+            raise ValueError(f"{flag}: {str(d / MANIFEST)!r} is not a readable {FORMAT} manifest; "
+                             "give another folder, or remove that one") from None
+    others = sorted(p.name for p in d.iterdir() if not _ours(p.name))
+    if others:
+        raise ValueError(f"{flag}: {str(d)!r} holds other files ({others[0]}{', ...' if len(others) > 1 else ''}) "
+                         f"and no {MANIFEST}; give a new or empty folder, or a saved KV directory")
+    return None
+
+
+def replaced_note(previous: dict | None) -> str:
+    """What a save replaced, for the line that reports it ('' for a new directory)."""
+    return f"replacing its save of {previous.get('tokens_saved')} tokens" if previous else ""
 
 
 def refuse_rings(layout, flag: str) -> None:
@@ -87,6 +130,7 @@ def save(store: KVStore, n: int, length: int, directory: str | os.PathLike, meta
     `meta` plus the data file's units and checksums; returns the manifest."""
     refuse_rings(store.layout, "save-kv")
     d = Path(directory)
+    created = not d.exists()
     d.mkdir(parents=True, exist_ok=True)
     units, stride, nb = _units(store), _stride(store, n), n * store.token_bytes
     if store.cuda:
@@ -104,11 +148,17 @@ def save(store: KVStore, n: int, length: int, directory: str | os.PathLike, meta
             rows[i] = {"layer": units[i][0], "head": units[i][1], "offset": i * stride, "crc32c": _crcs(view[:nb])}
         with ThreadPoolExecutor(THREADS) as pool:
             list(pool.map(one, range(len(units))))
-    _write_atomic(d / name, write)
     man = dict(meta, format=FORMAT, version=VERSION, data=name, tokens_saved=n, unit_bytes=nb,
                block_bytes=BLOCK, units=rows)
-    text = json.dumps(man).encode()
-    _write_atomic(d / MANIFEST, lambda fd: os.write(fd, text))
+    try:
+        _write_atomic(d / name, write)
+        text = json.dumps(man).encode()
+        _write_atomic(d / MANIFEST, lambda fd: os.write(fd, text))
+    except BaseException:   # the previous save stays whole; a folder made for this one goes
+        (d / name).unlink(missing_ok=True)
+        if created and not any(d.iterdir()):
+            d.rmdir()
+        raise
     for old in d.glob("kv-*.bin"):
         if old.name != name:
             old.unlink()

@@ -12,7 +12,12 @@ from kvpipe.pipeline.workload import Workload
 
 
 class Refused(ValueError):
-    """The request does not fit the budgets; the message says by how much and what would."""
+    """The request does not fit the budgets; the message says by how much and what would.
+    `by_prompt`: the prompt alone does not fit (with one new token), not only with max_tokens."""
+
+    def __init__(self, message: str, by_prompt: bool) -> None:
+        super().__init__(message)
+        self.by_prompt = by_prompt
 
 
 @dataclass(frozen=True)
@@ -65,16 +70,17 @@ class Admission:
         pos = self.b.spec.max_positions
         if pos is not None and prompt_tokens + max_tokens > pos:
             raise Refused(f"the prompt's {prompt_tokens} tokens plus max_tokens {max_tokens} exceed the "
-                          f"model's context of {pos} tokens")
+                          f"model's context of {pos} tokens", prompt_tokens >= pos)
         fit = self.largest(max_tokens)
         if prompt_tokens > fit:
             budgets = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in self.b.budgets.items())
             raise Refused(f"{prompt_tokens} prompt + {max_tokens} new tokens do not fit the budgets ({budgets}); "
                           f"the largest prompt that fits with max_tokens {max_tokens} is {fit} tokens "
-                          f"({fmt_tokens(fit)})")
+                          f"({fmt_tokens(fit)})", prompt_tokens > self.largest(1))
         if self.capacity is not None and prompt_tokens + max_tokens > self.capacity:
             raise Refused(f"the prompt's {prompt_tokens} tokens plus max_tokens {max_tokens} exceed the "
-                          f"server's context of {self.capacity} tokens (kvpipe serve --max-context)")
+                          f"server's context of {self.capacity} tokens (kvpipe serve --max-context)",
+                          prompt_tokens >= self.capacity)
 
 
 def kv_bytes(spec, plan, tokens: int) -> dict:

@@ -19,7 +19,7 @@ from . import responses
 from .admission import Refused
 from .engine import Engine, Job
 from .metrics import CONTENT_TYPE, Metrics
-from .protocol import ApiError, parse_body, parse_query
+from .protocol import ApiError, check_model, parse_body, parse_query
 
 POLL_S = 0.25   # how often a waiting request checks that its client is still there
 
@@ -70,7 +70,13 @@ def create_app(s: Server) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request):
         _auth(s, request)
-        return {"object": "list", "data": [{"id": s.name, "object": "model", "created": 0, "owned_by": "kvpipe"}]}
+        return {"object": "list", "data": [_model(s)]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(request: Request, model: str):
+        _auth(s, request)
+        check_model(model, s.name)
+        return _model(s)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -81,6 +87,10 @@ def create_app(s: Server) -> FastAPI:
         return await _complete(s, request, "completion")
 
     return app
+
+
+def _model(s: Server) -> dict:
+    return {"id": s.name, "object": "model", "created": 0, "owned_by": "kvpipe"}
 
 
 def _lifespan(s: Server):
@@ -125,8 +135,9 @@ async def _complete(s: Server, request: Request, kind: str):
     ids = await asyncio.to_thread(responses.prompt_ids, s.tokenizer, q)
     try:
         await asyncio.to_thread(s.admission.check, len(ids), q.max_tokens)
-    except Refused as e:
-        raise ApiError(400, str(e), param="max_tokens" if q.max_tokens > 1 else "messages",
+    except Refused as e:   # the prompt itself too long, or with max_tokens more
+        prompt = "messages" if kind == "chat" else "prompt"
+        raise ApiError(400, str(e), param=prompt if e.by_prompt else "max_tokens",
                        code="context_length_exceeded") from None
     job = Job(q, ids, asyncio.get_running_loop())
     s.engine.submit(job)

@@ -1,8 +1,9 @@
 """The OpenAI request bodies `kvpipe serve` accepts, checked field by field into a `Query`, and
 its errors as OpenAI error JSON (`error.message`, `error.type`, `error.param`, `error.code`).
 A field this server does not implement is refused naming it, never ignored: a client that asks
-for `n: 3`, tools or logprobs learns at once that it will not get them. Wrong JSON types are
-422 (the body parsed, its shape is wrong); every other bad value is 400."""
+for `n: 3`, tools or logprobs learns at once that it will not get them. A bad value or a wrong
+JSON type is 400 (code `invalid_type` for the latter) and a model not served here 404, as the
+OpenAI API and vLLM answer them."""
 from __future__ import annotations
 
 import json
@@ -25,9 +26,7 @@ FIELDS = {"chat": frozenset(_COMMON + ("messages", "max_completion_tokens")),
 class ApiError(Exception):
     """An HTTP error answered as OpenAI error JSON."""
 
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-             413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
-             503: "service_unavailable_error", 500: "server_error"}
+    TYPES = {401: "authentication_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  headers: dict | None = None) -> None:
@@ -36,7 +35,8 @@ class ApiError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
+        default = "invalid_request_error" if 400 <= self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, default),
                           "param": self.param, "code": self.code}}
 
 
@@ -68,7 +68,7 @@ def parse_body(raw: bytes) -> dict:
 
 
 def _type_error(name: str, want: str, value) -> ApiError:
-    return ApiError(422, f"{name}: expected {want}, got {type(value).__name__} {json.dumps(value)[:40]}",
+    return ApiError(400, f"{name}: expected {want}, got {type(value).__name__} {json.dumps(value)[:40]}",
                     param=name, code="invalid_type")
 
 
@@ -184,6 +184,13 @@ def _prompt(body: dict) -> str | tuple[int, ...]:
     return p
 
 
+def check_model(model: str, served: str) -> None:
+    """404 for a model this server does not serve (OpenAI's and vLLM's status for it)."""
+    if model != served:
+        raise ApiError(404, f"model: {model!r} is not served here (GET /v1/models: {served!r})", param="model",
+                       code="model_not_found")
+
+
 def parse_query(body: dict, kind: str, served: str) -> Query:
     """The checked request of endpoint `kind` (chat, completion); `served` the model's name."""
     _fields(body, kind)
@@ -192,9 +199,7 @@ def parse_query(body: dict, kind: str, served: str) -> Query:
         raise ApiError(400, "model: required", param="model", code="missing_field")
     if not isinstance(model, str):
         raise _type_error("model", "a string", model)
-    if model != served:
-        raise ApiError(400, f"model: {model!r} is not served here (GET /v1/models: {served!r})", param="model",
-                       code="model_not_found")
+    check_model(model, served)
     which = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, which, lo=1, default=DEFAULT_MAX_NEW_TOKENS)
     opts = body.get("stream_options")
