@@ -26,6 +26,8 @@ from .options import RunOptions
 DEFAULT_MAX_CONTEXT = 32768   # chat's capacity when the model allows more positions
 PREFIX_BLOCK = 4096           # tokens common_prefix compares at once
 DEVICE_HASHES = ("lines", "sums")   # weights hashes computed where the weights are (fingerprint)
+LINE_BLOCK = 1 << 23   # elements a `lines` reduction widens to int64 at once (64 MiB): a whole embedding
+                      # at 128K vocab would ask 3.9 GiB on a GPU already at its cap
 
 
 def common_prefix(a, b, block: int = PREFIX_BLOCK) -> int:
@@ -86,12 +88,15 @@ def _tensor_hash(t, method: str):
 
 def _line_sums(flat, cols: int):
     """sum((2r + 1) * row_sum[r]) and sum((2c + 1) * col_sum[c]) of the bits laid out [rows, cols]
-    (int64, wrapping): two reductions that widen as they read, where `sums` wrote int64 copies of
-    every chunk (1 s for 8B of weights). Any two unequal elements swapped change a row or a column."""
+    (int64, wrapping), reduced LINE_BLOCK elements at a time (a reduction to int64 first widens
+    what it reads). Any two unequal elements swapped change a row or a column."""
     import torch
     m = flat.view(-1, cols)
-    rows = m.sum(1, dtype=torch.int64)
-    cols_ = m.sum(0, dtype=torch.int64)
+    step = max(1, LINE_BLOCK // cols)   # rows a reduction reads at once: its int64 widening stays LINE_BLOCK elements
+    rows = torch.cat([m[r:r + step].sum(1, dtype=torch.int64) for r in range(0, m.shape[0], step)])
+    cols_ = m[:step].sum(0, dtype=torch.int64)
+    for r in range(step, m.shape[0], step):
+        cols_ += m[r:r + step].sum(0, dtype=torch.int64)
     return torch.stack([(rows * _odd(rows)).sum(), (cols_ * _odd(cols_)).sum()])
 
 

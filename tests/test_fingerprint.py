@@ -60,3 +60,20 @@ def test_lines_fingerprint_sees_two_weights_swapped():
         assert a != b
         w[3, 5], w[3, 9] = b, a
     assert fingerprint(m, "lines")["weights_sha256"] != before
+
+
+def test_lines_fingerprint_widens_a_block_at_a_time(monkeypatch):
+    """Fault caught: the row/column sums widening a whole tensor to int64 at once (an embedding at
+    128K vocab asked 3.9 GiB and ran a 24 GB GPU out of memory behind a 128K prefill), or the row
+    blocks summed wrongly (the last block dropped, a column sum overwritten instead of added)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import kvpipe.conversation as conv
+    monkeypatch.setattr(conv, "LINE_BLOCK", 1 << 14)
+    t = torch.randn(1000, 300).to(torch.bfloat16)   # 1000 rows: the last of 18-row blocks is partial
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as p:
+        got = conv._tensor_hash(t, "lines")
+    biggest = max(e.cpu_memory_usage for e in p.events())
+    assert biggest <= (1 << 14) * 8, f"an allocation of {biggest} bytes: the whole tensor widened"
+    a, b = got.tolist()
+    assert f"{a}:{b}" == reference_lines(t)
