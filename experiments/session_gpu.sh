@@ -48,4 +48,5 @@ for spec in "$@"; do
     *) echo "unknown step $step" ;;
   esac
 done
-cp "$R"/benchmarks/results/*"$(date -u +%Y-%m-%d)"* "$OUT"/ 2>/dev/null; true
+# today's earlier result files too, unless COPY_RESULTS=0 (too many files and none comes back)
+[ "${COPY_RESULTS:-1}" = 0 ] || cp "$R"/benchmarks/results/*"$(date -u +%Y-%m-%d)"* "$OUT"/ 2>/dev/null; true
