@@ -93,10 +93,11 @@ def _line_sums(flat, cols: int):
     import torch
     m = flat.view(-1, cols)
     step = max(1, LINE_BLOCK // cols)   # rows a reduction reads at once: its int64 widening stays LINE_BLOCK elements
-    rows = torch.cat([m[r:r + step].sum(1, dtype=torch.int64) for r in range(0, m.shape[0], step)])
-    cols_ = m[:step].sum(0, dtype=torch.int64)
-    for r in range(step, m.shape[0], step):
+    rows, cols_ = [], torch.zeros(cols, dtype=torch.int64, device=m.device)
+    for r in range(0, m.shape[0], step):
+        rows.append(m[r:r + step].sum(1, dtype=torch.int64))
         cols_ += m[r:r + step].sum(0, dtype=torch.int64)
+    rows = torch.cat(rows)
     return torch.stack([(rows * _odd(rows)).sum(), (cols_ * _odd(cols_)).sum()])
 
 
