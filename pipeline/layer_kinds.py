@@ -19,6 +19,7 @@ NOT_SOFTMAX = {
     "olmo_hybrid": "linear-attention hybrid", "gemma3n": "per-layer embedding, KV-sharing",
 }
 ATTENTION_KINDS = ("full_attention", "sliding_attention")
+SOFTCAP_DEFAULTS = {"gemma2": (50.0, 30.0)}   # Gemma2Config's attention and final logit softcaps
 # Rope types the executor reproduces exactly: their frequencies are fixed ('default', 'linear',
 # 'llama3', 'yarn') or depend only on the largest position of each forward call ('longrope').
 EXACT_ROPE = ("default", "linear", "llama3", "yarn", "longrope")
@@ -27,11 +28,13 @@ EXACT_ROPE = ("default", "linear", "llama3", "yarn", "longrope")
 @dataclass(frozen=True)
 class LayerKinds:
     """`windows[i]`: tokens layer i attends to (its own included), 0 for full attention;
-    `softcap`: the attention logit softcap (0.0: none); `rope`: the rope type."""
+    `softcap`: the attention logit softcap (0.0: none); `final_softcap`: the final logits' cap;
+    `rope`: the rope type."""
 
     windows: tuple[int, ...]
     softcap: float
     rope: str
+    final_softcap: float = 0.0
 
 
 def refuse_model_type(mtype) -> None:
@@ -97,8 +100,9 @@ def layer_kinds(cfg: dict, mtype: str, layers: int) -> LayerKinds:
     if rope not in EXACT_ROPE:
         raise ValueError(f"rope_type: {rope!r} changes the frequencies with the tokens seen so far; "
                          f"kvpipe cannot run it exactly (exact: {', '.join(EXACT_ROPE)})")
-    softcap = cfg.get("attn_logit_softcapping") or 0.0
-    return LayerKinds(windows if any(windows) else (), float(softcap), rope)
+    attn, final = SOFTCAP_DEFAULTS.get(mtype, (None, None))   # HF's defaults where config.json leaves them out
+    softcap, final = cfg.get("attn_logit_softcapping", attn) or 0.0, cfg.get("final_logit_softcapping", final) or 0.0
+    return LayerKinds(windows if any(windows) else (), float(softcap), rope, float(final))
 
 
 # Tokens a window layer keeps past what its window still sees, so that a kept conversation can
@@ -133,7 +137,7 @@ def hf_fields(spec) -> dict:
         out.update(model_type="gemma2" if family == "gemma2" else "gemma3_text",
                    query_pre_attn_scalar=spec.head_dim, hidden_activation="gelu_pytorch_tanh",
                    attn_logit_softcapping=spec.softcap or None,
-                   final_logit_softcapping=30.0 if family == "gemma2" else None)
+                   final_logit_softcapping=spec.final_softcap or None)
     if family in ("gemma2", "gemma3", "qwen2", "qwen3") or any(spec.windows):
         windows = spec.windows or (0,) * spec.layers
         out["layer_types"] = ["sliding_attention" if w else "full_attention" for w in windows]

@@ -2,7 +2,9 @@
 attention (HF's RMSNorm in fp32, RoPE, SiLU * up, residual adds, casts, copies, concatenations,
 the exact LSE merge of a chunk's two attention parts), as a kernel count and the bytes those
 kernels read plus write. Closed forms of the executor's code path for the Llama family (Llama,
-Mistral, Qwen2, Qwen3), counted op by op; tests/test_layer_ops.py holds every form against the
+Mistral, Qwen2, Qwen3) and where Gemma 2/3 (their (1 + w) norms around attention and MLP both,
+the scaled embedding, Gemma 2's final logit softcap) and Phi-3 (RoPE's pass-through cat) differ,
+counted op by op; tests/test_layer_ops.py holds every form against the
 aten ops that the real HF modules and the executor's attention dispatch on CPU
 (executor/calibrate/op_inventory.py), which are the ops they launch on the GPU.
 
@@ -57,10 +59,36 @@ def rms_norm(rows: float, width: int, e: int) -> SmallOps:
     return SmallOps(6 + 2 * c, rows * per_row + e * width)   # the weight is read once
 
 
-def rope(tokens: float, heads: int, d: int, e: int) -> SmallOps:
-    """apply_rotary_pos_emb on one of q, k: x*cos, -x2, cat, rotate*sin, add (cos, sin per token)."""
+def gemma_norm(rows: float, width: int, e: int) -> SmallOps:
+    """Gemma's RMSNorm over `rows` rows: to fp32, pow, mean, + eps, rsqrt, *, then the weight to
+    fp32, + 1, * (1 + w) and back to dtype (the weight's cast and + 1 once, not per row)."""
+    c = _cast(e)
+    per_row = (c * (e + FP32) * width            # to float32
+               + 2 * FP32 * width                # pow
+               + FP32 * width + FP32             # mean
+               + 2 * FP32 + 2 * FP32             # + eps, rsqrt
+               + 2 * FP32 * width + FP32         # x * rsqrt
+               + 2 * FP32 * width                # * (1 + w): read x, write
+               + c * (FP32 + e) * width)         # back to the model dtype
+    once = c * (e + FP32) * width + 2 * FP32 * width + FP32 * width   # weight to fp32, + 1, read by *
+    return SmallOps(7 + 3 * c, rows * per_row + once)
+
+
+def norm(m: ModelSpec, rows: float, width: int) -> SmallOps:
+    """The family's RMSNorm (Gemma's, or HF's Llama form)."""
+    return (gemma_norm if _gemma(m) else rms_norm)(rows, width, m.dtype_bytes)
+
+
+def _gemma(m: ModelSpec) -> bool:
+    return m.family in ("gemma2", "gemma3")
+
+
+def rope(tokens: float, heads: int, d: int, e: int, passthrough: bool = False) -> SmallOps:
+    """apply_rotary_pos_emb on one of q, k: x*cos, -x2, cat, rotate*sin, add (cos, sin per token);
+    `passthrough` (Phi-3): the roped part concatenated with the unroped rest, one more copy."""
     x = heads * d
-    return SmallOps(5, tokens * e * (10 * x + 2 * d))
+    ops = SmallOps(5, tokens * e * (10 * x + 2 * d))
+    return ops + SmallOps(1, tokens * 2 * e * x) if passthrough else ops
 
 
 def embed(m: ModelSpec, tokens: float) -> SmallOps:
@@ -72,17 +100,18 @@ def embed(m: ModelSpec, tokens: float) -> SmallOps:
                  + FP32 + 2 * d + 8 * d          # inv_freq * positions, cat
                  + 4 * 8 * d                     # cos, * scaling, sin, * scaling
                  + c * 2 * (FP32 + e) * d)       # cos, sin to the model dtype
-    return SmallOps(9 + 2 * c, tokens * per_token + 2 * d)
+    ops = SmallOps(9 + 2 * c, tokens * per_token + 2 * d)
+    return ops + SmallOps(1, tokens * 2 * e * m.hidden + e) if _gemma(m) else ops   # Gemma: * sqrt(hidden)
 
 
 def qkv(m: ModelSpec, tokens: float, resident: int) -> SmallOps:
-    """Input norm, (Qwen3: q/k norms), RoPE on q and k, q made contiguous (more than one token),
+    """Input norm, (Qwen3, Gemma 3: q/k norms), RoPE on q and k, q made contiguous (more than one token),
     K/V stacked, the resident heads' K/V written home."""
-    e, d = m.dtype_bytes, m.head_dim
-    ops = rms_norm(tokens, m.hidden, e) + rope(tokens, m.q_heads, d, e) + rope(tokens, m.kv_heads, d, e)
+    e, d, cat = m.dtype_bytes, m.head_dim, m.family == "phi3"
+    ops = norm(m, tokens, m.hidden) + rope(tokens, m.q_heads, d, e, cat) + rope(tokens, m.kv_heads, d, e, cat)
     if m.qk_norm:
-        ops = ops + rms_norm(tokens * m.q_heads, d, e) + rms_norm(tokens * m.kv_heads, d, e)
-    if tokens > 1:
+        ops = ops + norm(m, tokens * m.q_heads, d) + norm(m, tokens * m.kv_heads, d)
+    if tokens > 1 and not cat:   # Phi-3's cat already leaves q contiguous
         ops = ops + SmallOps(1, tokens * 2 * e * m.q_heads * d)
     ops = ops + SmallOps(1, tokens * 4 * e * m.kv_heads * d)
     if resident:
@@ -115,21 +144,27 @@ def attn(m: ModelSpec, tokens: float, group: int, prefix: int, replayed: bool = 
 
 
 def mlp(m: ModelSpec, tokens: float) -> SmallOps:
-    """Residual add after o_proj, post-attention norm, SiLU(gate) * up, residual add."""
+    """Residual add after o_proj, post-attention norm, act(gate) * up, residual add; Gemma also
+    norms o_proj's output before its add and the MLP's output before its own (three norms)."""
     e = m.dtype_bytes
-    return rms_norm(tokens, m.hidden, e) + SmallOps(4, tokens * e * (6 * m.hidden + 5 * m.intermediate))
+    norms = norm(m, tokens, m.hidden)
+    if _gemma(m):
+        norms = norms + norm(m, tokens, m.hidden) + norm(m, tokens, m.hidden)
+    return norms + SmallOps(4, tokens * e * (6 * m.hidden + 5 * m.intermediate))
 
 
 def _head_tail(m: ModelSpec, batch: int) -> SmallOps:
-    """After the final norm and lm_head: logits to float32, greedy argmax, the token written."""
+    """After the final norm and lm_head: (a final logit softcap: / cap, tanh, * cap), logits to
+    float32, greedy argmax, the token written."""
     e = m.dtype_bytes
     c = _cast(e)
-    return SmallOps(2 + c, batch * (c * (e + FP32) * m.vocab + FP32 * m.vocab + 3 * INDEX))
+    cap = SmallOps(3, batch * 3 * 2 * e * m.vocab) if m.final_softcap else NONE
+    return cap + SmallOps(2 + c, batch * (c * (e + FP32) * m.vocab + FP32 * m.vocab + 3 * INDEX))
 
 
 def head(m: ModelSpec, batch: int) -> SmallOps:
     """Final norm of the last position, logits to float32, greedy argmax, the token written."""
-    return rms_norm(batch, m.hidden, m.dtype_bytes) + _head_tail(m, batch)
+    return norm(m, batch, m.hidden) + _head_tail(m, batch)
 
 
 # ---- fused decode (executor/layers/fused.py) ---------------------------------------------------------------

@@ -41,6 +41,7 @@ class ModelSpec:
     # is full. A window layer's units keep a ring of what the window still sees (windows.rings).
     windows: tuple[int, ...] = ()
     softcap: float = 0.0   # attention logit softcap (Gemma 2), 0.0 for none
+    final_softcap: float = 0.0   # final logit softcap (Gemma 2: three more kernels on the logits)
     rope: str = field(default="default", compare=False)   # HF rope type (layer_kinds.EXACT_ROPE)
 
     def __post_init__(self) -> None:
@@ -213,9 +214,9 @@ PRESETS: dict[str, ModelSpec] = {
                               intermediate=14336, rope="llama3", **_LLAMA3),
     "mistral-7b-v0.1": ModelSpec("mistral-7b-v0.1", "mistral", 32, 4096, 32, 8, 128, 14336, 32000,
                                  windows=(4096,) * 32),
-    "gemma-2-2b": ModelSpec("gemma-2-2b", "gemma2", 26, 2304, 8, 4, 256, 9216, 256000, softcap=50.0,
+    "gemma-2-2b": ModelSpec("gemma-2-2b", "gemma2", 26, 2304, 8, 4, 256, 9216, 256000, softcap=50.0, final_softcap=30.0,
                             windows=_every(26, 2, 4096), tie_embeddings=True),
-    "gemma-2-9b": ModelSpec("gemma-2-9b", "gemma2", 42, 3584, 16, 8, 256, 14336, 256000, softcap=50.0,
+    "gemma-2-9b": ModelSpec("gemma-2-9b", "gemma2", 42, 3584, 16, 8, 256, 14336, 256000, softcap=50.0, final_softcap=30.0,
                             windows=_every(42, 2, 4096), tie_embeddings=True),
     "gemma-3-4b": ModelSpec("gemma-3-4b", "gemma3", 34, 2560, 8, 4, 256, 10240, 262208, qk_norm=True,
                             windows=_every(34, 6, 1024), tie_embeddings=True),
@@ -268,7 +269,7 @@ def from_hf_config(cfg: dict, name: str = "config") -> ModelSpec:
         qkv_bias=bool(cfg.get("attention_bias", mtype == "qwen2")), qk_norm=mtype in ("qwen3", "gemma3_text"),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", mtype in ("gemma2", "gemma3_text"))),
         max_positions=count("max_position_embeddings") if max_pos is not None else None,
-        windows=kinds.windows, softcap=kinds.softcap, rope=kinds.rope,
+        windows=kinds.windows, softcap=kinds.softcap, final_softcap=kinds.final_softcap, rope=kinds.rope,
     )
 
 

@@ -3,7 +3,8 @@ the aten ops that real HF modules and the executor's attention dispatch on CPU, 
 executor/calibrate/op_inventory.py. Faults caught: a form that misses or invents a kernel (a norm's casts,
 RoPE's rotate_half, q's contiguous copy, the LSE merge), bytes off by a factor (dtype size, fp32
 intermediates, head counts, GQA repeat), a form that does not follow Qwen3's q/k norms or fp32
-models, and a transformers upgrade that changes HF's op sequence (the count then differs). The
+models, Gemma's (1 + w) norms, its extra norms and scaled embedding, Gemma 2's final logit
+softcap, Phi-3's RoPE cat, and a transformers upgrade that changes HF's op sequence (the count then differs). The
 fused decode forms are held against the kernels inductor emits for executor/layers/fused.py's functions."""
 from __future__ import annotations
 
@@ -24,11 +25,17 @@ CFG = dict(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_laye
            num_attention_heads=8, num_key_value_heads=4, head_dim=16, max_position_embeddings=512,
            tie_word_embeddings=False)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# What each family adds to CFG (Gemma: (1 + w) norms around attention and MLP, the scaled embedding,
+# Gemma 2's final logit softcap; Phi-3: RoPE's pass-through cat; Qwen3: q/k norms)
+FAMILY_CFG = {"llama": {}, "qwen3": {}, "mistral": {}, "qwen2": {}, "phi3": dict(pad_token_id=0),
+              "gemma3_text": dict(sliding_window=4, query_pre_attn_scalar=12, layer_types=["full_attention"]),
+              "gemma2": dict(sliding_window=4, query_pre_attn_scalar=12, attn_logit_softcapping=5.0,
+                             final_logit_softcapping=3.0)}
 
 
 @functools.lru_cache(maxsize=None)   # one model per (family, dtype) for the whole module
 def _setup(model_type: str, dtype: str):
-    model = random_model(dict(CFG, model_type=model_type), "cpu", DTYPES[dtype], 0)
+    model = random_model(dict(CFG, model_type=model_type, **FAMILY_CFG[model_type]), "cpu", DTYPES[dtype], 0)
     a = HFAdapter(model)
     return a, a.spec()
 
@@ -37,7 +44,9 @@ def _check(form, inv, extra_kernels: int = 0, extra_bytes: int = 0) -> None:
     assert (form.kernels, form.bytes) == (inv.kernels - extra_kernels, inv.bytes - extra_bytes), inv.small
 
 
-@pytest.mark.parametrize("model_type,dtype", [("llama", "bf16"), ("llama", "fp32"), ("qwen3", "bf16")])
+@pytest.mark.parametrize("model_type,dtype", [("llama", "bf16"), ("llama", "fp32"), ("qwen3", "bf16"), ("mistral", "bf16"),
+                                              ("qwen2", "bf16"), ("phi3", "bf16"), ("gemma2", "bf16"),
+                                              ("gemma3_text", "bf16"), ("gemma3_text", "fp32")])
 @pytest.mark.parametrize("T", [1, 7])
 def test_layer_forms_match_counted_hf_ops(model_type, dtype, T):
     a, m = _setup(model_type, dtype)

@@ -167,6 +167,21 @@ def test_from_hf_config_defaults():
     assert from_hf_config(cfg).kv_heads == 32 and from_hf_config(cfg).dtype == "bf16"
 
 
+def test_from_hf_config_gemma2_softcaps_default_as_hf_does():
+    """Fault caught: a Gemma 2 config.json without the softcap fields read as uncapped, where
+    transformers' Gemma2Config (the reference here) caps the attention and final logits; an
+    explicit null still means none."""
+    from transformers import Gemma2Config
+    ref = Gemma2Config()
+    cfg = dict(model_type="gemma2", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=16, intermediate_size=96, num_hidden_layers=2, vocab_size=128)
+    m = from_hf_config(cfg)
+    assert (m.softcap, m.final_softcap) == (ref.attn_logit_softcapping, ref.final_logit_softcapping)
+    none = from_hf_config(dict(cfg, attn_logit_softcapping=None, final_logit_softcapping=None))
+    assert (none.softcap, none.final_softcap) == (0.0, 0.0)
+    assert from_hf_config(dict(cfg, model_type="gemma3_text")).final_softcap == 0.0
+
+
 def test_from_hf_config_unknown_type_lists_supported():
     """Fault caught: an unknown model_type refused without naming it and the supported ones."""
     with pytest.raises(ValueError) as e:
