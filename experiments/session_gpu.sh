@@ -4,7 +4,7 @@
 #   bash experiments/session_gpu.sh STEP[:SECONDS] ...
 # Steps: gputests robust (ROWS, P, RTAG) robust32 robustres hfgen32 hfgen128 savekv smollm (needs out/g1 + out/g2 carried
 # over two calls: the SmolLM2 GGUF in two halves) serve needle hybrid captured chatturns servecache calib
-# resprof
+# resprof hostmap (HYB_STAGE, HYB_ARGS for hybrid)
 set -u
 R=$(pwd)
 if [ -z "${SKIP_INSTALL:-}" ]; then
@@ -35,12 +35,13 @@ for spec in "$@"; do
     savekv) timeout "$lim" python3 -m benchmarks.savekv --gpu-mem 24GB --contexts ${SAVEKV_CONTEXTS:-32K,128K} --kv-dir /dev/shm --out "$OUT/savekv.json" 2>&1 | grep -E "ttft|vs_|rate|exited|Error|error" | tail -24 ;;
     needle) timeout "$lim" python3 -m benchmarks.lossy_error --model-needles --device cuda --needle-prompts ${NP:-30} --needle-contexts 2K,4K,6K,8K --out "$OUT/lossy-needle.json" 2>&1 | grep -v Warning | tail -14 ;;
     serve) timeout "$lim" python3 -m benchmarks.serve_doc ${SERVE_ARGS:-} --out "$OUT/serve-doc.json" 2>&1 | grep -v Warning | tail -10 ;;
-    hybrid) timeout "$lim" python3 -m benchmarks.hybrid 128k 2>&1 | grep -v Warning | tail -12 ;;
+    hybrid) timeout "$lim" python3 -m benchmarks.hybrid ${HYB_STAGE:-128k} ${HYB_ARGS:-} --out "$OUT/hybrid-${HYB_STAGE:-128k}.json" 2>&1 | grep -v Warning | tail -12 ;;
+    hostmap) timeout "$lim" python3 -m experiments.host_map --gib ${GIB:-12} --out "$OUT/host-map.json" 2>&1 | tail -10 ;;
     captured) timeout "$lim" python3 -m benchmarks.hf_captured_check --context ${CTX:-32K} --groups ${GROUPS_:-8,4} --gpu-mem 24GB --out "$OUT/hf-captured-check.json" 2>&1 | grep -v Warning | tail -8 ;;
     chatturns) timeout "$lim" python3 -m benchmarks.chat_turns --gpu-mem 24GB --contexts ${CHAT_CONTEXTS:-32K,128K} --out "$OUT/chat-turns.json" 2>&1 | grep -v Warning | tail -8 ;;
     servecache) timeout "$lim" python3 -m benchmarks.serve_cache --context 16K --gpu-mem 24GB --cache-mem 8GiB --out "$OUT/serve-cache.json" 2>&1 | grep -v Warning | tail -8 ;;
     calib) timeout "$lim" python3 -m benchmarks.calibrated_check ${CALIB_ARGS:-} --out "$OUT/calibrated-check${CALIB_TAG:-}.json" 2>&1 | grep -v Warning | tail -30 ;;
-    resprof) timeout "$lim" python3 -m experiments.replay_kernels --context ${CTX:-8K} --group 8 ${RESPROF_ARGS:-} --out "$OUT/replay-kernels${RESPROF_TAG:-}.json.gz" 2>&1 | grep -v Warning | tail -40 ;;
+    resprof) timeout "$lim" python3 -m experiments.replay_kernels --context ${CTX:-8K} --group ${RGROUP:-8} ${RESPROF_ARGS:-} --out "$OUT/replay-kernels${RESPROF_TAG:-}.json.gz" 2>&1 | grep -v Warning | tail -40 ;;
     diag) timeout "$lim" python3 -m experiments.diag --rows "${DIAG_ROWS:-32k-g8-all-c8k}" --hw "${DIAG_HW:-h200-testbox}" --out "$OUT/diag" 2>&1 | grep -v Warning | tail -${DTAIL:-40} ;;
     runtrace) timeout "$lim" python3 -m kvpipe run --random-weights --gpu-mem 24GB --no-progress --json ${TRACE_ARGS} --trace "$OUT/${TRACE_TAG:-run}.trace.json" > "$OUT/${TRACE_TAG:-run}.json" 2> "$OUT/${TRACE_TAG:-run}.err"
               tail -3 "$OUT/${TRACE_TAG:-run}.err"; python3 -c "import json,sys; j=json.load(open(sys.argv[1])); print({k: (j['measured'][k], j['predicted'][k]) for k in ('prefill_s', 'decode_s_per_token')})" "$OUT/${TRACE_TAG:-run}.json" ;;

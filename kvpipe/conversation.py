@@ -54,7 +54,8 @@ def fingerprint(hf_model, method: str | None = None) -> dict:
     with torch.inference_mode():
         # every tensor's sums stay on the device until one read at the end (a sync per tensor cost
         # more than the sums)
-        digests = [_tensor_hash(t, method) for _, t in params]
+        buf = _wide_buffer(params, method)   # one int64 block for every tensor: no allocation per block
+        digests = [_tensor_hash(t, method, buf) for _, t in params]
         if method in DEVICE_HASHES:
             flat = torch.stack(digests).tolist() if digests else []
             digests = [f"{a}:{b}" for a, b in flat]
@@ -65,8 +66,18 @@ def fingerprint(hf_model, method: str | None = None) -> dict:
             "weights_sha256": h.hexdigest(), "weights_hash": method}
 
 
-def _tensor_hash(t, method: str):
-    """crc32c of the tensor's bytes (a str), or two weighted sums of its bits (int64 [2] on its device)."""
+def _wide_buffer(params, method: str):
+    """The int64 block `lines` widens each tensor's rows into (on the weights' device), or None."""
+    import torch
+    if method != "lines" or not params:
+        return None
+    return torch.empty(min(LINE_BLOCK, max(t.numel() for _, t in params)), dtype=torch.int64,
+                       device=params[0][1].device)
+
+
+def _tensor_hash(t, method: str, buf=None):
+    """crc32c of the tensor's bytes (a str), or two weighted sums of its bits (int64 [2] on its
+    device); `buf`: the int64 block `lines` widens into (made here when None)."""
     import torch
     if method not in ("crc32c", *DEVICE_HASHES):
         raise ValueError(f"unknown weights hash {method!r}")
@@ -76,7 +87,7 @@ def _tensor_hash(t, method: str):
         import crc32c
         return str(crc32c.crc32c(flat.cpu().contiguous().numpy()))
     if method == "lines":
-        return _line_sums(flat, t.shape[-1] if t.dim() > 1 else flat.numel())
+        return _line_sums(flat, t.shape[-1] if t.dim() > 1 else flat.numel(), buf)
     coef = torch.arange(min(flat.numel(), 1 << 22), device=flat.device, dtype=torch.int64) * 2 + 1
     sums = torch.zeros(2, dtype=torch.int64, device=flat.device)
     for i in range(0, flat.numel(), coef.numel()):
@@ -86,17 +97,23 @@ def _tensor_hash(t, method: str):
     return sums
 
 
-def _line_sums(flat, cols: int):
+def _line_sums(flat, cols: int, buf=None):
     """sum((2r + 1) * row_sum[r]) and sum((2c + 1) * col_sum[c]) of the bits laid out [rows, cols]
-    (int64, wrapping), reduced LINE_BLOCK elements at a time (a reduction to int64 first widens
-    what it reads). Any two unequal elements swapped change a row or a column."""
+    (int64, wrapping), a block of rows at a time widened into `buf` (int64, reused: a reduction to
+    int64 would widen a copy of what it reads, and allocating one per block under a capped
+    allocator cost more than the sums). Any two unequal elements swapped change a row or a column."""
     import torch
     m = flat.view(-1, cols)
-    step = max(1, LINE_BLOCK // cols)   # rows a reduction reads at once: its int64 widening stays LINE_BLOCK elements
+    if buf is None or buf.device != m.device or buf.numel() < cols:
+        buf = torch.empty(min(max(LINE_BLOCK, cols), m.numel()), dtype=torch.int64, device=m.device)
+    step = buf.numel() // cols   # rows widened at once
     rows, cols_ = [], torch.zeros(cols, dtype=torch.int64, device=m.device)
     for r in range(0, m.shape[0], step):
-        rows.append(m[r:r + step].sum(1, dtype=torch.int64))
-        cols_ += m[r:r + step].sum(0, dtype=torch.int64)
+        part = m[r:r + step]
+        wide = buf[:part.numel()].view(part.shape)
+        wide.copy_(part)
+        rows.append(wide.sum(1))
+        cols_ += wide.sum(0)
     rows = torch.cat(rows)
     return torch.stack([(rows * _odd(rows)).sum(), (cols_ * _odd(cols_)).sum()])
 
