@@ -159,11 +159,17 @@ def test_tokens_that_do_not_extend_the_saved_ones_are_refused(model_dir, tmp_pat
 
 
 def test_a_missing_directory_is_one_line_naming_the_flag(model_dir, tmp_path, capsys):
-    """Fault caught: a traceback or an unnamed flag for a --load-kv that is not a KV directory."""
+    """Fault caught: a traceback or an unnamed flag for a --load-kv that is not a KV directory, or
+    a folder that does not exist reported as one without a manifest."""
     code = main(["generate", "--model", str(model_dir), "--random-weights", "--device", "cpu", "--prompt-format",
                  "ids", "--prompt", ids(Q), "--load-kv", str(tmp_path)])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "load-kv:" in err[0] and "manifest.json" in err[0]
+    code = main(["generate", "--model", str(model_dir), "--random-weights", "--device", "cpu", "--prompt-format",
+                 "ids", "--prompt", ids(Q), "--load-kv", str(tmp_path / "nope")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == [f"kvpipe: error: --load-kv: {str(tmp_path / 'nope')!r} does not exist "
+                                 "(give a folder --save-kv wrote)"]
     shutil.rmtree(tmp_path, ignore_errors=True)
 
 
@@ -192,7 +198,8 @@ def test_a_second_save_says_what_it_replaced(model_dir, tmp_path, capsys):
 def test_a_save_that_fails_midway_leaves_no_partial_file(model_dir, tmp_path, monkeypatch, fresh, at):
     """Fault caught: a save that fails while writing (disk full: an OSError after some units of
     the data file, or at its manifest) leaving its temporary data file, its renamed data file
-    (no manifest names it), or the folder it made for itself."""
+    (no manifest names it), or the folder it made for itself; or its error a raw errno not
+    naming the flag."""
     from kvpipe.executor.kv import saved
     kv, opts = tmp_path / "kv", place("2", 1, None)
     if not fresh:
@@ -212,7 +219,7 @@ def test_a_save_that_fails_midway_leaves_no_partial_file(model_dir, tmp_path, mo
         real_write(path, fn)
     monkeypatch.setattr(saved, "_get", get)
     monkeypatch.setattr(saved, "_write_atomic", write)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(ValueError, match=r"^save-kv: cannot write in .* \(No space left on device\)$"):
         kvpipe.generate(str(model_dir), ids(P[:20]), max_new_tokens=2, save_kv=kv, **opts)
     monkeypatch.undo()
     if fresh:
@@ -235,6 +242,14 @@ def test_a_file_or_a_folder_of_other_files_is_refused_before_the_run(model_dir, 
     code, out, err = _cli(model_dir, capsys, "--prompt", ids(P), "--save-kv", str(mine))
     assert code == 2 and out == "" and len(err) == 1 and err[0].startswith("kvpipe: error: --save-kv: ")
     assert sorted(p.name for p in mine.iterdir()) == ["kv-keep.bin", "notes.txt"]
+
+
+def test_a_folder_that_cannot_be_made_is_refused_before_the_run(model_dir, capsys):
+    """Fault caught: --save-kv under a folder that takes no new folder (/proc, where access() says
+    yes to root) found only after the whole generation, as a raw errno not naming the flag."""
+    code, out, err = _cli(model_dir, capsys, "--prompt", ids(P), "--save-kv", "/proc/kvpipe-nope/kv")
+    assert code == 2 and out == "" and len(err) == 1
+    assert err[0].startswith("kvpipe: error: --save-kv: cannot make a folder in '/proc' (")
 
 
 @pytest.mark.parametrize("flags, words", [

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -97,6 +98,10 @@ def check_target(directory: str | os.PathLike, flag: str = "save-kv") -> dict | 
         raise ValueError(f"{flag}: {str(top)!r} is a file, so no folder can be made under it")
     if not os.access(top, os.W_OK | os.X_OK):
         raise ValueError(f"{flag}: cannot write in {str(top)!r} (permission denied)")
+    try:   # a real folder made and removed: access() says yes to root, and /proc refuses any folder
+        os.rmdir(tempfile.mkdtemp(prefix=".kvpipe-probe-", dir=top))
+    except OSError as e:
+        raise ValueError(f"{flag}: cannot make a folder in {str(top)!r} ({e.strerror})") from None
     if not d.exists():
         return None
     if (d / MANIFEST).is_file():
@@ -131,7 +136,10 @@ def save(store: KVStore, n: int, length: int, directory: str | os.PathLike, meta
     refuse_rings(store.layout, "save-kv")
     d = Path(directory)
     created = not d.exists()
-    d.mkdir(parents=True, exist_ok=True)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"save-kv: cannot make {str(d)!r} ({e.strerror})") from None
     units, stride, nb = _units(store), _stride(store, n), n * store.token_bytes
     if store.cuda:
         torch.cuda.synchronize(store.device)
@@ -154,10 +162,12 @@ def save(store: KVStore, n: int, length: int, directory: str | os.PathLike, meta
         _write_atomic(d / name, write)
         text = json.dumps(man).encode()
         _write_atomic(d / MANIFEST, lambda fd: os.write(fd, text))
-    except BaseException:   # the previous save stays whole; a folder made for this one goes
+    except BaseException as e:   # the previous save stays whole; a folder made for this one goes
         (d / name).unlink(missing_ok=True)
-        if created and not any(d.iterdir()):
+        if created and d.is_dir() and not any(d.iterdir()):
             d.rmdir()
+        if isinstance(e, OSError):   # a disk that fills, a folder removed under the save: one line
+            raise ValueError(f"save-kv: cannot write in {str(d)!r} ({e.strerror})") from None
         raise
     for old in d.glob("kv-*.bin"):
         if old.name != name:
@@ -171,6 +181,8 @@ def read_manifest(directory: str | os.PathLike, flag: str = "load-kv") -> dict:
     try:
         man = json.loads(path.read_text())
     except FileNotFoundError:
+        if not Path(directory).is_dir():
+            raise ValueError(f"{flag}: {str(directory)!r} does not exist (give a folder --save-kv wrote)") from None
         raise ValueError(f"{flag}: {str(directory)!r} holds no {MANIFEST} (not a saved KV directory)") from None
     except (OSError, ValueError) as e:
         raise ValueError(f"{flag}: cannot read {path} ({e})") from None
