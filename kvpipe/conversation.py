@@ -226,7 +226,12 @@ class Conversation:
             raise ValueError(f"max-context: the conversation is full ({len(ids)} tokens of {self.capacity}); "
                              "/reset, or a larger --max-context")
         self.turns += 1
+        cut = api._logged([f"max-new-tokens: {max_new_tokens} new tokens do not fit: the conversation holds "
+                           f"{len(ids)} of its {self.capacity} tokens (--max-context), so at most {room} are "
+                           "generated"]) if max_new_tokens > room else ()
         res = generate_on(self, ids, min(max_new_tokens, room), breaks=breaks, **gen)
+        if cut:   # kept with the run's warnings: --json shows it beside finish_reason "length"
+            res = dataclasses.replace(res, run=dataclasses.replace(res.run, warnings=tuple(res.run.warnings) + cut))
         if res.finish_reason == "cancelled":   # keep nothing of a cancelled call: only what it reused
             self.live.rewind(res.timings["reused_tokens"])
         return res

@@ -279,3 +279,18 @@ def test_continuation_is_the_uninterrupted_run_on_the_gpu(model_dir, tmp_path, r
     same = {"replay": "off"} if disk else {}
     first = reference(model_dir, P + Q, (len(P),), 6, **dict(place("all", 1, None), device="cuda", dtype="bf16", **same))
     assert got.output_digest == first.output_digest
+
+
+def test_new_tokens_cut_by_max_context_say_so(model_dir, tmp_path, capsys):
+    """Fault caught: --max-new-tokens cut to what --max-context leaves after the prompt with
+    finish_reason "length" and no word (warnings empty), so the user cannot tell why the answer
+    is short."""
+    code = main(["generate", "--model", str(model_dir), "--random-weights", "--device", "cpu", "--prompt-format",
+                 "ids", "--prompt", ids(P), "--save-kv", str(tmp_path / "kv"), "--max-context", str(len(P) + 3),
+                 "--max-new-tokens", "10", "--ignore-eos", "--json"])
+    out = capsys.readouterr()
+    res = json.loads(out.out)
+    note = (f"max-new-tokens: 10 new tokens do not fit: the conversation holds {len(P)} of its {len(P) + 3} "
+            "tokens (--max-context), so at most 3 are generated")
+    assert code == 0 and res["usage"]["completion_tokens"] == 3 and res["finish_reason"] == "length"
+    assert res["warnings"] == [note] and note in out.err
