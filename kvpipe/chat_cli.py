@@ -96,7 +96,7 @@ def _save(conv, directory: str) -> None:
             previous = saved.check_target(directory, "/save")
             man = conv.save(directory)
         except ValueError as e:   # not a folder a save may write: one line, the session goes on
-            print(f"kvpipe: /save {directory}: {str(e).splitlines()[0].removeprefix('/save: ')}", file=sys.stderr)
+            print(f"kvpipe: /save {directory}: {str(e).splitlines()[0].removeprefix('/save: ').removeprefix('save-kv: ')}", file=sys.stderr)
             return
         except OSError as e:   # a save refused by the file system must not end the session
             print(f"kvpipe: /save {directory}: {e.strerror or e}", file=sys.stderr)
@@ -113,6 +113,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     turn["stop"] = tuple(turn["stop"] or ())
     gen._max_new(turn["max_new_tokens"])
     tty = sys.stdin.isatty()
+    from .kept import refuse_inexact
+    refuse_inexact(kw, "chat")
     if args.load_kv:   # not a KV directory: said before the model loads
         from kvpipe.executor.kv import saved
         saved.read_manifest(args.load_kv)

@@ -52,10 +52,24 @@ def generate_on(conv, ids: list[int], n: int, *, breaks=(), stop=(), ignore_eos:
                           timings, decoding.digest(kept), run)
 
 
+def refuse_inexact(options: dict, what: str) -> None:
+    """Before the model loads: a kept conversation's KV is exact and stored without codecs, so the
+    LOSSY and codec flags are one line naming the flag, not an error after the weights load."""
+    for name in ("lossy", "sparse", "max_error"):
+        if options.get(name) is not None:
+            raise ValueError(f"{name.replace('_', '-')}: {what} keeps its KV exact; LOSSY options do not apply")
+    codecs = [c for c in options.get("codec") or () if not str(c).endswith("=none")]
+    if codecs:
+        raise ValueError(f"codec: {what} stores its KV without codecs (got {codecs[0]})")
+
+
 def compose(man: dict, text: str, prompt_format: str, tok, spec, chat: bool, flag: str) -> tuple[list[int], list | None]:
     """(the new full prompt's ids, its messages or None) of a prompt after a saved conversation."""
     from .generation import encode
     saved = [int(t) for t in man["tokens"]]
+    if man.get("chat_template") and not chat and prompt_format == "text":   # raw text after a closed user turn
+        raise ValueError("no-chat: the saved KV is a chat (its template applied); continue it with the template, "
+                         "or save it with --no-chat")
     if man.get("chat_template") and chat and prompt_format == "text":
         msgs = list(man.get("messages") or []) + [{"role": "user", "content": text}]
         ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -83,6 +97,7 @@ def generate_kept(model, prompt, prompt_file, prompt_format, chat, system, n, st
     from .conversation import Conversation, common_prefix
     from .generation import encode, load
     from kvpipe.executor.layers.loader import progress_bars
+    refuse_inexact(options, "a kept conversation (--save-kv, --load-kv)")
     previous = saved.check_target(save_kv) if save_kv is not None else None
     man = saved.read_manifest(load_kv) if load_kv is not None else None
     if man is not None and system is not None:

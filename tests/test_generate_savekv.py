@@ -294,3 +294,22 @@ def test_new_tokens_cut_by_max_context_say_so(model_dir, tmp_path, capsys):
             "tokens (--max-context), so at most 3 are generated")
     assert code == 0 and res["usage"]["completion_tokens"] == 3 and res["finish_reason"] == "length"
     assert res["warnings"] == [note] and note in out.err
+
+
+@pytest.mark.parametrize("cmd, flags, flag", [
+    (["generate", "--prompt-format", "ids", "--prompt", ids(P), "--save-kv", "KV"], ["--lossy", "int8"], "lossy"),
+    (["generate", "--prompt-format", "ids", "--prompt", ids(P), "--save-kv", "KV"], ["--sparse", "0.2"], "sparse"),
+    (["chat"], ["--lossy", "int4"], "lossy"),
+    (["chat"], ["--codec", "h2d=zstd-planes"], "codec"),
+])
+def test_lossy_or_codec_flags_on_a_kept_conversation_name_the_flag_before_loading(model_dir, tmp_path, capsys,
+                                                                                   monkeypatch, cmd, flags, flag):
+    """Fault caught: chat or --save-kv with --lossy/--sparse/--codec refused only after the weights
+    loaded, as an error naming --plan instead of the flag given."""
+    import kvpipe.generation as generation
+    monkeypatch.setattr(generation, "load", lambda *a, **k: pytest.fail("the model loaded before the refusal"))
+    cmd = [str(tmp_path / "kv") if c == "KV" else c for c in cmd]
+    code = main([cmd[0], "--model", str(model_dir), "--random-weights", "--device", "cpu", *cmd[1:], *flags])
+    out = capsys.readouterr()
+    err = out.err.strip().splitlines()
+    assert code == 2 and out.out == "" and len(err) == 1 and err[0].startswith(f"kvpipe: error: --{flag}: "), err

@@ -64,3 +64,12 @@ def test_chat_turn_two_prefills_only_its_new_tokens_and_is_hfs_text(smollm2, hf,
     assert two["timings"]["reused_tokens"] == one["usage"]["prompt_tokens"] + len(one["tokens"]) - 1
     assert two["timings"]["prefill_tokens"] == len(full) - two["timings"]["reused_tokens"]
     assert two["tokens"] == hf_greedy_ids(hf, list(full), N)
+
+
+def test_a_chat_save_continued_without_the_template_is_refused(smollm2, tmp_path):
+    """Fault caught: a templated save (it ends after a closed user turn) continued with --no-chat,
+    the raw text appended and the model answering nothing (an empty completion, exit 0)."""
+    kvpipe.generate(str(smollm2[2]), DOC, max_new_tokens=1, save_kv=tmp_path / "kv", device="cpu")
+    with pytest.raises(ValueError, match="^no-chat: the saved KV is a chat"):
+        kvpipe.generate(str(smollm2[2]), QUESTION, max_new_tokens=4, load_kv=tmp_path / "kv", chat=False,
+                        device="cpu")
