@@ -78,6 +78,16 @@ def context_warnings(model: ModelSpec, work: Workload) -> tuple[str, ...]:
     return ()
 
 
+def budget_warnings(profile, budgets: dict) -> tuple[str, ...]:
+    """A --gpu-mem above the profile's card (host RAM is the user's machine, any size): the plan
+    would count on GPU memory the card does not have (logged at once, kept in the result)."""
+    have = profile.gpu_mem_bytes
+    if not have or budgets.get("gpu", 0) <= have:
+        return ()
+    return _logged([f"gpu-mem: {fmt_bytes(budgets['gpu'])} is more than the {fmt_bytes(have)} of GPU memory "
+                    f"{profile.name} has; the plan counts on memory the card does not have"])
+
+
 def room_warning(model: ModelSpec, work: Workload, pred: Predicted, budgets: dict, chunk_pinned: bool) -> tuple[str, ...]:
     """A prefill chunk the user pinned is not held to the planner's room rule (three of its MLP
     blocks beside the live bytes, within the allocator's slack): say when it breaks it, since such
@@ -139,6 +149,7 @@ def plan(options: PlanOptions | None = None, /, **kwargs) -> PlanResult:
     work = Workload.parse(opts.context, opts.decode_tokens, opts.batch)
     disk = free_disk(opts.kv_dir) if opts.kv_dir is not None else profile.disk_bytes
     budgets = opts.budgets(profile.gpu_mem_bytes, profile.host_mem_bytes, disk)
+    over = budget_warnings(profile, budgets)
     if (opts.gpus or 1) > 1:
         return _plan_gpus(opts, paths, spec, profile, work, budgets)
     check_weights(spec, budgets)
@@ -149,7 +160,7 @@ def plan(options: PlanOptions | None = None, /, **kwargs) -> PlanResult:
         if not largest:
             raise NoPlanFits("context: no context fits the budgets (raise --gpu-mem, --host-mem or --disk-mem)")
         work = Workload(largest, work.decode_tokens, work.batch)
-    warnings = context_warnings(spec, work)
+    warnings = over + context_warnings(spec, work)
     decision = d.decide(spec, work, profile, budgets, req)
     warnings += room_warning(spec, work, decision.predicted, budgets, req.chunk is not None)
     methods = d.compare(spec, work, profile, budgets, req, decision.predicted) if opts.compare else None

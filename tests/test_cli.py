@@ -436,3 +436,17 @@ def test_a_reader_that_goes_away_ends_the_output_quietly():
                            "--json"], stdout=w, stderr=subprocess.PIPE, text=True, timeout=120)
     os.close(w)
     assert proc.stderr == "" and proc.returncode == 141
+
+
+def test_a_gpu_budget_above_the_card_warns_once(capsys):
+    """Fault caught: --gpu-mem 100GB on an RTX 4090 (24 GB) planned silently as if the card had it
+    ("the whole KV cache fits on the GPU", warnings empty)."""
+    rc, out, err = cli(capsys, "plan", "--hw", "rtx4090", "--gpu-mem", "100GB", "--context", "32K",
+                       "--decode-tokens", "2", "--json")
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc == 0 and lines == ["kvpipe: warning: gpu-mem: 93.1 GiB is more than the 24.0 GiB of GPU memory "
+                                 "rtx4090 has; the plan counts on memory the card does not have"], err
+    assert json.loads(out)["warnings"] == [lines[0].removeprefix("kvpipe: warning: ")]
+    rc, out, err = cli(capsys, "plan", "--hw", "rtx4090", "--gpu-mem", "20GB", "--host-mem", "1TB",
+                       "--context", "32K", "--decode-tokens", "2")
+    assert rc == 0 and err == ""
