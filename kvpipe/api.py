@@ -70,6 +70,16 @@ def _logged(warnings) -> tuple[str, ...]:
     return tuple(warnings)
 
 
+def model_spec(model, dtype: str | None = None) -> ModelSpec:
+    """--model's shapes: a preset, a config.json or its folder, or a .gguf file's metadata."""
+    if str(model).lower().endswith(".gguf"):
+        from . import checkpoint
+        from kvpipe.pipeline.model import from_hf_config
+        spec = from_hf_config(checkpoint.gguf_config(model, dtype), name=str(model))
+        return replace(spec, dtype=dtype) if dtype else spec
+    return load_model(model, dtype)
+
+
 def context_warnings(model: ModelSpec, work: Workload) -> tuple[str, ...]:
     """Logged at once (before a long run), and kept in the result."""
     if model.max_positions is not None and work.kv_capacity > model.max_positions:
@@ -145,7 +155,7 @@ def plan(options: PlanOptions | None = None, /, **kwargs) -> PlanResult:
     from kvpipe.sim import decide as d
     opts = _options(PlanOptions, options, kwargs)
     paths = opts.output_paths()
-    spec, profile = load_model(opts.model), _profile(opts.hw)
+    spec, profile = model_spec(opts.model), _profile(opts.hw)
     work = Workload.parse(opts.context, opts.decode_tokens, opts.batch)
     disk = free_disk(opts.kv_dir) if opts.kv_dir is not None else profile.disk_bytes
     budgets = opts.budgets(profile.gpu_mem_bytes, profile.host_mem_bytes, disk)
@@ -216,7 +226,12 @@ def run(options: RunOptions | None = None, /, *, prompt_ids: list[int] | None = 
     session = _executor()
     from kvpipe.executor.layers.attention import kernel_label
     dev = session.resolve_device(opts.device)
-    spec = load_model(opts.model, opts.dtype)
+    given = str(opts.model)
+    shown = "random weights" if opts.random_weights else given
+    if given.lower().endswith(".gguf"):   # converted once (the folder generate uses), run from there
+        from . import checkpoint
+        opts = replace(opts, model=checkpoint.resolve(given, opts.dtype, opts.random_weights).model)
+    spec = replace(load_model(opts.model, opts.dtype), name=given)
     _check_files(opts, session)
     attention = kernel_label(dev, session.TORCH_DTYPES[spec.dtype])  # validates KVPIPE_ATTN
     prompt, work = _prompt(opts, spec, session, prompt_ids)
@@ -239,7 +254,7 @@ def run(options: RunOptions | None = None, /, *, prompt_ids: list[int] | None = 
     _write_run_outputs(paths, spec, work, predicted, res.trace, dev)
     return RunResult(spec, profile, work, budgets, predicted, _measured_report(res), res.trace,
                      res.tokens.cpu().tolist(), measured.digest, str(dev), attention,
-                     "random weights" if opts.random_weights else str(opts.model), warnings + notes,
+                     shown, warnings + notes,
                      {"mode": res.decode_issue, "graphs": res.graphs, "capture_s": res.capture_s, "fuse": req.fuse,
                       "fused": res.fused, "compile_s": res.compile_s, "fuse_note": res.fuse_note,
                       "sparse": res.sparse_paths, "dequant": res.dequant_paths},

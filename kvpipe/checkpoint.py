@@ -43,7 +43,32 @@ def gguf_dir(path: Path, dtype: str | None, root: Path | None = None) -> Path:
     st = path.stat()
     key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{dtype or 'fp32'}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return (root or cache_root()) / "gguf" / f"{path.stem}-{digest}"
+    return (root or cache_root()) / "gguf" / f"{path.resolve().stem}-{digest}"   # a link to it: the same folder
+
+
+def gguf_config(path: str | os.PathLike, dtype: str | None = None) -> dict:
+    """The Hugging Face config of GGUF file `path` for planning: its converted folder's config.json
+    where it was converted, else transformers' GGUF reader over the metadata only (no tensors);
+    without its dtype (the file's are quantised types: a plan assumes bf16, as for a preset)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"model: no file {str(path)!r}")
+    done = gguf_dir(path, dtype) / "config.json"
+    drop = ("torch_dtype", "dtype")
+    if done.is_file():
+        return {k: v for k, v in json.loads(done.read_text()).items() if k not in drop}
+    try:
+        import gguf  # noqa: F401
+        import torch  # noqa: F401  (transformers' GGUF reader needs it even for metadata)
+        from transformers import AutoConfig
+    except ImportError as e:
+        raise ValueError(f"model: reading a .gguf file needs the {e.name!r} package (pip install 'kvpipe[gguf]' "
+                         "torch); or give the model's config.json") from None
+    try:
+        cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    except Exception as e:   # a corrupt header fails anywhere in the reader
+        raise ValueError(f"model: cannot read {str(path)!r} as GGUF ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    return {k: v for k, v in cfg.to_dict().items() if k not in drop}
 
 
 def convert_gguf(path: str | os.PathLike, dtype: str | None = None, root: Path | None = None,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvpipe.pipeline.sampling import Sampling
 
@@ -113,7 +113,7 @@ def load(model, dtype, random_weights):
         raise ValueError("model: give --model: a model directory, a .gguf file, or a preset / config.json "
                          "with --random-weights")
     ck = checkpoint.resolve(model, dtype, random_weights)
-    spec = load_model(ck.model, dtype)
+    spec = replace(load_model(ck.model, dtype), name=str(model))   # named as the user gave it, not its cache folder
     tok = None
     if ck.tokenizer is not None:
         from transformers import AutoTokenizer
