@@ -291,7 +291,8 @@ def test_sigterm_cancels_the_stream_removes_the_kv_and_exits(server):
         server.proc.send_signal(signal.SIGTERM)
         rest = list(lines)
     assert server.proc.wait(60) in (-15, 143) and time.monotonic() - t0 < 30   # SIGTERM's code, as kvpipe run's
+    assert "data: [DONE]" not in rest, rest[-3:]   # [DONE] says the answer is whole
     events = [json.loads(x[6:]) for x in rest if x.startswith("data: ")]
-    assert events[-1]["error"]["code"] == "shutting_down" and "data: [DONE]" not in rest, rest[-3:]
+    assert events[-1]["error"]["code"] == "shutting_down", rest[-3:]
     assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1])
     assert not list(server.kv.iterdir()) and "Traceback" not in server.stderr()
