@@ -74,8 +74,9 @@ BAD = [
     (P, {"model": NAME}, 400, "prompt"), (P, {**COMP, "prompt": ["a", "b"]}, 400, "prompt"),
     (P, {**COMP, "prompt": [1, 49152]}, 400, "prompt"), (P, {**COMP, "echo": True}, 400, "echo"),
     (P, {**COMP, "best_of": 3}, 400, "best_of"), (P, {**COMP, "messages": CHAT["messages"]}, 400, "messages"),
-    (P, {**COMP, "max_tokens": 2_000_000}, 400, "max_tokens"),      # past the model's positions
-    (P, {**COMP, "max_tokens": 100_000}, 400, "max_tokens"),        # past the budgets
+    (P, {**COMP, "max_tokens": 2_000_000}, 400, "max_tokens"),      # past the model's positions too
+    (P, {**COMP, "max_tokens": 100_000}, 400, "max_tokens"),        # past the server's context
+    (C, {**CHAT, "user": 5}, 400, "user"), (P, {**COMP, "user": ["abc"]}, 400, "user"),
 ]
 
 
@@ -90,11 +91,41 @@ def test_bad_request_gets_its_status_and_error_json(server, path, body, status, 
     assert "Traceback" not in r.text
 
 
-def test_budget_refusal_says_the_numbers(server):
+def test_budget_refusal_says_the_numbers(tmp_path_factory):
     # Fault caught: admission that queues a request no plan fits (it would fail in the run), or a
-    # refusal without the budgets and the largest context that fits.
-    msg = post(server, P, {**COMP, "max_tokens": 100_000}).json()["error"]["message"]
+    # refusal without the budgets and the largest context that fits. In process: a server's
+    # --max-context is planned within the budgets, so over loopback its context refuses first.
+    from conftest import write_config
+    from kvpipe.serve.admission import Admission, Budgets, Refused
+    b = Budgets.of(write_config(tmp_path_factory, max_position_embeddings=1 << 20),
+                   {"device": "cpu", "resident": "none", "disk": 2, "gpu_mem": "400MB", "host_mem": "4MB",
+                    "disk_mem": "4MB", "random_weights": True})
+    with pytest.raises(Refused) as e:
+        Admission(b).check(2, 100_000)
+    msg = str(e.value)
     assert "do not fit the budgets" in msg and "host 3.8 MiB" in msg and "largest prompt that fits" in msg
+
+
+@pytest.mark.parametrize("max_tokens", [9_000, 2_000_000])
+def test_context_refusal_names_the_binding_limit(server, max_tokens):
+    # Fault caught: a max_tokens past both the model's positions (1M) and --max-context 8192 told
+    # "exceed the model's context of 1048576 tokens" (the positions checked first), where the
+    # server's smaller context is the limit the client must meet.
+    err = post(server, P, {**COMP, "max_tokens": max_tokens}).json()["error"]
+    assert err["code"] == "context_length_exceeded" and err["param"] == "max_tokens"
+    assert f"plus max_tokens {max_tokens} exceed the server's context of 8192 tokens" in err["message"], err
+    assert "model's" not in err["message"]
+
+
+@pytest.mark.parametrize("path, body, user", [(C, CHAT, "abc"), (P, COMP, "abc"), (C, CHAT, None)])
+def test_user_field_is_accepted_and_ignored(server, path, body, user):
+    # Fault caught: `user` (the openai client's user=, LangChain's default) refused as 400
+    # "user: is not supported", where OpenAI and vLLM take it; or the answer changed by it.
+    plain = post(server, path, {**body, "seed": 5, "max_tokens": 4})
+    tagged = post(server, path, {**body, "seed": 5, "max_tokens": 4, "user": user})
+    assert plain.status_code == tagged.status_code == 200, tagged.text
+    pick = (lambda js: js["choices"][0]["message"]["content"]) if path == C else (lambda js: js["choices"][0]["text"])
+    assert pick(plain.json()) == pick(tagged.json())
 
 
 
@@ -107,6 +138,7 @@ def test_budget_refusal_says_the_numbers(server):
     (C, {**CHAT, "messages": [{"role": "user", "content": "hi " * 9000}]}, 400, "messages", "context_length_exceeded"),
     (P, {**COMP, "prompt": "hi " * 9000}, 400, "prompt", "context_length_exceeded"),
     (P, {**COMP, "max_tokens": 100_000}, 400, "max_tokens", "context_length_exceeded"),
+    (C, {**CHAT, "user": 5}, 400, "user", "invalid_type"),
 ])
 def test_error_body_is_openai_shaped_with_openai_status(server, path, body, status, param, code):
     # Fault caught: an unknown model answered 400 (OpenAI and vLLM: 404), a wrong JSON type 422
@@ -121,7 +153,8 @@ def test_error_body_is_openai_shaped_with_openai_status(server, path, body, stat
 
 def test_the_openai_client_gets_its_own_exceptions_and_the_model(server):
     # Fault caught: GET /v1/models/{id} missing (openai's models.retrieve a 404 for the served
-    # model), an unknown model not openai.NotFoundError, a wrong type not openai.BadRequestError.
+    # model), an unknown model not openai.NotFoundError, a wrong type not openai.BadRequestError,
+    # the client's user= refused.
     openai = pytest.importorskip("openai")
     c = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
     assert c.models.retrieve(NAME).id == NAME and [m.id for m in c.models.list()] == [NAME]
@@ -133,6 +166,7 @@ def test_the_openai_client_gets_its_own_exceptions_and_the_model(server):
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model=NAME, messages=CHAT["messages"], max_tokens="ten")
     assert e.value.body["param"] == "max_tokens"
+    assert c.completions.create(model=NAME, prompt="hi", max_tokens=2, user="abc").usage.completion_tokens == 2
 
 
 @pytest.mark.parametrize("headers, path, status", [
@@ -245,7 +279,8 @@ def test_disconnect_mid_stream_stops_and_keeps_nothing_of_it(server):
 
 def test_sigterm_cancels_the_stream_removes_the_kv_and_exits(server):
     # Fault caught: SIGTERM that waits for a long generation to finish, leaves its disk file, or
-    # exits with a traceback. (Last in the module: it stops the server.)
+    # exits with a traceback; the cut stream ended as a finished one (a finish_reason, [DONE])
+    # instead of the 503 error event. (Last in the module: it stops the server.)
     body = {**CHAT, "max_tokens": 4000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.url + C, json=body, headers=AUTH, timeout=60) as r:
         lines = r.iter_lines()
@@ -256,5 +291,8 @@ def test_sigterm_cancels_the_stream_removes_the_kv_and_exits(server):
         server.proc.send_signal(signal.SIGTERM)
         rest = list(lines)
     assert server.proc.wait(60) in (-15, 143) and time.monotonic() - t0 < 30   # SIGTERM's code, as kvpipe run's
-    assert rest[-2:] == ["data: [DONE]", ""] or rest[-1] == "data: [DONE]", rest[-3:]
+    assert "data: [DONE]" not in rest, rest[-3:]   # [DONE] says the answer is whole
+    events = [json.loads(x[6:]) for x in rest if x.startswith("data: ")]
+    assert events[-1]["error"]["code"] == "shutting_down", rest[-3:]
+    assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1])
     assert not list(server.kv.iterdir()) and "Traceback" not in server.stderr()

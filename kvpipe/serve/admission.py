@@ -52,8 +52,8 @@ class Budgets:
 class Admission:
     """`check(prompt_tokens, max_tokens)` raises Refused where no plan fits: the prompt against
     decide.max_context for that many new tokens (cached per max_tokens, milliseconds). The run's
-    own decision stays the final word; past the budgets, the prompt and max_tokens must fit the
-    server's `capacity` (the conversation planned for it)."""
+    own decision stays the final word. First, the prompt and max_tokens must fit the smaller of
+    the model's positions and the server's `capacity` (the conversation planned for it)."""
 
     def __init__(self, b: Budgets, capacity: int | None = None) -> None:
         self.b, self.capacity = b, capacity   # capacity: the server's context (its conversation's)
@@ -67,20 +67,24 @@ class Admission:
             return 0
 
     def check(self, prompt_tokens: int, max_tokens: int) -> None:
-        pos = self.b.spec.max_positions
-        if pos is not None and prompt_tokens + max_tokens > pos:
+        limit, words = self._context()
+        if limit is not None and prompt_tokens + max_tokens > limit:
             raise Refused(f"the prompt's {prompt_tokens} tokens plus max_tokens {max_tokens} exceed the "
-                          f"model's context of {pos} tokens", prompt_tokens >= pos)
+                          f"{words}", prompt_tokens >= limit)
         fit = self.largest(max_tokens)
         if prompt_tokens > fit:
             budgets = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in self.b.budgets.items())
             raise Refused(f"{prompt_tokens} prompt + {max_tokens} new tokens do not fit the budgets ({budgets}); "
                           f"the largest prompt that fits with max_tokens {max_tokens} is {fit} tokens "
                           f"({fmt_tokens(fit)})", prompt_tokens > self.largest(1))
-        if self.capacity is not None and prompt_tokens + max_tokens > self.capacity:
-            raise Refused(f"the prompt's {prompt_tokens} tokens plus max_tokens {max_tokens} exceed the "
-                          f"server's context of {self.capacity} tokens (kvpipe serve --max-context)",
-                          prompt_tokens >= self.capacity)
+
+    def _context(self) -> tuple[int | None, str]:
+        """The binding context limit and its words: the model's positions or the server's
+        --max-context, whichever is smaller (a request past either never runs)."""
+        pos, cap = self.b.spec.max_positions, self.capacity
+        if cap is not None and (pos is None or cap < pos):
+            return cap, f"server's context of {cap} tokens (kvpipe serve --max-context)"
+        return pos, f"model's context of {pos} tokens"
 
 
 def kv_bytes(spec, plan, tokens: int) -> dict:

@@ -172,7 +172,9 @@ async def _next(job: Job, request: Request):
 
 
 async def _events(s: Server, q, job: Job, prompt_tokens: int, first):
-    """The SSE stream: role, text deltas, the finish, usage if asked, `data: [DONE]`."""
+    """The SSE stream: role, text deltas, the finish, usage if asked, `data: [DONE]`. A stream
+    that fails (the server stopping, the run failing) ends with the error event and no finish
+    and no [DONE], so a client sees a cut answer as an error (the openai client raises APIError)."""
     stream = responses.Stream(s.name, q, prompt_tokens)
     event = first
     try:
@@ -183,7 +185,7 @@ async def _events(s: Server, q, job: Job, prompt_tokens: int, first):
                 yield _sse(stream.delta(payload))
             elif kind == "error":
                 yield _sse(payload.body())
-                break
+                return
             else:
                 for chunk in stream.end(payload):
                     yield _sse(chunk)

@@ -10,7 +10,8 @@ the rest prefilled, and that count is its `cached_tokens`. With a prefix cache (
 a kept entry that shares more of the prompt than the tokens home is loaded first; and the tokens
 home are kept as an entry before a request discards most of them (keeps less than half). Text goes from the worker to the event
 loop through an asyncio queue per request; `Job.cancel()` (the client went away, the server
-stops) ends the generation after its next token, and the conversation rewinds what it added."""
+stops) ends the generation after its next token, and the conversation rewinds what it added; one
+cut by the server stopping is answered 503, never as a finished answer."""
 from __future__ import annotations
 
 import asyncio
@@ -30,15 +31,18 @@ log = logging.getLogger("kvpipe")
 @dataclass
 class Job:
     """One admitted request on its way through the engine. `events` (on the event loop) receives
-    ("text", str), then ("done", GenerateResult) or ("error", ApiError)."""
+    ("text", str), then ("done", GenerateResult) or ("error", ApiError). `by_shutdown`: cancelled
+    because the server stops (its client still listens and must learn the answer is cut)."""
 
     query: Query
     ids: list[int]
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    by_shutdown: bool = False
 
-    def cancel(self) -> None:
+    def cancel(self, shutdown: bool = False) -> None:
+        self.by_shutdown = self.by_shutdown or shutdown   # set before the event the worker reads
         self.cancelled.set()
 
     def push(self, kind: str, payload) -> None:
@@ -90,8 +94,9 @@ class Engine:
             if job is not None:
                 job.cancel()
                 job.push("error", ApiError(503, "the server is shutting down", code="shutting_down"))
-        if self.current is not None:
-            self.current.cancel()
+        job = self.current
+        if job is not None:
+            job.cancel(shutdown=True)
 
     def stop(self, timeout_s: float = 60.0) -> None:
         self.cancel_all()
@@ -123,6 +128,8 @@ class Engine:
                 job.push("error", ApiError(499, "cancelled", code="cancelled"))
                 continue
             self.current = job
+            if self.stopping:   # cancel_all ran between the get and here: it did not see this job
+                job.cancel(shutdown=True)
             t0 = time.perf_counter()
             try:
                 self._run(job)
@@ -152,7 +159,10 @@ class Engine:
                                   cached=t.get("reused_tokens", 0), kept=len(self.conv.live.tokens), kv=self.kept_kv())
             if self.cache is not None:
                 self.metrics.cache_stats(self.cache.stats())
-        if res is not None:
+        if res is not None and res.finish_reason == "cancelled" and job.by_shutdown:
+            job.push("error", ApiError(503, f"the server is shutting down: the answer was cut after "
+                                            f"{len(res.tokens)} tokens", code="shutting_down"))
+        elif res is not None:
             job.push("done", res)
 
     # ---- the prefix cache -------------------------------------------------------------------

@@ -3,7 +3,8 @@ its errors as OpenAI error JSON (`error.message`, `error.type`, `error.param`, `
 A field this server does not implement is refused naming it, never ignored: a client that asks
 for `n: 3`, tools or logprobs learns at once that it will not get them. A bad value or a wrong
 JSON type is 400 (code `invalid_type` for the latter) and a model not served here 404, as the
-OpenAI API and vLLM answer them."""
+OpenAI API and vLLM answer them. `user` (an end-user id for the provider's abuse tracking, sent
+by the openai client's `user=` and LangChain) is checked as a string and ignored, as vLLM does."""
 from __future__ import annotations
 
 import json
@@ -18,7 +19,7 @@ ROLES = ("system", "user", "assistant")
 _NEUTRAL = {"n": (1,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logprobs": (False, None, 0),
             "top_logprobs": (None, 0), "echo": (False,), "suffix": (None,), "best_of": (None, 1)}
 _COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
-           "top_k", "min_p", "repetition_penalty", "ignore_eos")
+           "top_k", "min_p", "repetition_penalty", "ignore_eos", "user")
 FIELDS = {"chat": frozenset(_COMMON + ("messages", "max_completion_tokens")),
           "completion": frozenset(_COMMON + ("prompt",))}
 
@@ -200,6 +201,8 @@ def parse_query(body: dict, kind: str, served: str) -> Query:
     if not isinstance(model, str):
         raise _type_error("model", "a string", model)
     check_model(model, served)
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise _type_error("user", "a string", body["user"])
     which = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, which, lo=1, default=DEFAULT_MAX_NEW_TOKENS)
     opts = body.get("stream_options")
