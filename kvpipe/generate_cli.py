@@ -72,8 +72,8 @@ def add_sampling_flags(g) -> None:
 def add_kept_flags(g) -> None:
     """The capacity of a kept conversation (generate --save-kv/--load-kv, chat)."""
     g.add_argument("--max-context", type=token_count, metavar="TOKENS",
-                   help="tokens the kept KV can hold, planned up front (generate: prompt + --max-new-tokens; "
-                        "chat: the model's positions, at most 32K)")
+                   help="tokens the prompt and the answer may take (a kept KV is planned for them); "
+                        "default: generate prompt + --max-new-tokens, chat the model's positions, at most 32K")
 
 
 def token_count(text: str) -> int:

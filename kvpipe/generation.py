@@ -106,6 +106,22 @@ def _stops(stop) -> tuple[str, ...]:
     return stops
 
 
+def _within(n: int, prompt: int, max_context: int | None) -> tuple[int, tuple[str, ...]]:
+    """(new tokens to generate, the warning when --max-context cut them): the prompt and the new
+    tokens within `max_context` (None: no cap)."""
+    if max_context is None:
+        return n, ()
+    if type(max_context) is not int or max_context < 1:
+        raise ValueError(f"max-context: expected a positive number of tokens, got {max_context!r}")
+    room = max_context - prompt
+    if room < 1:
+        raise ValueError(f"max-context: {max_context} tokens cannot hold the prompt's {prompt} tokens and a new one")
+    if n <= room:
+        return n, ()
+    return room, api._logged([f"max-new-tokens: {n} new tokens do not fit --max-context {max_context} after the "
+                              f"prompt's {prompt} tokens, so at most {room} are generated"])
+
+
 def load(model, dtype, random_weights):
     """(checkpoint, its ModelSpec, tokenizer or None) of `model`."""
     from kvpipe.pipeline.model import load_model
@@ -177,9 +193,6 @@ def generate(model: str | os.PathLike | None = None, prompt: str | None = None, 
     stops = _stops(stop)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed: expected an integer, got {seed!r}")
-    if max_context is not None and save_kv is None and load_kv is None:
-        raise ValueError("max-context: sizes a kept KV (--save-kv, --load-kv); without one, generate plans "
-                         "the prompt plus --max-new-tokens")
     if save_kv is not None or load_kv is not None:
         from .kept import generate_kept
         return generate_kept(model, prompt, prompt_file, prompt_format, chat, system, n, stdin, save_kv, load_kv,
@@ -188,6 +201,7 @@ def generate(model: str | os.PathLike | None = None, prompt: str | None = None, 
                                                repetition_penalty=repetition_penalty, seed=seed), options)
     ck, spec, tok, ids, templated = prepare(model, prompt, prompt_file, prompt_format, chat, system,
                                       options.get("dtype"), options.get("random_weights", False), stdin)
+    n, capped = _within(n, len(ids), max_context)
     sampling = Sampling.choose(dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                     repetition_penalty=repetition_penalty, seed=seed), ck.sampling)
     try:
@@ -200,8 +214,9 @@ def generate(model: str | os.PathLike | None = None, prompt: str | None = None, 
     take, cancelled = textio.taker(out, cancel)
     decoding = Decoding(sampling, ids, spec.vocab, n,
                         resolve_device(options.get("device")), take)
-    run = api.run(model=ck.model, decode_tokens=n - 1, seed=seed, prompt_ids=ids, progress=False,
-                  decoding=decoding, **options)
+    run = api.run(model=str(model), decode_tokens=n - 1, seed=seed, prompt_ids=ids, progress=False,
+                  decoding=decoding, **options)   # the model as given: run resolves a .gguf to the same folder
+    run = replace(run, warnings=tuple(run.warnings) + capped)
     kept = decoding.finish()
     if out.finish_reason is None:   # cancelled, or the last token taken without ending
         out.close()

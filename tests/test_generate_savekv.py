@@ -253,12 +253,12 @@ def test_a_folder_that_cannot_be_made_is_refused_before_the_run(model_dir, capsy
 
 
 @pytest.mark.parametrize("flags, words", [
-    ((), "sizes a kept KV"),
+    ((), f"4 tokens cannot hold the prompt's {len(P)} tokens"),
     (("--save-kv", "KV"), f"4 tokens cannot hold the prompt's {len(P)} tokens"),
 ])
 def test_max_context_is_refused_where_it_cannot_apply(model_dir, tmp_path, capsys, flags, words):
-    """Fault caught: --max-context ignored by a plain generate (no kept KV to size), or one
-    smaller than the prompt failing after the model loaded with chat's "/reset" advice."""
+    """Fault caught: a --max-context smaller than the prompt ignored by a plain generate, or
+    failing after the model loaded with chat's "/reset" advice."""
     flags = tuple(str(tmp_path / f) if f == "KV" else f for f in flags)
     code, out, err = _cli(model_dir, capsys, "--prompt", ids(P), "--max-context", "4", *flags)
     assert code == 2 and out == "" and len(err) == 1 and err[0].startswith(f"kvpipe: error: --max-context: {words}"), err
@@ -313,3 +313,20 @@ def test_lossy_or_codec_flags_on_a_kept_conversation_name_the_flag_before_loadin
     out = capsys.readouterr()
     err = out.err.strip().splitlines()
     assert code == 2 and out.out == "" and len(err) == 1 and err[0].startswith(f"kvpipe: error: --{flag}: "), err
+
+
+def test_max_context_caps_a_plain_generate_and_says_so(model_dir, capsys):
+    """Fault caught: a plain generate refusing --max-context (vLLM's and llama.cpp's users cap the
+    context with it), or capping the answer silently or to another length than the prompt leaves;
+    the capped tokens are the uncapped run's first ones (greedy)."""
+    base = ["generate", "--model", str(model_dir), "--random-weights", "--device", "cpu", "--prompt-format", "ids",
+            "--prompt", ids(P), "--max-new-tokens", "8", "--ignore-eos", "--json"]
+    assert main(base) == 0
+    full = json.loads(capsys.readouterr().out)
+    assert main(base + ["--max-context", str(len(P) + 3)]) == 0
+    out = capsys.readouterr()
+    got = json.loads(out.out)
+    note = (f"max-new-tokens: 8 new tokens do not fit --max-context {len(P) + 3} after the prompt's {len(P)} "
+            "tokens, so at most 3 are generated")
+    assert got["tokens"] == full["tokens"][:3] and got["finish_reason"] == "length"
+    assert got["warnings"] == [note] and note in out.err
