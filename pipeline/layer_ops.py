@@ -46,30 +46,29 @@ def _cast(e: int) -> int:
     return 0 if e == FP32 else 1
 
 
+def _rms_row(width: int, e: int) -> float:
+    """Bytes per row of the RMS part both norm forms share: to fp32, pow, mean, + eps, rsqrt,
+    x * rsqrt, back to the model dtype (4 + 2 cast kernels)."""
+    c = _cast(e)
+    return (c * (e + FP32) * width            # to float32 (read e, write 4)
+            + 2 * FP32 * width                # pow
+            + FP32 * width + FP32             # mean
+            + 2 * FP32 + 2 * FP32             # + eps, rsqrt (one value a row)
+            + 2 * FP32 * width + FP32         # x * rsqrt
+            + c * (FP32 + e) * width)         # back to the model dtype
+
+
 def rms_norm(rows: float, width: int, e: int) -> SmallOps:
     """HF's RMSNorm over `rows` rows: to fp32, pow, mean, + eps, rsqrt, *, to dtype, * weight."""
-    c = _cast(e)
-    per_row = (c * (e + FP32) * width            # to float32 (read e, write 4)
-               + 2 * FP32 * width                # pow
-               + FP32 * width + FP32             # mean
-               + 2 * FP32 + 2 * FP32             # + eps, rsqrt (one value a row)
-               + 2 * FP32 * width + FP32         # x * rsqrt
-               + c * (FP32 + e) * width          # back to the model dtype
-               + 2 * e * width)                  # * weight (read x, write)
-    return SmallOps(6 + 2 * c, rows * per_row + e * width)   # the weight is read once
+    per_row = _rms_row(width, e) + 2 * e * width   # * weight (read x, write)
+    return SmallOps(6 + 2 * _cast(e), rows * per_row + e * width)   # the weight is read once
 
 
 def gemma_norm(rows: float, width: int, e: int) -> SmallOps:
-    """Gemma's RMSNorm over `rows` rows: to fp32, pow, mean, + eps, rsqrt, *, then the weight to
-    fp32, + 1, * (1 + w) and back to dtype (the weight's cast and + 1 once, not per row)."""
+    """Gemma's RMSNorm over `rows` rows: to fp32, pow, mean, + eps, rsqrt, *, then * (1 + w) in
+    fp32 before the cast back (the weight's cast to fp32 and its + 1 once, not per row)."""
     c = _cast(e)
-    per_row = (c * (e + FP32) * width            # to float32
-               + 2 * FP32 * width                # pow
-               + FP32 * width + FP32             # mean
-               + 2 * FP32 + 2 * FP32             # + eps, rsqrt
-               + 2 * FP32 * width + FP32         # x * rsqrt
-               + 2 * FP32 * width                # * (1 + w): read x, write
-               + c * (FP32 + e) * width)         # back to the model dtype
+    per_row = _rms_row(width, e) + 2 * FP32 * width   # * (1 + w): read x, write
     once = c * (e + FP32) * width + 2 * FP32 * width + FP32 * width   # weight to fp32, + 1, read by *
     return SmallOps(7 + 3 * c, rows * per_row + once)
 
