@@ -106,20 +106,26 @@ def _stops(stop) -> tuple[str, ...]:
     return stops
 
 
+def room(prompt: int, max_context: int | None) -> int | None:
+    """New tokens `max_context` leaves after a `prompt`-token prompt (None: no cap); ValueError
+    where it cannot hold the prompt and a new token."""
+    if max_context is None:
+        return None
+    if type(max_context) is not int or max_context < 1:
+        raise ValueError(f"max-context: expected a positive number of tokens, got {max_context!r}")
+    if max_context - prompt < 1:
+        raise ValueError(f"max-context: {max_context} tokens cannot hold the prompt's {prompt} tokens and a new one")
+    return max_context - prompt
+
+
 def _within(n: int, prompt: int, max_context: int | None) -> tuple[int, tuple[str, ...]]:
     """(new tokens to generate, the warning when --max-context cut them): the prompt and the new
     tokens within `max_context` (None: no cap)."""
-    if max_context is None:
+    left = room(prompt, max_context)
+    if left is None or n <= left:
         return n, ()
-    if type(max_context) is not int or max_context < 1:
-        raise ValueError(f"max-context: expected a positive number of tokens, got {max_context!r}")
-    room = max_context - prompt
-    if room < 1:
-        raise ValueError(f"max-context: {max_context} tokens cannot hold the prompt's {prompt} tokens and a new one")
-    if n <= room:
-        return n, ()
-    return room, api._logged([f"max-new-tokens: {n} new tokens do not fit --max-context {max_context} after the "
-                              f"prompt's {prompt} tokens, so at most {room} are generated"])
+    return left, api._logged([f"max-new-tokens: {n} new tokens do not fit --max-context {max_context} after the "
+                              f"prompt's {prompt} tokens, so at most {left} are generated"])
 
 
 def load(model, dtype, random_weights):

@@ -95,7 +95,7 @@ def generate_kept(model, prompt, prompt_file, prompt_format, chat, system, n, st
     """`generate(save_kv=..., load_kv=...)` on a Conversation of the prompt's size."""
     from kvpipe.executor.kv import saved
     from .conversation import Conversation, common_prefix
-    from .generation import encode, load
+    from .generation import encode, load, room
     from kvpipe.executor.layers.loader import progress_bars
     refuse_inexact(options, "a kept conversation (--save-kv, --load-kv)")
     previous = saved.check_target(save_kv) if save_kv is not None else None
@@ -115,9 +115,7 @@ def generate_kept(model, prompt, prompt_file, prompt_format, chat, system, n, st
         ids, templated = encode(text, prompt_format, tok, spec, chat, system, flag)
         msgs = ([{"role": "system", "content": system}] if system is not None else []) + \
             [{"role": "user", "content": text}] if templated else None
-    if max_context is not None and len(ids) >= max_context:   # before the model loads
-        raise ValueError(f"max-context: {max_context} tokens cannot hold the prompt's {len(ids)} tokens "
-                         "and a new one")
+    room(len(ids), max_context)   # before the model loads: a prompt the capacity cannot hold
     with progress_bars(False):   # as plain generate: no loading bars around the text
         conv = Conversation(model, loaded=(ck, spec, tok), max_context=max_context or len(ids) + n,
                             chat=chat and msgs is not None, system=system, seed=gen["seed"], max_new_tokens=n,
