@@ -72,8 +72,8 @@ def _logged(warnings) -> tuple[str, ...]:
 
 def model_spec(model, dtype: str | None = None) -> ModelSpec:
     """--model's shapes: a preset, a config.json or its folder, or a .gguf file's metadata."""
-    if str(model).lower().endswith(".gguf"):
-        from . import checkpoint
+    from . import checkpoint
+    if checkpoint.is_gguf(model):
         from kvpipe.pipeline.model import from_hf_config
         spec = from_hf_config(checkpoint.gguf_config(model, dtype), name=str(model))
         return replace(spec, dtype=dtype) if dtype else spec
@@ -228,8 +228,8 @@ def run(options: RunOptions | None = None, /, *, prompt_ids: list[int] | None = 
     dev = session.resolve_device(opts.device)
     given = str(opts.model)
     shown = "random weights" if opts.random_weights else given
-    if given.lower().endswith(".gguf"):   # converted once (the folder generate uses), run from there
-        from . import checkpoint
+    from . import checkpoint
+    if checkpoint.is_gguf(given):   # converted once (the folder generate uses), run from there
         opts = replace(opts, model=checkpoint.resolve(given, opts.dtype, opts.random_weights).model)
     spec = replace(load_model(opts.model, opts.dtype), name=given)
     _check_files(opts, session)

@@ -37,6 +37,11 @@ def cache_root() -> Path:
     return Path(base) / "kvpipe"
 
 
+def is_gguf(model) -> bool:
+    """Whether `--model` names a GGUF file (by its suffix, as the loaders tell them)."""
+    return str(model).lower().endswith(".gguf")
+
+
 def gguf_dir(path: Path, dtype: str | None, root: Path | None = None) -> Path:
     """The cache directory a GGUF file converts into: keyed by its real path, size, mtime and
     the dtype, so an edited file or another dtype converts again."""
@@ -145,7 +150,7 @@ def resolve(model: str | os.PathLike, dtype: str | None = None, random_weights: 
     """The checkpoint `--model` names: a .gguf file (converted once), a directory, or a preset /
     config.json (with `random_weights`; no tokenizer unless its directory holds one)."""
     text = str(model)
-    if text.lower().endswith(".gguf"):
+    if is_gguf(text):
         if not Path(text).is_file():
             raise ValueError(f"model: no file {text!r}")
         if random_weights:
