@@ -4,7 +4,7 @@
 #   bash experiments/session_gpu.sh STEP[:SECONDS] ...
 # Steps: gputests robust (ROWS, P, RTAG) robust32 robustres hfgen32 hfgen128 savekv smollm (needs out/g1 + out/g2 carried
 # over two calls: the SmolLM2 GGUF in two halves) serve needle hybrid captured chatturns servecache calib
-# resprof hostmap (HYB_STAGE, HYB_ARGS for hybrid)
+# resprof hostmap fprate floors (HYB_STAGE, HYB_ARGS for hybrid)
 set -u
 R=$(pwd)
 if [ -z "${SKIP_INSTALL:-}" ]; then
@@ -45,6 +45,8 @@ for spec in "$@"; do
     diag) timeout "$lim" python3 -m experiments.diag --rows "${DIAG_ROWS:-32k-g8-all-c8k}" --hw "${DIAG_HW:-h200-testbox}" --out "$OUT/diag" 2>&1 | grep -v Warning | tail -${DTAIL:-40} ;;
     runtrace) timeout "$lim" python3 -m kvpipe run --random-weights --gpu-mem 24GB --no-progress --json ${TRACE_ARGS} --trace "$OUT/${TRACE_TAG:-run}.trace.json" > "$OUT/${TRACE_TAG:-run}.json" 2> "$OUT/${TRACE_TAG:-run}.err"
               tail -3 "$OUT/${TRACE_TAG:-run}.err"; python3 -c "import json,sys; j=json.load(open(sys.argv[1])); print({k: (j['measured'][k], j['predicted'][k]) for k in ('prefill_s', 'decode_s_per_token')})" "$OUT/${TRACE_TAG:-run}.json" ;;
+    fprate) timeout "$lim" python3 -m experiments.fingerprint_rate --out "$OUT/fingerprint-rate.json" 2>&1 | grep -v Warning | tail -24 ;;
+    floors) timeout "$lim" python3 -c "from kvpipe.pipeline.calibration import Calibration; from kvpipe.executor.calibrate.gpu import hbm, small_kernels; import json, sys; c = Calibration('f', 'f', 'f'); hbm(c); small_kernels(c); json.dump({'values': c.values, 'notes': c.notes, 'extra': c.extra}, open(sys.argv[1], 'w'), indent=1); [print(k, v) for k, v in c.values.items()]" "$OUT/small-floors.json" 2>&1 | grep -v Warning | tail -8 ;;
     stash) echo "stashed: $(ls -la /tmp/gguf_aa 2>&1)" ;;
     *) echo "unknown step $step" ;;
   esac
