@@ -226,7 +226,7 @@ def measure(out: Path, names: list[str], decode: int, warm_row: str | None = Non
     from kvpipe.pipeline.calibration import Calibration
     cal = Calibration("same-process", "sim_check", "sim_check")
     hbm(cal)
-    small_kernels(cal, families={})   # the rows are Llama-3-8B-shaped
+    small_kernels(cal)
     res["calibration"] = {"small_kernel_s": cal.values["gpu.small_kernel_s"],
                           "elementwise_bytes_per_s": cal.extra["elementwise_bytes_per_s"],
                           "hbm_copy_bytes_per_s": cal.values["gpu.hbm_eff_bytes_per_s"],

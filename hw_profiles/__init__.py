@@ -113,7 +113,7 @@ def _load(path: Path, label: str) -> HardwareProfile:
         raise fail(f"cannot read: {e}") from None
     flat = _flatten(doc)
     tabled = [k for k in flat if k.startswith(("gpu.compute.", "codec.", "gpu.decode_attention.", "gpu.attention_rates.",
-                                            "gpu.stage_gemm.", "gpu.small_kernel_family."))]
+                                            "gpu.stage_gemm."))]
     unknown = sorted(set(flat) - set(_FIELDS) - set(_OPTIONAL) - set(tabled))
     if unknown:
         raise fail(f"field '{unknown[0]}' is not a known field")
@@ -142,27 +142,11 @@ def _load(path: Path, label: str) -> HardwareProfile:
         kwargs["decode_attention"] = _decode_attention(flat, fail)
         if any(k.startswith("gpu.attention_rates.") for k in flat):
             kwargs["attention_rates"] = _attention_rates(flat, fail)
-        kwargs["small_kernel_family"] = _small_floors(flat, fail)
         if any(k.startswith("gpu.stage_gemm.") for k in flat):
             kwargs["stage_gemm"] = _stage_gemm(flat, fail)
         return HardwareProfile(**kwargs, **tables)
     except HardwareFieldError as e:
         raise fail(f"field '{_toml_key(e.field)}' {e.problem}") from None
-
-
-def _small_floors(flat: dict[str, object], fail) -> dict[str, float]:
-    """[gpu.small_kernel_family]: family -> seconds (a family pipeline/model.FAMILIES runs)."""
-    from kvpipe.pipeline.model import FAMILIES
-    pre, out = "gpu.small_kernel_family.", {}
-    for key in (k for k in flat if k.startswith(pre)):
-        family = key[len(pre):]
-        if family not in FAMILIES.values():
-            raise fail(f"field '{key}' is not a known family (known: {', '.join(sorted(set(FAMILIES.values())))})")
-        try:
-            out[family] = _typed(flat[key], float)
-        except ValueError as e:
-            raise fail(f"field '{key}' {e}") from None
-    return out
 
 
 def _decode_attention(flat: dict[str, object], fail) -> tuple:
@@ -289,7 +273,7 @@ def _typed(value: object, kind: type) -> object:
 
 def _toml_key(field: str) -> str:
     """HardwareProfile field ('flops_eff_per_s.bf16' for a dtype entry) -> its TOML key."""
-    if field.startswith(("decode_attention", "small_kernel_family")):
+    if field.startswith("decode_attention"):
         return "gpu." + field
     if field in _OPTIONAL.values():
         return next(k for k, f in _OPTIONAL.items() if f == field)

@@ -67,17 +67,26 @@ def fingerprint(hf_model, method: str | None = None) -> dict:
 
 
 def _wide_buffer(params, method: str):
-    """The int64 block `lines` widens each tensor's rows into (on the weights' device), or None."""
+    """The integer block `lines` widens each tensor's rows into (on the weights' device), or None:
+    int32 where every sum of a block stays exact in it (bits of 2 bytes or less), else int64."""
     import torch
     if method != "lines" or not params:
         return None
-    return torch.empty(min(LINE_BLOCK, max(t.numel() for _, t in params)), dtype=torch.int64,
+    wide = torch.int32 if all(_narrow(t) for _, t in params) else torch.int64
+    return torch.empty(min(LINE_BLOCK, max(t.numel() for _, t in params)), dtype=wide,
                        device=params[0][1].device)
+
+
+def _narrow(t) -> bool:
+    """Whether `lines` may sum `t`'s bits in int32 blocks: elements of 2 bytes or less, rows and
+    row blocks shorter than 2**16 (|sum| < 2**16 * 2**15)."""
+    cols = t.shape[-1] if t.dim() > 1 else t.numel()
+    return t.element_size() <= 2 and cols < (1 << 16) and LINE_BLOCK // max(cols, 1) < (1 << 16)
 
 
 def _tensor_hash(t, method: str, buf=None):
     """crc32c of the tensor's bytes (a str), or two weighted sums of its bits (int64 [2] on its
-    device); `buf`: the int64 block `lines` widens into (made here when None)."""
+    device); `buf`: the integer block `lines` widens into (made here when None)."""
     import torch
     if method not in ("crc32c", *DEVICE_HASHES):
         raise ValueError(f"unknown weights hash {method!r}")
@@ -87,7 +96,8 @@ def _tensor_hash(t, method: str, buf=None):
         import crc32c
         return str(crc32c.crc32c(flat.cpu().contiguous().numpy()))
     if method == "lines":
-        return _line_sums(flat, t.shape[-1] if t.dim() > 1 else flat.numel(), buf)
+        return _line_sums(flat, t.shape[-1] if t.dim() > 1 else flat.numel(), buf if _narrow(t) or buf is None
+                          or buf.dtype == torch.int64 else None)
     coef = torch.arange(min(flat.numel(), 1 << 22), device=flat.device, dtype=torch.int64) * 2 + 1
     sums = torch.zeros(2, dtype=torch.int64, device=flat.device)
     for i in range(0, flat.numel(), coef.numel()):
@@ -99,22 +109,24 @@ def _tensor_hash(t, method: str, buf=None):
 
 def _line_sums(flat, cols: int, buf=None):
     """sum((2r + 1) * row_sum[r]) and sum((2c + 1) * col_sum[c]) of the bits laid out [rows, cols]
-    (int64, wrapping), a block of rows at a time widened into `buf` (int64, reused: a reduction to
-    int64 would widen a copy of what it reads, and allocating one per block under a capped
-    allocator cost more than the sums). Any two unequal elements swapped change a row or a column."""
+    (int64, wrapping), a block of rows at a time widened into `buf` (int32 or int64, reused: a
+    reduction to a wider type would widen a copy of what it reads, and allocating one per block
+    under a capped allocator cost more than the sums). Any two unequal elements swapped change a
+    row or a column."""
     import torch
     m = flat.view(-1, cols)
     if buf is None or buf.device != m.device or buf.numel() < cols:
-        buf = torch.empty(min(max(LINE_BLOCK, cols), m.numel()), dtype=torch.int64, device=m.device)
-    step = buf.numel() // cols   # rows widened at once
+        wide = torch.int32 if flat.element_size() <= 2 and cols < (1 << 16) else torch.int64
+        buf = torch.empty(min(max(LINE_BLOCK, cols), m.numel()), dtype=wide, device=m.device)
+    step = min(buf.numel() // cols, (1 << 16) - 1) if buf.dtype == torch.int32 else buf.numel() // cols
     rows, cols_ = [], torch.zeros(cols, dtype=torch.int64, device=m.device)
     for r in range(0, m.shape[0], step):
         part = m[r:r + step]
         wide = buf[:part.numel()].view(part.shape)
         wide.copy_(part)
-        rows.append(wide.sum(1))
-        cols_ += wide.sum(0)
-    rows = torch.cat(rows)
+        rows.append(wide.sum(1, dtype=buf.dtype))   # in the block's own type: no widened copy
+        cols_ += wide.sum(0, dtype=buf.dtype)
+    rows = torch.cat(rows).to(torch.int64)
     return torch.stack([(rows * _odd(rows)).sum(), (cols_ * _odd(cols_)).sum()])
 
 
@@ -261,26 +273,18 @@ class Conversation:
 
     def load(self, directory, overlap: bool = False) -> dict:
         """Continue from a KV directory (the conversation must be empty); refuses another model,
-        dtype, or a capacity too short, naming the mismatch. The readers start first and the
-        model's fingerprint is taken while they run; `overlap`: the load goes on behind the next
-        turn's prefill (LiveSession.load). `load_figures`: the fingerprint's seconds."""
+        dtype, or a capacity too short, naming the mismatch. The model's fingerprint is checked
+        before the readers start; `overlap`: the load goes on behind the next turn's prefill
+        (LiveSession.load). `load_figures`: the fingerprint's seconds."""
         from kvpipe.executor.kv import saved
         man = saved.read_manifest(directory)
         check_early(man, self.model_spec, self.capacity)
         if self.live.length:
             raise ValueError("load-kv: the conversation already holds tokens (reset it first)")
-        try:
-            self.live.load(directory, man, overlap=True)   # joined below unless `overlap`
-        except ValueError:
-            self._check_model(man)    # another model is named before its shapes' mismatch
-            raise
         t0 = time.perf_counter()
-        try:
-            self._check_model(man)
-        except BaseException:
-            self.live.rewind(0)       # the readers joined, nothing kept
-            raise
+        self._check_model(man)   # alone: beside the readers it waited on them for the GIL (8x longer)
         self.load_figures = {"fingerprint_s": time.perf_counter() - t0}
+        self.live.load(directory, man, overlap=True)   # joined below unless `overlap`
         if not overlap:
             self.live.settle()
         self.messages = list(man.get("messages") or self._system())

@@ -84,8 +84,8 @@ def compose(man: dict, text: str, prompt_format: str, tok, spec, chat: bool, fla
 
 def load_timings(stats, held_s: float, figures: dict) -> dict:
     """The timings a --load-kv run adds: `kv_load_s` the load's own seconds (start to the last
-    block verified), `kv_load_held_s` what kept the prefill from starting (the readers' start and
-    the model's fingerprint: the rest ran behind the prefill, inside its TTFT), and `kv_load`."""
+    block verified), `kv_load_held_s` what kept the prefill from starting (the model's fingerprint, then
+    the readers' start: the rest ran behind the prefill, inside its TTFT), and `kv_load`."""
     return {"kv_load_s": stats.seconds, "kv_load_bytes": stats.bytes, "kv_load_held_s": held_s,
             "kv_load": dict(stats.to_json(), **figures)}
 

@@ -57,8 +57,7 @@ class _Builder:
         clean = tuple(dict.fromkeys(deps))   # first occurrences, in order
         if None in clean:
             clean = tuple(d for d in clean if d is not None)
-        self.graph.stages.append(Stage(sid, kind, tag, phase, step, layer, group, tokens, clean,
-                                       family=self.m.family, **kw))
+        self.graph.stages.append(Stage(sid, kind, tag, phase, step, layer, group, tokens, clean, **kw))
         return sid
 
     def step(self, phase: Phase, idx: int, start: int, n: int, pp: PhasePlan,

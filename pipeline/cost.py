@@ -57,15 +57,13 @@ def measured_compute_seconds(s: Stage, hw: HardwareProfile, dtype: str, replayed
     return None
 
 
-def small_seconds(kernels: int, nbytes: float, hw: HardwareProfile, replayed: bool = False,
-                  family: str = "") -> float:
+def small_seconds(kernels: int, nbytes: float, hw: HardwareProfile, replayed: bool = False) -> float:
     """GPU seconds of a stage's small kernels (pipeline/layer_ops.py): their bytes at the
-    elementwise rate, and never less than the per-kernel floor for each (one token's kernel, of
-    the model `family`'s mix; outside a graph a kernel also costs at least a launch)."""
+    elementwise rate, and never less than the per-kernel floor for each (one token's kernel;
+    outside a graph a kernel also costs at least a launch)."""
     if not kernels:
         return 0.0
-    small = hw.small_floor(family)
-    floor = small if replayed else max(small, hw.launch_overhead_s)
+    floor = hw.small_kernel_s if replayed else max(hw.small_kernel_s, hw.launch_overhead_s)
     return max(kernels * floor, nbytes / (hw.hbm_eff_bytes_per_s * hw.elementwise_efficiency))
 
 
@@ -74,8 +72,8 @@ def stage_small_seconds(s: Stage, hw: HardwareProfile, replayed: bool = False) -
     one call (executor/replay/device_step.py): no repeat, no LSE merge; its output copy remains, and with a
     transfer slot the new token's write into the slot."""
     if replayed and s.tag == "attn":
-        return small_seconds(1 + (s.slot is not None), 0.0, hw, True, s.family)
-    return small_seconds(s.small_ops, s.small_bytes, hw, replayed, s.family)
+        return small_seconds(1 + (s.slot is not None), 0.0, hw, True)
+    return small_seconds(s.small_ops, s.small_bytes, hw, replayed)
 
 
 def split_kv_attention(s: Stage) -> bool:

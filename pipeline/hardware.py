@@ -66,9 +66,6 @@ class HardwareProfile:
     # The defaults (free floor, copy rate) serve synthetic profiles; bundled ones state theirs.
     small_kernel_s: float = 0.0
     elementwise_efficiency: float = 1.0
-    # The floor of a family whose layers run another kernel mix ([gpu.small_kernel_family], family ->
-    # seconds, one layer of that family measured as small_kernel_s is); absent: small_kernel_s.
-    small_kernel_family: tuple[tuple[str, float], ...] = ()
     # The replayed decode attention call per group size ([gpu.decode_attention.g<G>]); empty: the
     # roofline (KV bytes at hbm_eff_bytes_per_s plus launches) stands in.
     decode_attention: tuple[DecodeAttention, ...] = ()
@@ -165,9 +162,6 @@ class HardwareProfile:
         for f in ("decode_gemm_bytes_per_s", "quant_call_s", "quant_bytes_per_s", "gather_call_s", "gather_bytes_per_s"):
             if getattr(self, f) is not None:
                 object.__setattr__(self, f, number(f, getattr(self, f), f in ("quant_call_s", "gather_call_s")))
-        floors = dict(self.small_kernel_family)
-        object.__setattr__(self, "small_kernel_family", tuple(sorted(
-            (f, number(f"small_kernel_family.{f}", v, True)) for f, v in floors.items())))
         self._check_acc16()
         if (self.gather_call_s is None) != (self.gather_bytes_per_s is None):
             raise HardwareFieldError("gather_bytes_per_s", "gather_call_s and gather_bytes_per_s come together (one fit) "
@@ -232,11 +226,6 @@ class HardwareProfile:
             return self
         scaled = {f: getattr(self, f) * self.host_issue_p90 for f in HOST_ISSUE_FIELDS if getattr(self, f) is not None}
         return replace(self, **scaled)
-
-    def small_floor(self, family: str = "") -> float:
-        """GPU seconds a small kernel of `family`'s layers takes at least (small_kernel_s unless
-        the profile measured that family's mix)."""
-        return dict(self.small_kernel_family).get(family, self.small_kernel_s)
 
     def decode_attention_seconds(self, group: int, kv_bytes: float) -> float | None:
         """GPU seconds of one replayed decode attention call of `group` KV heads reading `kv_bytes`

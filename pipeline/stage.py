@@ -79,7 +79,6 @@ class Stage:
     codec: str = "none"   # a disk read/write moves `bytes` through this codec; (de)compress runs it
     small_ops: int = 0         # compute: small kernels besides GEMMs and fused attention (layer_ops.py) ...
     small_bytes: float = 0.0   # ... and the bytes they read + write
-    family: str = ""           # the model's family: its small kernels' floor (HardwareProfile.small_floor)
     kv_bytes: float = 0.0      # attention: the K/V bytes its fused kernel reads (part of mem_bytes)
     pieces: int = 0            # LOSSY sparse `score`: pieces of PIPE_UNITS units a replayed step selects
     gather: bool = False       # LOSSY sparse h2d: the selected rows gathered from the host homes (not bulk copies)

@@ -70,7 +70,7 @@ def step_busy(model: ModelSpec, work: Workload, hw: HardwareProfile, layout: tup
     b, ut, dt = m.dtype_bytes, m.kv_unit_bytes_per_token, m.dtype
     busy = dict.fromkeys(LANES, 0.0)
     hid = hidden_bytes(m, B, n)
-    gpu = compute_seconds(0.0, 2 * hid, 1, hw, dt, "embed", replayed) + _small(layer_ops.embed(m, B * n), hw, replayed, m.family)
+    gpu = compute_seconds(0.0, 2 * hid, 1, hw, dt, "embed", replayed) + _small(layer_ops.embed(m, B * n), hw, replayed)
     qkv_w = m.hidden * (m.q_heads + 2 * m.kv_heads) * m.head_dim * b
     mlp_w = m.layer_weight_bytes - qkv_w
     la, ma = layer_act_bytes(m, B, n), mlp_act_bytes(m, B, n)
@@ -81,11 +81,11 @@ def step_busy(model: ModelSpec, work: Workload, hw: HardwareProfile, layout: tup
                              if ring_tokens(w, work.kv_capacity)])   # a ring layer fetches its window only
     attn_flops *= B
     mlp = compute_seconds(B * n * m.mlp_flops_per_token, mlp_w + ma + la, 8, hw, dt, "mlp", replayed) \
-        + _small(mlp_ops(m, B * n), hw, replayed, m.family)
+        + _small(mlp_ops(m, B * n), hw, replayed)
     for count, n_off, n_dsk, kinds in layout:
         resident = m.kv_heads - n_off
         layer = compute_seconds(B * n * m.qkv_flops_per_token, qkv_w + la + B * n * resident * ut, 6,
-                                hw, dt, "qkv", replayed) + mlp + _small(qkv_ops(m, B * n, resident), hw, replayed, m.family)
+                                hw, dt, "qkv", replayed) + mlp + _small(qkv_ops(m, B * n, resident), hw, replayed)
         h2d = disk = 0.0
         for (o, d), k in kinds:
             copy_in = 2 * B * fetched * (G - o) * ut if o else 0
@@ -95,8 +95,8 @@ def step_busy(model: ModelSpec, work: Workload, hw: HardwareProfile, layout: tup
             kernel = table if table is not None else compute_seconds(
                 attn_flops, mem, 5 if start else 2, hw, dt, "attn", replayed,
                 prefill)   # decode: split-KV, no small-shape term (cost.py)
-            layer += k * (kernel + (small_seconds(1 + bool(o and start), 0.0, hw, True, m.family) if replayed
-                                    else _small(layer_ops.attn(m, B * n, G, start), hw, False, m.family)))
+            layer += k * (kernel + (small_seconds(1 + bool(o and start), 0.0, hw, True) if replayed
+                                    else _small(layer_ops.attn(m, B * n, G, start), hw, False)))
             if o and start > 0:
                 h2d += k * (B * o * hw.h2d_alpha_s + B * fetched * o * ut / hw.h2d_bytes_per_s)
             if d and start > 0:
@@ -111,7 +111,7 @@ def step_busy(model: ModelSpec, work: Workload, hw: HardwareProfile, layout: tup
             busy[lane] += count * v
     if with_head:
         gpu += compute_seconds(B * m.head_flops_per_token, m.head_weight_bytes + logits_bytes(m, B), 3,
-                               hw, dt, "head", replayed) + _small(head_ops(m, B), hw, replayed, m.family)
+                               hw, dt, "head", replayed) + _small(head_ops(m, B), hw, replayed)
     busy["gpu"] += gpu
     return busy
 
@@ -139,8 +139,8 @@ def decode_host_seconds(model: ModelSpec, work: Workload, hw: HardwareProfile, l
     return total
 
 
-def _small(ops: layer_ops.SmallOps, hw: HardwareProfile, replayed: bool, family: str) -> float:
-    return small_seconds(ops.kernels, ops.bytes, hw, replayed, family)
+def _small(ops: layer_ops.SmallOps, hw: HardwareProfile, replayed: bool) -> float:
+    return small_seconds(ops.kernels, ops.bytes, hw, replayed)
 
 
 def _bound(busy: dict[str, float], hw: HardwareProfile) -> float:

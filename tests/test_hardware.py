@@ -215,30 +215,3 @@ def test_decode_attention_seconds_per_group_and_between():
         replace(base, decode_attention=(DecodeAttention(1, 1e-6, 1e12), DecodeAttention(1, 2e-6, 1e12)))
     with pytest.raises(ValueError, match="decode_attention.g1.bytes_per_s"):
         DecodeAttention(1, 1e-6, 0.0)
-
-
-def test_small_kernel_family_floors_load_and_apply(tmp_path):
-    """Fault caught: a [gpu.small_kernel_family] table dropped by the loader, or its floor not
-    used for that family's kernels (a Gemma layer's mix priced at Llama's floor)."""
-    path = tmp_path / "x.toml"
-    path.write_text(H200_TEXT + "\n[gpu.small_kernel_family]\ngemma3 = 2.5e-6   # source: test\n")
-    hw = load_profile(str(path))
-    assert hw.small_kernel_family == (("gemma3", 2.5e-6),)
-    assert hw.small_floor("gemma3") == 2.5e-6
-    assert hw.small_floor("llama") == hw.small_floor() == hw.small_kernel_s == 1.05e-6
-    from kvpipe.pipeline.cost import small_seconds
-    assert small_seconds(10, 0.0, hw, True, "gemma3") == pytest.approx(25e-6)
-    assert small_seconds(10, 0.0, hw, True, "llama") == pytest.approx(10.5e-6)
-
-
-@pytest.mark.parametrize("line, expect", [
-    ("gemma9 = 1e-6", "field 'gpu.small_kernel_family.gemma9' is not a known family"),
-    ("gemma3 = -1e-6", "field 'gpu.small_kernel_family.gemma3' must be finite and >= 0"),
-    ('gemma3 = "slow"', "field 'gpu.small_kernel_family.gemma3' is not a number"),
-])
-def test_bad_small_kernel_family_names_it(tmp_path, line, expect):
-    """Fault caught: an unknown family or a bad floor in [gpu.small_kernel_family] accepted, or
-    reported without its field."""
-    path = tmp_path / "x.toml"
-    path.write_text(H200_TEXT + f"\n[gpu.small_kernel_family]\n{line}\n")
-    assert expect in _error(str(path))

@@ -85,24 +85,17 @@ def replayer(inv):
     return run
 
 
-# Families whose layers run other small kernels than Llama's (pipeline/layer_ops.py), each
-# measured on one layer of the named preset's shapes: their kernel mix has its own floor
-# (Gemma's fp32 casts and mean reductions take longer than Llama's adds).
-FLOOR_FAMILIES = {"gemma2": "gemma-2-9b", "gemma3": "gemma-3-4b", "phi3": "phi-4"}
-
-
-def small_kernels(cal: Calibration, tokens: int = 8192, reps: int = 20, families=FLOOR_FAMILIES) -> None:
+def small_kernels(cal: Calibration, tokens: int = 8192, reps: int = 20) -> None:
     """The per-kernel floor and the elementwise rate of the small kernels (norms, RoPE, SiLU * up,
     residual adds, casts, copies, the LSE merge): one decoder layer of a Llama-3-8B-shaped bf16
     model runs its qkv, one head group's attention over a prefix, and mlp pieces once under
     executor/calibrate/op_inventory.py's recorder, which keeps every small kernel's call; those calls alone are
     then run again: at 1 token captured in a CUDA graph (GPU seconds per kernel: the floor), at
-    `tokens` tokens eagerly (bytes read + written per second, over the HBM copy rate). The floor
-    again on one layer of each of `families` (family -> preset)."""
+    `tokens` tokens eagerly (bytes read + written per second, over the HBM copy rate)."""
     cfg = dict(model_type="llama", vocab_size=1024, hidden_size=4096, intermediate_size=14336,
                num_hidden_layers=1, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                max_position_embeddings=2 * tokens + 8, tie_word_embeddings=False)
-    found = {T: _small_point(cfg, T, reps) for T in (1, tokens)}
+    found = {T: small_point(cfg, T, reps) for T in (1, tokens)}
     k1, _, s1 = found[1]
     kT, bT, sT = found[tokens]
     cal.set("gpu.small_kernel_s", s1 / k1, f"one Llama-3-8B-shaped layer's {k1} small kernels at 1 token "
@@ -113,25 +106,9 @@ def small_kernels(cal: Calibration, tokens: int = 8192, reps: int = 20, families
             f"in {sT * 1e3:.2f} ms, over the HBM copy rate")
     cal.extra["small_kernels"] = {str(T): {"kernels": k, "bytes": b, "seconds": s} for T, (k, b, s) in found.items()}
     cal.extra["elementwise_bytes_per_s"] = rate
-    for family, name in families.items():
-        k, _, sec = _small_point(_family_layer(name), 1, reps)
-        cal.set(f"gpu.small_kernel_family.{family}", sec / k, f"one {name}-shaped layer's {k} small kernels at "
-                f"1 token, {reps}x in a CUDA graph, GPU seconds per kernel")
-        cal.extra["small_kernels"][family] = {"kernels": k, "seconds": sec}
 
 
-def _family_layer(name: str) -> dict:
-    """One decoder layer of preset `name` as an HF config (a small vocabulary: the floor is the layer's)."""
-    from kvpipe.executor.engine.session import preset_config
-    from kvpipe.pipeline.model import preset
-    spec = preset(name)
-    cfg = {k: v[:1] if isinstance(v, list) and len(v) == spec.layers else v   # per-layer fields: layer 0's
-           for k, v in preset_config(spec).items()}
-    return {**cfg, "num_hidden_layers": 1, "vocab_size": 1024, "max_position_embeddings": 1 << 14,
-            "pad_token_id": None, "eos_token_id": None}
-
-
-def _small_point(cfg: dict, T: int, reps: int) -> tuple[int, int, float]:
+def small_point(cfg: dict, T: int, reps: int) -> tuple[int, int, float]:
     """(kernels, bytes, GPU seconds) of the recorded small kernels of layer 0 of random-weight bf16
     `cfg` at T tokens: replayed `reps`x in a CUDA graph at 1 token (seconds per replay), eagerly else."""
     from kvpipe.executor.layers.adapter import HFAdapter
