@@ -46,7 +46,7 @@ for spec in "$@"; do
     runtrace) timeout "$lim" python3 -m kvpipe run --random-weights --gpu-mem 24GB --no-progress --json ${TRACE_ARGS} --trace "$OUT/${TRACE_TAG:-run}.trace.json" > "$OUT/${TRACE_TAG:-run}.json" 2> "$OUT/${TRACE_TAG:-run}.err"
               tail -3 "$OUT/${TRACE_TAG:-run}.err"; python3 -c "import json,sys; j=json.load(open(sys.argv[1])); print({k: (j['measured'][k], j['predicted'][k]) for k in ('prefill_s', 'decode_s_per_token')})" "$OUT/${TRACE_TAG:-run}.json" ;;
     fprate) timeout "$lim" python3 -m experiments.fingerprint_rate --out "$OUT/fingerprint-rate.json" 2>&1 | grep -v Warning | tail -24 ;;
-    floors) timeout "$lim" python3 -m experiments.family_floors --out "$OUT/family-floors.json" 2>&1 | grep -v Warning | tail -6 ;;
+    floors) timeout "$lim" python3 -m experiments.family_floors ${FLOORS_ARGS:-} --out "$OUT/family-floors.json" 2>&1 | grep -v Warning | tail -6 ;;
     stash) echo "stashed: $(ls -la /tmp/gguf_aa 2>&1)" ;;
     *) echo "unknown step $step" ;;
   esac
