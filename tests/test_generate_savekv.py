@@ -330,3 +330,18 @@ def test_max_context_caps_a_plain_generate_and_says_so(model_dir, capsys):
             "tokens, so at most 3 are generated")
     assert got["tokens"] == full["tokens"][:3] and got["finish_reason"] == "length"
     assert got["warnings"] == [note] and note in out.err
+
+
+def test_other_weights_are_refused_before_any_unit_is_read(model_dir, tmp_path, monkeypatch):
+    """Fault caught: the readers started before the model's fingerprint is checked (a directory of
+    another model read whole, 17 GB at 128K, before its refusal; the hash beside 16 readers waited
+    on them for the GIL)."""
+    from kvpipe.executor.engine.live import LiveSession
+    opts = place("2", 1, None)
+    kvpipe.generate(str(model_dir), ids(P), max_new_tokens=3, save_kv=tmp_path / "kv", **opts)
+    started = []
+    real = LiveSession.load
+    monkeypatch.setattr(LiveSession, "load", lambda self, *a, **k: started.append(1) or real(self, *a, **k))
+    with pytest.raises(ValueError, match="load-kv: .*other weights"):
+        kvpipe.generate(str(model_dir), ids(Q), max_new_tokens=3, load_kv=tmp_path / "kv", **dict(opts, seed=6))
+    assert not started
