@@ -136,6 +136,18 @@ def test_an_unknown_flag_is_named_with_the_closest_one(capsys, argv, line):
     assert rc == 2 and err == f"kvpipe: error: {line}\n"
 
 
+@pytest.mark.parametrize("argv, line", [
+    (["plan", "--max-context", "128K"], "--max-context: takes no value here, got '128K' (it finds the largest "
+                                         "context that fits; --context gives one)"),
+    (["plan", "--json", "yes"], "--json: takes no value here, got 'yes'"),
+])
+def test_a_value_after_a_switch_names_the_switch(capsys, argv, line):
+    """Fault caught: `kvpipe plan --max-context 128K` (generate, chat and serve take TOKENS there)
+    answered "command: unexpected argument '128K' (plan takes flags only)", naming no flag."""
+    rc, _, err = _main(capsys, *argv)
+    assert rc == 2 and err == f"kvpipe: error: {line}\n", err
+
+
 @pytest.mark.parametrize("argv", [
     ["plan", "--context", "1M", "--resident", "all"],   # the planner finds no plan
     ["plan", "--gpu-mem", "1GB"],                        # the weights alone exceed the budget
