@@ -149,6 +149,23 @@ def test_a_value_after_a_switch_names_the_switch(capsys, argv, line):
 
 
 @pytest.mark.parametrize("argv", [
+    ["plan", "--hw", "MISSING"],
+    ["plan", "--hw", "BROKEN"],
+    ["plan", "--hw", "MISSING,rtx4090"],                  # the buyer's table
+    ["generate", "--model", "TINY", "--random-weights", "--prompt-format", "ids", "--prompt", "1 2",
+     "--hw", "MISSING", "--device", "cpu"],
+])
+def test_a_missing_or_broken_profile_file_names_hw(capsys, tmp_path, tiny_config, argv):
+    """Fault caught: `--hw ./my-gpu.toml` missing or not TOML answered "kvpipe: error: hw profile
+    './my-gpu.toml': file not found", naming no flag (the API's check took any message starting
+    "hw" as already named)."""
+    (tmp_path / "broken.toml").write_text("[x")
+    sub = {"MISSING": str(tmp_path / "nothere.toml"), "BROKEN": str(tmp_path / "broken.toml"), "TINY": tiny_config}
+    rc, _, err = _main(capsys, *[",".join(sub.get(p, p) for p in a.split(",")) for a in argv])
+    assert rc == 2 and err.startswith("kvpipe: error: --hw: ") and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("argv", [
     ["plan", "--context", "1M", "--resident", "all"],   # the planner finds no plan
     ["plan", "--gpu-mem", "1GB"],                        # the weights alone exceed the budget
     ["plan", "--max-context", "--gpu-mem", "16GB", "--host-mem", "1GB", "--disk-mem", "1GB"],
