@@ -121,7 +121,7 @@ def decide_run(opts: RunOptions, spec, work: Workload, session, dev) -> tuple:
     the decision layer's plan, refused (NoPlanFits, ValueError) before anything is allocated.
     `kvpipe run` and a Conversation's engine decide through here."""
     from kvpipe.sim.decide import Target, decide
-    profile = _profile(opts.hw or session.guess_profile(dev) or DEFAULT_HW)
+    profile = load_hw(opts.hw or session.guess_profile(dev) or DEFAULT_HW)
     budgets = opts.budgets(session.device_budget(dev), session.host_ram_bytes(), free_disk(opts.kv_dir))
     check_weights(spec, budgets)
     req = opts.request(spec)
@@ -133,13 +133,14 @@ def decide_run(opts: RunOptions, spec, work: Workload, session, dev) -> tuple:
     return profile, budgets, req, decision
 
 
-def _profile(name):
-    """The hardware profile `name`, a ValueError naming `hw` when there is none."""
+def load_hw(name):
+    """The hardware profile `name`, a ValueError naming `hw` when there is none or it is broken
+    (the profile's own "hw profile 'x.toml': ..." names no flag)."""
     from kvpipe.hw_profiles import load_profile
     try:
         return load_profile(name)
     except ValueError as e:
-        raise ValueError(str(e) if str(e).startswith("hw") else f"hw: {e}") from None
+        raise ValueError(str(e) if str(e).startswith("hw:") else f"hw: {e}") from None
 
 
 def plan(options: PlanOptions | None = None, /, **kwargs) -> PlanResult:
@@ -155,7 +156,7 @@ def plan(options: PlanOptions | None = None, /, **kwargs) -> PlanResult:
     from kvpipe.sim import decide as d
     opts = _options(PlanOptions, options, kwargs)
     paths = opts.output_paths()
-    spec, profile = model_spec(opts.model), _profile(opts.hw)
+    spec, profile = model_spec(opts.model), load_hw(opts.hw)
     work = Workload.parse(opts.context, opts.decode_tokens, opts.batch)
     disk = free_disk(opts.kv_dir) if opts.kv_dir is not None else profile.disk_bytes
     budgets = opts.budgets(profile.gpu_mem_bytes, profile.host_mem_bytes, disk)

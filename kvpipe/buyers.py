@@ -199,14 +199,14 @@ def plot(rows: list[Row], opts: PlanOptions, path: str) -> None:
 
 def cmd_table(args) -> int:
     """`kvpipe plan --hw a,b --host-mem x,y`: the buyer's table (text or --json, and --plot)."""
-    from kvpipe.hw_profiles import load_profile
+    from kvpipe.api import load_hw
     hws, hosts = split_list(args.hw, "--hw"), split_list(args.host_mem, "--host-mem")
     for flag in ("compare", "max_context", "out", "trace"):   # the table has no place for them: refused, not dropped
         if getattr(args, flag, None):
             raise ValueError(f"{flag.replace('_', '-')}: not with several --hw or --host-mem values (the buyer's "
                              "table); give one card and one budget")
     for hw in hws:   # a bad name fails in one line before any row is searched
-        load_profile(hw)
+        load_hw(hw)
     given = {**vars(args), "hw": hws[0], "host_mem": hosts[0], "plot": None, "trace": None, "out": None}
     opts = PlanOptions.from_args(given)
     total = len(hws) * len(hosts)

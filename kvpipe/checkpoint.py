@@ -109,14 +109,41 @@ def convert_gguf(path: str | os.PathLike, dtype: str | None = None, root: Path |
     finally:
         if bars:
             hf_logging.enable_progress_bar()
+    _sweep_dead(out, quiet)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    _write_plain(model, tmp)
-    tok.save_pretrained(tmp)
-    if out.exists():   # a conversion cut short: replaced whole
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    try:
+        _write_plain(model, tmp)
+        tok.save_pretrained(tmp)
+        if out.exists():   # a conversion cut short: replaced whole
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:   # Ctrl-C, SIGTERM or a full disk: no half-written copy of the weights stays
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out
+
+
+def _sweep_dead(out: Path, quiet: bool) -> None:
+    """Removes `out`'s temporary folders whose converting process is gone (SIGKILL, a crash):
+    each holds a partial copy of the weights that nothing else would reclaim."""
+    for tmp in out.parent.glob(out.name + ".tmp*"):
+        pid = tmp.name[len(out.name) + 4:]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not quiet:
+                print(f"kvpipe: removed {tmp.name}, left by a conversion whose process is gone",
+                      file=sys.stderr)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # another user's live process
+        return True
+    return True
 
 
 def _write_plain(model, out: Path) -> None:

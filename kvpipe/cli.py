@@ -67,11 +67,32 @@ def flag_named(message: str, flags: set[str]) -> str:
     return flag + message[m.end() - 1:] if flag in flags else message
 
 
+def _command_parser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser:
+    sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    return sub.choices.get(command, parser) if sub is not None and command else parser
+
+
 def _flags(parser: argparse.ArgumentParser, command: str | None) -> set[str]:
     """The long flags of `command`'s parser (every flag a user can type there)."""
-    sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
-    target = sub.choices.get(command, parser) if sub is not None and command else parser
-    return {o for a in target._actions for o in a.option_strings if o.startswith("--")}
+    return {o for a in _command_parser(parser, command)._actions for o in a.option_strings if o.startswith("--")}
+
+
+def _switches(parser: argparse.ArgumentParser, command: str | None) -> set[str]:
+    """The long flags of `command` that take no value (`plan --max-context`, `--json`)."""
+    return {o for a in _command_parser(parser, command)._actions if a.nargs == 0
+            for o in a.option_strings if o.startswith("--")}
+
+
+def stray_value_line(argv: list[str], extras: list[str], switches: set[str]) -> str | None:
+    """One line naming the switch a stray value follows (`plan --max-context 128K`: generate's
+    --max-context takes TOKENS, plan's finds the largest context), else None."""
+    value = next((a for a in extras if not a.startswith("-")), None)
+    at = argv.index(value) if value is not None and value in argv else -1
+    flag = argv[at - 1].split("=", 1)[0] if at > 0 else None
+    if flag not in switches:
+        return None
+    hint = " (it finds the largest context that fits; --context gives one)" if flag == "--max-context" else ""
+    return f"{flag}: takes no value here, got {value!r}{hint}"
 
 
 def unknown_line(extras: list[str], flags: set[str], command: str | None) -> str:
@@ -299,7 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:
         return int(e.code or 0)
     if extras:
-        return _fail(unknown_line(extras, _flags(parser, args.command), args.command))
+        argv = sys.argv[1:] if argv is None else list(argv)
+        return _fail(stray_value_line(argv, extras, _switches(parser, args.command))
+                     or unknown_line(extras, _flags(parser, args.command), args.command))
     if args.command is None:          # bare `kvpipe`: what it can do
         parser.print_help()
         return 0

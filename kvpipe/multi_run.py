@@ -47,7 +47,7 @@ def run_gpus(opts: RunOptions) -> GpusRunResult | None:
     from kvpipe.executor.dist.launch import launch, under_torchrun
     from kvpipe.executor.dist.rank import RankJob, rank_main
     from kvpipe.executor.engine import session
-    from kvpipe.hw_profiles import load_profile
+    from kvpipe.api import load_hw
     from kvpipe.sim.decide import Target
     from kvpipe.sim.multi_choice import decide_multi
     if opts.pp not in (None, 1):
@@ -59,7 +59,7 @@ def run_gpus(opts: RunOptions) -> GpusRunResult | None:
     spec = load_model(opts.model, opts.dtype)
     config = session.preset_config(spec) if preset(opts.model) else json.loads(_config_path(opts.model).read_text())
     work = Workload.parse(opts.context or DEFAULT_RUN_CONTEXT, opts.decode_tokens, opts.batch)
-    profile = load_profile(opts.hw or session.guess_profile(dev) or DEFAULT_HW)
+    profile = load_hw(opts.hw or session.guess_profile(dev) or DEFAULT_HW)
     budgets = opts.budgets(session.device_budget(dev), session.host_ram_bytes(), free_disk(opts.kv_dir))
     multi = decide_multi(spec, work, profile, budgets, opts.gpus, lambda rank: opts.request(rank), tp=opts.gpus,
                          pp=1, objective=opts.objective, target=Target(dev.type, False))

@@ -136,6 +136,35 @@ def test_an_unknown_flag_is_named_with_the_closest_one(capsys, argv, line):
     assert rc == 2 and err == f"kvpipe: error: {line}\n"
 
 
+@pytest.mark.parametrize("argv, line", [
+    (["plan", "--max-context", "128K"], "--max-context: takes no value here, got '128K' (it finds the largest "
+                                         "context that fits; --context gives one)"),
+    (["plan", "--json", "yes"], "--json: takes no value here, got 'yes'"),
+])
+def test_a_value_after_a_switch_names_the_switch(capsys, argv, line):
+    """Fault caught: `kvpipe plan --max-context 128K` (generate, chat and serve take TOKENS there)
+    answered "command: unexpected argument '128K' (plan takes flags only)", naming no flag."""
+    rc, _, err = _main(capsys, *argv)
+    assert rc == 2 and err == f"kvpipe: error: {line}\n", err
+
+
+@pytest.mark.parametrize("argv", [
+    ["plan", "--hw", "MISSING"],
+    ["plan", "--hw", "BROKEN"],
+    ["plan", "--hw", "MISSING,rtx4090"],                  # the buyer's table
+    ["generate", "--model", "TINY", "--random-weights", "--prompt-format", "ids", "--prompt", "1 2",
+     "--hw", "MISSING", "--device", "cpu"],
+])
+def test_a_missing_or_broken_profile_file_names_hw(capsys, tmp_path, tiny_config, argv):
+    """Fault caught: `--hw ./my-gpu.toml` missing or not TOML answered "kvpipe: error: hw profile
+    './my-gpu.toml': file not found", naming no flag (the API's check took any message starting
+    "hw" as already named)."""
+    (tmp_path / "broken.toml").write_text("[x")
+    sub = {"MISSING": str(tmp_path / "nothere.toml"), "BROKEN": str(tmp_path / "broken.toml"), "TINY": tiny_config}
+    rc, _, err = _main(capsys, *[",".join(sub.get(p, p) for p in a.split(",")) for a in argv])
+    assert rc == 2 and err.startswith("kvpipe: error: --hw: ") and len(err.strip().splitlines()) == 1, err
+
+
 @pytest.mark.parametrize("argv", [
     ["plan", "--context", "1M", "--resident", "all"],   # the planner finds no plan
     ["plan", "--gpu-mem", "1GB"],                        # the weights alone exceed the budget

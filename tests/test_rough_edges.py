@@ -1,7 +1,7 @@
 """What a new user hit with `kvpipe run` and `generate` on CPU: corrupt model files, an unwritable
 --kv-dir, a CPU run reported as a GPU prediction, a killed run's KV file left behind,
 transformers' progress bar under --no-progress / --json, and generate announcing a step count it
-does not run. Tiny models only."""
+does not run, a .gguf conversion cut short left in the cache. Tiny models only."""
 from __future__ import annotations
 
 import json
@@ -210,3 +210,63 @@ def test_generate_announces_at_most_and_reports_what_it_made(tmp_path, capsys):
     assert rc == 0, err
     assert "up to 8 new tokens" in err and "executing 9 steps" not in err, err
     assert "4 prompt + 1 generated tokens (finish: stop" in err, err
+
+
+@pytest.fixture
+def fake_gguf_loaders(tmp_path, monkeypatch):
+    """A `.gguf` path whose conversion runs without reading it: transformers' loaders faked, the
+    weights' write left to each test (`checkpoint._write_plain`)."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    import transformers
+
+    class _Tok:
+        def save_pretrained(self, d):
+            (d / "tokenizer.json").write_text("{}")
+
+    class _Loader:
+        @staticmethod
+        def from_pretrained(*a, **k):
+            return _Tok()
+
+    monkeypatch.setattr(transformers, "AutoTokenizer", _Loader)
+    monkeypatch.setattr(transformers, "AutoModelForCausalLM", _Loader)
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"GGUF")
+    return path, tmp_path / "cache"
+
+
+def test_an_interrupted_gguf_conversion_leaves_no_partial_copy(fake_gguf_loaders, monkeypatch):
+    """Fault caught: Ctrl-C (or a full disk) while a .gguf's weights are written left the folder
+    `<name>.tmp<pid>` with a partial safetensors file (the model's size) in the cache for good."""
+    from kvpipe import checkpoint
+    path, root = fake_gguf_loaders
+
+    def cut(model, out):
+        (out / "model.safetensors").write_bytes(b"x" * 4096)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(checkpoint, "_write_plain", cut)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.convert_gguf(path, root=root, quiet=True)
+    assert list((root / "gguf").iterdir()) == []
+
+
+def test_a_killed_conversions_folder_is_removed_by_the_next(fake_gguf_loaders, monkeypatch):
+    """Fault caught: a conversion killed outright (SIGKILL) left `<name>.tmp<pid>` (a partial copy
+    of the weights) that no later run reclaimed; a live process's folder must stay (it is still
+    converting)."""
+    from kvpipe import checkpoint
+    path, root = fake_gguf_loaders
+    out = checkpoint.gguf_dir(path, None, root)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    for pid in (gone.pid, os.getppid()):
+        (out.parent / f"{out.name}.tmp{pid}").mkdir(parents=True)
+        (out.parent / f"{out.name}.tmp{pid}" / "model.safetensors").write_bytes(b"x" * 4096)
+
+    def write(model, d):
+        (d / "config.json").write_text("{}")
+        (d / "model.safetensors").write_bytes(b"")
+    monkeypatch.setattr(checkpoint, "_write_plain", write)
+    assert checkpoint.convert_gguf(path, root=root, quiet=True) == out
+    assert sorted(p.name for p in out.parent.iterdir()) == sorted([out.name, f"{out.name}.tmp{os.getppid()}"])

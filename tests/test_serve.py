@@ -191,6 +191,22 @@ def test_oversized_body_unknown_route_and_method(server):
     assert httpx.get(server.url + "/health", timeout=10).json() == {"status": "ok"}
 
 
+def test_metrics_label_requests_by_route_not_by_the_raw_path(server):
+    """Fault caught: kvpipe_requests_total labelled by the path as sent, so every 404 probe
+    (`/v1/x1`, `/v1/x2`, ...) and model id asked (`/v1/models/a`) made a new series for good, and a
+    `"` in a path broke the exposition's label syntax."""
+    import re
+    for path in ("/v1/x1", "/v1/x2", '/v1/a"b', "/v1/models/a", "/v1/models/b"):
+        httpx.get(server.url + path, headers=AUTH, timeout=10)
+    m = httpx.get(server.url + "/metrics", headers=AUTH, timeout=10).text
+    labels = set(re.findall(r'^kvpipe_requests_total\{endpoint="([^"]*)",status="\d+"\} \d+$', m, re.M))
+    rows = [ln for ln in m.splitlines() if ln.startswith("kvpipe_requests_total")]
+    assert len(rows) == len(re.findall(r"^kvpipe_requests_total\{", m, re.M)) and rows
+    assert all(re.fullmatch(r'kvpipe_requests_total\{endpoint="[^"]*",status="\d+"\} \d+', r) for r in rows), rows
+    assert "unmatched" in labels and "/v1/models/{model:path}" in labels, labels
+    assert not labels & {"/v1/x1", "/v1/x2", "/v1/models/a", "/v1/models/b"}, labels
+
+
 @pytest.mark.skipif(shutil.which("curl") is None, reason="needs curl")
 def test_sse_framing_through_curl(server):
     # Fault caught: events not framed as `data: ...` + blank line, no `data: [DONE]`, the usage

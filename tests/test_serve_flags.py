@@ -1,5 +1,6 @@
-"""`kvpipe serve`'s flags checked before the model loads: a port already in use and a --max-context
-in the units the other commands take (16K). Run in process; nothing is served."""
+"""`kvpipe serve`'s flags checked before the model loads: a port already in use, a --host this
+machine does not have, and a --max-context in the units the other commands take (16K); the
+capped --cache-mem warning. Run in process; nothing is served."""
 import socket
 
 import pytest
@@ -62,3 +63,30 @@ def test_a_model_without_weights_names_model_not_max_context(smollm2, tmp_path, 
     rc = main(["serve", "--model", str(d), "--device", "cpu", "--port", str(port)])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err[-1].startswith("kvpipe: error: --model:"), err
+
+
+def test_a_host_not_of_this_machine_names_host_not_port(tiny_config, capsys, monkeypatch):
+    """Fault caught: `--host 192.0.2.1` (an address this machine does not have) answered
+    "--port: 192.0.2.1:8000 cannot be bound ...; another server may be on it", sending the user
+    to change a port that was never the problem."""
+    import kvpipe.generation as generation
+    monkeypatch.setattr(generation, "load", lambda *a, **k: pytest.fail("the model loaded before the host was checked"))
+    rc = main(["serve", "--model", str(tiny_config), "--random-weights", "--device", "cpu",
+               "--host", "192.0.2.1", "--port", "8000"])   # TEST-NET-1: no machine's own address
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("kvpipe: error: --host: 192.0.2.1 "), err
+
+
+def test_a_capped_cache_budget_is_a_warning_in_binary_units(capsys, monkeypatch, tmp_path):
+    """Fault caught: "kvpipe: --cache-mem capped to the 25275969536 bytes free in /dev/shm", a raw
+    byte count where every other printed size is binary (GiB), and no `warning:`."""
+    import argparse
+
+    import kvpipe.serve.cache_store as store
+    from kvpipe.serve.cli import _cache
+    monkeypatch.setattr(store, "free_bytes", lambda path: 3 << 30)
+    args = argparse.Namespace(cache_dir=str(tmp_path), kv_dir=None)
+    cache = _cache(args, {"cache_mem": 1 << 40, "cache_disk": 0})
+    err = capsys.readouterr().err
+    assert cache.budget["host"] == 3 << 30
+    assert err.startswith("kvpipe: warning: --cache-mem capped to the 3.0 GiB free in "), err

@@ -41,13 +41,20 @@ class Server:
     max_body_bytes: int = 1 << 20
 
 
+def _endpoint(request: Request) -> str:
+    """The /metrics label of a request: its route's template (`/v1/models/{model:path}`), or
+    `unmatched`; never the raw path, which any client could make a new series of each time."""
+    route = request.scope.get("route")
+    return getattr(route, "path", None) or "unmatched"
+
+
 def create_app(s: Server) -> FastAPI:
     app = FastAPI(title="kvpipe", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=_lifespan(s))
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
-        s.metrics.request(request.url.path, e.status)
+        s.metrics.request(_endpoint(request), e.status)
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(HTTPException)
@@ -153,9 +160,9 @@ async def _complete(s: Server, request: Request, kind: str):
             parts.append(await job.events.get())
         if parts[-1][0] == "error":
             raise parts[-1][1]
-        s.metrics.request(request.url.path, 200)
+        s.metrics.request(_endpoint(request), 200)
         return JSONResponse(responses.whole(s.name, q, len(ids), parts[-1][1]))
-    s.metrics.request(request.url.path, 200)
+    s.metrics.request(_endpoint(request), 200)
     return StreamingResponse(_events(s, q, job, len(ids), first), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 

@@ -5,11 +5,13 @@ imported only when the server starts, so `kvpipe plan` never needs them."""
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 import tempfile
 
 from kvpipe.generate_cli import token_count
+from kvpipe.pipeline.units import fmt_bytes
 
 API_KEY_ENV = "KVPIPE_API_KEY"
 PLANNED_NEW_TOKENS = 256      # the decode length the server's plan is decided for
@@ -92,6 +94,9 @@ def _bindable(host: str, port: int) -> None:
         try:
             sock.bind(addr)
         except OSError as e:
+            if e.errno == errno.EADDRNOTAVAIL:   # the address is not this machine's: --host, not --port
+                raise ValueError(f"host: {host} is not an address of this machine ({e.strerror}); "
+                                 "127.0.0.1 is this machine only, 0.0.0.0 every interface") from None
             raise ValueError(f"port: {host}:{port} cannot be bound ({e.strerror}); "
                              "another server may be on it") from None
 
@@ -137,7 +142,7 @@ def _cache(args, sizes: dict):
     ram = ram_parent()
     mem = min(sizes["cache_mem"], free_bytes(ram))
     if mem < sizes["cache_mem"]:
-        print(f"kvpipe: --cache-mem capped to the {mem} bytes free in {ram}", file=sys.stderr)
+        print(f"kvpipe: warning: --cache-mem capped to the {fmt_bytes(mem)} free in {ram}", file=sys.stderr)
     disk = args.cache_dir or args.kv_dir or tempfile.gettempdir()
     return PrefixCache(DirStore({"host": ram, "disk": str(disk)}), mem, sizes["cache_disk"])
 
