@@ -81,3 +81,28 @@ def test_sigterm_mid_whole_request_is_503(server):
     err = json.loads(r.text)["error"]
     assert (err["type"], err["code"]) == ("service_unavailable_error", "shutting_down") and "cut after" in err["message"]
     _exited_cleanly(server, signal.SIGTERM, t0)
+
+
+@pytest.mark.parametrize("sig, raised", [(signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, KeyboardInterrupt)])
+def test_a_signal_uvicorn_returns_from_still_stops_with_its_code(monkeypatch, sig, raised):
+    """Fault caught: `kvpipe serve` stopped by SIGINT exiting 0 when uvicorn's re-raised signal
+    only cancelled asyncio's main task after it had already ended (seen in CI: exit 0, not 130):
+    the signal's own exit must not rest on that race."""
+    from types import SimpleNamespace
+
+    import uvicorn
+
+    from kvpipe.executor.engine.interrupts import Terminated
+    from kvpipe.serve import cli as serve_cli
+
+    def run(self, *a, **k):   # uvicorn handling the signal, then returning as in the race
+        self.handle_exit(sig, None)
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    cancelled = []
+    engine = SimpleNamespace(cancel_all=lambda: cancelled.append(1),
+                             conv=SimpleNamespace(engine=SimpleNamespace(plan=SimpleNamespace(describe=lambda: "p"))))
+    args = SimpleNamespace(host="127.0.0.1", port=0, log_level="warning")
+    with pytest.raises(raised) as e:
+        serve_cli._serve(args, object(), SimpleNamespace(name="m", api_key=None, engine=engine))
+    assert cancelled == [1]
+    assert isinstance(e.value, Terminated) == (sig == signal.SIGTERM)

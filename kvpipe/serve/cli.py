@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import signal
 import sys
 import tempfile
 
@@ -175,7 +176,15 @@ def _serve(args, app, server) -> None:
     print(f"kvpipe: plan: {server.engine.conv.engine.plan.describe()}", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=30)
-    _graceful(config, server.engine).run()
+    from kvpipe.executor.engine.interrupts import Terminated
+    graceful = _graceful(config, server.engine)
+    graceful.run()
+    # uvicorn raises the signal again after its shutdown, but asyncio's SIGINT handler, which it
+    # then calls, only cancels a task that may end without seeing it: the exit code said 0
+    if graceful.stopped_by == signal.SIGINT:
+        raise KeyboardInterrupt("interrupted")
+    if graceful.stopped_by == signal.SIGTERM:
+        raise Terminated("terminated (SIGTERM)")
 
 
 def _graceful(config, engine):
@@ -184,7 +193,10 @@ def _graceful(config, engine):
     import uvicorn
 
     class Graceful(uvicorn.Server):
+        stopped_by = None   # the signal that stopped it
+
         def handle_exit(self, sig, frame):
+            self.stopped_by = self.stopped_by or sig
             engine.cancel_all()
             super().handle_exit(sig, frame)
     return Graceful(config)
