@@ -127,23 +127,14 @@ def convert_gguf(path: str | os.PathLike, dtype: str | None = None, root: Path |
 def _sweep_dead(out: Path, quiet: bool) -> None:
     """Removes `out`'s temporary folders whose converting process is gone (SIGKILL, a crash):
     each holds a partial copy of the weights that nothing else would reclaim."""
+    from kvpipe.executor.disk.io import alive
     for tmp in out.parent.glob(out.name + ".tmp*"):
         pid = tmp.name[len(out.name) + 4:]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not alive(int(pid)):
             shutil.rmtree(tmp, ignore_errors=True)
             if not quiet:
                 print(f"kvpipe: removed {tmp.name}, left by a conversion whose process is gone",
                       file=sys.stderr)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:   # another user's live process
-        return True
-    return True
 
 
 def _write_plain(model, out: Path) -> None:

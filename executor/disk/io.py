@@ -119,7 +119,8 @@ def lock(fd: int) -> None:
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (another user's counts as running)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -137,7 +138,7 @@ def left_behind(directory: str, name: re.Pattern) -> list[str]:
     except OSError:
         return []
     return [n for n in names if (m := name.fullmatch(n)) is not None
-            and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1)))]
+            and int(m.group(1)) != os.getpid() and not alive(int(m.group(1)))]
 
 
 def reclaim(kv_dir: str) -> tuple[int, int]:
