@@ -72,16 +72,21 @@ def _wide_buffer(params, method: str):
     import torch
     if method != "lines" or not params:
         return None
-    wide = torch.int32 if all(_narrow(t) for _, t in params) else torch.int64
+    wide = max((_block_type(t.element_size(), _cols(t)) for _, t in params), key=lambda d: d.itemsize)
     return torch.empty(min(LINE_BLOCK, max(t.numel() for _, t in params)), dtype=wide,
                        device=params[0][1].device)
 
 
-def _narrow(t) -> bool:
-    """Whether `lines` may sum `t`'s bits in int32 blocks: elements of 2 bytes or less, rows and
-    row blocks shorter than 2**16 (|sum| < 2**16 * 2**15)."""
-    cols = t.shape[-1] if t.dim() > 1 else t.numel()
-    return t.element_size() <= 2 and cols < (1 << 16) and LINE_BLOCK // max(cols, 1) < (1 << 16)
+def _cols(t) -> int:
+    """The row length `lines` lays `t`'s bits out in: its last dim (a 1-D tensor is one row)."""
+    return t.shape[-1] if t.dim() > 1 else t.numel()
+
+
+def _block_type(element_size: int, cols: int):
+    """int32 where a block's row and column sums stay exact in it (bits of 2 bytes or less, rows
+    and row blocks shorter than 2**16: |sum| < 2**16 * 2**15), else int64."""
+    import torch
+    return torch.int32 if element_size <= 2 and cols < (1 << 16) else torch.int64
 
 
 def _tensor_hash(t, method: str, buf=None):
@@ -96,8 +101,7 @@ def _tensor_hash(t, method: str, buf=None):
         import crc32c
         return str(crc32c.crc32c(flat.cpu().contiguous().numpy()))
     if method == "lines":
-        return _line_sums(flat, t.shape[-1] if t.dim() > 1 else flat.numel(), buf if _narrow(t) or buf is None
-                          or buf.dtype == torch.int64 else None)
+        return _line_sums(flat, _cols(t), buf)
     coef = torch.arange(min(flat.numel(), 1 << 22), device=flat.device, dtype=torch.int64) * 2 + 1
     sums = torch.zeros(2, dtype=torch.int64, device=flat.device)
     for i in range(0, flat.numel(), coef.numel()):
@@ -114,9 +118,8 @@ def _line_sums(flat, cols: int, buf=None):
     under a capped allocator cost more than the sums). Any two unequal elements swapped change a
     row or a column."""
     import torch
-    m = flat.view(-1, cols)
-    if buf is None or buf.device != m.device or buf.numel() < cols:
-        wide = torch.int32 if flat.element_size() <= 2 and cols < (1 << 16) else torch.int64
+    m, wide = flat.view(-1, cols), _block_type(flat.element_size(), cols)
+    if buf is None or buf.device != m.device or buf.numel() < cols or buf.dtype.itemsize < wide.itemsize:
         buf = torch.empty(min(max(LINE_BLOCK, cols), m.numel()), dtype=wide, device=m.device)
     step = min(buf.numel() // cols, (1 << 16) - 1) if buf.dtype == torch.int32 else buf.numel() // cols
     rows, cols_ = [], torch.zeros(cols, dtype=torch.int64, device=m.device)
