@@ -121,8 +121,7 @@ def decide_run(opts: RunOptions, spec, work: Workload, session, dev) -> tuple:
     the decision layer's plan, refused (NoPlanFits, ValueError) before anything is allocated.
     `kvpipe run` and a Conversation's engine decide through here."""
     from kvpipe.sim.decide import Target, decide
-    profile = load_hw(opts.hw or session.guess_profile(dev) or DEFAULT_HW)
-    budgets = opts.budgets(session.device_budget(dev), session.host_ram_bytes(), free_disk(opts.kv_dir))
+    profile, budgets = machine(opts, session, dev)
     check_weights(spec, budgets)
     req = opts.request(spec)
     session.check_codecs(req.codecs, dev)
@@ -131,6 +130,13 @@ def decide_run(opts: RunOptions, spec, work: Workload, session, dev) -> tuple:
     if decision.predicted.problems:
         raise NoPlanFits(f"budget: the plan does not fit: {'; '.join(decision.predicted.problems)}")
     return profile, budgets, req, decision
+
+
+def machine(opts: RunOptions, session, dev) -> tuple:
+    """(profile, budgets) of a run on `dev`: --hw, else the profile of the GPU found, else
+    DEFAULT_HW; the budgets of this machine's GPU, RAM and --kv-dir's disk as the options cap them."""
+    profile = load_hw(opts.hw or session.guess_profile(dev) or DEFAULT_HW)
+    return profile, opts.budgets(session.device_budget(dev), session.host_ram_bytes(), free_disk(opts.kv_dir))
 
 
 def load_hw(name):

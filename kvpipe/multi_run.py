@@ -13,8 +13,7 @@ from pathlib import Path
 from kvpipe.pipeline.model import load_model, preset
 from kvpipe.pipeline.workload import Workload
 
-from .inputs import free_disk
-from .options import DEFAULT_HW, DEFAULT_RUN_CONTEXT, RunOptions
+from .options import DEFAULT_RUN_CONTEXT, RunOptions
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,7 @@ def run_gpus(opts: RunOptions) -> GpusRunResult | None:
     from kvpipe.executor.dist.launch import launch, under_torchrun
     from kvpipe.executor.dist.rank import RankJob, rank_main
     from kvpipe.executor.engine import session
-    from kvpipe.api import load_hw
+    from kvpipe.api import machine
     from kvpipe.sim.decide import Target
     from kvpipe.sim.multi_choice import decide_multi
     if opts.pp not in (None, 1):
@@ -59,8 +58,7 @@ def run_gpus(opts: RunOptions) -> GpusRunResult | None:
     spec = load_model(opts.model, opts.dtype)
     config = session.preset_config(spec) if preset(opts.model) else json.loads(_config_path(opts.model).read_text())
     work = Workload.parse(opts.context or DEFAULT_RUN_CONTEXT, opts.decode_tokens, opts.batch)
-    profile = load_hw(opts.hw or session.guess_profile(dev) or DEFAULT_HW)
-    budgets = opts.budgets(session.device_budget(dev), session.host_ram_bytes(), free_disk(opts.kv_dir))
+    profile, budgets = machine(opts, session, dev)
     multi = decide_multi(spec, work, profile, budgets, opts.gpus, lambda rank: opts.request(rank), tp=opts.gpus,
                          pp=1, objective=opts.objective, target=Target(dev.type, False))
     if multi.predicted.problems:

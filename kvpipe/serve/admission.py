@@ -34,16 +34,15 @@ class Budgets:
     def of(cls, model: str, options: dict) -> "Budgets":
         """As kvpipe.run derives them for `model` (a run's --model) and the plan options."""
         from kvpipe import api
-        from kvpipe.inputs import check_weights, free_disk
-        from kvpipe.options import DEFAULT_HW, RunOptions
+        from kvpipe.inputs import check_weights
+        from kvpipe.options import RunOptions
         from kvpipe.pipeline.model import load_model
         from kvpipe.sim.decide import Target
         session = api._executor()
         opts = RunOptions(model=model, **options)
         dev = session.resolve_device(opts.device)
         spec = load_model(model, opts.dtype)
-        profile = api.load_hw(opts.hw or session.guess_profile(dev) or DEFAULT_HW)
-        budgets = opts.budgets(session.device_budget(dev), session.host_ram_bytes(), free_disk(opts.kv_dir))
+        profile, budgets = api.machine(opts, session, dev)
         check_weights(spec, budgets)
         return cls(spec, profile, budgets, opts.request(spec), Target(dev.type, session.h2d_codec_runs(dev)))
 
