@@ -180,7 +180,7 @@ def _serve(args, app, server) -> None:
     graceful = _graceful(config, server.engine)
     graceful.run()
     # uvicorn raises the signal again after its shutdown, but asyncio's SIGINT handler, which it
-    # then calls, only cancels a task that may end without seeing it: the exit code said 0
+    # then calls, only cancels a task that may end without seeing it (the process would exit 0)
     if graceful.stopped_by == signal.SIGINT:
         raise KeyboardInterrupt("interrupted")
     if graceful.stopped_by == signal.SIGTERM:
