@@ -47,6 +47,7 @@ for spec in "$@"; do
               tail -3 "$OUT/${TRACE_TAG:-run}.err"; python3 -c "import json,sys; j=json.load(open(sys.argv[1])); print({k: (j['measured'][k], j['predicted'][k]) for k in ('prefill_s', 'decode_s_per_token')})" "$OUT/${TRACE_TAG:-run}.json" ;;
     fprate) timeout "$lim" python3 -m experiments.fingerprint_rate --out "$OUT/fingerprint-rate.json" 2>&1 | grep -v Warning | tail -24 ;;
     floors) timeout "$lim" python3 -m experiments.family_floors ${FLOORS_ARGS:-} --out "$OUT/family-floors.json" 2>&1 | grep -v Warning | tail -6 ;;
+    dkernel) timeout "$lim" python3 -m experiments.decode_kernel ${DK_ARGS:-} --out "$OUT/decode-kernel.json" 2>&1 | grep -v Warning | tail -${DK_TAIL:-80} ;;
     stash) echo "stashed: $(ls -la /tmp/gguf_aa 2>&1)" ;;
     *) echo "unknown step $step" ;;
   esac

@@ -18,11 +18,12 @@ Decode and short chunks stay on FA2 in `auto`: cuDNN builds one execution plan p
 not. The choice counts the chunk's tokens, not the query rows of the prefix call (the GQA heads
 folded into them), as pipeline/cost.py models it.
 
-`attend_decode` is the decode kernel of graph replay (executor/replay/capture.py): FA2's varlen forward
-over an interleaved KV buffer, the number of keys read from a device tensor (`seqused_k`) and the
-capacity only an upper bound, so one captured launch serves every prefix length. It attends the
-step's own K/V in the same call (written into the buffer first), so its bits differ from the eager
-prefix + own + merge path (same function, other rounding); both are exact in placement.
+`attend_decode` is the decode kernel of graph replay (executor/replay/capture.py): a split-KV Triton
+kernel pair (executor/layers/decode_triton.py; FA2's varlen forward where it cannot run) over an
+interleaved KV buffer, the number of keys read from a device tensor and the capacity only an
+upper bound, so one captured launch serves every prefix length. It attends the step's own K/V in
+the same call (written into the buffer first), so its bits differ from the eager prefix + own +
+merge path (same function, other rounding); both are exact in placement.
 """
 
 import functools
@@ -30,6 +31,8 @@ import os
 from typing import NamedTuple
 
 import torch
+
+from kvpipe.executor.layers import decode_triton
 
 _CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _CUDA_FLASH_DTYPES = (torch.bfloat16, torch.float16)
@@ -224,12 +227,15 @@ def attend_decode(q: torch.Tensor, kv: torch.Tensor, lens: torch.Tensor, cu_q: t
     q [1, Hq, 1, D] (last dim contiguous); kv [1, G, S, 2, D] interleaved (a layer's resident heads
     or a transfer slot), the step's own K/V already at position lens-1; lens int32 [1] on the device,
     1 <= lens <= S; cu_q = (0, 1) and cu_k = (0, S) int32 on the device. Returns [1, 1, Hq, D].
-    CUDA bf16/fp16 only (FA2 varlen with split-KV; splits are fixed by S, not by lens)."""
+    CUDA bf16/fp16 only: executor/layers/decode_triton.py's kernels where they run (splits at fixed
+    key positions), else FA2 varlen with split-KV (its splits fixed by S, not by lens)."""
     B, Hq, T, D = q.shape
     G, S = kv.shape[1], kv.shape[2]
     assert B == 1 and T == 1 and kv.shape == (1, G, S, 2, D) and Hq % G == 0, (q.shape, kv.shape)
     assert q.device.type == "cuda" and q.dtype in _CUDA_FLASH_DTYPES and kv.dtype == q.dtype, (q.device, q.dtype)
     assert lens.dtype == cu_q.dtype == cu_k.dtype == torch.int32 and lens.shape == (1,), (lens.dtype, lens.shape)
+    if decode_triton.unavailable(q, kv) is None:
+        return decode_triton.attend(q, kv, lens, scale)
     k = kv[0, :, :, 0].transpose(0, 1)  # [S, G, D], strides (2D, S*2D, 1): read in place
     v = kv[0, :, :, 1].transpose(0, 1)
     res = torch.ops.aten._flash_attention_forward(q[0, :, 0].unsqueeze(0), k, v, cu_q, cu_k, 1, S, 0.0,

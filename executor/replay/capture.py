@@ -27,6 +27,7 @@ import torch
 from kvpipe.pipeline.stage import Graph, Kind, Lane, Phase, Stage
 from kvpipe.pipeline.trace import Span
 
+from kvpipe.executor.layers import decode_triton
 from kvpipe.executor.replay import sparse_step as lossy_replay
 from kvpipe.executor.replay.device_step import DeviceStep, ReplayInterpreter
 from kvpipe.executor.replay.window_step import open_windows
@@ -254,7 +255,9 @@ class DecodeReplay:
                 print(f"kvpipe: fused decode pieces compiled and warmed in {self.compile_s:.1f} s", file=sys.stderr, flush=True)
         if self.lossy:
             self._first_sparse_step()
-        if self.capture:
+        if self.capture:   # the decode attention's kernels compiled outside the captures
+            m = self.graph.model
+            decode_triton.warm(self.store.device, self.store.dtype, m.q_heads, m.kv_heads, m.head_dim)
             self._capture_all()
         dev = self.dev
         marks: dict[int, tuple] = {}
