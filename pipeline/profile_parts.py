@@ -51,7 +51,7 @@ class CodecRates:
 @dataclass(frozen=True)
 class DecodeAttention:
     """The replayed decode attention call on one machine for `group` KV heads per call
-    (executor/attention.attend_decode, FA2 varlen split-KV): `call_s + kv_bytes / bytes_per_s`,
+    (executor/attention.attend_decode, split-KV: Triton or FA2): `call_s + kv_bytes / bytes_per_s`,
     measured by `kvpipe calibrate` ([gpu.decode_attention.g<group>]). Few heads per call read
     their K/V far below the copy rate, so the rate is per group size."""
 

@@ -124,7 +124,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @cuda
 def test_the_compiled_triton_decode_attention_on_cuda(monkeypatch):
     # Faults caught: as the interpreter test, compiled (the interpreter runs no tile layout, no
-    # pipelining); its output away from FA2's varlen call by more than rounding; a captured replay
+    # pipelining); its output away from FA2's varlen call by more than rounding, or no closer to
+    # float64 than FA2's (P rounded once to bf16 in the P.V product); a captured replay
     # giving other bits than the eager call (or not following lens moved on the device); and a
     # capture of a variant not compiled before it let through (it would compile inside the capture).
     from kvpipe.executor.layers.attention import attend_decode
@@ -141,6 +142,19 @@ def test_the_compiled_triton_decode_attention_on_cuda(monkeypatch):
         wide = torch.full((1, kv.shape[1], kv.shape[2] + 700, 2, kv.shape[-1]), float("nan"), dtype=kv.dtype, device="cuda")
         wide[:, :, :kv.shape[2]] = kv
         assert torch.equal(got.view(torch.int16), decode_triton.attend(q, wide, lens, scale).view(torch.int16)), case
+    errs = []
+    for i in range(6):   # nearer the float64 softmax rounded to bf16 than FA2 (P kept to ~16 bits, not 8)
+        q2, kv2, lens2, sc = _inputs((2, 4, 128, 4000, 2000 + 333 * i, "bfloat16", None), 100 + i, "cuda")
+        kv2 = torch.nan_to_num(kv2)
+        ref = reference(q2.cpu(), kv2.cpu(), int(lens2), sc).to(torch.bfloat16).double()
+        mine = (decode_triton.attend(q2, kv2, lens2, sc).cpu().double() - ref).norm().item()
+        monkeypatch.setenv("KVPIPE_DECODE", "flash")
+        cu_k2 = torch.tensor([0, kv2.shape[2]], dtype=torch.int32, device="cuda")
+        theirs = (attend_decode(q2, kv2, lens2, cu_q, cu_k2, sc).cpu().double() - ref).norm().item()
+        monkeypatch.delenv("KVPIPE_DECODE")
+        errs.append((mine, theirs))
+    print("decode attention error vs float64 (triton, FA2):", errs)
+    assert sum(a for a, _ in errs) < sum(b for _, b in errs), errs
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = decode_triton.attend(q, kv, lens, scale)

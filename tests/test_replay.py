@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvpipe.executor.layers.adapter import HFAdapter
@@ -123,24 +123,42 @@ def test_replay_offloaded_equals_resident_bitwise(tiny_model, case, family):
     assert torch.equal(off.tokens, ref.tokens), case
 
 
+def exact_logits(model, ids: torch.Tensor, out) -> torch.Tensor:
+    """float64 logits (CPU, HF's own forward over the same bf16 weights) at the positions of
+    out.step_logits: the prompt's last, then each decode step's input (out.tokens)."""
+    import copy
+    m64 = copy.deepcopy(model).to("cpu", torch.float64)
+    steps = out.step_logits.shape[0]
+    seq = torch.cat([ids, out.tokens[:, :steps - 1].cpu()], 1)
+    with torch.no_grad():
+        return m64(seq).logits[0, ids.shape[1] - 1:].double()
+
+
+def rel_errors(got: torch.Tensor, ref: torch.Tensor) -> list[float]:
+    return [((g.double().cpu() - r).norm() / r.norm()).item() for g, r in zip(got.reshape(ref.shape), ref)]
+
+
+# a case whose replayed logits sit 2.1-2.6% from the eager path's (both bf16 runs of a random model)
+NEAR_BOUND = dict(context=122, decode=2, chunk=100, group=1, decode_group=1, depth=1, decode_depth=1,
+                  resident=0, seed=149314)
+
+
 @pytest.mark.gpu
 @settings(max_examples=8, deadline=None)
 @given(case=cases())
-def test_replay_matches_eager_within_bf16_rounding(tiny_model, case):
+@example(case=NEAR_BOUND)
+def test_replay_is_as_close_to_float64_as_the_eager_path(tiny_model, case):
     """Fault caught: replay computing another function (wrong rope position, keys missed or
-    attended twice): its logits must stay within bf16 rounding of the eager path, and its
-    greedy tokens equal until a step where eager's top two logits are within that rounding."""
+    attended twice): against the float64 forward of the same weights (HF's, over each run's own
+    tokens), the replayed decode steps must be no further off than the eager path's bf16 steps
+    (1.5x their summed relative error; the decode kernels differ in rounding, not in function)."""
     model = cuda_model(tiny_model)
     rep, eager = run(model, case, "on"), run(model, case, "off")
     assert torch.equal(rep.step_logits[0], eager.step_logits[0])   # the prefill is the same code
-    for k in range(1, case["decode"] + 1):
-        a, b = rep.step_logits[k].double(), eager.step_logits[k].double()
-        err = ((a - b).norm() / b.norm()).item()
-        assert err < 2e-2, (k, err, case)
-        if not torch.equal(rep.tokens[:, k], eager.tokens[:, k]):   # a flip needs a gap < 2 max|a - b|
-            top2 = b.topk(2, dim=-1).values[0]
-            assert (top2[0] - top2[1]).item() <= 2 * (a - b).abs().max().item(), (k, case)
-            break
+    ids = torch.randint(0, 1024, (1, case["context"]), generator=torch.Generator().manual_seed(case["seed"]))
+    e_rep = rel_errors(rep.step_logits, exact_logits(model, ids, rep))[1:]
+    e_eager = rel_errors(eager.step_logits, exact_logits(model, ids, eager))[1:]
+    assert sum(e_rep) <= 1.5 * sum(e_eager), (e_rep, e_eager, case)
 
 
 @pytest.mark.gpu

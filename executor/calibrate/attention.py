@@ -13,6 +13,7 @@ import torch
 from kvpipe.pipeline.calibration import Calibration, fit_alpha_beta_relative
 
 from kvpipe.executor.calibrate.timing import MiB, cuda_median_s, graph_median_s
+from kvpipe.executor.layers import decode_triton
 from kvpipe.executor.layers.attention import attend_decode, attend_part
 
 
@@ -109,7 +110,8 @@ COLD_BYTES = 256 * MiB   # KV a graph of decode calls reads: several times the L
 
 def decode_attention_point(G: int, L: int, r: int = 4, d: int = 128, reps: int = 5) -> tuple[int, float, int]:
     """GPU seconds of one `attend_decode` call (executor/layers/attention.py, the kernel a replayed decode
-    step runs per head group: FA2 varlen split-KV, the length read on the device) of G KV heads
+    step runs per head group: the Triton split-KV pair, or FA2's where it cannot run; the length read
+    on the device) of G KV heads
     over L keys, in a buffer of capacity L + 16 (a store's capacity is context + decode tokens).
     `calls` calls, each over its own buffer so that a graph reads at least COLD_BYTES (a step's
     K/V is not in L2: every layer's weights pass between), captured in one CUDA graph as replay
@@ -133,6 +135,13 @@ def decode_attention_point(G: int, L: int, r: int = 4, d: int = 128, reps: int =
     return G * L * 2 * d * dt.itemsize, sec, calls
 
 
+def decode_kernel_label() -> str:
+    """The kernel `attend_decode` runs at the probe's shapes on this GPU: Triton or FA2."""
+    q = torch.empty(1, 4, 1, 128, dtype=torch.bfloat16, device="cuda")
+    kv = torch.empty(1, 1, 1, 2, 128, dtype=torch.bfloat16, device="cuda")
+    return "FA2 varlen" if decode_triton.unavailable(q, kv) else "Triton"
+
+
 def decode_attention(cal: Calibration, groups=DECODE_GROUPS, lengths=DECODE_LENGTHS) -> None:
     """Per group size G (KV heads per call), the replayed decode attention call as `call_s +
     bytes / bytes_per_s` (relative least squares over `lengths`): a per-call cost (launch of the
@@ -142,7 +151,7 @@ def decode_attention(cal: Calibration, groups=DECODE_GROUPS, lengths=DECODE_LENG
     for G in groups:
         pts = [decode_attention_point(G, L) for L in lengths]
         call_s, rate = fit_alpha_beta_relative([b for b, _, _ in pts], [t for _, t, _ in pts])
-        how = (f"attend_decode (FA2 varlen split-KV, GQA 4:1, D=128, bf16) of {G} KV heads over "
+        how = (f"attend_decode ({decode_kernel_label()} split-KV, GQA 4:1, D=128, bf16) of {G} KV heads over "
                f"{list(lengths)} keys, each length a CUDA graph of calls over distinct buffers")
         cal.set(f"gpu.decode_attention.g{G}.call_s", call_s, how + "; intercept of the relative least-squares fit t = call_s + bytes/rate")
         cal.set(f"gpu.decode_attention.g{G}.bytes_per_s", rate, how + "; slope of the same fit (K/V bytes read)")

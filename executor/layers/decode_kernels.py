@@ -47,7 +47,9 @@ def split_attend(q_ptr, kv_ptr, lens_ptr, o_ptr, lse_ptr, scale2,
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m - m_new)
         l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        hi = p.to(v.dtype)   # P as two model-dtype terms: P.V to ~16 bits of P, not FA2's 8
+        lo = (p - hi.to(tl.float32)).to(v.dtype)
+        acc = acc * alpha[:, None] + tl.dot(hi, v) + tl.dot(lo, v)
         m = m_new
     out = acc / l[:, None]
     keep = (rows < R)[:, None]

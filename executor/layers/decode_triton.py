@@ -5,8 +5,10 @@ combine is one small kernel.
 
   split_attend  grid (KV head, split): the R query heads of one KV head (padded to a 16-row tile)
                 against the keys [split * SPLIT, min((split + 1) * SPLIT, lens)) in tiles of
-                BLOCK_N, an online softmax in float32 (scores in log2 units, probabilities
-                rounded to the model dtype for the P.V product, as FA2 does); writes the split's
+                BLOCK_N, an online softmax in float32 (scores in log2 units; the probabilities
+                enter the P.V product as a sum of two model-dtype terms, so P keeps ~16 bits where
+                FA2 rounds it to the model dtype's 8: twice the tensor-core work of a kernel that
+                waits on memory); writes the split's
                 output, normalised within the split, and its log2-sum-exp2. Splits at or past
                 `lens` (read on the device) return at once: the grid is sized by the buffer.
   combine       grid (query head): the splits below lens in split order, weighted by 2^(lse -
@@ -31,8 +33,8 @@ SPLIT = 512         # keys per split: 16 splits x 8 KV heads fill an H200's 132 
 BLOCK_N = 64        # keys per tile of a split's loop
 BLOCK_S = 64        # splits per iteration of the combine's loops
 ROWS = 16           # query rows of a tile: tl.dot's smallest M
-WARPS = 4
-STAGES = 2
+WARPS = 4           # 8 were slower at every point timed (docs/PERFORMANCE.md)
+STAGES = 3          # loads in flight a program: 16 us at 8K keys, 8 KV heads, against 21 us at 2
 DTYPES = (torch.bfloat16, torch.float16)
 SETTINGS = ("auto", "flash")
 _warm: set[tuple] = set()
