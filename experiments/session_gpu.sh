@@ -4,7 +4,7 @@
 #   bash experiments/session_gpu.sh STEP[:SECONDS] ...
 # Steps: gputests robust (ROWS, P, RTAG) robust32 robustres hfgen32 hfgen128 savekv smollm (needs out/g1 + out/g2 carried
 # over two calls: the SmolLM2 GGUF in two halves) serve needle hybrid captured chatturns servecache calib
-# resprof hostmap fprate floors (HYB_STAGE, HYB_ARGS for hybrid)
+# resprof hostmap fprate floors gemv dkernel (HYB_STAGE, HYB_ARGS for hybrid)
 set -u
 R=$(pwd)
 if [ -z "${SKIP_INSTALL:-}" ]; then
@@ -47,6 +47,7 @@ for spec in "$@"; do
               tail -3 "$OUT/${TRACE_TAG:-run}.err"; python3 -c "import json,sys; j=json.load(open(sys.argv[1])); print({k: (j['measured'][k], j['predicted'][k]) for k in ('prefill_s', 'decode_s_per_token')})" "$OUT/${TRACE_TAG:-run}.json" ;;
     fprate) timeout "$lim" python3 -m experiments.fingerprint_rate --out "$OUT/fingerprint-rate.json" 2>&1 | grep -v Warning | tail -24 ;;
     floors) timeout "$lim" python3 -m experiments.family_floors ${FLOORS_ARGS:-} --out "$OUT/family-floors.json" 2>&1 | grep -v Warning | tail -6 ;;
+    gemv) timeout "$lim" python3 -m experiments.gemv ${GEMV_ARGS:-} --out "$OUT/gemv.json" 2>&1 | grep -v Warning | tail -${GEMV_TAIL:-40} ;;
     dkernel) timeout "$lim" python3 -m experiments.decode_kernel ${DK_ARGS:-} --out "$OUT/decode-kernel.json" 2>&1 | grep -v Warning | tail -${DK_TAIL:-80} ;;
     stash) echo "stashed: $(ls -la /tmp/gguf_aa 2>&1)" ;;
     *) echo "unknown step $step" ;;

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from kvpipe.executor.layers import gemv_triton
 from kvpipe.pipeline.calibration import Calibration
 
 CYCLES_PER_S = 2.0e9   # the sleep kernel counts GPU cycles; at a lower clock it only sleeps longer
@@ -87,7 +88,8 @@ def stage_gemms(dev: torch.device, T: int, hidden: int, inner: int, q_dim: int, 
                 fused: bool = False):
     """(qkv stage, mlp stage): each a callable running the stage's GEMMs at T tokens as the HF
     modules run them (q, k, v projections; o, gate, up, down), or with `fused` as the fused decode
-    step does (executor/layers/fused.py: q/k/v one GEMM, gate/up one), and each stage's FLOPs."""
+    step does (executor/layers/fused.py: q/k/v one GEMM, gate/up one, one-token rows by
+    gemv_triton's kernel), and each stage's FLOPs."""
     shapes = {"o": (hidden, q_dim), "down": (hidden, inner)}
     if fused:
         shapes.update({"qkv": (q_dim + 2 * kv_dim, hidden), "gate_up": (2 * inner, hidden)})
@@ -99,16 +101,17 @@ def stage_gemms(dev: torch.device, T: int, hidden: int, inner: int, q_dim: int, 
     a = torch.randn(T, q_dim, device=dev, dtype=dt)
     h = torch.randn(T, inner, device=dev, dtype=dt)
     first, middle = (["qkv"], ["gate_up"]) if fused else (["q", "k", "v"], ["gate", "up"])
+    mm = gemv_triton.linear if fused else torch.nn.functional.linear   # as each step runs them
 
     def qkv() -> None:
         for n in first:
-            x @ w[n].T
+            mm(x, w[n])
 
     def mlp() -> None:
-        a @ w["o"].T
+        mm(a, w["o"])
         for n in middle:
-            x @ w[n].T
-        h @ w["down"].T
+            mm(x, w[n])
+        mm(h, w["down"])
     f_qkv = 2.0 * T * hidden * (q_dim + 2 * kv_dim)
     f_mlp = 2.0 * T * (q_dim * hidden + 3 * hidden * inner)
     return (qkv, f_qkv), (mlp, f_mlp), sum(t.numel() * t.element_size() for t in w.values())

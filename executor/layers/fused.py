@@ -4,7 +4,8 @@ torch.compile (inductor: Triton on CUDA, C++ on CPU), each computing HF's math f
 modules' own weights and config. The one-token matmuls are fused too: q, k and v are one GEMM, gate
 and up another (`fuse_projections`: the modules' weights become views of one buffer each, so no
 byte is added and prefill's own calls are unchanged), as one larger GEMM reads its weights nearer
-the HBM rate (measured at Llama-3-8B shapes on the H200: experiments/decode_pieces.py).
+the HBM rate (measured at Llama-3-8B shapes on the H200: experiments/decode_pieces.py); every
+one-token matmul runs as executor/layers/gemv_triton.py's weight-streaming kernel where it can.
 
 On by default where it can run (`--fuse auto|on|off`, the setting of pipeline/fusion.py): only
 the replayed decode step uses it (executor/replay/device_step.py), on CUDA with a working Triton, so
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpipe.executor.engine.compiling import compile_fn
+from kvpipe.executor.layers import gemv_triton
 from kvpipe.pipeline.fusion import FAMILIES, FUSE_ENV, fuse_mode  # noqa: F401  (the setting's one definition)
 
 _ACTS = {"silu": F.silu}      # hidden_act -> the function HF's ACT2FN applies (extension: one line)
@@ -162,7 +164,7 @@ class FusedDecode:
         hidden, x = self._normed(hidden, pending, mod.input_layernorm)
         w, b = self.weights[layer][:2]
         nq, nkv = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
-        q, k, v = F.linear(x, w, b).split((nq, nkv, nkv), dim=-1)
+        q, k, v = gemv_triton.linear(x, w, b).split((nq, nkv, nkv), dim=-1)
         q, k, v = q.view(B, T, -1, D), k.view(B, T, -1, D), v.view(B, T, -1, D)
         qk = None
         if hasattr(attn, "q_norm"):
@@ -175,10 +177,11 @@ class FusedDecode:
         """As HFAdapter.mlp without its last residual add -> (hidden after attention, MLP output)."""
         mod = self.adapter.body.layers[layer]
         B, T = attn_out.shape[:2]
-        hidden, x = self._normed(hidden, mod.self_attn.o_proj(attn_out.reshape(B, T, -1)),
+        o, down = mod.self_attn.o_proj, mod.mlp.down_proj
+        hidden, x = self._normed(hidden, gemv_triton.linear(attn_out.reshape(B, T, -1), o.weight, o.bias),
                                  mod.post_attention_layernorm)
-        gate, up = F.linear(x, *self.weights[layer][2:]).chunk(2, dim=-1)
-        return hidden, mod.mlp.down_proj(self.act_mul(gate, up, self.act))
+        gate, up = gemv_triton.linear(x, *self.weights[layer][2:]).chunk(2, dim=-1)
+        return hidden, gemv_triton.linear(self.act_mul(gate, up, self.act), down.weight, down.bias)
 
     def head(self, hidden: torch.Tensor, pending: torch.Tensor | None) -> torch.Tensor:
         """As HFAdapter.head: final norm (after the pending add) and lm_head -> fp32 logits [B, V]."""
