@@ -225,10 +225,12 @@ def fused_qkv(m: ModelSpec, tokens: float, resident: int) -> SmallOps:
 
 
 def fused_mlp(m: ModelSpec, tokens: float) -> SmallOps:
-    """Residual add after o_proj with the post-attention norm, act(gate) * up, and the bytes of the
-    MLP's own residual add (deferred into the next norm's kernel)."""
+    """Residual add after o_proj with the post-attention norm, the bytes of act(gate) * up read by
+    the down projection's own loads (gemv_triton.gated_linear: no kernel of its own in the fused
+    step, which runs on CUDA only), and those of the MLP's residual add (deferred into the next
+    norm's kernel)."""
     e = m.dtype_bytes
-    return (fused_add_norm(tokens, m.hidden, e) + fused_act_mul(m, tokens)
+    return (fused_add_norm(tokens, m.hidden, e) + SmallOps(0, tokens * 2 * e * m.intermediate)
             + SmallOps(0, tokens * 2 * e * m.hidden))
 
 

@@ -53,6 +53,23 @@ def test_greedy_is_argmax_and_the_replay_index_form_agrees():
     assert torch.equal(t(x, 5), t(x, torch.tensor([5])))
 
 
+def test_the_two_pass_argmax_is_argmax_with_ties_nan_and_any_vocabulary():
+    # Faults caught: the two-pass argmax (a vocabulary's pieces, then their maxima) giving another
+    # index than torch.argmax: the piece's offset wrong, the last (padded) piece's pad taken as a
+    # value, a tie resolved to a later piece or a later index within the piece, a NaN row not
+    # resolving to the NaN as argmax does, or all -inf rows giving an index past the vocabulary.
+    from kvpipe.executor.engine.decoding import ARGMAX_SPLIT_AT, argmax_rows
+    gen = torch.Generator().manual_seed(0)
+    for V in (ARGMAX_SPLIT_AT, 128256, 151936, 50257, 262144, ARGMAX_SPLIT_AT - 1, 32000):
+        x = torch.randn(6, V, generator=gen).round(decimals=1)      # coarse values: many ties
+        x[1, :] = 0.0                                               # every entry a tie
+        x[2, V // 3] = x[2, V - 1] = 99.0                           # a tie in two pieces
+        x[3, V // 2] = float("nan")
+        x[4, :] = float("-inf")
+        x[5, -1] = 50.0                                             # the last entry, beside the pad
+        assert torch.equal(argmax_rows(x), x.argmax(-1)), V
+
+
 def test_seeded_draws_repeat_differ_by_seed_and_step_and_follow_the_softmax():
     # Fault caught: a seed that does not repeat the draw, noise that ignores the seed or the token
     # index (every step the same choice), or a biased sampler (not softmax(logits / T)).

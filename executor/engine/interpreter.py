@@ -9,6 +9,7 @@ import torch
 
 from kvpipe.pipeline.stage import Graph, Lane, Phase, Stage
 
+from kvpipe.executor.engine.decoding import argmax_rows
 from kvpipe.executor.layers.adapter import HFAdapter
 from kvpipe.executor.kv.store import KVStore, k_of, v_of
 
@@ -178,7 +179,7 @@ class Interpreter:
         logits = self.adapter.head(cur.hidden)                           # [B, V] fp32
         idx = 0 if s.phase is Phase.PREFILL else s.step + 1
         if self.decoding is None:
-            self.tokens[:, idx] = logits.argmax(-1)                      # greedy, on the device
+            self.tokens[:, idx] = argmax_rows(logits)                    # greedy, on the device
         else:
             self.tokens[:, idx] = self.decoding.pick(logits, idx)
             self.decoding.produced(self.tokens, idx)

@@ -4,8 +4,8 @@ torch.compile (inductor: Triton on CUDA, C++ on CPU), each computing HF's math f
 modules' own weights and config. The one-token matmuls are fused too: q, k and v are one GEMM, gate
 and up another (`fuse_projections`: the modules' weights become views of one buffer each, so no
 byte is added and prefill's own calls are unchanged), as one larger GEMM reads its weights nearer
-the HBM rate (measured at Llama-3-8B shapes on the H200: experiments/decode_pieces.py); every
-one-token matmul runs as executor/layers/gemv_triton.py's weight-streaming kernel where it can.
+the HBM rate (measured at Llama-3-8B shapes on the H200: experiments/decode_pieces.py); o and
+down (with act(gate) * up in its loads) run as executor/layers/gemv_triton.py's kernel where it can.
 
 On by default where it can run (`--fuse auto|on|off`, the setting of pipeline/fusion.py): only
 the replayed decode step uses it (executor/replay/device_step.py), on CUDA with a working Triton, so
@@ -180,8 +180,9 @@ class FusedDecode:
         o, down = mod.self_attn.o_proj, mod.mlp.down_proj
         hidden, x = self._normed(hidden, gemv_triton.linear(attn_out.reshape(B, T, -1), o.weight, o.bias),
                                  mod.post_attention_layernorm)
-        gate, up = gemv_triton.linear(x, *self.weights[layer][2:]).chunk(2, dim=-1)
-        return hidden, gemv_triton.linear(self.act_mul(gate, up, self.act), down.weight, down.bias)
+        gate_up = gemv_triton.linear(x, *self.weights[layer][2:])
+        act_mul = functools.partial(self.act_mul, act=self.act)
+        return hidden, gemv_triton.gated_linear(gate_up, down.weight, down.bias, self.act, act_mul)
 
     def head(self, hidden: torch.Tensor, pending: torch.Tensor | None) -> torch.Tensor:
         """As HFAdapter.head: final norm (after the pending add) and lm_head -> fp32 logits [B, V]."""

@@ -7,9 +7,11 @@ import triton.language as tl
 
 @triton.jit
 def gemv(x_ptr, w_ptr, b_ptr, y_ptr, N, K, sw_n,
-         HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+         HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # one program per BLOCK_N output rows: each row's whole K in one fixed order (no split-K, no
-    # atomics), so every call of a shape gives the same bits, eager or replayed
+    # atomics), so every call of a shape gives the same bits, eager or replayed. GATED: x holds
+    # [gate | up] (2K values) and the input is silu(gate) * up, each rounded to the model dtype
+    # as HF's two ops round them
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     live = rows < N
     at = w_ptr + rows.to(tl.int64)[:, None] * sw_n
@@ -18,6 +20,10 @@ def gemv(x_ptr, w_ptr, b_ptr, y_ptr, N, K, sw_n,
         cols = k0 + tl.arange(0, BLOCK_K)
         ok = cols < K
         x = tl.load(x_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        if GATED:
+            up = tl.load(x_ptr + K + cols, mask=ok, other=0.0).to(tl.float32)
+            act = (x / (1.0 + tl.exp(-x))).to(x_ptr.dtype.element_ty).to(tl.float32)
+            x = (act * up).to(x_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(at + cols[None, :], mask=live[:, None] & ok[None, :], other=0.0).to(tl.float32)
         acc += w * x[None, :]
     y = tl.sum(acc, 1)

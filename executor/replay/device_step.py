@@ -228,7 +228,7 @@ class ReplayInterpreter(Interpreter):
             self._pending = None
         self.dev.logits.copy_(logits)
         if self.decoding is None:
-            self.dev.ids.copy_(logits.argmax(-1, keepdim=True))         # greedy, the next step's input
+            self.dev.ids.copy_(argmax_rows(logits)[:, None])       # greedy, the next step's input
         else:                                                           # token i = pos - context + 1
             self.dev.ids.copy_(self.decoding.pick(logits, self.dev.pos - (self.context - 1)).view(-1, 1))
         if self._side is not None:       # LOSSY sparse: the upkeep stream joins before the step ends
