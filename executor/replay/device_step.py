@@ -18,6 +18,7 @@ from kvpipe.pipeline.stage import Phase, Stage
 from kvpipe.executor.layers.attention import attend_decode
 from kvpipe.executor.layers.fused import fuse_mode, make_fused, warm_or_fall_back
 from kvpipe.executor.replay.window_step import WindowIndex, gathered
+from kvpipe.executor.engine.decoding import argmax_rows
 from kvpipe.executor.engine.interpreter import Interpreter, _Step
 
 
