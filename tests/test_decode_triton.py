@@ -7,12 +7,10 @@ a capture of a variant never compiled refused."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from interpreted import run_interpreted
 
 from kvpipe.executor.layers import decode_triton
 
@@ -82,13 +80,7 @@ def test_the_triton_decode_attention_equals_a_float64_softmax_in_the_interpreter
     # swapped, the scale dropped, the combine's or a split's loop stopping after one iteration
     # (small constants); and a head's bits depending on its buffer's capacity (the same keys in a
     # buffer 700 rows longer give other bits when splits follow the capacity).
-    path = tmp_path / "out.pt"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "KVPIPE_DECODE": "auto"}
-    r = subprocess.run([sys.executable, "-c", _SCRIPT, str(path), repr(CASES), os.path.dirname(__file__)],
-                       env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = torch.load(path)
-    assert len(got) == len(CASES)
+    got = run_interpreted(_SCRIPT, CASES, tmp_path, KVPIPE_DECODE="auto")
     for i, (case, (a, b)) in enumerate(zip(CASES, got)):
         q, kv, lens, scale = _inputs(case, i)
         assert a.shape == (1, 1, q.shape[1], q.shape[-1]) and a.dtype == q.dtype, case

@@ -6,12 +6,10 @@ as cuBLAS, a captured replay equal to the eager call, and a capture of a shape n
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from interpreted import run_interpreted
 import torch.nn.functional as F
 
 from kvpipe.executor.layers import gemv_triton
@@ -80,13 +78,7 @@ def test_the_one_token_projection_equals_a_float64_product_in_the_interpreter(tm
     # row stride ignored (w is a view of a wider buffer), the bias dropped or added twice, the K
     # loop stopping after one block (small constants), the output not rounded to x's dtype, and
     # the gated input wrong (up read from gate's half, silu left out, gate and up swapped).
-    path = tmp_path / "out.pt"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "KVPIPE_GEMV": "auto"}
-    r = subprocess.run([sys.executable, "-c", _SCRIPT, str(path), repr(CASES), os.path.dirname(__file__)],
-                       env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = torch.load(path)
-    assert len(got) == len(CASES)
+    got = run_interpreted(_SCRIPT, CASES, tmp_path, KVPIPE_GEMV="auto")
     for i, (case, y) in enumerate(zip(CASES, got)):
         x, w, b = _inputs(case, i)
         assert y.shape == (1, 1, case[0]) and y.dtype == x.dtype, case

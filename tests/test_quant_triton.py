@@ -7,12 +7,11 @@ compiled `fused_decode` too), it writes no other row, and it honours a device-he
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
+from interpreted import run_interpreted
 
 from kvpipe.executor.quant import dequant_triton as quant_triton
 from kvpipe.executor.quant.blocks import BlockCodec, fused_decode
@@ -107,13 +106,7 @@ def test_the_triton_decode_equals_the_eager_decode_bit_for_bit_in_the_interprete
     # J0:J1 not from 0, B 2), records placed by nb * record instead of the window's row stride,
     # writes past nb * group or outside the rows, and the count ignored (blocks >= count written) or
     # misread (0, below, past nb).
-    path = tmp_path / "out.pt"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, "-c", _SCRIPT, str(path), repr(CASES), os.path.dirname(__file__)],
-                       env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = torch.load(path)
-    assert len(got) == len(CASES)
+    got = run_interpreted(_SCRIPT, CASES, tmp_path)
     for i, (case, after) in enumerate(zip(CASES, got)):
         codec, qslot, slot, _ = _inputs(case, i)
         _check(case, codec, qslot, slot, after)

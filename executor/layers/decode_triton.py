@@ -25,9 +25,9 @@ imported: the CPU tests run them in a subprocess). A graph capture never compile
 and a capture that meets one not yet compiled is an error. KVPIPE_DECODE=flash keeps FA2."""
 from __future__ import annotations
 
-import os
-
 import torch
+
+from kvpipe.executor.layers import kernel_env
 
 SPLIT = 512         # keys per split: 16 splits x 8 KV heads fill an H200's 132 SMs at 8K keys
 BLOCK_N = 64        # keys per tile of a split's loop
@@ -42,14 +42,7 @@ _warm: set[tuple] = set()
 
 def setting() -> str:
     """KVPIPE_DECODE, validated (auto when unset): `flash` keeps FA2's varlen call for decode."""
-    name = os.environ.get("KVPIPE_DECODE", "auto").strip().lower() or "auto"
-    if name not in SETTINGS:
-        raise ValueError(f"KVPIPE_DECODE={name!r}: expected one of {', '.join(SETTINGS)}")
-    return name
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return kernel_env.setting("KVPIPE_DECODE", SETTINGS)
 
 
 def unavailable(q: torch.Tensor, kv: torch.Tensor) -> str | None:
@@ -57,7 +50,7 @@ def unavailable(q: torch.Tensor, kv: torch.Tensor) -> str | None:
     Hq, D, G = q.shape[1], q.shape[-1], kv.shape[1]
     if setting() == "flash":
         return "KVPIPE_DECODE=flash"
-    if q.device.type != "cuda" and not _interpreted():
+    if q.device.type != "cuda" and not kernel_env.interpreted():
         return "the Triton decode attention runs on CUDA only (or in Triton's interpreter)"
     if q.dtype not in DTYPES:
         return f"dtype {q.dtype}: bf16 and fp16 only"
@@ -93,7 +86,7 @@ def attend(q: torch.Tensor, kv: torch.Tensor, lens: torch.Tensor, scale: float) 
                            q.stride(1), kv.stride(1), kv.stride(2), kv.stride(3),
                            part.stride(0), part.stride(1), lse.stride(0),
                            R=R, RP=ROWS, D=D, SPLIT=SPLIT, BLOCK_N=BLOCK_N,
-                           F32=_interpreted() and q.dtype == torch.bfloat16, num_warps=WARPS, num_stages=STAGES)
+                           F32=kernel_env.interpreted() and q.dtype == torch.bfloat16, num_warps=WARPS, num_stages=STAGES)
     K.combine[(Hq,)](part, lse, lens, out, part.stride(0), part.stride(1), lse.stride(0), out.stride(2),
                      R=R, D=D, SPLIT=SPLIT, BLOCK_S=BLOCK_S, num_warps=WARPS)
     if not capturing:

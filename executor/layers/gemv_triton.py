@@ -19,10 +19,10 @@ bias, gated) is compiled by its first call outside a capture (FusedDecode.warm r
 and a capture that meets one not yet compiled is an error."""
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
+
+from kvpipe.executor.layers import kernel_env
 
 BLOCK_N = 4         # output rows a program   (the least time over o + down of 36 settings swept)
 BLOCK_K = 1024      # weight columns a loop step
@@ -35,21 +35,14 @@ _warm: set[tuple] = set()
 
 def setting() -> str:
     """KVPIPE_GEMV, validated (auto when unset): `cublas` keeps F.linear for one-token projections."""
-    name = os.environ.get("KVPIPE_GEMV", "auto").strip().lower() or "auto"
-    if name not in SETTINGS:
-        raise ValueError(f"KVPIPE_GEMV={name!r}: expected one of {', '.join(SETTINGS)}")
-    return name
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return kernel_env.setting("KVPIPE_GEMV", SETTINGS)
 
 
 def unavailable(x: torch.Tensor, w: torch.Tensor, gated: bool = False) -> str | None:
     """Why the kernel cannot serve `linear(x, w, b)` (`gated_linear` with `gated`), or None."""
     if setting() == "cublas":
         return "KVPIPE_GEMV=cublas"
-    if x.device.type != "cuda" and not _interpreted():
+    if x.device.type != "cuda" and not kernel_env.interpreted():
         return "the Triton one-token projection runs on CUDA only (or in Triton's interpreter)"
     if x.numel() != x.shape[-1] or x.shape[-1] != w.shape[1] * (2 if gated else 1):
         return "more than one row"

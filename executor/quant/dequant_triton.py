@@ -27,22 +27,19 @@ QuantHomes then keeps the compiled call."""
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
+
+from kvpipe.executor.layers import kernel_env
 
 WARPS = 4           # per program: a record's 2 x G x D outputs (8192 at G 32, D 128), 64 per thread
 MAX_GRID_YZ = 65535  # CUDA's limit on the grid's 2nd and 3rd dimensions (head rows, sequences)
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def unavailable(codec, device: torch.device) -> str | None:
     """Why the Triton dequantise cannot run for `codec` (a blocks.BlockCodec) on `device`, or None."""
     device = torch.device(device)
-    if device.type != "cuda" and not _interpreted():
+    if device.type != "cuda" and not kernel_env.interpreted():
         return "the Triton dequantise runs on CUDA only (or in Triton's interpreter, TRITON_INTERPRET=1)"
     if codec.meta != torch.float16:
         return "float32 metadata (fp32 model): code * scale + zero is not exact in float32"
@@ -85,7 +82,7 @@ def decode_window(codec, qslot: torch.Tensor, slot: torch.Tensor, j0: int, j1: i
                          f"{tuple(count.shape)} on {count.device}")
     if qslot.device != slot.device:
         raise ValueError(f"qslot on {qslot.device}, slot on {slot.device}")
-    if slot.device.type != "cuda" and not _interpreted():
+    if slot.device.type != "cuda" and not kernel_env.interpreted():
         raise ValueError("decode_window: CPU tensors run only in Triton's interpreter "
                          "(TRITON_INTERPRET=1 before importing triton)")
     if J > MAX_GRID_YZ or B > MAX_GRID_YZ:
