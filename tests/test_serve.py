@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import shutil
 import signal
 import subprocess
@@ -223,7 +224,8 @@ def test_sse_framing_through_curl(server):
 
 def test_fifty_concurrent_clients_are_answered_or_refused(server):
     # Fault caught: a request that hangs, is lost or dropped under load, a full queue answered
-    # other than 429 with Retry-After, or memory that stays up after the burst.
+    # other than 429 with Retry-After, a Retry-After past the whole burst (the work ahead of a
+    # refused request ended within it), or memory that stays up after the burst.
     post(server, P, COMP).raise_for_status()   # warm: the idle level after one generation
     idle = server.rss_bytes()
 
@@ -239,7 +241,8 @@ def test_fifty_concurrent_clients_are_answered_or_refused(server):
             return await asyncio.gather(*(one(client, i) for i in range(50)))
     t0 = time.monotonic()
     got = asyncio.run(burst())
-    assert time.monotonic() - t0 < 90
+    took_s = time.monotonic() - t0
+    assert took_s < 90
     codes = [g[0] for g in got]
     assert len(got) == 50 and set(codes) <= {200, 429, 503}, codes
     assert codes.count(200) >= MAX_QUEUE and codes.count(429) >= 1
@@ -247,7 +250,7 @@ def test_fifty_concurrent_clients_are_answered_or_refused(server):
         if code == 200:
             assert js["usage"]["completion_tokens"] == 2 and js["choices"][0]["finish_reason"] == "length"
         else:
-            assert int(retry) >= 1 and js["error"]["type"] == "rate_limit_error"
+            assert 1 <= int(retry) <= math.ceil(took_s) and js["error"]["type"] == "rate_limit_error", retry
     m = httpx.get(server.url + "/metrics", headers=AUTH, timeout=10).text
     assert metric(m, "kvpipe_queue_depth") == 0 and metric(m, "kvpipe_running") == 0
     assert server.rss_bytes() < idle * 1.25 + (64 << 20), (idle, server.rss_bytes())
