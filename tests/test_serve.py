@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import shutil
 import signal
 import subprocess
@@ -169,17 +170,6 @@ def test_the_openai_client_gets_its_own_exceptions_and_the_model(server):
     assert c.completions.create(model=NAME, prompt="hi", max_tokens=2, user="abc").usage.completion_tokens == 2
 
 
-@pytest.mark.parametrize("headers, path, status", [
-    ({}, C, 401), ({"Authorization": "Bearer wrong"}, C, 401), ({"Authorization": KEY}, P, 401),
-    ({}, "/metrics", 401), ({}, "/v1/models", 401),
-])
-def test_api_key_is_required(server, headers, path, status):
-    # Fault caught: a route reachable without the key, or a key accepted without "Bearer".
-    r = httpx.request("GET" if not path.startswith("/v1/c") else "POST", server.url + path,
-                      content=json.dumps(CHAT), headers=headers, timeout=30)
-    assert r.status_code == status and r.json()["error"]["type"] == "authentication_error"
-
-
 def test_oversized_body_unknown_route_and_method(server):
     # Fault caught: a body past --max-body read whole (413 missing), routes answered without JSON.
     big = {**CHAT, "messages": [{"role": "user", "content": "x" * MAX_BODY}]}
@@ -234,7 +224,8 @@ def test_sse_framing_through_curl(server):
 
 def test_fifty_concurrent_clients_are_answered_or_refused(server):
     # Fault caught: a request that hangs, is lost or dropped under load, a full queue answered
-    # other than 429 with Retry-After, or memory that stays up after the burst.
+    # other than 429 with Retry-After, a Retry-After past the whole burst (the work ahead of a
+    # refused request ended within it), or memory that stays up after the burst.
     post(server, P, COMP).raise_for_status()   # warm: the idle level after one generation
     idle = server.rss_bytes()
 
@@ -250,7 +241,8 @@ def test_fifty_concurrent_clients_are_answered_or_refused(server):
             return await asyncio.gather(*(one(client, i) for i in range(50)))
     t0 = time.monotonic()
     got = asyncio.run(burst())
-    assert time.monotonic() - t0 < 90
+    took_s = time.monotonic() - t0
+    assert took_s < 90
     codes = [g[0] for g in got]
     assert len(got) == 50 and set(codes) <= {200, 429, 503}, codes
     assert codes.count(200) >= MAX_QUEUE and codes.count(429) >= 1
@@ -258,7 +250,7 @@ def test_fifty_concurrent_clients_are_answered_or_refused(server):
         if code == 200:
             assert js["usage"]["completion_tokens"] == 2 and js["choices"][0]["finish_reason"] == "length"
         else:
-            assert int(retry) >= 1 and js["error"]["type"] == "rate_limit_error"
+            assert 1 <= int(retry) <= math.ceil(took_s) and js["error"]["type"] == "rate_limit_error", retry
     m = httpx.get(server.url + "/metrics", headers=AUTH, timeout=10).text
     assert metric(m, "kvpipe_queue_depth") == 0 and metric(m, "kvpipe_running") == 0
     assert server.rss_bytes() < idle * 1.25 + (64 << 20), (idle, server.rss_bytes())

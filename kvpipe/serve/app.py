@@ -1,7 +1,8 @@
 """The HTTP routes of `kvpipe serve` (FastAPI): the OpenAI chat and completion endpoints,
 streamed as server-sent events or answered whole, `/v1/models`, `/health` and `/metrics`. Every
-failure is OpenAI error JSON with its status, never a traceback. A request's life: body read
-under the size limit, bearer key checked in constant time, fields checked (protocol.py), prompt
+failure is OpenAI error JSON with its status, never a traceback. `--api-key` guards the `/v1`
+routes only. A request's life: bearer key checked in constant time, body read under the size
+limit, fields checked (protocol.py), prompt
 tokenized and admitted by the planner (admission.py), queued on the engine (engine.py); while it
 waits or streams, a client that goes away cancels it."""
 from __future__ import annotations
@@ -11,7 +12,7 @@ import hmac
 import json
 from dataclasses import dataclass
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
@@ -65,35 +66,43 @@ def create_app(s: Server) -> FastAPI:
     async def crash(request: Request, e: Exception):
         return await api_error(request, ApiError(500, f"internal error: {type(e).__name__}"))
 
+    # open with --api-key too: a load balancer's probe and a Prometheus scraper carry no key
     @app.get("/health")
     async def health():
         return {"status": "stopping" if s.engine.stopping else "ok"}
 
     @app.get("/metrics")
-    async def metrics(request: Request):
-        _auth(s, request)
+    async def metrics():
         return PlainTextResponse(s.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
-    async def models(request: Request):
+    app.include_router(_v1(s))
+    return app
+
+
+def _v1(s: Server) -> APIRouter:
+    """The OpenAI routes, every one behind the API key (checked before the body is read)."""
+    def key(request: Request) -> None:
         _auth(s, request)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(key)])
+
+    @v1.get("/models")
+    async def models():
         return {"object": "list", "data": [_model(s)]}
 
-    @app.get("/v1/models/{model:path}")
-    async def model(request: Request, model: str):
-        _auth(s, request)
+    @v1.get("/models/{model:path}")
+    async def model(model: str):
         check_model(model, s.name)
         return _model(s)
 
-    @app.post("/v1/chat/completions")
+    @v1.post("/chat/completions")
     async def chat(request: Request):
         return await _complete(s, request, "chat")
 
-    @app.post("/v1/completions")
+    @v1.post("/completions")
     async def completions(request: Request):
         return await _complete(s, request, "completion")
 
-    return app
+    return v1
 
 
 def _model(s: Server) -> dict:
@@ -137,7 +146,6 @@ async def _body(s: Server, request: Request) -> bytes:
 
 
 async def _complete(s: Server, request: Request, kind: str):
-    _auth(s, request)
     q = parse_query(parse_body(await _body(s, request)), kind, s.name)
     ids = await asyncio.to_thread(responses.prompt_ids, s.tokenizer, q)
     try:

@@ -39,7 +39,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "model's positions, at most 32768, and what the budgets hold); the plan is decided for it")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes it to the network)")
     s.add_argument("--port", type=int, default=8000, help="TCP port")
-    s.add_argument("--api-key", help=f"require Authorization: Bearer KEY (default: ${API_KEY_ENV} if set)")
+    s.add_argument("--api-key", help="require Authorization: Bearer KEY on the /v1 routes; /health and /metrics "
+                                     f"stay open, for probes and scrapers (default: ${API_KEY_ENV} if set)")
     s.add_argument("--served-model-name", help="the model's id in requests (default: the --model file or folder name)")
     s.add_argument("--max-queue", type=int, default=16, help="admitted requests that may wait; more get 429")
     s.add_argument("--max-body", default=DEFAULT_MAX_BODY, help="largest request body; larger ones get 413")

@@ -4,7 +4,7 @@ by a bounded queue. One at a time because one long request already saturates the
 (its offloaded KV streams through it every decode step) and the plan's budgets are sized for it
 alone: the plan has a batch dimension, but batching long requests multiplies their KV (B times
 the bytes on every tier and link) and would make each request wait for the slowest. A full
-queue is 429 with Retry-After. Each request is `append(ids, reuse=True)`: the longest common
+queue is 429 with Retry-After (wait.py). Each request is `append(ids, reuse=True)`: the longest common
 prefix of its prompt and the tokens home (the previous request's prompt and answer) is kept, only
 the rest prefilled, and that count is its `cached_tokens`. With a prefix cache (prefix_cache.py),
 a kept entry that shares more of the prompt than the tokens home is loaded first; and the tokens
@@ -18,12 +18,12 @@ import asyncio
 import logging
 import queue
 import threading
-import time
 from dataclasses import dataclass, field
 
 from .admission import kv_bytes
 from kvpipe.conversation import common_prefix
 from .protocol import ApiError, Query
+from .wait import WaitEstimate
 
 log = logging.getLogger("kvpipe")
 
@@ -64,7 +64,7 @@ class Engine:
         self.current: Job | None = None
         self.stopping = False
         self.thread: threading.Thread | None = None
-        self.mean_s = 1.0   # running mean of a generation's wall time, for Retry-After
+        self.wait = WaitEstimate()   # Retry-After of a full queue
 
     def start(self) -> None:
         if self.cache is not None:
@@ -78,7 +78,7 @@ class Engine:
         try:
             self.queue.put_nowait(job)
         except queue.Full:
-            wait = max(1, round(self.mean_s * (self.queue.qsize() + 1)))
+            wait = self.wait.seconds(self.queue.qsize())
             raise ApiError(429, f"the queue is full ({self.queue.maxsize} requests waiting); retry in {wait} s",
                            code="queue_full", headers={"Retry-After": str(wait)}) from None
         self.metrics.queue_depth = self.queue.qsize()
@@ -130,12 +130,12 @@ class Engine:
             self.current = job
             if self.stopping:   # cancel_all ran between the get and here: it did not see this job
                 job.cancel(shutdown=True)
-            t0 = time.perf_counter()
+            self.wait.started()
             try:
                 self._run(job)
             finally:
                 self.current = None
-                self.mean_s = 0.8 * self.mean_s + 0.2 * (time.perf_counter() - t0)
+                self.wait.finished()
 
     def _run(self, job: Job) -> None:
         q = job.query
