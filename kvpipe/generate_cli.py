@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 
 from kvpipe.pipeline.units import fmt_bytes, fmt_seconds, parse_tokens
 
 from . import cli, generation as gen
+from .stopping import StopBetweenTokens
 
 EPILOG = ("Greedy by default (or as the model's generation_config.json samples: do_sample); any "
           "--temperature above 0 samples, seeded by --seed, and the same seed gives the same text "
@@ -132,7 +134,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         def stream(piece: str) -> None:
             sys.stdout.write(piece)
             sys.stdout.flush()
-    res = gen.generate(stdin=stdin, stream=stream, **_options(args))
+    with StopBetweenTokens(armed=_announce if args.json else None) as stop:
+        try:
+            res = gen.generate(stdin=stdin, stream=stream, interrupt=stop.asked, **_options(args))
+        except KeyboardInterrupt as e:   # the prefill or a second signal: no result to print
+            if args.save_kv is None:
+                raise
+            raise type(e)(_nothing_saved(e, args.save_kv, stop)) from None
     if args.json:
         print(json.dumps(res.to_json(), indent=2))
     else:
@@ -141,4 +149,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for line in summary(res) + saved_line(res):
             print(line, file=sys.stderr)
     cli._print_files(args)
-    return 0
+    return 0 if stop.signum is None else _stopped(res, stop.signum)
+
+
+def _announce() -> None:
+    """--json streams nothing: say when Ctrl-C starts keeping the answer."""
+    print("kvpipe: prompt prefilled; generating (Ctrl-C now stops the answer and prints what was made)",
+          file=sys.stderr, flush=True)
+
+
+def _nothing_saved(e: KeyboardInterrupt, directory, stop: StopBetweenTokens) -> str:
+    """The one line of an interrupt that left --save-kv's directory as it was."""
+    when = "again, after the answer was stopped" if stop.signum is not None else "before the prompt's KV was complete"
+    return f"{str(e) or 'interrupted'} {when}: nothing saved to {directory} (what was there stays)"
+
+
+def _stopped(res: gen.GenerateResult, signum: int) -> int:
+    """The line and exit code (the shell's 128 + signal) of an answer a signal stopped."""
+    name = "interrupted" if signum == signal.SIGINT else "terminated (SIGTERM)"
+    what = f"the answer was stopped after {len(res.tokens)} tokens" if res.finish_reason == "interrupted" \
+        else f"the answer had ended ({res.finish_reason})"
+    kept = f"; the prompt's KV is saved in {res.saved_kv['directory']}" if res.saved_kv else ""
+    print(f"kvpipe: {name}: {what}{kept}", file=sys.stderr)
+    return 128 + signum

@@ -27,7 +27,8 @@ RUN_OPTIONS = tuple(p for p in inspect.signature(api.run).parameters if p not in
 class GenerateResult:
     """One generation. `text` the completion (None without a tokenizer: `tokens` only), without
     the EOS token or the stop string; `tokens` the generated ids, ending with the one that ended
-    it; `finish_reason` stop (EOS or a stop string), length, or cancelled (`cancel`); `timings`
+    it; `finish_reason` stop (EOS or a stop string), length, cancelled (`cancel`) or interrupted
+    (`interrupt`: what was made so far); `timings`
     measured (CUDA events on a GPU): ttft_s (the prefill), prefill and decode tokens per second; `output_digest` sha256 of
     the tokens and a checksum of every step's logits (equal digests, equal bits)."""
 
@@ -179,7 +180,8 @@ def generate(model: str | os.PathLike | None = None, prompt: str | None = None, 
              repetition_penalty: float | None = None, seed: int = 0,
              stream: Callable[[str], None] | None = None, stdin=None, save_kv: str | os.PathLike | None = None,
              load_kv: str | os.PathLike | None = None, max_context: int | None = None,
-             cancel: Callable[[], bool] | None = None, **options) -> GenerateResult:
+             cancel: Callable[[], bool] | None = None, interrupt: Callable[[], bool] | None = None,
+             **options) -> GenerateResult:
     """Generate a completion of `prompt` (or the text of `prompt_file`, or `stdin`) with `model`:
     a local HF directory, a .gguf file (converted once into a cache, checkpoint.py), or a preset /
     config.json with random_weights=True. `prompt_format` "ids" takes whitespace-separated token
@@ -193,7 +195,9 @@ def generate(model: str | os.PathLike | None = None, prompt: str | None = None, 
     `load_kv` continues from one, the prompt a new user turn after the saved conversation (only its
     tokens prefilled; kvpipe/kept.py); `max_context` their capacity (default: prompt + max_new_tokens).
     `cancel()`, asked after each token, True stops the generation there (finish reason
-    "cancelled": a server's client went away). ValueError names the argument for bad input."""
+    "cancelled": a server's client went away). `interrupt()`, asked likewise, True stops there
+    with finish reason "interrupted", keeping the prompt's KV (a `save_kv` still saves it: Ctrl-C
+    in `kvpipe generate`). ValueError names the argument for bad input."""
     _check_options(options)
     n = _max_new(max_new_tokens)
     stops = _stops(stop)
@@ -204,6 +208,7 @@ def generate(model: str | os.PathLike | None = None, prompt: str | None = None, 
         return generate_kept(model, prompt, prompt_file, prompt_format, chat, system, n, stdin, save_kv, load_kv,
                              max_context, dict(stop=stops, ignore_eos=ignore_eos, temperature=temperature,
                                                top_k=top_k, top_p=top_p, min_p=min_p, stream=stream,
+                                               interrupt=interrupt,
                                                repetition_penalty=repetition_penalty, seed=seed), options)
     ck, spec, tok, ids, templated = prepare(model, prompt, prompt_file, prompt_format, chat, system,
                                       options.get("dtype"), options.get("random_weights", False), stdin)
@@ -217,16 +222,16 @@ def generate(model: str | os.PathLike | None = None, prompt: str | None = None, 
         raise ValueError(f"generate: needs torch and transformers ({e.name} missing): pip install 'kvpipe[run]'") from None
     eos = frozenset() if ignore_eos else frozenset(ck.eos_ids)
     out = textio.Output(tok, n, eos, stops, stream)
-    take, cancelled = textio.taker(out, cancel)
+    take, why = textio.taker(out, cancel, interrupt)
     decoding = Decoding(sampling, ids, spec.vocab, n,
                         resolve_device(options.get("device")), take)
     run = api.run(model=str(model), decode_tokens=n - 1, seed=seed, prompt_ids=ids, progress=False,
                   decoding=decoding, **options)   # the model as given: run resolves a .gguf to the same folder
     run = replace(run, warnings=tuple(run.warnings) + capped)
     kept = decoding.finish()
-    if out.finish_reason is None:   # cancelled, or the last token taken without ending
+    if out.finish_reason is None:   # cancelled or interrupted, or the last token taken without ending
         out.close()
     assert kept == len(out.tokens), (kept, len(out.tokens))
-    return GenerateResult(out.text, list(out.tokens), "cancelled" if cancelled else out.finish_reason,
+    return GenerateResult(out.text, list(out.tokens), why[0] if why else out.finish_reason,
                           len(ids), templated, sampling,
                           _timings(run, kept, len(ids)), decoding.digest(kept), run)

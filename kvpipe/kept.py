@@ -21,9 +21,10 @@ from . import api, textio
 
 def generate_on(conv, ids: list[int], n: int, *, breaks=(), stop=(), ignore_eos: bool = False,
                 temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None,
-                seed: int | None = None, stream=None, cancel=None):
+                seed: int | None = None, stream=None, cancel=None, interrupt=None):
     """Up to `n` tokens after the prompt `ids` on `conv`'s engine session (its tokens home);
-    `cancel()`, asked after each token, True stops there (finish reason "cancelled")."""
+    `cancel()` or `interrupt()`, asked after each token, True stops there (finish reason
+    "cancelled" or "interrupted")."""
     from kvpipe.executor.engine.decoding import Decoding
     from kvpipe.executor.engine.session import output_digest
     from .generation import GenerateResult, _stops, _timings
@@ -34,7 +35,7 @@ def generate_on(conv, ids: list[int], n: int, *, breaks=(), stop=(), ignore_eos:
     sampling = Sampling.choose(dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                     repetition_penalty=repetition_penalty, seed=seed), conv.ck.sampling)
     out = textio.Output(conv.tok, n, frozenset() if ignore_eos else frozenset(conv.ck.eos_ids), stops, stream)
-    take, cancelled = textio.taker(out, cancel)
+    take, why = textio.taker(out, cancel, interrupt)
     decoding = Decoding(sampling, ids, e.spec.vocab, n, e.device, take)
     res = conv.live.extend(ids, n - 1, decoding, breaks=breaks)
     kept = decoding.finish()
@@ -47,7 +48,7 @@ def generate_on(conv, ids: list[int], n: int, *, breaks=(), stop=(), ignore_eos:
                                 "fused": res.fused, "compile_s": res.compile_s, "fuse_note": res.fuse_note},
                   disk=res.disk)
     timings = dict(_timings(run, kept, len(ids) - first), prefill_tokens=len(ids) - first, reused_tokens=first)
-    return GenerateResult(out.text, list(out.tokens), "cancelled" if cancelled else out.finish_reason,
+    return GenerateResult(out.text, list(out.tokens), why[0] if why else out.finish_reason,
                           len(ids), conv.chat, sampling,
                           timings, decoding.digest(kept), run)
 

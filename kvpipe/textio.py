@@ -172,16 +172,18 @@ class Output:
             self.stream(piece)
 
 
-def taker(out: Output, cancel) -> tuple:
-    """(take, cancelled) for the engine's Decoding: `take(i, token)` is True at the end of the
-    output or once `cancel()`, asked after each token, is True; `cancelled` then holds the index
-    of the token it came after (empty: not cancelled)."""
-    cancelled: list[int] = []
+def taker(out: Output, cancel, interrupt=None) -> tuple:
+    """(take, why) for the engine's Decoding: `take(i, token)` is True at the end of the output or
+    once `cancel()` or `interrupt()`, asked after each token, is True; `why` then holds the finish
+    reason, "cancelled" or "interrupted" (empty: neither came)."""
+    why: list[str] = []
 
     def take(i: int, token: int) -> bool:
         if out.take(i, token):
             return True
         if cancel is not None and cancel():
-            cancelled.append(i)
-        return bool(cancelled)
-    return take, cancelled
+            why.append("cancelled")
+        elif interrupt is not None and interrupt():
+            why.append("interrupted")
+        return bool(why)
+    return take, why
