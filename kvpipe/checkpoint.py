@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 CACHE_ENV = "KVPIPE_CACHE_DIR"   # where converted GGUF checkpoints go (default ~/.cache/kvpipe)
 _DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+log = logging.getLogger("kvpipe")   # its lines: printed by the CLI, quiet from Python
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def convert_gguf(path: str | os.PathLike, dtype: str | None = None, root: Path |
                          "pip install 'kvpipe[gguf]'") from None
     from transformers import AutoModelForCausalLM, AutoTokenizer
     if not quiet:
-        print(f"kvpipe: converting {path.name} to safetensors in {out} (once)", file=sys.stderr, flush=True)
+        log.info(f"converting {path.name} to safetensors in {out} (once)")
     from transformers.utils import logging as hf_logging
     kw = dict(gguf_file=path.name, local_files_only=True)
     bars = hf_logging.is_progress_bar_enabled()
@@ -133,8 +134,7 @@ def _sweep_dead(out: Path, quiet: bool) -> None:
         if pid.isdigit() and not alive(int(pid)):
             shutil.rmtree(tmp, ignore_errors=True)
             if not quiet:
-                print(f"kvpipe: removed {tmp.name}, left by a conversion whose process is gone",
-                      file=sys.stderr)
+                log.info(f"removed {tmp.name}, left by a conversion whose process is gone")
 
 
 def _write_plain(model, out: Path) -> None:
