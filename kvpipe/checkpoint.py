@@ -5,10 +5,13 @@ cache, which every later run loads like any other directory; nothing is download
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
 import shutil
+import sys
+from contextlib import contextmanager, redirect_stderr
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,20 +99,15 @@ def convert_gguf(path: str | os.PathLike, dtype: str | None = None, root: Path |
     from transformers import AutoModelForCausalLM, AutoTokenizer
     if not quiet:
         log.info(f"converting {path.name} to safetensors in {out} (once)")
-    from transformers.utils import logging as hf_logging
     kw = dict(gguf_file=path.name, local_files_only=True)
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()    # the line above says what happens; no bar under --json
     try:
-        tok = AutoTokenizer.from_pretrained(path.parent, **kw)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=_DTYPE_NAMES[dtype or "fp32"], **kw)
+        with _bars_off():   # the line above says what happens; no bar under --json
+            tok = AutoTokenizer.from_pretrained(path.parent, **kw)
+            model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=_DTYPE_NAMES[dtype or "fp32"], **kw)
     except Exception as e:   # a corrupt file fails anywhere in the GGUF reader (struct, numpy, KeyError...)
         if isinstance(e, MemoryError):
             raise
         raise ValueError(f"model: cannot read {str(path)!r} as GGUF ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
     _sweep_dead(out, quiet)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
@@ -123,6 +121,25 @@ def convert_gguf(path: str | os.PathLike, dtype: str | None = None, root: Path |
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+@contextmanager
+def _bars_off():
+    """transformers' progress bars off (its switch), and stderr held meanwhile: its GGUF reader
+    draws a tqdm bar of its own that the switch does not reach. Lines other than the bar's
+    redraws (carriage returns) are passed on."""
+    from transformers.utils import logging as hf_logging
+    bars, held = hf_logging.is_progress_bar_enabled(), io.StringIO()
+    hf_logging.disable_progress_bar()
+    try:
+        with redirect_stderr(held):
+            yield
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+        for line in held.getvalue().split("\n"):
+            if line.strip() and "\r" not in line:
+                print(line, file=sys.stderr)
 
 
 def _sweep_dead(out: Path, quiet: bool) -> None:
