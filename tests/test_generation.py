@@ -22,3 +22,17 @@ def test_generate_from_python_prints_nothing_the_cli_prints_its_lines(tiny_confi
     assert main(["generate", "--model", tiny_config, "--random-weights", "--device", "cpu", "--prompt-format", "ids",
                  "--prompt", "5 6 7 8", "--max-new-tokens", "3", "--ignore-eos"]) == 0
     assert "kvpipe: executing up to 3 new tokens on cpu" in capfd.readouterr().err
+
+
+def test_generate_takes_token_ids_as_a_list_or_a_tensor(tiny_config):
+    """Fault caught: `kvpipe.generate(model, [1, 2, 3])` refused ("prompt: expected text, got
+    list") where HF users pass input_ids; a list, a 1-D tensor and HF's [1, n] tensor must run as
+    --prompt-format ids does, bad elements a ValueError naming `prompt`."""
+    want = kvpipe.generate(tiny_config, " ".join(map(str, IDS)), prompt_format="ids", **RUN)
+    for ids in (IDS, torch.tensor(IDS), torch.tensor([IDS])):
+        got = kvpipe.generate(tiny_config, ids, **RUN)
+        assert (got.tokens, got.output_digest, got.prompt_tokens) == (want.tokens, want.output_digest, 4)
+    for bad, said in (([5, "6"], "'6'"), ([5, 6.0], "6.0"), ([5, True], "True"), ([], "no token ids"),
+                      (torch.zeros(2, 3, dtype=torch.long), "1-D"), ([5, 999], "outside the vocabulary")):
+        with pytest.raises(ValueError, match=f"^prompt: .*{said}"):
+            kvpipe.generate(tiny_config, bad, **RUN)
