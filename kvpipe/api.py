@@ -280,8 +280,8 @@ def _check_files(opts: RunOptions, session) -> None:
     kv_dir = tempfile.gettempdir() if opts.kv_dir is None else str(opts.kv_dir)
     n, nbytes = reclaim(kv_dir)
     if n:
-        print(f"kvpipe: removed {n} KV file{'s' if n > 1 else ''} ({fmt_bytes(nbytes)}) left in {kv_dir} "
-              "by runs that ended without cleanup", file=sys.stderr, flush=True)
+        log.info(f"removed {n} KV file{'s' if n > 1 else ''} ({fmt_bytes(nbytes)}) left in {kv_dir} "
+                 "by runs that ended without cleanup")
 
 
 def _as_ran(spec, work, profile, budgets, req, predicted: Predicted, res) -> tuple[Predicted, tuple[str, ...]]:

@@ -5,15 +5,19 @@ cache, which every later run loads like any other directory; nothing is download
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import logging
 import os
 import shutil
 import sys
+from contextlib import contextmanager, redirect_stderr
 from dataclasses import dataclass
 from pathlib import Path
 
 CACHE_ENV = "KVPIPE_CACHE_DIR"   # where converted GGUF checkpoints go (default ~/.cache/kvpipe)
 _DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+log = logging.getLogger("kvpipe")   # its lines: printed by the CLI, quiet from Python
 
 
 @dataclass(frozen=True)
@@ -94,21 +98,16 @@ def convert_gguf(path: str | os.PathLike, dtype: str | None = None, root: Path |
                          "pip install 'kvpipe[gguf]'") from None
     from transformers import AutoModelForCausalLM, AutoTokenizer
     if not quiet:
-        print(f"kvpipe: converting {path.name} to safetensors in {out} (once)", file=sys.stderr, flush=True)
-    from transformers.utils import logging as hf_logging
+        log.info(f"converting {path.name} to safetensors in {out} (once)")
     kw = dict(gguf_file=path.name, local_files_only=True)
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()    # the line above says what happens; no bar under --json
     try:
-        tok = AutoTokenizer.from_pretrained(path.parent, **kw)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=_DTYPE_NAMES[dtype or "fp32"], **kw)
+        with _bars_off():   # the line above says what happens; no bar under --json
+            tok = AutoTokenizer.from_pretrained(path.parent, **kw)
+            model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=_DTYPE_NAMES[dtype or "fp32"], **kw)
     except Exception as e:   # a corrupt file fails anywhere in the GGUF reader (struct, numpy, KeyError...)
         if isinstance(e, MemoryError):
             raise
         raise ValueError(f"model: cannot read {str(path)!r} as GGUF ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
     _sweep_dead(out, quiet)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
@@ -124,6 +123,25 @@ def convert_gguf(path: str | os.PathLike, dtype: str | None = None, root: Path |
     return out
 
 
+@contextmanager
+def _bars_off():
+    """transformers' progress bars off (its switch), and stderr held meanwhile: its GGUF reader
+    draws a tqdm bar of its own that the switch does not reach. Lines other than the bar's
+    redraws (carriage returns) are passed on."""
+    from transformers.utils import logging as hf_logging
+    bars, held = hf_logging.is_progress_bar_enabled(), io.StringIO()
+    hf_logging.disable_progress_bar()
+    try:
+        with redirect_stderr(held):
+            yield
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+        for line in held.getvalue().split("\n"):
+            if line.strip() and "\r" not in line:
+                print(line, file=sys.stderr)
+
+
 def _sweep_dead(out: Path, quiet: bool) -> None:
     """Removes `out`'s temporary folders whose converting process is gone (SIGKILL, a crash):
     each holds a partial copy of the weights that nothing else would reclaim."""
@@ -133,8 +151,7 @@ def _sweep_dead(out: Path, quiet: bool) -> None:
         if pid.isdigit() and not alive(int(pid)):
             shutil.rmtree(tmp, ignore_errors=True)
             if not quiet:
-                print(f"kvpipe: removed {tmp.name}, left by a conversion whose process is gone",
-                      file=sys.stderr)
+                log.info(f"removed {tmp.name}, left by a conversion whose process is gone")
 
 
 def _write_plain(model, out: Path) -> None:

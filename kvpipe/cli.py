@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
-import logging
 import os
 import re
 import sys
@@ -326,10 +325,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:          # bare `kvpipe`: what it can do
         parser.print_help()
         return 0
-    handler = logging.StreamHandler(sys.stderr)   # api warnings: one line each
-    handler.setFormatter(logging.Formatter("kvpipe: warning: %(message)s"))
-    log = logging.getLogger("kvpipe")
-    log.addHandler(handler)
+    with text.stderr_log():   # what the library reports and warns, one line each
+        return _dispatch(parser, args)
+
+
+def _dispatch(parser, args) -> int:
+    """Runs the command; its errors as one line and the exit code."""
     try:
         from kvpipe.chat_cli import cmd_chat
         from kvpipe.generate_cli import cmd_generate
@@ -354,8 +355,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as e:   # Ctrl-C; SIGTERM during a run comes as Terminated (exit_code 143)
         print(f"kvpipe: {str(e) or 'interrupted'}", file=sys.stderr)
         return getattr(e, "exit_code", EXIT_INTERRUPTED)
-    finally:
-        log.removeHandler(handler)
 
 
 if __name__ == "__main__":

@@ -172,7 +172,7 @@ def encode(text, prompt_format, tok, spec, chat, system, flag="prompt"):
     return ids, templated
 
 
-def generate(model: str | os.PathLike | None = None, prompt: str | None = None, *,
+def generate(model: str | os.PathLike | None = None, prompt: str | list[int] | None = None, *,
              prompt_file: str | os.PathLike | None = None, prompt_format: str = "text", chat: bool = True,
              system: str | None = None, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
              stop: str | list[str] | tuple = (), ignore_eos: bool = False, temperature: float | None = None,
@@ -185,7 +185,7 @@ def generate(model: str | os.PathLike | None = None, prompt: str | None = None, 
     """Generate a completion of `prompt` (or the text of `prompt_file`, or `stdin`) with `model`:
     a local HF directory, a .gguf file (converted once into a cache, checkpoint.py), or a preset /
     config.json with random_weights=True. `prompt_format` "ids" takes whitespace-separated token
-    ids as they are (no chat template). The chat template is applied where the tokenizer has one
+    ids as they are (no chat template), and so does a `prompt` of ids (a list of ints, a 1-D tensor). The chat template is applied where the tokenizer has one
     (`chat=False` turns it off; `system` is the system turn). Generation stops at the generation
     config's EOS ids (unless `ignore_eos`), at any `stop` string, or after `max_new_tokens`
     tokens. Sampling fields left None come from the generation config where it samples
@@ -199,6 +199,8 @@ def generate(model: str | os.PathLike | None = None, prompt: str | None = None, 
     with finish reason "interrupted", keeping the prompt's KV (a `save_kv` still saves it: Ctrl-C
     in `kvpipe generate`). ValueError names the argument for bad input."""
     _check_options(options)
+    if prompt is not None and not isinstance(prompt, str):   # token ids, as HF users pass input_ids
+        prompt, prompt_format = textio.ids_text(prompt), "ids"
     n = _max_new(max_new_tokens)
     stops = _stops(stop)
     if isinstance(seed, bool) or not isinstance(seed, int):

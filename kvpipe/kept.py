@@ -64,6 +64,16 @@ def refuse_inexact(options: dict, what: str) -> None:
         raise ValueError(f"codec: {what} stores its KV without codecs (got {codecs[0]})")
 
 
+def check_saved_dtype(man: dict, model, dtype: str | None) -> None:
+    """Before a .gguf converts (seconds) for a dtype the saved KV does not hold: the run's dtype is
+    --dtype, else fp32 for a .gguf (as it converts); a directory's own is checked once read."""
+    from kvpipe.pipeline.model import DTYPE_BYTES
+    from .checkpoint import is_gguf
+    want = dtype or ("fp32" if is_gguf(model) else None)
+    if want in DTYPE_BYTES and man.get("dtype") != want:
+        raise ValueError(f"load-kv: saved in {man.get('dtype')}, this model runs in {want} (--dtype)")
+
+
 def compose(man: dict, text: str, prompt_format: str, tok, spec, chat: bool, flag: str) -> tuple[list[int], list | None]:
     """(the new full prompt's ids, its messages or None) of a prompt after a saved conversation."""
     from .generation import encode
@@ -103,6 +113,8 @@ def generate_kept(model, prompt, prompt_file, prompt_format, chat, system, n, st
     man = saved.read_manifest(load_kv) if load_kv is not None else None
     if man is not None and system is not None:
         raise ValueError("system: the saved conversation has its own system turn (--load-kv)")
+    if man is not None:
+        check_saved_dtype(man, model, options.get("dtype"))
     if prompt_format not in textio.FORMATS:
         raise ValueError(f"prompt-format: expected text or ids, got {prompt_format!r}")
     text = textio.read_prompt(prompt, prompt_file, stdin)

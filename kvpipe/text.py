@@ -2,6 +2,10 @@
 (and measured) table, and the side-by-side table of `--compare`."""
 from __future__ import annotations
 
+import logging
+import sys
+from contextlib import contextmanager
+
 from kvpipe.pipeline.report import decode_step_stats, fmt_s, format_report
 from kvpipe.pipeline.units import fmt_bytes, fmt_tokens
 
@@ -160,3 +164,28 @@ def print_run(res: RunResult) -> None:
         print(f"disk: read {fmt_bytes(d['read_bytes'])}, wrote {fmt_bytes(d['write_bytes'])}; crc32c of "
               f"{fmt_bytes(d['checksum_bytes'])} took {fmt_s(d['checksum_s'])} (summed over threads)"
               + "".join(f"; {n}" for n in d["notes"]))
+
+
+class _Said(logging.Formatter):
+    """The `kvpipe` logger's records as the CLI prints them: `kvpipe: ` before what the library
+    reports (INFO), `kvpipe: warning: ` before its warnings and errors."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        said = super().format(record)   # the message, and its traceback where one was logged
+        return ("kvpipe: " if record.levelno < logging.WARNING else "kvpipe: warning: ") + said
+
+
+@contextmanager
+def stderr_log(stream=None):
+    """The `kvpipe` logger printed to `stream` (stderr), its progress lines included, while the
+    block runs: the CLI's voice. A library call without it says only its warnings."""
+    log = logging.getLogger("kvpipe")
+    handler, level = logging.StreamHandler(stream or sys.stderr), log.level
+    handler.setFormatter(_Said())
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)

@@ -38,6 +38,22 @@ def read_prompt(prompt: str | None, prompt_file: str | os.PathLike | None, stdin
     return text
 
 
+def ids_text(prompt) -> str:
+    """Token ids given from Python (a list or tuple of ints, or a 1-D tensor or array, as HF's
+    input_ids; a [1, n] one too) as --prompt-format ids text. ValueError names `prompt`."""
+    if getattr(prompt, "ndim", 1) == 2 and len(prompt) == 1:   # HF's [batch 1, n]
+        prompt = prompt[0]
+    if getattr(prompt, "ndim", 1) != 1 or not isinstance(prompt, (list, tuple)) and not hasattr(prompt, "tolist"):
+        raise ValueError(f"prompt: expected text or token ids (a list of ints, a 1-D tensor), got {type(prompt).__name__}")
+    ids = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
+    bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int)]
+    if bad:
+        raise ValueError(f"prompt: token ids must be ints, got {bad[0]!r}")
+    if not ids:
+        raise ValueError("prompt: no token ids")
+    return " ".join(map(str, ids))
+
+
 def parse_ids(text: str, vocab: int, flag: str = "prompt") -> list[int]:
     """Whitespace-separated token ids (--prompt-format ids), each in [0, vocab)."""
     try:

@@ -35,10 +35,11 @@ def selection(spec, prefix: int) -> dict | None:
 
 
 def selects(spec, prefix: int) -> bool:
-    """Whether a step over `prefix` tokens picks any token by score where some could be picked:
-    False where the forced tokens fill the budget (the step is a sink + recent window)."""
+    """Whether a step over `prefix` tokens picks any token by score (True without `sparse`):
+    False where the forced tokens fill the budget, also where they are the whole context (nothing
+    eligible: the step is exact attention under a LOSSY label)."""
     sel = selection(spec, prefix)
-    return sel is None or sel["eligible_tokens"] == 0 or sel["selected_tokens"] > 0
+    return sel is None or sel["selected_tokens"] > 0
 
 
 def min_selecting_context(spec, prefix: int) -> int | None:
@@ -61,7 +62,8 @@ def check_selects(spec, context: int) -> None:
         return
     sel, least = selection(spec, context), min_selecting_context(spec, context)
     tail = ", forced blocks and the exact tail" if spec.blocks else ""
-    raise ValueError(f"sparse: --sparse {spec.sparse:g} selects nothing at a {context}-token context: the forced "
-                     f"tokens (sink {spec.sink}, recent window {spec.recent}{tail}: {sel['forced_tokens']}) fill "
-                     f"the {sel['asked_tokens']}-token budget; {spec.sparse:g} selects from a "
-                     f"{least}-token context (or run exact, or a larger --sparse)")
+    forced = f"the forced tokens (sink {spec.sink}, recent window {spec.recent}{tail}: {sel['forced_tokens']})"
+    why = (f"{forced} are the whole context" if sel["eligible_tokens"] == 0
+           else f"{forced} fill the {sel['asked_tokens']}-token budget")
+    raise ValueError(f"sparse: --sparse {spec.sparse:g} selects nothing at a {context}-token context: {why}; "
+                     f"{spec.sparse:g} selects from a {least}-token context (or run exact, or a larger --sparse)")

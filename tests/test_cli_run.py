@@ -185,6 +185,7 @@ def test_executing_line_comes_before_the_progress_bar(tiny_model, monkeypatch):
     from kvpipe.pipeline.model import from_hf_config
     from kvpipe.pipeline.plan import Method, PhasePlan, Plan
     from kvpipe.pipeline.workload import Workload
+    from kvpipe.text import stderr_log
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
@@ -196,7 +197,8 @@ def test_executing_line_comes_before_the_progress_bar(tiny_model, monkeypatch):
     graph = build(spec, Workload(32, 2), plan)
     term = Terminal()
     monkeypatch.setattr(sys, "stderr", term)
-    run_graph(graph, hf, torch.randint(0, 128, (1, 32)), torch.device("cpu"), 2**30, progress=True)
+    with stderr_log():   # the CLI's voice: the line is the CLI's to print
+        run_graph(graph, hf, torch.randint(0, 128, (1, 32)), torch.device("cpu"), 2**30, progress=True)
     text = term.getvalue()
     assert "prefill" in text                                  # tqdm did draw
     first_line, _, rest = text.partition("\n")

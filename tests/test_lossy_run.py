@@ -95,8 +95,8 @@ def test_sparse_with_int4_over_disk_units_is_refused_in_one_line(tiny_config, ca
     in `run`, where sparse decode cannot read disk rows (over host-RAM units the combination runs:
     tests/test_sparse_int4.py)."""
     rc, out, err = cli(capsys, "--model", tiny_config, *COMMON, "--sparse", "0.2", "--lossy", "int4",
-                       "--disk", "all", "--kv-dir", str(tmp_path))
-    assert rc == 2 and err.count("\n") == 1 and err.startswith("kvpipe: error: --sparse:"), err
+                       "--disk", "all", "--kv-dir", str(tmp_path), "--context", "2048")   # where 0.2 selects
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("kvpipe: error: --sparse:") and "disk" in err, err
 
 
 def _greedy_kl(tiny_model, bits):

@@ -42,7 +42,7 @@ def test_forced_and_selected_tokens_add_up_to_the_step(prefix, f, win):
     fetched = min(prefix, max(math.ceil(f * prefix), forced))
     assert sel["selected_tokens"] == fetched - forced
     assert sel["asked_tokens"] == min(prefix, math.ceil(f * prefix))
-    assert selects(spec, prefix) == (eligible == 0 or fetched > forced)
+    assert selects(spec, prefix) == (fetched > forced)
 
 
 @given(st.integers(100, 20000), st.sampled_from([0.05, 0.1, 0.2, 0.3]), st.booleans())
@@ -103,3 +103,21 @@ def test_max_error_never_picks_a_sparse_fraction_that_selects_nothing():
                 assert rows[o.name].startswith("selects nothing" if o.measured.worst <= 0.999 else "above the budget")
         assert rows["sparse 20%"].startswith("selects nothing" if ctx == 1536 else "predicted")
         assert choice.chosen is not None and choice.chosen.startswith("sparse")   # sparse is the fastest
+
+
+def test_sparse_where_every_token_is_forced_is_refused_before_the_model_loads(tmp_path, capsys):
+    """Fault caught: a 300-token context (sink 64 + recent 256 cover all of it, nothing eligible)
+    counted as selecting, so `generate --sparse 0.5` ran exact attention labelled LOSSY with 0
+    tokens selected; it must be one line naming --sparse, exit 2, before any weights load, and
+    `plan` must agree."""
+    from conftest import TINY_LLAMA
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(TINY_LLAMA))
+    ids = " ".join(str(i % 200) for i in range(300))
+    rc = main(["generate", "--model", str(cfg), "--random-weights", "--device", "cpu", "--prompt-format", "ids",
+               "--prompt", ids, "--max-new-tokens", "2", "--sparse", "0.5", "--resident", "none"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "--sparse 0.5" in err and "executing" not in err, err
+    assert "are the whole context" in err and "641-token context" in err, err
+    assert main(["plan", "--context", "300", "--hw", "h200", "--resident", "none", "--sparse", "0.5"]) == 2
+    assert "--sparse 0.5" in capsys.readouterr().err

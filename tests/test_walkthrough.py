@@ -115,3 +115,24 @@ def test_the_buyers_table_refuses_flags_it_would_drop(capsys, tmp_path, monkeypa
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith(f"kvpipe: error: {flag[0]}: "), err
     assert not any(tmp_path.iterdir())
+
+
+def test_the_readmes_cpu_run_names_a_model_the_repository_ships(monkeypatch, capsys):
+    """Fault caught: the README's first CPU run (`kvpipe run --model ./tiny/config.json
+    --random-weights ...`) and its `kvpipe.run(...)` line naming a config.json no clone has, so a
+    new user's first real run exits 2 ("model: no file")."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from kvpipe.pipeline.model import load_model
+    root = Path(__file__).parents[1]
+    readme = (root / "README.md").read_text()
+    line = next(ln for ln in readme.splitlines() if ln.startswith("kvpipe run --model") and "--device cpu" in ln)
+    api_model = re.search(r'kvpipe\.run\("([^"]+)", random_weights=True', readme).group(1)
+    argv = shlex.split(line)[1:]
+    monkeypatch.chdir(root)   # the README's paths are a clone's
+    for model in (argv[argv.index("--model") + 1], api_model):
+        assert load_model(model).layers > 0, model
+    rc = main(argv + ["--decode-tokens", "2", "--no-progress"])
+    assert rc == 0, capsys.readouterr().err

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import logging
 import os
 import sys
 from dataclasses import dataclass, replace
@@ -22,6 +23,8 @@ from kvpipe.executor.layers.attention import CUDNN_MIN_ROWS
 from kvpipe.executor.kv.layout import DiskOptions
 from kvpipe.executor.kv.pinned import release_cached_pinned
 from kvpipe.executor.engine.runner import RunResult, execute
+
+log = logging.getLogger("kvpipe")   # progress lines: printed by the CLI, quiet from Python
 
 WARMUP_MAX_TOKENS = 8192   # the warm-up runs one prefill chunk, at most this long
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -238,13 +241,13 @@ def run_graph(graph: Graph, hf_model: torch.nn.Module, ids: torch.Tensor, device
             # The warm-up's torch-pinned KV homes (replayed runs) stay in torch's host cache, pinned,
             # in blocks the run cannot reuse: given back first.
             release_cached_pinned()
-            print(f"kvpipe: warmed up on {n} tokens and 1 decode step (untimed)", file=sys.stderr, flush=True)
+            log.info(f"warmed up on {n} tokens and 1 decode step (untimed)")
     steps = len({(s.phase, s.step) for s in graph.stages if s.tag == "embed"})
     last_layer = graph.model.layers - 1
     # Announced before the bar exists: a line printed after it would land on the bar's line and
     # be overwritten by its next refresh on a terminal.
     what = f"{steps} steps" if decoding is None else f"up to {graph.workload.decode_tokens + 1} new tokens"   # may stop early
-    print(f"kvpipe: executing {what} on {device} (Ctrl-C stops cleanly)", file=sys.stderr, flush=True)
+    log.info(f"executing {what} on {device} (Ctrl-C stops cleanly)")
     bar = None
     if progress:
         from tqdm import tqdm

@@ -18,7 +18,7 @@ first capture (`compile_s`, printed on stderr); under auto a failed compile leav
 """
 from __future__ import annotations
 
-import sys
+import logging
 import time
 from dataclasses import dataclass, replace
 
@@ -252,7 +252,7 @@ class DecodeReplay:
             with torch.cuda.stream(gpu):
                 self.compile_s = self.interp.warm_fused(self.pos_all[:1])
             if self.interp.fused is not None:
-                print(f"kvpipe: fused decode pieces compiled and warmed in {self.compile_s:.1f} s", file=sys.stderr, flush=True)
+                logging.getLogger("kvpipe").info(f"fused decode pieces compiled and warmed in {self.compile_s:.1f} s")
         if self.lossy:
             self._first_sparse_step()
         if self.capture:   # the decode attention's kernels compiled outside the captures
