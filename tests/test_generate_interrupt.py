@@ -22,8 +22,8 @@ LARGE = 3000    # far more tokens than the test waits for: only a signal ends th
 WAIT_S = 60     # bound on each wait for the child (its start imports torch)
 
 
-def _start(tiny_config, *flags) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "kvpipe", "generate", "--model", tiny_config, "--random-weights", "--device", "cpu",
+def _start(tiny_config, *flags, device: str = "cpu") -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "kvpipe", "generate", "--model", tiny_config, "--random-weights", "--device", device,
            "--prompt-format", "ids", "--prompt", PROMPT, "--chunk", "4", "--ignore-eos", "--max-new-tokens", str(LARGE),
            *flags]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -41,9 +41,10 @@ def _interrupt_when_prefilled(p: subprocess.Popen, sig) -> tuple[str, str]:
     return out, "".join(seen) + err
 
 
-def _first_tokens(tiny_config, n: int):
+def _first_tokens(tiny_config, n: int, **over):
     """An uninterrupted run of n tokens, in process (greedy: its tokens start every longer run)."""
-    return kvpipe.generate(tiny_config, PROMPT, prompt_format="ids", max_new_tokens=n, ignore_eos=True, **COMMON)
+    return kvpipe.generate(tiny_config, PROMPT, prompt_format="ids", max_new_tokens=n, ignore_eos=True,
+                           **{**COMMON, **over})
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
@@ -80,3 +81,18 @@ def test_save_kv_keeps_the_prompt_when_interrupted(tiny_config, tmp_path):
     with Conversation(tiny_config, max_context=len(prompt + more) + 4, max_new_tokens=4, **COMMON) as c:
         whole = c.append(prompt + more, breaks=(len(prompt),), max_new_tokens=4, ignore_eos=True)
     assert cont.tokens == whole.tokens and cont.output_digest == whole.output_digest
+
+
+@pytest.mark.gpu
+def test_json_prints_what_was_made_when_interrupted_on_cuda(tiny_config):
+    """Fault caught: on CUDA with every unit streamed from pinned host RAM (copy streams in flight
+    between tokens), Ctrl-C during the answer losing the tokens made, hanging on the streams, or
+    stopping at a token whose bits differ from an uninterrupted run's (tokens and digest compared)."""
+    p = _start(tiny_config, "--json", "--resident", "none", "--group", "1", device="cuda")
+    out, err = _interrupt_when_prefilled(p, signal.SIGINT)
+    assert p.returncode == 130, err
+    res = json.loads(out)
+    n = len(res["tokens"])
+    assert res["finish_reason"] == "interrupted" and 0 < n < LARGE, err
+    ref = _first_tokens(tiny_config, n, device="cuda", resident="none", group=1)
+    assert res["tokens"] == ref.tokens and res["output_digest"] == ref.output_digest
