@@ -18,6 +18,7 @@ HELP = ("/reset forgets the conversation, /save DIR writes its KV, /exit (or Ctr
         "Ctrl-C stops an answer")
 SAMPLING = ("max_new_tokens", "stop", "ignore_eos", "temperature", "top_k", "top_p", "min_p",
             "repetition_penalty", "seed")
+SAMPLED = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")   # Sampling's fields
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -106,12 +107,19 @@ def _save(conv, directory: str) -> None:
               file=sys.stderr)
 
 
+def _check_sampling(turn: dict) -> None:
+    """A bad sampling flag is one line before the model loads, not a refusal of every turn."""
+    from kvpipe.pipeline.sampling import Sampling
+    Sampling(**{k: v for k, v in turn.items() if k in SAMPLED and v is not None})
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     from .conversation import Conversation
     kw = {k: v for k, v in vars(args).items() if k in gen.RUN_OPTIONS and k not in ("trace", "plot")}
     turn = {k: getattr(args, k) for k in SAMPLING}
     turn["stop"] = tuple(turn["stop"] or ())
     gen._max_new(turn["max_new_tokens"])
+    _check_sampling(turn)
     tty = sys.stdin.isatty()
     from .kept import refuse_inexact
     refuse_inexact(kw, "chat")

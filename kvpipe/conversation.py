@@ -240,7 +240,6 @@ class Conversation:
         if room < 1:
             raise ValueError(f"max-context: the conversation is full ({len(ids)} tokens of {self.capacity}); "
                              "/reset, or a larger --max-context")
-        self.turns += 1
         cut = api._logged([f"max-new-tokens: {max_new_tokens} new tokens do not fit: the conversation holds "
                            f"{len(ids)} of its {self.capacity} tokens (--max-context), so at most {room} are "
                            "generated"]) if max_new_tokens > room else ()
@@ -249,6 +248,8 @@ class Conversation:
             res = dataclasses.replace(res, run=dataclasses.replace(res.run, warnings=tuple(res.run.warnings) + cut))
         if res.finish_reason == "cancelled":   # keep nothing of a cancelled call: only what it reused
             self.live.rewind(res.timings["reused_tokens"])
+        else:   # a dropped turn (cancelled, or Ctrl-C raised above) is no turn of the conversation
+            self.turns += 1
         return res
 
     # ---- KV directories ---------------------------------------------------------------------

@@ -122,3 +122,26 @@ def test_ctrl_c_stops_the_answer_not_the_session(chat_model):
         again = c.say("Hello there", max_new_tokens=N)
     with Conversation(str(chat_model), max_context=200, **opts) as fresh:
         assert again.tokens == fresh.say("Hello there", max_new_tokens=N).tokens
+
+
+@pytest.mark.parametrize("flag, value", [("--temperature", "-1"), ("--top-p", "2"), ("--min-p", "1")])
+def test_a_bad_sampling_flag_is_refused_before_the_model_loads(chat_model, monkeypatch, capsys, flag, value):
+    """Fault caught: `chat --temperature -1` loaded the model, then refused every turn on its own
+    line and exited 0, where generate refuses it once, naming the flag, with exit 2."""
+    import kvpipe.generation as generation
+    monkeypatch.setattr(generation, "load", lambda *a, **k: pytest.fail("the model loaded before the flags were checked"))
+    code, turns, err = chat(chat_model, monkeypatch, capsys, "Hello there\n", flag, value)
+    assert code == 2 and turns == [] and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"kvpipe: error: {flag}:"), err
+
+
+def test_an_interrupted_turn_is_not_counted(chat_model):
+    """Fault caught: Ctrl-C during an answer dropped the turn but counted it, so the next turn's
+    stderr line said "turn 2" in a conversation of one turn."""
+    def stop(piece):
+        raise KeyboardInterrupt
+    with Conversation(str(chat_model), max_context=200, random_weights=True, device="cpu") as c:
+        with pytest.raises(KeyboardInterrupt):
+            c.say("Hello there", stream=stop, max_new_tokens=N, ignore_eos=True)
+        c.say("Hello there", max_new_tokens=N)
+        assert c.turns == 1

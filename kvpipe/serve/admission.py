@@ -76,6 +76,11 @@ class Admission:
                           f"the largest prompt that fits with max_tokens {max_tokens} is {fit} tokens "
                           f"({fmt_tokens(fit)})", prompt_tokens > self.largest(1))
 
+    def room(self, prompt_tokens: int) -> int | None:
+        """New tokens the context leaves after a prompt; None where no context limit binds."""
+        limit, _ = self._context()
+        return None if limit is None else limit - prompt_tokens
+
     def _context(self) -> tuple[int | None, str]:
         """The binding context limit and its words: the model's positions or the server's
         --max-context, whichever is smaller (a request past either never runs)."""

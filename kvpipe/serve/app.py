@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -148,6 +148,9 @@ async def _body(s: Server, request: Request) -> bytes:
 async def _complete(s: Server, request: Request, kind: str):
     q = parse_query(parse_body(await _body(s, request)), kind, s.name)
     ids = await asyncio.to_thread(responses.prompt_ids, s.tokenizer, q)
+    room = s.admission.room(len(ids))
+    if not q.max_tokens_given and room is not None:   # as vLLM: a default never refuses a prompt that fits
+        q = replace(q, max_tokens=max(1, min(q.max_tokens, room)))
     try:
         await asyncio.to_thread(s.admission.check, len(ids), q.max_tokens)
     except Refused as e:   # the prompt itself too long, or with max_tokens more

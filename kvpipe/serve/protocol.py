@@ -50,6 +50,7 @@ class Query:
     messages: tuple[dict, ...] = ()
     prompt: str | tuple[int, ...] | None = None
     max_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    max_tokens_given: bool = False             # False: the default, cut to the room the prompt leaves
     sampling: dict = field(default_factory=dict)   # generate()'s temperature/top_p/top_k/min_p/repetition_penalty
     seed: int = 0
     stop: tuple[str, ...] = ()
@@ -215,6 +216,6 @@ def parse_query(body: dict, kind: str, served: str) -> Query:
                 "top_k": _int(body, "top_k", lo=0), "min_p": _float(body, "min_p", 0, 1),
                 "repetition_penalty": _float(body, "repetition_penalty", 0, 10, low_open=True)}
     return Query(kind, model, _messages(body) if kind == "chat" else (),
-                 _prompt(body) if kind == "completion" else None, max_tokens, sampling,
+                 _prompt(body) if kind == "completion" else None, max_tokens, body.get(which) is not None, sampling,
                  _int(body, "seed", default=0), _stops(body), stream,
                  _bool(opts or {}, "include_usage") if opts else False, _bool(body, "ignore_eos"))
