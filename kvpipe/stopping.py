@@ -34,7 +34,7 @@ class StopBetweenTokens:
 
     def asked(self) -> bool:
         """Whether a signal came; arms on the first call on the main thread (handlers can only be
-        set there; a token taken on a lane's worker thread leaves it to the next one)."""
+        set there; the engine hands tokens over on the thread that runs it, engine/decoding.py)."""
         if not self._run and threading.current_thread() is threading.main_thread():
             self._run = {s: signal.signal(s, self._on_signal) for s in SIGNALS}
             if self._armed is not None:
