@@ -188,6 +188,18 @@ def test_cli_streams_ids_and_prints_the_summary(model_dir, capsys):
         assert needle in err, (needle, err)
 
 
+def test_save_and_load_kv_print_the_executing_line_first(model_dir, tmp_path, capsys):
+    """Fault caught: `generate --save-kv/--load-kv` (kvpipe/kept.py) printed no "executing up to N
+    new tokens" line, so nothing showed before the prefill ended; or the library call printed it."""
+    line = "kvpipe: executing up to 3 new tokens on cpu (Ctrl-C stops cleanly)"
+    for flag, prompt in (("--save-kv", PROMPT), ("--load-kv", "9 10")):
+        rc, _, err = cli(capsys, "--model", str(model_dir), "--random-weights", "--device", "cpu", "--prompt-format",
+                         "ids", "--prompt", prompt, "--max-new-tokens", "3", flag, str(tmp_path / "kv"))
+        assert rc == 0 and err.splitlines().count(line) == 1 and err.startswith(line), (flag, err)
+    gen(model_dir, max_new_tokens=3, load_kv=str(tmp_path / "kv"), seed=0)   # the CLI's weights
+    assert capsys.readouterr().err == ""
+
+
 GPU = dict(random_weights=True, device="cuda", dtype="bf16", prompt_format="ids", chunk=16, seed=5, group=1)
 
 
