@@ -151,6 +151,8 @@ class Decoding:
         self.made = 0          # tokens copied (or being copied) to `host`
         self.seen = 0          # tokens handed to `take`
         self.stop_at: int | None = None   # the first decode step not needed
+        # halted() may be asked from several threads: one drain at a time hands each token over once
+        self.lock = threading.Lock()
 
     def pick(self, logits: torch.Tensor, i: int | torch.Tensor) -> torch.Tensor:
         return self.sampler(logits, i)
@@ -171,7 +173,7 @@ class Decoding:
         token `LAG` steps back (the compute lane's embed; never inside a graph capture). `drain`
         False: only what is already known (a lane's worker thread)."""
         if self.stop_at is None and drain:
-            self._drain(step - self.lag if wait else -1)
+            self._drain(step - self.lag if wait else -1, block=wait)
         return self.stop_at is not None and step >= self.stop_at
 
     def gate(self, issue: Callable[[Stage], None]) -> Callable[[Stage], None]:
@@ -191,8 +193,17 @@ class Decoding:
         self._drain(self.made)
         return self.made if self.stop_at is None else self.stop_at + 1
 
-    def _drain(self, until: int) -> None:
-        """Hand over the tokens that have reached the host, waiting for those up to `until`."""
+    def _drain(self, until: int, block: bool = True) -> None:
+        """Hand over the tokens that have reached the host, waiting for those up to `until`
+        (`block` False: nothing when another thread is already handing them over)."""
+        if not self.lock.acquire(blocking=block):
+            return
+        try:
+            self._drain_locked(until)
+        finally:
+            self.lock.release()
+
+    def _drain_locked(self, until: int) -> None:
         while self.stop_at is None and self.seen < self.made:
             ev = self.events[self.seen]
             if ev is not None and not ev.query():
