@@ -11,21 +11,23 @@ GPU memory, pinned host RAM and disk. The layers install under this package: `kv
 """
 from __future__ import annotations
 
+import importlib
+
 __version__ = "0.1.0"
 
-from kvpipe.api import PlanResult, Predicted, RunResult, plan, run  # noqa: E402
-from kvpipe.options import PlanOptions, RunOptions  # noqa: E402
-from kvpipe.pipeline.replay import Replay  # noqa: E402
-from kvpipe.generation import GenerateResult, generate  # noqa: E402
-from kvpipe.conversation import Conversation  # noqa: E402
+# where each public name lives: imported on first use, so `import kvpipe` (and so the command
+# line's entry, kvpipe/__main__.py) does no work that a Ctrl-C could interrupt outside its guard
+_PUBLIC = {"plan": "api", "run": "api", "PlanResult": "api", "RunResult": "api", "Predicted": "api",
+           "PlanOptions": "options", "RunOptions": "options", "Replay": "pipeline.replay",
+           "generate": "generation", "GenerateResult": "generation", "Conversation": "conversation",
+           "HeadwiseCache": "hf_cache"}   # HeadwiseCache imports torch: `import kvpipe` stays torch-free
 
 __all__ = ["__version__", "plan", "run", "generate", "PlanOptions", "RunOptions", "Replay", "PlanResult", "RunResult",
            "GenerateResult", "Predicted", "HeadwiseCache", "Conversation"]
 
 
 def __getattr__(name: str):
-    """`kvpipe.HeadwiseCache` is imported on first use, so `import kvpipe` stays torch-free."""
-    if name == "HeadwiseCache":
-        from kvpipe.hf_cache import HeadwiseCache
-        return HeadwiseCache
-    raise AttributeError(f"module 'kvpipe' has no attribute {name!r}")
+    """`kvpipe.plan`, `kvpipe.generate`, ...: the public names, imported on first use."""
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'kvpipe' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"kvpipe.{_PUBLIC[name]}"), name)

@@ -245,8 +245,11 @@ def run(options: RunOptions | None = None, /, *, prompt_ids: list[int] | None = 
     profile, budgets, req, decision = decide_run(opts, spec, work, session, dev)
     warnings = context_warnings(spec, work) + room_warning(spec, work, decision.predicted, budgets,
                                                            req.chunk is not None)
-    if decision.plan.lossy is not None and decision.plan.resident >= spec.units:
-        warnings += _logged(["lossy: every KV unit is resident on the GPU; nothing is quantised (the run is exact)"])
+    lossy = decision.plan.lossy
+    if lossy is not None and decision.plan.resident >= spec.units:   # both act on offloaded units only
+        idle = (["nothing is quantised"] if lossy.quant else []) + \
+            (["sparse decode selects only among offloaded units, so every token is attended"] if lossy.sparse else [])
+        warnings += _logged([f"lossy: every KV unit is resident on the GPU; {'; '.join(idle)} (the run is exact)"])
     from kvpipe.pipeline.builder import build
     from kvpipe.executor.layers.loader import progress_bars
     with progress_bars(opts.progress):

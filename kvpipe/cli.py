@@ -21,10 +21,10 @@ from kvpipe.options import DEFAULT_DECODE_TOKENS, DEFAULT_HW, DEFAULT_MODEL, DEF
 from kvpipe.pipeline.plan import Method
 from kvpipe.pipeline.replay import FLAGS as REPLAY_FLAGS
 from kvpipe.pipeline.report import NoPlanFits
+from kvpipe.stopping import interrupted
 
 EXIT_BAD_INPUT = 2
 EXIT_DOES_NOT_FIT = 3
-EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141   # 128 + SIGPIPE, as a C tool killed by it: `kvpipe plan --json | head`
 
 UNITS = ("units: token counts take binary K/M (128K = 131072, 1M = 1048576); sizes are decimal with "
@@ -353,8 +353,7 @@ def _dispatch(parser, args) -> int:
         print(f"kvpipe: error: {oom_line(str(e))}", file=sys.stderr)
         return EXIT_DOES_NOT_FIT
     except KeyboardInterrupt as e:   # Ctrl-C; SIGTERM during a run comes as Terminated (exit_code 143)
-        print(f"kvpipe: {str(e) or 'interrupted'}", file=sys.stderr)
-        return getattr(e, "exit_code", EXIT_INTERRUPTED)
+        return interrupted(e)
 
 
 if __name__ == "__main__":

@@ -134,6 +134,8 @@ def generate_kept(model, prompt, prompt_file, prompt_format, chat, system, n, st
                             chat=chat and msgs is not None, system=system, seed=gen["seed"], max_new_tokens=n,
                             **options)
     loaded, wrote = {}, None
+    from kvpipe.executor.engine.session import executing
+    executing(f"up to {n} new tokens", conv.engine.device)   # as plain generate: a line before the prefill's wait
     try:
         if save_kv is not None:   # before any work: a window layer's ring cannot be saved
             saved.refuse_rings(conv.live.layout, "save-kv")

@@ -5,10 +5,19 @@ own clean stop (asyncio's Ctrl-C, executor/engine/interrupts.py for SIGTERM)."""
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from collections.abc import Callable
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+EXIT_INTERRUPTED = 128 + signal.SIGINT   # the shell's code for Ctrl-C
+
+
+def interrupted(e: KeyboardInterrupt) -> int:
+    """The one line and exit code of a command stopped by Ctrl-C (or SIGTERM during a run:
+    Terminated, whose `exit_code` is 143)."""
+    print(f"kvpipe: {str(e) or 'interrupted'}", file=sys.stderr)
+    return getattr(e, "exit_code", EXIT_INTERRUPTED)
 
 
 class StopBetweenTokens:
@@ -34,7 +43,7 @@ class StopBetweenTokens:
 
     def asked(self) -> bool:
         """Whether a signal came; arms on the first call on the main thread (handlers can only be
-        set there; a token taken on a lane's worker thread leaves it to the next one)."""
+        set there; the engine hands tokens over on the thread that runs it, engine/decoding.py)."""
         if not self._run and threading.current_thread() is threading.main_thread():
             self._run = {s: signal.signal(s, self._on_signal) for s in SIGNALS}
             if self._armed is not None:

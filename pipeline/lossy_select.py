@@ -65,5 +65,5 @@ def check_selects(spec, context: int) -> None:
     forced = f"the forced tokens (sink {spec.sink}, recent window {spec.recent}{tail}: {sel['forced_tokens']})"
     why = (f"{forced} are the whole context" if sel["eligible_tokens"] == 0
            else f"{forced} fill the {sel['asked_tokens']}-token budget")
-    raise ValueError(f"sparse: --sparse {spec.sparse:g} selects nothing at a {context}-token context: {why}; "
+    raise ValueError(f"sparse: {spec.sparse:g} selects nothing at a {context}-token context: {why}; "
                      f"{spec.sparse:g} selects from a {least}-token context (or run exact, or a larger --sparse)")

@@ -202,7 +202,7 @@ def apply_replay(model: ModelSpec, work: Workload, plan: Plan, setting: Replay, 
     if pin is Replay.AUTO:
         return plan
     if plan.replay is not Replay.AUTO and plan.replay is not pin:
-        raise ValueError(f"replay: --replay {pin.value} disagrees with the plan's replay "
+        raise ValueError(f"replay: {pin.value} disagrees with the plan's replay "
                          f"{str(plan.replay.to_json()).lower()}; drop --replay or edit the plan file")
     if pin is Replay.ON and why:
         raise ValueError(f"replay: on, but {why}; use --replay off or auto")

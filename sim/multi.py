@@ -57,7 +57,7 @@ def layouts(model: ModelSpec, gpus: int, tp: int | None = None, pp: int | None =
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0 or gpus % v):
             raise ValueError(f"{flag}: {v!r} must be a positive divisor of --gpus {gpus}")
     if tp is not None and pp is not None and tp * pp != gpus:
-        raise ValueError(f"tp: --tp {tp} x --pp {pp} is not --gpus {gpus}")
+        raise ValueError(f"tp: {tp} x --pp {pp} is not --gpus {gpus}")
     out, why = [], None
     for t in (d for d in range(1, gpus + 1) if gpus % d == 0):
         lay = Layout(t, gpus // t)

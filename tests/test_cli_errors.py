@@ -148,6 +148,22 @@ def test_a_value_after_a_switch_names_the_switch(capsys, argv, line):
     assert rc == 2 and err == f"kvpipe: error: {line}\n", err
 
 
+@pytest.mark.parametrize("argv, start", [
+    (["--model", "llama-3-8b", "--context", "300", "--sparse", "0.5", "--hw", "h200", "--resident", "none"],
+     "--sparse: 0.5 selects nothing at a 300-token context: "),
+    (["--context", "8K", "--gpus", "4", "--tp", "2", "--pp", "1"], "--tp: 2 x --pp 1 is not --gpus 4"),
+    (["--context", "8K", "--hw", "h200", "--plan", "PLAN", "--replay", "on"],
+     "--replay: on disagrees with the plan's replay false; "),
+])
+def test_the_flag_is_not_named_twice(capsys, tmp_path, argv, start):
+    """Fault caught: a message that named its flag itself (`sparse: --sparse 0.5 ...`) and was then
+    prefixed with the flag by the CLI: `kvpipe: error: --sparse: --sparse 0.5 selects nothing`."""
+    plan = tmp_path / "plan.json"   # a plan that decodes eagerly, for --replay on to disagree with
+    assert _main(capsys, "plan", "--context", "8K", "--hw", "h200", "--replay", "off", "--out", str(plan))[0] == 0
+    rc, _, err = _main(capsys, "plan", *[str(plan) if a == "PLAN" else a for a in argv])
+    assert rc == 2 and err.startswith(f"kvpipe: error: {start}") and err.count("\n") == 1, err
+
+
 @pytest.mark.parametrize("argv", [
     ["plan", "--hw", "MISSING"],
     ["plan", "--hw", "BROKEN"],

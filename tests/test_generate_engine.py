@@ -84,6 +84,30 @@ def test_the_gate_issues_no_stage_of_a_step_past_the_end():
     assert dec.finish() == 3
 
 
+def test_tokens_are_handed_over_on_the_runs_thread_only():
+    """Fault caught: a disk lane's stage (gated on its worker thread) handing a token over there,
+    so `take` ran off the run's thread: `generate`'s Ctrl-C keeper (signal handlers can only be
+    set on the main thread) did not take over, and Ctrl-C lost the answer."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace as NS
+
+    import torch
+
+    from kvpipe.executor.engine.decoding import Decoding
+    from kvpipe.pipeline.sampling import Sampling
+    from kvpipe.pipeline.stage import Phase
+    threads = []
+    dec = Decoding(Sampling(), [1, 2], vocab=8, n_tokens=4, device="cpu",
+                   take=lambda i, t: threads.append(threading.get_ident()) and False)
+    gate = dec.gate(lambda s: None)
+    dec.produced(torch.zeros(1, 4, dtype=torch.long), 0)   # the prefill's token reached the host
+    with ThreadPoolExecutor(1) as worker:                   # the disk lane's read for step 0
+        worker.submit(gate, NS(phase=Phase.DECODE, step=0, tag="kv_read")).result()
+    gate(NS(phase=Phase.DECODE, step=0, tag="embed"))
+    assert threads == [threading.get_ident()]
+
+
 def test_seeded_sampling_repeats_whatever_the_placement(model_dir):
     # Fault caught: sampling noise drawn from a stream whose state depends on the run (a global
     # RNG, host timing), or any placement changing a bit of the sampled output.
@@ -162,6 +186,18 @@ def test_cli_streams_ids_and_prints_the_summary(model_dir, capsys):
     assert len(out.split()) == 3 and all(w.isdigit() for w in out.split())
     for needle in ("TTFT", "decode", "KV (layer, head) units: 0 on cpu, 4 in host RAM, 0 on disk", "plan: headwise"):
         assert needle in err, (needle, err)
+
+
+def test_save_and_load_kv_print_the_executing_line_first(model_dir, tmp_path, capsys):
+    """Fault caught: `generate --save-kv/--load-kv` (kvpipe/kept.py) printed no "executing up to N
+    new tokens" line, so nothing showed before the prefill ended; or the library call printed it."""
+    line = "kvpipe: executing up to 3 new tokens on cpu (Ctrl-C stops cleanly)"
+    for flag, prompt in (("--save-kv", PROMPT), ("--load-kv", "9 10")):
+        rc, _, err = cli(capsys, "--model", str(model_dir), "--random-weights", "--device", "cpu", "--prompt-format",
+                         "ids", "--prompt", prompt, "--max-new-tokens", "3", flag, str(tmp_path / "kv"))
+        assert rc == 0 and err.splitlines().count(line) == 1 and err.startswith(line), (flag, err)
+    gen(model_dir, max_new_tokens=3, load_kv=str(tmp_path / "kv"), seed=0)   # the CLI's weights
+    assert capsys.readouterr().err == ""
 
 
 GPU = dict(random_weights=True, device="cuda", dtype="bf16", prompt_format="ids", chunk=16, seed=5, group=1)

@@ -47,21 +47,27 @@ def _first_tokens(tiny_config, n: int, **over):
                            **{**COMMON, **over})
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_json_prints_what_was_made_when_interrupted(tiny_config, sig, code):
+@pytest.mark.parametrize("sig, code, disk", [(signal.SIGINT, 130, None), (signal.SIGTERM, 143, None),
+                                             (signal.SIGINT, 130, 3)])
+def test_json_prints_what_was_made_when_interrupted(tiny_config, tmp_path, sig, code, disk):
     """Fault caught: Ctrl-C or SIGTERM during the answer of `generate --json` printing nothing
     (the tokens made lost to the KeyboardInterrupt), or the run not stopping between tokens
-    (tokens or digest not those of an uninterrupted run's start), or the exit code not 130/143."""
-    p = _start(tiny_config, "--json")
+    (tokens or digest not those of an uninterrupted run's start), or the exit code not 130/143.
+    `disk`: that many units on disk, whose lane hands tokens over on its worker thread unless the
+    engine keeps them on the main one (then Ctrl-C was never taken over: the answer lost, no
+    "prompt prefilled" line), or the KV file left in --kv-dir."""
+    plan = {} if disk is None else dict(resident="none", group=1, disk=disk, kv_dir=str(tmp_path))
+    p = _start(tiny_config, "--json", *(f"--{k.replace('_', '-')}={v}" for k, v in plan.items()))
     out, err = _interrupt_when_prefilled(p, sig)
     assert p.returncode == code, err
     res = json.loads(out)
     n = len(res["tokens"])
     assert res["finish_reason"] == "interrupted" and 0 < n < LARGE, err
-    assert res["usage"]["completion_tokens"] == n
-    ref = _first_tokens(tiny_config, n)
+    assert res["usage"]["completion_tokens"] == n and res["plan"]["disk"] == (disk or 0)
+    ref = _first_tokens(tiny_config, n, **plan)
     assert res["tokens"] == ref.tokens and res["output_digest"] == ref.output_digest
     assert f"the answer was stopped after {n} tokens" in err and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == [], "the run left its KV file"
 
 
 def test_save_kv_keeps_the_prompt_when_interrupted(tiny_config, tmp_path):

@@ -90,6 +90,23 @@ def test_disk_and_int4(tiny_config, tmp_path, capsys):
     assert disk["output_digest"] == host["output_digest"]
 
 
+IDLE_QUANT = "nothing is quantised"
+IDLE_SPARSE = "sparse decode selects only among offloaded units, so every token is attended"
+
+
+@pytest.mark.parametrize("flags, idle", [(("--sparse", "0.2"), [IDLE_SPARSE]), (("--lossy", "int8"), [IDLE_QUANT]),
+                                         (("--lossy", "int4", "--sparse", "0.2"), [IDLE_QUANT, IDLE_SPARSE])])
+def test_every_unit_resident_warns_what_the_lossy_flags_leave_undone(tiny_config, capsys, flags, idle):
+    """Fault caught: a sparse-only run (no --lossy) with every unit on the GPU warned "nothing is
+    quantised", which says nothing of sparse: what is true is that sparse decode selects among
+    offloaded units only, so every token is attended and the run is exact."""
+    rc, out, err = cli(capsys, "--json", "--model", tiny_config, "--random-weights", "--context", "2048",
+                       "--decode-tokens", "1", "--resident", "all", *flags)
+    assert rc == 0, err
+    line = f"kvpipe: warning: lossy: every KV unit is resident on the GPU; {'; '.join(idle)} (the run is exact)"
+    assert line in err.splitlines(), err
+
+
 def test_sparse_with_int4_over_disk_units_is_refused_in_one_line(tiny_config, capsys, tmp_path):
     """Fault: --sparse --lossy int4 over disk units silently running one of the two (or crashing)
     in `run`, where sparse decode cannot read disk rows (over host-RAM units the combination runs:

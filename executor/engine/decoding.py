@@ -136,8 +136,9 @@ class Sampler:
 
 class Decoding:
     """The engine's token seam for one generation of `n_tokens` tokens at most (batch 1).
-    `take(i, token) -> bool` is called on the host for each token in order; True: the
-    generation ends with token i (decode steps from i on are not needed)."""
+    `take(i, token) -> bool` is called on the host for each token in order, always on the thread
+    that runs the generation; True: the generation ends with token i (decode steps from i on are
+    not needed)."""
 
     def __init__(self, sampling: Sampling, prompt_ids: list[int], vocab: int, n_tokens: int,
                  device: torch.device, take: Callable[[int, int], bool], lag: int = LAG) -> None:
@@ -150,7 +151,7 @@ class Decoding:
         self.made = 0          # tokens copied (or being copied) to `host`
         self.seen = 0          # tokens handed to `take`
         self.stop_at: int | None = None   # the first decode step not needed
-        # the disk lane's stages pass the gate on worker threads: one drain at a time hands each token over once
+        # halted() may be asked from several threads: one drain at a time hands each token over once
         self.lock = threading.Lock()
 
     def pick(self, logits: torch.Tensor, i: int | torch.Tensor) -> torch.Tensor:
@@ -167,17 +168,22 @@ class Decoding:
             self.host[i] = tokens[0, i]
         self.made = i + 1
 
-    def halted(self, step: int, wait: bool) -> bool:
+    def halted(self, step: int, wait: bool, drain: bool = True) -> bool:
         """Whether decode step `step` is past the end. `wait`: this step's issue may wait for the
-        token `LAG` steps back (the compute lane's embed; never inside a graph capture)."""
-        if self.stop_at is None:
+        token `LAG` steps back (the compute lane's embed; never inside a graph capture). `drain`
+        False: only what is already known (a lane's worker thread)."""
+        if self.stop_at is None and drain:
             self._drain(step - self.lag if wait else -1, block=wait)
         return self.stop_at is not None and step >= self.stop_at
 
     def gate(self, issue: Callable[[Stage], None]) -> Callable[[Stage], None]:
-        """`issue` for the lane actors, with the stages of decode steps past the end skipped."""
+        """`issue` for the lane actors, with the stages of decode steps past the end skipped.
+        Called on the thread that runs the lanes; the host lanes' stages pass the gate on worker
+        threads, which hand no token over: `take` (its stream, a Ctrl-C handler) stays on this one."""
+        owner = threading.get_ident()
+
         def gated(s: Stage) -> None:
-            if s.phase is Phase.DECODE and self.halted(s.step, s.tag == "embed"):
+            if s.phase is Phase.DECODE and self.halted(s.step, s.tag == "embed", threading.get_ident() == owner):
                 return
             issue(s)
         return gated

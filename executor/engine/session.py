@@ -225,6 +225,11 @@ def warm_up(graph: Graph, hf_model: torch.nn.Module, ids: torch.Tensor, device: 
     return context
 
 
+def executing(what: str, device) -> None:
+    """The progress line before a run's first step (the `kvpipe` logger: the CLI prints it)."""
+    log.info(f"executing {what} on {device} (Ctrl-C stops cleanly)")
+
+
 def run_graph(graph: Graph, hf_model: torch.nn.Module, ids: torch.Tensor, device: torch.device,
               gpu_budget: int, progress: bool = True, warmup: bool = True, replay: Replay | str = Replay.OFF,
               kv_dir: str | None = None, fuse: str | None = None, decoding=None) -> Measured:
@@ -246,8 +251,8 @@ def run_graph(graph: Graph, hf_model: torch.nn.Module, ids: torch.Tensor, device
     last_layer = graph.model.layers - 1
     # Announced before the bar exists: a line printed after it would land on the bar's line and
     # be overwritten by its next refresh on a terminal.
-    what = f"{steps} steps" if decoding is None else f"up to {graph.workload.decode_tokens + 1} new tokens"   # may stop early
-    log.info(f"executing {what} on {device} (Ctrl-C stops cleanly)")
+    executing(f"{steps} steps" if decoding is None else f"up to {graph.workload.decode_tokens + 1} new tokens",
+              device)   # a generation may stop early
     bar = None
     if progress:
         from tqdm import tqdm
