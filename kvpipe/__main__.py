@@ -13,4 +13,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    exec("")   # under -m CPython ends by SIGINT if a KeyboardInterrupt once left an exec (a dataclass's): this clears it
+    sys.exit(code)

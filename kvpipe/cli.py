@@ -21,7 +21,7 @@ from kvpipe.options import DEFAULT_DECODE_TOKENS, DEFAULT_HW, DEFAULT_MODEL, DEF
 from kvpipe.pipeline.plan import Method
 from kvpipe.pipeline.replay import FLAGS as REPLAY_FLAGS
 from kvpipe.pipeline.report import NoPlanFits
-from kvpipe.stopping import interrupted
+from kvpipe.stopping import import_torch, interrupted
 
 EXIT_BAD_INPUT = 2
 EXIT_DOES_NOT_FIT = 3
@@ -332,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(parser, args) -> int:
     """Runs the command; its errors as one line and the exit code."""
     try:
+        if args.command not in ("plan", "codecs"):   # the others import torch: first here, Ctrl-C held
+            import_torch()
         from kvpipe.chat_cli import cmd_chat
         from kvpipe.generate_cli import cmd_generate
         from kvpipe.serve.cli import cmd_serve
@@ -354,7 +356,3 @@ def _dispatch(parser, args) -> int:
         return EXIT_DOES_NOT_FIT
     except KeyboardInterrupt as e:   # Ctrl-C; SIGTERM during a run comes as Terminated (exit_code 143)
         return interrupted(e)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

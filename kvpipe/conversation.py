@@ -292,6 +292,7 @@ class Conversation:
         if not overlap:
             self.live.settle()
         self.messages = list(man.get("messages") or self._system())
+        self.turns = sum(m.get("role") == "user" for m in self.messages)   # a kept turn: its user message
         return man
 
     def _check_model(self, man: dict) -> None:

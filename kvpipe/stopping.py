@@ -20,6 +20,18 @@ def interrupted(e: KeyboardInterrupt) -> int:
     return getattr(e, "exit_code", EXIT_INTERRUPTED)
 
 
+def import_torch() -> None:
+    """Imports torch with SIGINT held back: a KeyboardInterrupt raised inside its C++ start ends
+    the process (pybind11's terminate); held, it comes after, where the command's guard takes it."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        import torch  # noqa: F401
+    except ImportError:   # the command that needs it says so in its own words
+        pass
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
 class StopBetweenTokens:
     """A context manager around one generation; `asked` is generate's `interrupt`. Its first call
     on the main thread (after the first token: the prompt's KV is complete) takes over SIGINT and

@@ -145,3 +145,14 @@ def test_an_interrupted_turn_is_not_counted(chat_model):
             c.say("Hello there", stream=stop, max_new_tokens=N, ignore_eos=True)
         c.say("Hello there", max_new_tokens=N)
         assert c.turns == 1
+
+
+def test_a_loaded_conversation_counts_its_turns_on(chat_model, monkeypatch, capsys, tmp_path):
+    """Fault caught: `kvpipe chat --load-kv DIR` numbered its first turn 1 although the saved
+    conversation already held two."""
+    chat(chat_model, monkeypatch, capsys, f"Hi\nAnd then?\n/save {tmp_path / 'kv'}\n/exit\n", "--max-context", "200", *PLACE)
+    monkeypatch.setattr("sys.stdin", io.StringIO("More?\n/exit\n"))
+    code = main(["chat", "--model", str(chat_model), "--random-weights", "--device", "cpu", "--max-new-tokens", "2",
+                 "--max-context", "200", "--load-kv", str(tmp_path / "kv"), *PLACE])
+    err = capsys.readouterr().err
+    assert code == 0 and re.search(r"^kvpipe: turn 3: ", err, re.M), err

@@ -67,13 +67,13 @@ class Admission:
     def check(self, prompt_tokens: int, max_tokens: int) -> None:
         limit, words = self._context()
         if limit is not None and prompt_tokens + max_tokens > limit:
-            raise Refused(f"the prompt's {prompt_tokens} tokens plus max_tokens {max_tokens} exceed the "
+            raise Refused(f"the prompt's {_tokens(prompt_tokens)} plus max_tokens {max_tokens} exceed the "
                           f"{words}", prompt_tokens >= limit)
         fit = self.largest(max_tokens)
         if prompt_tokens > fit:
             budgets = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in self.b.budgets.items())
             raise Refused(f"{prompt_tokens} prompt + {max_tokens} new tokens do not fit the budgets ({budgets}); "
-                          f"the largest prompt that fits with max_tokens {max_tokens} is {fit} tokens "
+                          f"the largest prompt that fits with max_tokens {max_tokens} is {_tokens(fit)} "
                           f"({fmt_tokens(fit)})", prompt_tokens > self.largest(1))
 
     def room(self, prompt_tokens: int) -> int | None:
@@ -88,6 +88,10 @@ class Admission:
         if cap is not None and (pos is None or cap < pos):
             return cap, f"server's context of {cap} tokens (kvpipe serve --max-context)"
         return pos, f"model's context of {pos} tokens"
+
+
+def _tokens(n: int) -> str:
+    return f"{n} token" if n == 1 else f"{n} tokens"
 
 
 def kv_bytes(spec, plan, tokens: int) -> dict:

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from . import responses
+from .access import AccessLog, Completion
 from .admission import Refused
 from .engine import Engine, Job
 from .metrics import CONTENT_TYPE, Metrics
@@ -40,6 +41,7 @@ class Server:
     metrics: Metrics
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
+    access_log: bool = True   # one line per request on stderr (access.py)
 
 
 def _endpoint(request: Request) -> str:
@@ -76,6 +78,8 @@ def create_app(s: Server) -> FastAPI:
         return PlainTextResponse(s.metrics.render(), media_type=CONTENT_TYPE)
 
     app.include_router(_v1(s))
+    if s.access_log:
+        app.add_middleware(AccessLog)
     return app
 
 
@@ -172,9 +176,10 @@ async def _complete(s: Server, request: Request, kind: str):
         if parts[-1][0] == "error":
             raise parts[-1][1]
         s.metrics.request(_endpoint(request), 200)
+        request.state.completion = _completion(len(ids), parts[-1][1])
         return JSONResponse(responses.whole(s.name, q, len(ids), parts[-1][1]))
     s.metrics.request(_endpoint(request), 200)
-    return StreamingResponse(_events(s, q, job, len(ids), first), media_type="text/event-stream",
+    return StreamingResponse(_events(s, request, q, job, len(ids), first), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
@@ -189,14 +194,19 @@ async def _next(job: Job, request: Request):
                 raise Disconnected from None
 
 
-async def _events(s: Server, q, job: Job, prompt_tokens: int, first):
+def _completion(prompt_tokens: int, res) -> Completion:
+    return Completion(prompt_tokens, len(res.tokens), res.timings.get("ttft_s") if res.tokens else None)
+
+
+async def _events(s: Server, request: Request, q, job: Job, prompt_tokens: int, first):
     """The SSE stream: role, text deltas, the finish, usage if asked, `data: [DONE]`. A stream
     that fails (the server stopping, the run failing) ends with the error event and no finish
     and no [DONE], so a client sees a cut answer as an error (the openai client raises APIError)."""
     stream = responses.Stream(s.name, q, prompt_tokens)
     event = first
     try:
-        yield _sse(stream.start())
+        for chunk in stream.start():
+            yield _sse(chunk)
         while True:
             kind, payload = event
             if kind == "text":
@@ -205,6 +215,7 @@ async def _events(s: Server, q, job: Job, prompt_tokens: int, first):
                 yield _sse(payload.body())
                 return
             else:
+                request.state.completion = _completion(prompt_tokens, payload)
                 for chunk in stream.end(payload):
                     yield _sse(chunk)
                 break

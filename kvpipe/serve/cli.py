@@ -21,7 +21,7 @@ DEFAULT_CACHE_MEM = "4GiB"     # a 32K-token document of an 8B model (128 KiB of
 DEFAULT_CACHE_DISK = "0"       # disk is written only when asked
 # flags of serve's own; the rest (plan knobs, budgets, run flags) go to the Conversation
 OWN = ("model", "max_context", "host", "port", "api_key", "served_model_name", "max_queue", "max_body", "cache_mem",
-       "cache_disk", "cache_dir", "json", "trace", "plot", "command", "log_level")
+       "cache_disk", "cache_dir", "json", "trace", "plot", "command", "log_level", "access_log")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -53,6 +53,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="where the disk tier of the prefix cache lives (default: --kv-dir, else the temp dir)")
     s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level")
+    s.add_argument("--no-access-log", dest="access_log", action="store_false",
+                   help="no line per request on stderr (method, path, status, seconds, tokens, TTFT)")
     s.add_argument("--seed", type=int, default=0, help="seed of random weights (each request has its own sampling seed)")
     s.add_argument("--hw", help="hardware profile of the prediction (default: this GPU's bundled profile, else rtx4090)")
     cli.add_plan_flags(s)
@@ -133,7 +135,7 @@ def build(args: argparse.Namespace):
     name = args.served_model_name or os.path.basename(os.path.normpath(str(args.model)))
     engine = Engine(conv, Admission(budgets, conv.capacity), metrics, args.max_queue, _cache(args, sizes))
     key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
-    server = Server(name, tok, engine.admission, engine, metrics, key, sizes["max_body"])
+    server = Server(name, tok, engine.admission, engine, metrics, key, sizes["max_body"], args.access_log)
     return create_app(server), server
 
 

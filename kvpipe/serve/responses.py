@@ -85,8 +85,9 @@ class Stream:
             return self._chunk({"delta": delta, "finish_reason": finish})
         return self._chunk({"text": text or "", "finish_reason": finish})
 
-    def start(self) -> dict:
-        return self._piece("", None, role=True)
+    def start(self) -> list[dict]:
+        """Chat's first chunk carries the role; a completion has none, so it starts with its text."""
+        return [self._piece("", None, role=True)] if self.q.kind == "chat" else []
 
     def delta(self, text: str) -> dict:
         return self._piece(text, None)
