@@ -135,10 +135,10 @@ def generate_kept(model, prompt, prompt_file, prompt_format, chat, system, n, st
                             **options)
     loaded, wrote = {}, None
     from kvpipe.executor.engine.session import executing
-    executing(f"up to {n} new tokens", conv.engine.device)   # as plain generate: a line before the prefill's wait
     try:
         if save_kv is not None:   # before any work: a window layer's ring cannot be saved
             saved.refuse_rings(conv.live.layout, "save-kv")
+        executing(f"up to {n} new tokens", conv.engine.device)   # as plain generate: a line before the prefill's wait
         if man is not None:   # the prefill runs behind the load, layer by layer (LiveSession.load)
             t0 = time.perf_counter()
             conv.load(load_kv, overlap=True)

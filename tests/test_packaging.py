@@ -21,9 +21,9 @@ def test_install_exposes_only_kvpipe(tmp_path):
 
 
 def test_console_script_points_into_the_namespace():
-    # Fault caught: the entry point left at the old `pipeline.cli:main`.
+    # Fault caught: the entry point left at `kvpipe.cli:main`, outside the guard of the start's Ctrl-C.
     (ep,) = [e for e in metadata.entry_points(group="console_scripts") if e.name == "kvpipe"]
-    assert ep.value == "kvpipe.cli:main"
+    assert ep.value == "kvpipe.__main__:main"
 
 
 def test_python_dash_m_kvpipe(tmp_path):
