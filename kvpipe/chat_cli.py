@@ -7,6 +7,7 @@ from a pipe, each line is a turn (no prompt shown); --json prints one result obj
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -18,7 +19,6 @@ HELP = ("/reset forgets the conversation, /save DIR writes its KV, /exit (or Ctr
         "Ctrl-C stops an answer")
 SAMPLING = ("max_new_tokens", "stop", "ignore_eos", "temperature", "top_k", "top_p", "min_p",
             "repetition_penalty", "seed")
-SAMPLED = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")   # Sampling's fields
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -110,7 +110,8 @@ def _save(conv, directory: str) -> None:
 def _check_sampling(turn: dict) -> None:
     """A bad sampling flag is one line before the model loads, not a refusal of every turn."""
     from kvpipe.pipeline.sampling import Sampling
-    Sampling(**{k: v for k, v in turn.items() if k in SAMPLED and v is not None})
+    names = {f.name for f in dataclasses.fields(Sampling)}
+    Sampling(**{k: v for k, v in turn.items() if k in names and v is not None})
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

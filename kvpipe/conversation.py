@@ -299,10 +299,15 @@ class Conversation:
         check_manifest(man, self.model_spec, self.engine.fingerprint((man.get("model") or {}).get("weights_hash")))
 
 
+def check_dtype(man: dict, dtype: str, flag: str = "load-kv") -> None:
+    """A saved KV of another dtype than the run's, refused on one line."""
+    if man.get("dtype") != dtype:
+        raise ValueError(f"{flag}: saved in {man.get('dtype')}, this model runs in {dtype} (--dtype)")
+
+
 def check_early(man: dict, spec, capacity: int, flag: str = "load-kv") -> None:
     """The mismatches found before the model loads: dtype, and a capacity too short."""
-    if man.get("dtype") != spec.dtype:
-        raise ValueError(f"{flag}: saved in {man.get('dtype')}, this model runs in {spec.dtype} (--dtype)")
+    check_dtype(man, spec.dtype, flag)
     if len(man.get("tokens", ())) >= capacity:
         raise ValueError(f"{flag}: the saved {len(man['tokens'])} tokens leave no room in a {capacity}-token "
                          "context (--max-context)")

@@ -185,8 +185,9 @@ def generate(model: str | os.PathLike | None = None, prompt: str | list[int] | N
     """Generate a completion of `prompt` (or the text of `prompt_file`, or `stdin`) with `model`:
     a local HF directory, a .gguf file (converted once into a cache, checkpoint.py), or a preset /
     config.json with random_weights=True. `prompt_format` "ids" takes whitespace-separated token
-    ids as they are (no chat template), and so does a `prompt` of ids (a list of ints, a 1-D tensor). The chat template is applied where the tokenizer has one
-    (`chat=False` turns it off; `system` is the system turn). Generation stops at the generation
+    ids as they are (no chat template), and so does a `prompt` of ids (a list of ints, a 1-D
+    tensor). The chat template is applied where the tokenizer has one (`chat=False` turns it off;
+    `system` is the system turn). Generation stops at the generation
     config's EOS ids (unless `ignore_eos`), at any `stop` string, or after `max_new_tokens`
     tokens. Sampling fields left None come from the generation config where it samples
     (`do_sample`), else greedy; temperature 0 is greedy. `stream(text)` receives the text as it

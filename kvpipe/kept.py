@@ -69,9 +69,10 @@ def check_saved_dtype(man: dict, model, dtype: str | None) -> None:
     --dtype, else fp32 for a .gguf (as it converts); a directory's own is checked once read."""
     from kvpipe.pipeline.model import DTYPE_BYTES
     from .checkpoint import is_gguf
+    from .conversation import check_dtype
     want = dtype or ("fp32" if is_gguf(model) else None)
-    if want in DTYPE_BYTES and man.get("dtype") != want:
-        raise ValueError(f"load-kv: saved in {man.get('dtype')}, this model runs in {want} (--dtype)")
+    if want in DTYPE_BYTES:
+        check_dtype(man, want)
 
 
 def compose(man: dict, text: str, prompt_format: str, tok, spec, chat: bool, flag: str) -> tuple[list[int], list | None]:
