@@ -250,15 +250,17 @@ def run(options: RunOptions | None = None, /, *, prompt_ids: list[int] | None = 
         idle = (["nothing is quantised"] if lossy.quant else []) + \
             (["sparse decode selects only among offloaded units, so every token is attended"] if lossy.sparse else [])
         warnings += _logged([f"lossy: every KV unit is resident on the GPU; {'; '.join(idle)} (the run is exact)"])
-    from kvpipe.pipeline.builder import build
+    from kvpipe.pipeline.builder import build, build_lazily
     from kvpipe.executor.layers.loader import progress_bars
     with progress_bars(opts.progress):
         hf = session.load_hf_model(opts.model, opts.random_weights, dev, session.TORCH_DTYPES[spec.dtype], opts.seed)
     ids = session.prompt_tensor(prompt, work.batch, work.context, spec.vocab, opts.seed)
-    measured = session.run_graph(build(spec, work, decision.plan), hf, ids, dev, budgets["gpu"],
+    # a generation builds each step as it reaches it: none past an early stop, none before the first token
+    graph, more = build_lazily(spec, work, decision.plan) if decoding else (build(spec, work, decision.plan), None)
+    measured = session.run_graph(graph, hf, ids, dev, budgets["gpu"],
                                  progress=opts.progress, warmup=opts.warmup, replay=decision.plan.replay,
                                  kv_dir=None if opts.kv_dir is None else str(opts.kv_dir), fuse=req.fuse,
-                                 decoding=decoding)
+                                 decoding=decoding, more=more)
     res = measured.result
     predicted, notes = _as_ran(spec, work, profile, budgets, req, decision.predicted, res)
     _write_run_outputs(paths, spec, work, predicted, res.trace, dev)

@@ -311,6 +311,11 @@ def build(model: ModelSpec, work: Workload, plan: Plan, *, prefill: bool | range
     return b.graph
 
 
+def step_count(work: Workload, plan: Plan, starts: tuple[int, ...] | None = None) -> int:
+    """Steps of the whole run's graph: its prefill chunks, then its decode steps."""
+    return len(_starts(work, plan, starts)) + work.decode_tokens
+
+
 def build_lazily(model: ModelSpec, work: Workload, plan: Plan, *, fused: bool = False,
                  starts: tuple[int, ...] | None = None) -> tuple[Graph, Iterator[tuple[Phase, int]]]:
     """`build(...)`'s whole-run graph step by step: returned with its first prefill chunk's stages,

@@ -167,10 +167,10 @@ class LiveSession:
 
     def _keep(self, key: tuple, graph: Graph) -> None:
         """Remember the whole graph of a run that ended, with the first stage of each step past
-        its first (every step starts with its embed)."""
+        its first (every step starts with its embed). A graph an early stop cut short is not kept."""
         bounds = [s.id for s in graph.stages if s.tag == "embed"][1:]
-        assert len(bounds) == len(key[3]) - 1 + key[1], (len(bounds), key)
-        self._last = (key, graph, bounds)
+        if len(bounds) == len(key[3]) - 1 + key[1]:
+            self._last = (key, graph, bounds)
 
     def rewind(self, n: int) -> None:
         """Keep the first `n` tokens' K/V (a conversation whose later tokens changed); none where a

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from kvpipe.pipeline.builder import build
+from kvpipe.pipeline.builder import build, step_count
 from kvpipe.pipeline.plan import Method, Plan
 from kvpipe.pipeline.replay import Replay
 from kvpipe.pipeline.stage import Graph, Phase, Stage
@@ -232,10 +232,10 @@ def executing(what: str, device) -> None:
 
 def run_graph(graph: Graph, hf_model: torch.nn.Module, ids: torch.Tensor, device: torch.device,
               gpu_budget: int, progress: bool = True, warmup: bool = True, replay: Replay | str = Replay.OFF,
-              kv_dir: str | None = None, fuse: str | None = None, decoding=None) -> Measured:
+              kv_dir: str | None = None, fuse: str | None = None, decoding=None, more=None) -> Measured:
     """Execute with the GPU allocator capped at `gpu_budget` and a progress bar over steps (on
-    CUDA after an untimed warm-up unless `warmup` is False); `replay`, `fuse` and `decoding` as
-    in `runner.execute` (the warm-up decodes greedily)."""
+    CUDA after an untimed warm-up unless `warmup` is False); `replay`, `fuse`, `decoding` and
+    `more` as in `runner.execute` (the warm-up decodes greedily)."""
     from kvpipe.executor.layers.adapter import HFAdapter
     HFAdapter(hf_model).check(graph.model, graph.workload.kv_capacity)   # refused before any work
     if device.type == "cuda":
@@ -247,7 +247,7 @@ def run_graph(graph: Graph, hf_model: torch.nn.Module, ids: torch.Tensor, device
             # in blocks the run cannot reuse: given back first.
             release_cached_pinned()
             log.info(f"warmed up on {n} tokens and 1 decode step (untimed)")
-    steps = len({(s.phase, s.step) for s in graph.stages if s.tag == "embed"})
+    steps = step_count(graph.workload, graph.plan)
     last_layer = graph.model.layers - 1
     # Announced before the bar exists: a line printed after it would land on the bar's line and
     # be overwritten by its next refresh on a terminal.
@@ -266,7 +266,7 @@ def run_graph(graph: Graph, hf_model: torch.nn.Module, ids: torch.Tensor, device
 
     try:
         result = execute(graph, hf_model, ids, device, stage_hook=tick if bar else None, replay=replay,
-                         disk=DiskOptions(kv_dir), fuse=fuse, decoding=decoding)
+                         disk=DiskOptions(kv_dir), fuse=fuse, decoding=decoding, more=more)
     finally:
         if bar:
             bar.close()
