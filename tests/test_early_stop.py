@@ -53,20 +53,18 @@ def test_generate_builds_no_step_past_an_early_stop(tiny_config, tmp_path, plan)
 def test_a_turn_stopped_early_builds_no_step_past_it_nor_poisons_the_next(tiny_config, plan):
     """Fault caught: a conversation's turn stopped early growing its graph to max_new_tokens, or
     LiveSession keeping the cut graph as the whole graph of its shape (the next turn of the same
-    shape then runs the cut graph's steps only: too few tokens, or the wrong ones)."""
-    ids = [5, 6, 7, 8]
+    shape, run to its end, then runs the cut graph's steps only: too few tokens, or wrong ones)."""
+    ids, room = [5, 6, 7, 8], 64
     common = dict(device="cpu", chunk=4, random_weights=True, **PLANS[plan])
-    with Conversation(tiny_config, max_context=len(ids) + LARGE, **common) as c:
-        cut = c.append(ids, max_new_tokens=LARGE, ignore_eos=True, interrupt=_stopper())
+    with Conversation(tiny_config, max_context=len(ids) + room, **common) as c:
+        cut = c.append(ids, max_new_tokens=room, ignore_eos=True, interrupt=_stopper())
         assert cut.finish_reason == "interrupted" and _decode_steps(cut) <= len(cut.tokens) + LAG
         c.reset()
-        again = c.append(ids, max_new_tokens=8, ignore_eos=True)
-        c.reset()
-        same_shape = c.append(ids, max_new_tokens=LARGE, ignore_eos=True, interrupt=_stopper())
-    with Conversation(tiny_config, max_context=len(ids) + LARGE, **common) as fresh:
-        ref = fresh.append(ids, max_new_tokens=8, ignore_eos=True)
-    assert again.tokens == ref.tokens and again.output_digest == ref.output_digest
-    assert same_shape.tokens == cut.tokens == ref.tokens[:STOP_AFTER + 1]
+        same_shape = c.append(ids, max_new_tokens=room, ignore_eos=True)
+    with Conversation(tiny_config, max_context=len(ids) + room, **common) as fresh:
+        ref = fresh.append(ids, max_new_tokens=room, ignore_eos=True)
+    assert len(ref.tokens) == room and cut.tokens == ref.tokens[:STOP_AFTER + 1]
+    assert same_shape.tokens == ref.tokens and same_shape.output_digest == ref.output_digest
 
 
 @pytest.mark.gpu
