@@ -79,7 +79,9 @@ def row(a, ids_file: str, resident: str, group: str) -> dict:
     n = len(res["tokens"]) if res else 0
     ref = whole(command(a, ids_file, resident, group, n)) if n else None
     step = (res or {}).get("timings", {}).get("decode_s_per_token")
+    ttft = lambda r: r and r["timings"]["ttft_s"]   # room for LARGE tokens vs for n: what the room costs
     return {"resident": resident, "group": group, **got, "tokens": n,
+            "ttft_s": ttft(res), "ttft_s_uninterrupted_n": ttft(ref),
             "finish_reason": res and res["finish_reason"], "decode_s_per_token": step,
             "result_in_steps": got["result_s"] / step if step and got["result_s"] else None,
             "equal_to_uninterrupted": bool(ref) and ref["tokens"] == res["tokens"]
@@ -109,7 +111,8 @@ def main() -> None:
             r = doc["rows"][-1]
             print(f"{plan}: result {r['result_s'] or 0:.3f} s after the signal ({r['result_in_steps'] or 0:.1f} decode steps), "
                   f"exit {r['exit_s']:.3f} s, rc {r['rc']}, "
-                  f"{r['tokens']} tokens, {r['finish_reason']}, equal to uninterrupted: {r['equal_to_uninterrupted']}",
+                  f"{r['tokens']} tokens, {r['finish_reason']}, equal to uninterrupted: {r['equal_to_uninterrupted']}, "
+                  f"TTFT {r['ttft_s'] or 0:.3f} s (room {LARGE}) vs {r['ttft_s_uninterrupted_n'] or 0:.3f} s (room {r['tokens']})",
                   flush=True)
             with open(out, "w") as fo:
                 json.dump(doc, fo, indent=1)
