@@ -1,4 +1,4 @@
-"""Where the model fingerprint's time goes (kvpipe/conversation.fingerprint, which a --load-kv
+"""Where the model fingerprint's time goes (kvpipe/fingerprint.py, which a --load-kv
 waits for): Llama-3-8B-shaped random bf16 weights on the GPU, the `lines` hash timed whole
 (median of --reps after a warm-up), its kernels by GPU time (torch.profiler), and the floor: every
 weight read once at the device-to-device copy rate.
@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from kvpipe.conversation import fingerprint
+from kvpipe.fingerprint import fingerprint
 from kvpipe.executor.layers.loader import random_model
 
 LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,

@@ -1,4 +1,4 @@
-"""The model fingerprint a saved KV directory's manifest holds (kvpipe/conversation.fingerprint):
+"""The model fingerprint a saved KV directory's manifest holds (kvpipe/fingerprint.py):
 recomputed here independently (numpy over the weights' bits), so a change of its math, which would
 refuse every directory saved before as another model's, fails."""
 import hashlib
@@ -6,7 +6,7 @@ import hashlib
 import numpy as np
 import torch
 
-from kvpipe.conversation import fingerprint
+from kvpipe.fingerprint import fingerprint
 from kvpipe.executor.layers.loader import random_model
 from conftest import TINY_LLAMA
 
@@ -70,7 +70,7 @@ def test_lines_fingerprint_widens_a_block_at_a_time(monkeypatch):
     overwritten instead of added)."""
     from torch.profiler import ProfilerActivity, profile
 
-    import kvpipe.conversation as conv
+    import kvpipe.fingerprint as conv
     monkeypatch.setattr(conv, "LINE_BLOCK", 1 << 14)
     t = torch.randn(1000, 300).to(torch.bfloat16)   # 1000 rows: the last of 18-row blocks is partial
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as p:

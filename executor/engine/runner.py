@@ -20,7 +20,8 @@ from kvpipe.executor.engine.interpreter import Interpreter
 from kvpipe.executor.kv.layout import DiskOptions, KVLayout
 from kvpipe.executor.kv.store import KVStore
 from kvpipe.executor.engine.lanes import HOST_LANES, Lanes
-from kvpipe.executor.replay.capture import DecodeReplay, ReplayInterpreter, lossy_blocker
+from kvpipe.executor.replay.capture import DecodeReplay, ReplayInterpreter
+from kvpipe.executor.replay.sparse_step import lossy_blocker
 
 MODES = ("auto", "on", "off", "issue")   # what `execute(replay=)` takes (pipeline/replay.Replay)
 

@@ -36,24 +36,6 @@ from kvpipe.executor.engine.lanes import Lanes, cross_lane_waits
 BUCKET_TOKENS = 128      # prefix copies are rounded up to this many tokens (<= 0.4% extra at 32K)
 
 
-def lossy_blocker(graph: Graph, store) -> str | None:
-    """Why this run's decode steps with lossy KV cannot be replayed (store: the opened KVStore),
-    or None (also without lossy KV). Sparse steps replay (executor/replay/sparse_step.py) where the
-    store's paths allow it and every step ranks; quantised KV without sparse decode is issued eagerly."""
-    spec = graph.plan.lossy
-    if spec is None:
-        return None
-    if store.sparse is None:
-        return "decode replay runs lossy KV only with --sparse (quantised decode alone is issued eagerly)"
-    why = store.sparse.replay_blocker()
-    if why:
-        return why
-    lo = store.layout
-    steps = sorted({s.step for s in graph.stages if s.phase is Phase.DECODE}) or range(graph.workload.decode_tokens)
-    window = store.q.sel_blocks if store.q is not None else 0
-    return lossy_replay.blocker(spec, [graph.workload.context + k for k in steps], lo.capacity, window)
-
-
 def bucket_len(prefix: int, bucket: int, capacity: int) -> int:
     """Tokens a prefix copy moves for a step with `prefix` cached tokens: rounded up to `bucket`."""
     return min(capacity, -(-prefix // bucket) * bucket)

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpipe.pipeline.stage import Graph, Phase
+
 # fields of a step's device row (int64): the selection's counts (sketch.split: total
 # tokens or blocks, the unforced range [h0, h1), how many are ranked in, how many are kept), the
 # rows the offloaded heads attend (besides their own token), where the exact quantisation tail
@@ -102,3 +104,21 @@ def blocker(spec, prefixes: list[int], capacity: int, window_blocks: int) -> str
         # n < total bounds a fetch, its tail and its own token by prefix + 1 <= capacity
         assert (r[N] + 1) * g + 1 <= capacity, (p, r[N], g, capacity)
     return None
+
+
+def lossy_blocker(graph: Graph, store) -> str | None:
+    """Why this run's decode steps with lossy KV cannot be replayed (store: the opened KVStore),
+    or None (also without lossy KV). Sparse steps replay (this module's counts) where the
+    store's paths allow it and every step ranks; quantised KV without sparse decode is issued eagerly."""
+    spec = graph.plan.lossy
+    if spec is None:
+        return None
+    if store.sparse is None:
+        return "decode replay runs lossy KV only with --sparse (quantised decode alone is issued eagerly)"
+    why = store.sparse.replay_blocker()
+    if why:
+        return why
+    lo = store.layout
+    steps = sorted({s.step for s in graph.stages if s.phase is Phase.DECODE}) or range(graph.workload.decode_tokens)
+    window = store.q.sel_blocks if store.q is not None else 0
+    return blocker(spec, [graph.workload.context + k for k in steps], lo.capacity, window)
