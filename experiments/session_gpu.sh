@@ -4,7 +4,7 @@
 #   bash experiments/session_gpu.sh STEP[:SECONDS] ...
 # Steps: gputests robust (ROWS, P, RTAG) robust32 robustres hfgen32 hfgen128 savekv smollm (needs out/g1 + out/g2 carried
 # over two calls: the SmolLM2 GGUF in two halves) serve needle hybrid captured chatturns servecache calib
-# resprof hostmap fprate floors gemv dkernel interrupt (HYB_STAGE, HYB_ARGS for hybrid; INT_ARGS for interrupt)
+# resprof hostmap fprate floors gemv dkernel interrupt lazy (HYB_STAGE, HYB_ARGS for hybrid; INT_ARGS for interrupt)
 set -u
 R=$(pwd)
 if [ -z "${SKIP_INSTALL:-}" ]; then
@@ -50,6 +50,7 @@ for spec in "$@"; do
     gemv) timeout "$lim" python3 -m experiments.gemv ${GEMV_ARGS:-} --out "$OUT/gemv.json" 2>&1 | grep -v Warning | tail -${GEMV_TAIL:-40} ;;
     dkernel) timeout "$lim" python3 -m experiments.decode_kernel ${DK_ARGS:-} --out "$OUT/decode-kernel.json" 2>&1 | grep -v Warning | tail -${DK_TAIL:-80} ;;
     interrupt) timeout "$lim" python3 -m benchmarks.interrupt_latency --gpu-mem 24GB ${INT_ARGS:-} --out "$OUT/interrupt-latency${INT_TAG:-}.json" 2>&1 | grep -v Warning | tail -8 ;;
+    lazy) timeout "$lim" python3 -m experiments.lazy_steps --out "$OUT/lazy-steps.json" 2>&1 | grep -v Warning | tail -14 ;;
     stash) echo "stashed: $(ls -la /tmp/gguf_aa 2>&1)" ;;
     *) echo "unknown step $step" ;;
   esac
