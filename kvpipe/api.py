@@ -249,7 +249,8 @@ def run(options: RunOptions | None = None, /, *, prompt_ids: list[int] | None = 
     if lossy is not None and decision.plan.resident >= spec.units:   # both act on offloaded units only
         idle = (["nothing is quantised"] if lossy.quant else []) + \
             (["sparse decode selects only among offloaded units, so every token is attended"] if lossy.sparse else [])
-        warnings += _logged([f"lossy: every KV unit is resident on the GPU; {'; '.join(idle)} (the run is exact)"])
+        home = "the GPU" if dev.type == "cuda" else f"the {dev.type.upper()}"   # resident: with the compute
+        warnings += _logged([f"lossy: every KV unit is resident on {home}; {'; '.join(idle)} (the run is exact)"])
     from kvpipe.pipeline.builder import build, build_lazily
     from kvpipe.executor.layers.loader import progress_bars
     with progress_bars(opts.progress):

@@ -99,11 +99,12 @@ IDLE_SPARSE = "sparse decode selects only among offloaded units, so every token 
 def test_every_unit_resident_warns_what_the_lossy_flags_leave_undone(tiny_config, capsys, flags, idle):
     """Fault caught: a sparse-only run (no --lossy) with every unit on the GPU warned "nothing is
     quantised", which says nothing of sparse: what is true is that sparse decode selects among
-    offloaded units only, so every token is attended and the run is exact."""
+    offloaded units only, so every token is attended and the run is exact. A CPU run saying its KV
+    is "resident on the GPU" fails too."""
     rc, out, err = cli(capsys, "--json", "--model", tiny_config, "--random-weights", "--context", "2048",
-                       "--decode-tokens", "1", "--resident", "all", *flags)
+                       "--decode-tokens", "1", "--resident", "all", "--device", "cpu", *flags)
     assert rc == 0, err
-    line = f"kvpipe: warning: lossy: every KV unit is resident on the GPU; {'; '.join(idle)} (the run is exact)"
+    line = f"kvpipe: warning: lossy: every KV unit is resident on the CPU; {'; '.join(idle)} (the run is exact)"
     assert line in err.splitlines(), err
 
 
