@@ -58,3 +58,15 @@ def test_help_says_what_the_key_guards(capsys):
     assert main(["serve", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "/health and /metrics stay open" in text and "/v1" in text, text
+
+
+def test_an_unknown_v1_path_without_the_key_is_401_not_404(server):
+    """Fault caught: a /v1 path no route serves answered 404 to a client without the key (the
+    router's key check runs only for matched routes), telling anyone which paths exist; vLLM
+    answers 401. With the key: 404, and 405 for a known path asked with another method."""
+    r = httpx.get(server.url + "/v1/nothing", timeout=30)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+    r = httpx.get(server.url + "/v1/nothing", headers=AUTH, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["message"] == "GET /v1/nothing: Not Found", r.text
+    r = httpx.get(server.url + C, headers=AUTH, timeout=30)
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error", r.text

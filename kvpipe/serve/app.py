@@ -44,11 +44,14 @@ class Server:
     access_log: bool = True   # one line per request on stderr (access.py)
 
 
+UNMATCHED = "unmatched"   # the name of /v1's catch-all route
+
+
 def _endpoint(request: Request) -> str:
     """The /metrics label of a request: its route's template (`/v1/models/{model:path}`), or
     `unmatched`; never the raw path, which any client could make a new series of each time."""
     route = request.scope.get("route")
-    return getattr(route, "path", None) or "unmatched"
+    return "unmatched" if getattr(route, "name", None) == UNMATCHED else getattr(route, "path", None) or "unmatched"
 
 
 def create_app(s: Server) -> FastAPI:
@@ -105,6 +108,16 @@ def _v1(s: Server) -> APIRouter:
     @v1.post("/completions")
     async def completions(request: Request):
         return await _complete(s, request, "completion")
+
+    known = {r.path for r in v1.routes}
+
+    # last: any other /v1 path passes the key first, so without it nothing says which paths exist
+    # (401, as vLLM); with it, 404, or 405 for a known path asked with another method
+    @v1.api_route("/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], name=UNMATCHED)
+    async def unmatched(request: Request, rest: str):
+        if any(r.path_regex.match(request.url.path) for r in v1.routes if r.path in known):
+            raise ApiError(405, f"{request.method} {request.url.path}: Method Not Allowed")
+        raise ApiError(404, f"{request.method} {request.url.path}: Not Found")
 
     return v1
 
