@@ -68,14 +68,16 @@ def test_a_turn_stopped_early_builds_no_step_past_it_nor_poisons_the_next(tiny_c
 
 
 @pytest.mark.gpu
-def test_replayed_decode_builds_no_step_past_an_early_stop(tiny_config):
+@pytest.mark.parametrize("resident", ["all", "none"])
+def test_replayed_decode_builds_no_step_past_an_early_stop(tiny_config, resident):
     """Fault caught: on CUDA, where decode steps replay as CUDA graphs, every decode step built
     before the first token (and then skipped), or a replay whose graphs, captured from step 0's
     stages, give other tokens than the run stopped with (compared with an uninterrupted run)."""
-    common = dict(prompt_format="ids", ignore_eos=True, device="cuda", chunk=4, random_weights=True)
+    common = dict(prompt_format="ids", ignore_eos=True, device="cuda", dtype="bf16", chunk=4, random_weights=True,
+                  replay="on", resident=resident)
     res = kvpipe.generate(tiny_config, PROMPT, max_new_tokens=LARGE, interrupt=_stopper(), **common)
     n = len(res.tokens)
-    assert res.run.decode_issue["mode"] == "graph", res.run.decode_issue
+    assert res.decode_replayed, res.run.decode_issue
     assert n == STOP_AFTER + 1 and _decode_steps(res) <= n + LAG + 1, (n, _decode_steps(res))
     ref = kvpipe.generate(tiny_config, PROMPT, max_new_tokens=n, **common)
     assert res.tokens == ref.tokens and res.output_digest == ref.output_digest
