@@ -129,6 +129,8 @@ class DecodeReplay:
         """Take in the stages the graph gained: their cross-lane waits, decode stages by step."""
         first = len(self.waits)
         self.waits += cross_lane_waits(self.graph, first)
+        moved = self.interp.moved   # a replayed step's stages never pass the interpreter's own growth
+        moved += [0] * (len(self.graph.stages) - len(moved))
         for s in self.graph.stages[first:]:
             if s.phase is Phase.DECODE:
                 while len(self.steps) <= s.step:
