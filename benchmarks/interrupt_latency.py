@@ -81,7 +81,7 @@ def row(a, ids_file: str, resident: str, group: str) -> dict:
     step = (res or {}).get("timings", {}).get("decode_s_per_token")
     ttft = lambda r: r and r["timings"]["ttft_s"]   # room for LARGE tokens vs for n: what the room costs
     return {"resident": resident, "group": group, **got, "tokens": n,
-            "ttft_s": ttft(res), "ttft_s_uninterrupted_n": ttft(ref),
+            "ttft_s": ttft(res), "ttft_s_uninterrupted_n": ttft(ref), "decode": (res or {}).get("decode"),
             "finish_reason": res and res["finish_reason"], "decode_s_per_token": step,
             "result_in_steps": got["result_s"] / step if step and got["result_s"] else None,
             "equal_to_uninterrupted": bool(ref) and ref["tokens"] == res["tokens"]

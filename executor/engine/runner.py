@@ -116,8 +116,8 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
     tokens before the graph's first prefill chunk are home (engine/live.py), left open; None: one
     is opened for the graph and closed when it ends. `more`: `graph` holds its first prefill chunk
     and this iterator appends its other steps (pipeline/builder.build_lazily); an eager run builds
-    each step as its compute lane reaches it, a replayed one its prefill first and each decode step
-    as the replay reaches it; with `decoding`, no step past the generation's end is built."""
+    each step as its compute lane reaches it (with `decoding`, none past the generation's end), a
+    replayed one all of them before it starts."""
     adapter = HFAdapter(hf_model)
     device = adapter.device if device is None else torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -133,8 +133,8 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
     mode = decode_mode(graph, replay, device, adapter.dtype, lazy=more is not None)
     if more is not None and decoding is not None:   # an early stop ends the graph: no step past it is built
         more = _while_needed(more, decoding)
-    if mode is not Replay.OFF and more is not None:   # the prefill whole; decode steps as the replay reaches them
-        _prefill_whole(graph, more)
+    if mode is not Replay.OFF and more is not None:   # a replayed run takes its steps whole
+        more = _finish(more)
     auto = Replay.parse(replay, MODES) is Replay.AUTO
     cuda = device.type == "cuda"
     with torch.inference_mode():
@@ -163,7 +163,7 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
                 interp = ReplayInterpreter(graph, adapter, store, lanes, prompt, tokens, step_logits, decoding,
                                            fuse=fuse)
                 spans, extra = _prefill_then_replay(graph, interp, lanes, tokens, step_logits, stage_hook,
-                                                    capture=mode is Replay.ON, more=more)
+                                                    capture=mode is Replay.ON)
             peak = torch.cuda.max_memory_allocated(device) if cuda else 0
             host, disk_bytes = store.host_bytes, store.disk_bytes
             disk_stats = store.disk.stats.to_json() if store.disk is not None else None
@@ -193,25 +193,22 @@ def _while_needed(more: Iterator, decoding) -> Iterator:
         yield step
 
 
-def _prefill_whole(graph: Graph, more: Iterator) -> None:
-    """Build a lazily built graph's steps up to its first decode step (the prefill issued stage by
-    stage before the replay starts)."""
-    while all(s.phase is Phase.PREFILL for s in graph.stages[-1:]) and next(more, None) is not None:
+def _finish(more: Iterator) -> None:
+    """Build every step `more` has left (returns None: no more to build)."""
+    for _ in more:
         pass
 
 
 def _prefill_then_replay(graph: Graph, interp: ReplayInterpreter, lanes: Lanes, tokens: torch.Tensor,
-                         step_logits: torch.Tensor | None, hook, capture: bool,
-                         more: Iterator | None = None) -> tuple[list, dict]:
-    """The prefill issued stage by stage, then every decode step replayed (`more` builds the steps
-    not yet in `graph` as the replay reaches them); spans from one base."""
-    m = next((i for i, s in enumerate(graph.stages) if s.phase is Phase.DECODE), len(graph.stages))
+                         step_logits: torch.Tensor | None, hook, capture: bool) -> tuple[list, dict]:
+    """The prefill issued stage by stage, then every decode step replayed; spans from one base."""
+    m = next(i for i, s in enumerate(graph.stages) if s.phase is Phase.DECODE)
     assert all(s.phase is Phase.DECODE for s in graph.stages[m:]), "prefill stages come first"
     prefill = Graph(graph.model, graph.workload, graph.plan, graph.stages[:m], graph.static)
     base = torch.cuda.Event(enable_timing=True)
     base.record(lanes.streams[Lane.GPU])   # the lanes' own base mark follows at once on this stream
     spans = lanes.run(prefill, interp, before=hook)
-    with DecodeReplay(graph, interp, lanes, tokens, step_logits, capture=capture, more=more) as rep:
+    with DecodeReplay(graph, interp, lanes, tokens, step_logits, capture=capture) as rep:
         spans = spans + rep.run(base, before=hook)
         extra = dict(replay=Replay.ON if capture else Replay.ISSUE, graphs=len(rep.captured),
                      capture_s=rep.capture_s, fused=interp.fused is not None, compile_s=rep.compile_s,

@@ -44,20 +44,17 @@ def bucket_len(prefix: int, bucket: int, capacity: int) -> int:
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph | None
+    template: int                           # the step whose stages were captured
     kv: dict[int, torch.Tensor]             # layer -> the step's new K/V [1, H, 1, 2, D] (static)
-    moved: list[int]                        # bytes each stage of a replayed step moves
 
 
 class DecodeReplay:
     """Runs every decode step of `graph` after its prefill, by graph replay (`capture=True`) or by
-    eager issue of the same step code. Use as a context manager (frees the graphs on exit).
-    `more` (pipeline/builder.build_lazily) appends the decode steps not yet in `graph`, each when
-    the run reaches it: every graph is captured from step 0's stages (a step's stages differ from
-    another's only in what the static buffers hold), so none waits for the steps after it."""
+    eager issue of the same step code. Use as a context manager (frees the graphs on exit)."""
 
     def __init__(self, graph: Graph, interp: ReplayInterpreter, lanes: Lanes, tokens: torch.Tensor,
                  step_logits: torch.Tensor | None, *, capture: bool = True,
-                 bucket: int = BUCKET_TOKENS, more=None) -> None:
+                 bucket: int = BUCKET_TOKENS) -> None:
         if bucket <= 0:
             raise ValueError(f"bucket: must be positive, got {bucket}")
         self.graph, self.interp, self.lanes = graph, interp, lanes
@@ -66,10 +63,12 @@ class DecodeReplay:
         self.capture, self.bucket = capture, bucket
         self.context = graph.workload.context
         self.steps: list[list[Stage]] = []
-        self.waits: list[tuple[int, ...]] = []
-        self.more = more
-        self._index()
-        self.n = graph.workload.decode_tokens if more is not None else len(self.steps)
+        for s in graph.stages:
+            if s.phase is Phase.DECODE:
+                while len(self.steps) <= s.step:
+                    self.steps.append([])
+                self.steps[s.step].append(s)
+        self.waits = cross_lane_waits(graph)
         self.captured: dict[int, _Captured] = {}
         self.capture_s = 0.0
         self.compile_s = 0.0     # host seconds compiling the fused decode pieces (0 unfused)
@@ -80,7 +79,7 @@ class DecodeReplay:
         lo, device = self.store.layout, self.store.device
         if lo.batch != 1:
             raise ValueError(f"replay: needs batch 1, got {lo.batch}")
-        n = self.n
+        n = len(self.steps)
         i32 = dict(dtype=torch.int32, device=device)
         self.pos_all = torch.arange(self.context, self.context + n, dtype=torch.long, device=device)
         self.lens_all = (self.pos_all + 1).to(torch.int32)
@@ -124,35 +123,13 @@ class DecodeReplay:
         self.captured.clear()
         self.interp.dev = None
 
-    # ---- the steps, built as the run reaches them ----------------------------------------------
-    def _index(self) -> None:
-        """Take in the stages the graph gained: their cross-lane waits, decode stages by step."""
-        first = len(self.waits)
-        self.waits += cross_lane_waits(self.graph, first)
-        moved = self.interp.moved   # a replayed step's stages never pass the interpreter's own growth
-        moved += [0] * (len(self.graph.stages) - len(moved))
-        for s in self.graph.stages[first:]:
-            if s.phase is Phase.DECODE:
-                while len(self.steps) <= s.step:
-                    self.steps.append([])
-                self.steps[s.step].append(s)
-
-    def step(self, k: int) -> list[Stage] | None:
-        """Decode step k's stages, built now if need be; None: the graph ends before it (the
-        generation ended: runner._while_needed)."""
-        while len(self.steps) <= k and self.more is not None:
-            if next(self.more, None) is None:
-                self.more = None
-            self._index()
-        return self.steps[k] if k < len(self.steps) else None
-
     # ---- keys and capture ----------------------------------------------------------------
     def key(self, k: int) -> int:
         """The copy length step k's graph bakes in (0 when the step copies no prefix); sparse
         steps (LOSSY): the ranked tokens (blocks) of the step's bucket (they copy no prefix)."""
         if self.lossy:
             return lossy_replay.ranked(self.graph.plan.lossy, self.context + k)
-        copies = any(s.kind is Kind.H2D or (s.tag == "attn" and s.slot is not None) for s in self.step(0))
+        copies = any(s.kind is Kind.H2D or (s.tag == "attn" and s.slot is not None) for s in self.steps[k])
         return bucket_len(self.context + k, self.bucket, self.store.layout.capacity) if copies else 0
 
     def _issue(self, stages: list[Stage]) -> dict[int, torch.cuda.Event]:
@@ -219,7 +196,7 @@ class DecodeReplay:
             self._refresh(0)
         self.interp.dev = self._dev_for(self.key(0))
         self.interp.probe_ref = None
-        self._issue(self.step(0))
+        self._issue(self.steps[0])
         torch.cuda.synchronize(self.store.device)
         self._take_kv(0)
         self.interp._sel.clear()
@@ -232,16 +209,15 @@ class DecodeReplay:
     def _capture_all(self) -> None:
         t0 = time.perf_counter()
         gpu = self.lanes.streams[Lane.GPU]
-        template = self.step(0)
-        for k in range(self.n):
+        for k in range(len(self.steps)):
             key = self.key(k)
             if key in self.captured:
                 continue
             self.interp.dev = self._dev_for(key)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool, stream=gpu):
-                self._issue(template)
-            self.captured[key] = _Captured(g, self._take_kv(0), [self.interp.moved[s.id] for s in template])
+                self._issue(self.steps[k])
+            self.captured[key] = _Captured(g, k, self._take_kv(k))
         torch.cuda.synchronize(self.store.device)
         self.capture_s = time.perf_counter() - t0
 
@@ -272,12 +248,11 @@ class DecodeReplay:
         with torch.cuda.stream(gpu):
             dev.ids.copy_(self.tokens[:, 0:1])
         decoding = self.interp.decoding
-        for k in range(self.n):
-            stages = None if decoding is not None and decoding.halted(k, wait=True) else self.step(k)
-            if stages is None:   # past the end: the steps already built get empty spans, no more are built
+        for k, stages in enumerate(self.steps):
+            if decoding is not None and decoding.halted(k, wait=True):   # past the end: not run
                 e = _event(gpu)
-                marks.update((s.id, (e, e)) for st in self.steps[k:] for s in st)
-                break
+                marks.update((s.id, (e, e)) for s in stages)
+                continue
             t0 = time.perf_counter()
             key = self.key(k)
             gpu.wait_stream(d2h)             # last step's write-backs done: host prefix whole, K/V free
@@ -291,8 +266,8 @@ class DecodeReplay:
                     c = self.captured[key]
                     c.graph.replay()
                     kv = c.kv
-                    for s, m in zip(stages, c.moved):
-                        moved[s.id] = m
+                    for s, t in zip(stages, self.steps[c.template]):
+                        moved[s.id] = moved[t.id]
                 else:
                     self.interp.dev = self._dev_for(key)
                     self._issue(stages)
