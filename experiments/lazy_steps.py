@@ -1,8 +1,8 @@
 """`kvpipe.generate` with its stage graph built step by step as the run reaches each step (what it
 does) against the graph built whole before the run (what it did: `build_lazily` swapped for
 `build` here), in one process, alternating, on the same plan: the wall time of the call, TTFT and
-decode ms/token. A replayed decode now builds each step between two replays: this shows whether
-that host work stays inside the GPU's step time (a small model's short steps the hardest case).
+decode ms/token. Where steps are built as the run goes, their host work must stay inside the
+GPU's step time (a small model's short steps the hardest case); this shows whether it does.
 
     python -m experiments.lazy_steps --out lazy-steps.json
 """
