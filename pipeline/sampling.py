@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+FILTERS = ("top_k", "top_p", "min_p")   # they act on a sampled token only
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -60,12 +62,16 @@ class Sampling:
     def choose(cls, given: dict, config: dict) -> "Sampling":
         """The sampling of a run: each field as given (None: not given), else as the model's
         generation_config sets it where it samples (`do_sample` true), else off. A config that
-        does not sample gives greedy decoding unless a temperature is given."""
+        does not sample gives greedy decoding unless a temperature is given, or a top-k, top-p or
+        min-p filter, which samples at temperature 1 (OpenAI's default, and vLLM's): a filter is
+        asked for sampling, never dropped in silence."""
         base = {}
         if config.get("do_sample"):
             base = {k: config[k] for k in ("temperature", "top_k", "top_p", "min_p") if config.get(k) is not None}
             base.setdefault("temperature", 1.0)
         if config.get("repetition_penalty") is not None:
             base["repetition_penalty"] = config["repetition_penalty"]
-        base.update({k: v for k, v in given.items() if v is not None})
-        return cls(**base)
+        given = {k: v for k, v in given.items() if v is not None}
+        if "temperature" not in given and any(k in given for k in FILTERS):
+            base.setdefault("temperature", 1.0)
+        return cls(**{**base, **given})

@@ -40,7 +40,17 @@ def test_generation_config_decides_only_what_is_not_given():
     assert Sampling.choose({}, cfg) == Sampling(temperature=0.6, top_p=0.9)
     assert Sampling.choose({"temperature": 0}, cfg).greedy
     assert Sampling.choose({}, {"temperature": 0.6}).greedy          # do_sample absent: greedy
-    assert Sampling.choose({"seed": 3, "top_k": 5}, {}) == Sampling(top_k=5, seed=3)
+    assert Sampling.choose({"seed": 3, "temperature": 0.7}, {}) == Sampling(temperature=0.7, seed=3)
+
+
+@pytest.mark.parametrize("given", [{"top_k": 5}, {"top_p": 0.9}, {"min_p": 0.05}])
+def test_a_filter_without_a_temperature_samples_at_temperature_1(given):
+    # Fault caught: `--top-p 0.9` (or top_k, min_p; a request's `top_p`) without a temperature
+    # dropped in silence: greedy text where the user asked to sample (OpenAI and vLLM sample at
+    # temperature 1 by default). An explicit temperature 0 stays greedy.
+    assert Sampling.choose({**given, "seed": 3}, {}) == Sampling(temperature=1.0, seed=3, **given)
+    assert Sampling.choose({**given, "temperature": 0}, {}).greedy
+    assert Sampling.choose({**given}, {"do_sample": True, "temperature": 0.6}).temperature == 0.6
 
 
 def test_greedy_is_argmax_and_the_replay_index_form_agrees():

@@ -304,3 +304,12 @@ def test_sigterm_cancels_the_stream_removes_the_kv_and_exits(server):
     assert events[-1]["error"]["code"] == "shutting_down", rest[-3:]
     assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1])
     assert not list(server.kv.iterdir()) and "Traceback" not in server.stderr()
+
+
+def test_a_sampled_request_without_a_seed_varies_and_with_one_repeats(server):
+    """Fault caught: a sampled request without `seed` keyed to seed 0, so every "regenerate" of a
+    chat UI gave the same text (OpenAI and vLLM draw afresh); or a given seed not repeating."""
+    body = {**CHAT, "max_tokens": 12, "temperature": 1.0}
+    free = {post(server, C, body).json()["choices"][0]["message"]["content"] for _ in range(3)}
+    seeded = {post(server, C, {**body, "seed": 11}).json()["choices"][0]["message"]["content"] for _ in range(2)}
+    assert len(free) > 1 and len(seeded) == 1, (free, seeded)

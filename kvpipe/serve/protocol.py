@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
 from dataclasses import dataclass, field
 
 from kvpipe.generation import DEFAULT_MAX_NEW_TOKENS
@@ -217,5 +218,12 @@ def parse_query(body: dict, kind: str, served: str) -> Query:
                 "repetition_penalty": _float(body, "repetition_penalty", 0, 10, low_open=True)}
     return Query(kind, model, _messages(body) if kind == "chat" else (),
                  _prompt(body) if kind == "completion" else None, max_tokens, body.get(which) is not None, sampling,
-                 _int(body, "seed", default=0), _stops(body), stream,
+                 _seed(body), _stops(body), stream,
                  _bool(opts or {}, "include_usage") if opts else False, _bool(body, "ignore_eos"))
+
+
+def _seed(body: dict) -> int:
+    """The request's seed, or a fresh random one: a sampled request without a seed varies from one
+    call to the next, as OpenAI's and vLLM's do (a chat UI's "regenerate")."""
+    seed = _int(body, "seed", default=None)
+    return secrets.randbits(63) if seed is None else seed
