@@ -11,7 +11,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 
 from kvpipe.pipeline.model import load_model
-from kvpipe.pipeline.units import fmt_bytes, fmt_tokens
+from kvpipe.pipeline.units import fmt_bytes, fmt_tokens, parse_tokens
 from kvpipe.pipeline.workload import Workload
 
 from .options import PlanOptions
@@ -29,6 +29,12 @@ def split_list(value: str | None, flag: str) -> list[str | None]:
     if any(not v for v in items):
         raise ValueError(f"{flag}: empty item in {value!r} (give names separated by commas, e.g. a,b)")
     return items
+
+
+def context_given(args) -> bool:
+    """`--context` other than plan's default (1M) was given."""
+    from .options import DEFAULT_PLAN_CONTEXT
+    return args.context is not None and parse_tokens(args.context) != parse_tokens(DEFAULT_PLAN_CONTEXT)
 
 
 def wants_table(args) -> bool:
@@ -214,7 +220,8 @@ def cmd_table(args) -> int:
     if tty and total > 1:
         print(f"kvpipe: buyer's table: {total} rows, each a few seconds of CPU, on up to {os.cpu_count() or 1} "
               "processes", file=sys.stderr)
-    rows = table(opts, hws, hosts, progress=_progress_line if tty else None)
+    contexts = (parse_tokens(args.context),) if context_given(args) else CONTEXTS   # --context: its column alone
+    rows = table(opts, hws, hosts, contexts, progress=_progress_line if tty else None)
     if args.json:
         print(json.dumps(to_json(rows, opts.model), indent=2))
     else:

@@ -283,6 +283,9 @@ def cmd_plan(args) -> int:
     from kvpipe import buyers
     if buyers.wants_table(args):   # several --hw or --host-mem: the buyer's table
         return buyers.cmd_table(args)
+    if args.max_context and buyers.context_given(args):   # refused, not dropped
+        raise ValueError(f"context: not with --max-context, which finds the longest context that fits "
+                         f"(drop --context {args.context})")
     res = api.plan(PlanOptions.from_args(args))
     if args.json:
         print(json.dumps(res.to_json(), indent=2))

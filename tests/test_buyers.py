@@ -68,6 +68,19 @@ def test_cli_lists_go_to_the_table_and_json():
     assert all(row["binds"] == ["gpu"] for row in out["rows"])
 
 
+def test_a_given_context_is_the_tables_column_and_max_context_refuses_it():
+    """Fault caught: `--context 32K` with several --hw dropped in silence (the table printed its
+    128K and 1M columns only), or `plan --max-context --context 128K` ignoring the context
+    without a word: a flag the command cannot use is refused, never dropped."""
+    r = subprocess.run([sys.executable, "-m", "kvpipe", "plan", "--hw", "rtx4090,rtx3090", "--host-mem", "64GB",
+                        "--method", "standard", "--context", "32K", "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert [[p["context"] for p in row["exact"]] for row in json.loads(r.stdout)["rows"]] == [[32768], [32768]]
+    r = subprocess.run([sys.executable, "-m", "kvpipe", "plan", "--max-context", "--context", "128K"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.startswith("kvpipe: error: --context: not with --max-context"), r.stderr
+
+
 def test_an_unknown_card_in_the_list_fails_in_one_line_naming_it():
     """Fault caught: a bad name in --hw failing with a traceback instead of one line naming it."""
     r = subprocess.run([sys.executable, "-m", "kvpipe", "plan", "--hw", "rtx4090,nope", "--method", "standard"],
