@@ -18,6 +18,7 @@ from pathlib import Path
 CACHE_ENV = "KVPIPE_CACHE_DIR"   # where converted GGUF checkpoints go (default ~/.cache/kvpipe)
 _DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 log = logging.getLogger("kvpipe")   # its lines: printed by the CLI, quiet from Python
+SOURCE = "kvpipe-source.json"       # in a converted folder: the GGUF and dtype it was made from
 
 
 @dataclass(frozen=True)
@@ -109,11 +110,13 @@ def convert_gguf(path: str | os.PathLike, dtype: str | None = None, root: Path |
             raise
         raise ValueError(f"model: cannot read {str(path)!r} as GGUF ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
     _sweep_dead(out, quiet)
+    _sweep_stale(out, path, dtype, quiet)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     try:
         _write_plain(model, tmp)
         tok.save_pretrained(tmp)
+        (tmp / SOURCE).write_text(json.dumps(_source(path, dtype)))
         if out.exists():   # a conversion cut short: replaced whole
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -152,6 +155,26 @@ def _sweep_dead(out: Path, quiet: bool) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
             if not quiet:
                 log.info(f"removed {tmp.name}, left by a conversion whose process is gone")
+
+
+def _source(path: Path, dtype: str | None) -> dict:
+    """What a converted folder was made from (its SOURCE file): the GGUF's real path and the dtype."""
+    return {"path": str(path.resolve()), "dtype": dtype or "fp32"}
+
+
+def _sweep_stale(out: Path, path: Path, dtype: str | None, quiet: bool) -> None:
+    """Removes the earlier conversions of the same GGUF file to the same dtype (the file changed
+    since: an update, a new download): each a full copy of the weights nothing would read again."""
+    want = _source(path, dtype)
+    for old in out.parent.glob(f"{path.resolve().stem}-*"):
+        try:
+            made = json.loads((old / SOURCE).read_text())
+        except (OSError, ValueError):
+            continue   # not a conversion that says what it was made from: left alone
+        if old != out and made == want:
+            shutil.rmtree(old, ignore_errors=True)
+            if not quiet:
+                log.info(f"removed {old}, an earlier conversion of {path.name} (the file changed since)")
 
 
 def _write_plain(model, out: Path) -> None:

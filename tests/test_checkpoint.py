@@ -32,3 +32,26 @@ def test_a_gguf_converts_with_one_line_and_no_progress_bar(tmp_path, capfd):
     said = [ln for ln in err.splitlines() if ln.strip()]
     assert len(said) == 1 and said[0].startswith("kvpipe: converting SmolLM2-135M-Instruct.Q4_1.gguf"), err[:300]
     assert said[0].endswith("(once)"), said
+
+
+def test_an_earlier_conversion_of_a_changed_gguf_is_removed(tmp_path):
+    """Fault caught: a GGUF updated in place (a new download, another mtime: a new cache key)
+    converting into a new folder and leaving the old full-size copy behind for good (four 538 MB
+    copies of SmolLM2's were found in one cache). Another dtype's conversion, and a folder that
+    does not say what it was made from, are kept."""
+    gguf = tmp_path / "m.Q4.gguf"
+    gguf.write_bytes(b"GGUF")
+    root = tmp_path / "gguf"
+
+    def made(name: str, source: dict | None) -> Path:
+        d = root / name
+        d.mkdir(parents=True)
+        if source is not None:
+            (d / checkpoint.SOURCE).write_text(__import__("json").dumps(source))
+        return d
+    same = made("m.Q4-aaaa", {"path": str(gguf.resolve()), "dtype": "fp32"})
+    other_dtype = made("m.Q4-bbbb", {"path": str(gguf.resolve()), "dtype": "bf16"})
+    unknown = made("m.Q4-cccc", None)
+    out = made("m.Q4-dddd", {"path": str(gguf.resolve()), "dtype": "fp32"})
+    checkpoint._sweep_stale(out, gguf, None, quiet=True)
+    assert not same.exists() and other_dtype.exists() and unknown.exists() and out.exists()
