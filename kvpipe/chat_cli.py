@@ -35,7 +35,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     generate_cli.add_sampling_flags(c)
     c.add_argument("--hw", help="hardware profile of the prediction (default: this GPU's bundled profile, else rtx4090)")
     generate_cli.add_kept_flags(c)
-    cli.add_plan_flags(c)
+    cli.add_plan_flags(c, outputs=("json",))
     cli.add_run_flags(c)
     return c
 
@@ -116,7 +116,7 @@ def _check_sampling(turn: dict) -> None:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from .conversation import Conversation
-    kw = {k: v for k, v in vars(args).items() if k in gen.RUN_OPTIONS and k not in ("trace", "plot")}
+    kw = {k: v for k, v in vars(args).items() if k in gen.RUN_OPTIONS}
     turn = {k: getattr(args, k) for k in SAMPLING}
     turn["stop"] = tuple(turn["stop"] or ())
     gen._max_new(turn["max_new_tokens"])

@@ -137,8 +137,9 @@ def add_workload_flags(p: argparse.ArgumentParser, *, context: str | None, hw: s
     add_plan_flags(p)
 
 
-def add_plan_flags(p: argparse.ArgumentParser) -> None:
-    """Budgets, plan knobs and outputs (`plan`, `run` and `generate`)."""
+def add_plan_flags(p: argparse.ArgumentParser, outputs: tuple[str, ...] = ("json", "trace", "plot")) -> None:
+    """Budgets, plan knobs and the `outputs` the command writes (`plan`, `run` and `generate` all
+    three; `chat` --json; `serve` none, its output is HTTP): a command lists no flag it refuses."""
     p.add_argument("--gpu-mem", help="GPU memory budget, e.g. 24GB or 24GiB (default: the profile's)")
     p.add_argument("--host-mem", help="pinned host RAM budget (default: the profile's)")
     p.add_argument("--disk-mem", help="disk budget for KV (default: the profile's)")
@@ -169,9 +170,12 @@ def add_plan_flags(p: argparse.ArgumentParser) -> None:
                    help="decode steps as CUDA-graph replays (on) or issued stage by stage (off); auto: the planner "
                         "scores both where decode can be replayed (bf16/fp16, batch 1, no disk units, quantised KV without --sparse "
                         "or h2d codec) and the plan says which; run executes the plan's choice, else replays on CUDA")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--trace", metavar="FILE.json", help="write the Chrome/Perfetto trace")
-    p.add_argument("--plot", metavar="FILE.png", help="draw the timeline (needs kvpipe[plot]); .png, .pdf, .svg ...")
+    if "json" in outputs:
+        p.add_argument("--json", action="store_true", help="print one JSON object")
+    if "trace" in outputs:
+        p.add_argument("--trace", metavar="FILE.json", help="write the Chrome/Perfetto trace")
+    if "plot" in outputs:
+        p.add_argument("--plot", metavar="FILE.png", help="draw the timeline (needs kvpipe[plot]); .png, .pdf, .svg ...")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -128,10 +128,14 @@ def test_each_subcommand_names_the_flag_once_after_one_prefix(capsys, tiny_confi
     (["plan", "--gpu-memory=24GB"], "--gpu-memory: not an option of plan (did you mean --gpu-mem?)"),
     (["serve", "--served-name", "x"], "--served-name: not an option of serve (did you mean --served-model-name?)"),
     (["plan", "--bogus"], "--bogus: not an option of plan; --help lists them"),
+    (["serve", "--json"], "--json: not an option of serve; --help lists them"),
+    (["chat", "--trace", "t.json"], "--trace: not an option of chat; --help lists them"),
 ])
 def test_an_unknown_flag_is_named_with_the_closest_one(capsys, argv, line):
     """Fault caught: argparse's "unrecognized arguments: --max-tokens 5" (no flag named first, no
-    hint that generate spells it --max-new-tokens), or a hint from another subcommand's flags."""
+    hint that generate spells it --max-new-tokens), or a hint from another subcommand's flags;
+    or serve's --help listing --json/--trace/--plot (and chat's --trace/--plot), which it refused
+    or dropped."""
     rc, _, err = _main(capsys, *argv)
     assert rc == 2 and err == f"kvpipe: error: {line}\n"
 

@@ -21,7 +21,7 @@ DEFAULT_CACHE_MEM = "4GiB"     # a 32K-token document of an 8B model (128 KiB of
 DEFAULT_CACHE_DISK = "0"       # disk is written only when asked
 # flags of serve's own; the rest (plan knobs, budgets, run flags) go to the Conversation
 OWN = ("model", "max_context", "host", "port", "api_key", "served_model_name", "max_queue", "max_body", "cache_mem",
-       "cache_disk", "cache_dir", "json", "trace", "plot", "command", "log_level", "access_log")
+       "cache_disk", "cache_dir", "command", "log_level", "access_log")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -57,7 +57,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="no line per request on stderr (method, path, status, seconds, tokens, TTFT)")
     s.add_argument("--seed", type=int, default=0, help="seed of random weights (each request has its own sampling seed)")
     s.add_argument("--hw", help="hardware profile of the prediction (default: this GPU's bundled profile, else rtx4090)")
-    cli.add_plan_flags(s)
+    cli.add_plan_flags(s, outputs=())
     cli.add_run_flags(s)
     return s
 
@@ -68,9 +68,6 @@ def _checked(args: argparse.Namespace) -> dict:
     if args.model is None:
         raise ValueError("model: give --model: a model directory, a .gguf file, or a preset / config.json "
                          "with --random-weights")
-    for flag in ("json", "trace", "plot"):
-        if getattr(args, flag):
-            raise ValueError(f"{flag}: not an option of serve (its output is HTTP)")
     if not 0 < args.port < 65536:
         raise ValueError(f"port: expected 1 to 65535, got {args.port}")
     if args.max_context is not None and args.max_context < 2:
