@@ -135,9 +135,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
             print(f"kvpipe: continuing {args.load_kv}: {man['tokens_saved']} tokens' KV loaded", file=sys.stderr)
         if not conv.chat:
             raise ValueError("model: kvpipe chat needs a tokenizer with a chat template")
+        if not args.load_kv:
+            _check_room(conv)
         print(f"kvpipe: chat, up to {conv.capacity} tokens; plan: {conv.engine.plan.describe()}", file=sys.stderr)
         if tty:
             print("kvpipe: /help lists the commands; Ctrl-C stops an answer, Ctrl-D leaves", file=sys.stderr)
+        refused = 0   # piped turns refused: the exit code says so
         for line in _lines(tty):
             if not line.strip():
                 continue
@@ -152,13 +155,24 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 continue
             except ValueError as e:
                 print(f"kvpipe: {str(e).splitlines()[0]}", file=sys.stderr)
+                refused += 1
                 continue
             if args.json:
                 print(json.dumps(res.to_json()), flush=True)
             else:
                 print(flush=True)
                 print(_turn_line(conv.turns, res), file=sys.stderr)
-    return 0
+    return 2 if refused and not tty else 0
+
+
+def _check_room(conv) -> None:
+    """A capacity that cannot hold the template's turns and one short message is refused at start,
+    not at every turn."""
+    floor = len(conv.render(conv.messages + [{"role": "user", "content": "hi"}])) + 1
+    if conv.capacity < floor:
+        raise ValueError(f"max-context: {conv.capacity} tokens cannot hold a first turn: the chat template's "
+                         f"turns around a short message take {floor - 1} (give at least {floor}, and room for "
+                         "the answers)")
 
 
 def _write(piece: str) -> None:

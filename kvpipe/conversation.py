@@ -135,6 +135,9 @@ class Conversation:
             raise ValueError(f"load-kv: the saved conversation's {len(home)} tokens are not a prefix of the new "
                              f"prompt's tokens (they differ at token {common_prefix(home, ids)})")
         room = self.capacity - len(ids)
+        if room < 1 and not home:   # nothing kept yet: the prompt alone is too long
+            raise ValueError(f"max-context: the prompt's {len(ids)} tokens leave no room in the conversation's "
+                             f"{self.capacity}; a larger --max-context")
         if room < 1:
             raise ValueError(f"max-context: the conversation is full ({len(ids)} tokens of {self.capacity}); "
                              "/reset, or a larger --max-context")

@@ -102,11 +102,21 @@ def test_save_says_what_it_replaced_and_refuses_a_file_on_one_line(chat_model, m
 
 def test_a_full_conversation_says_so_on_one_line(chat_model, monkeypatch, capsys):
     """Fault caught: a conversation past its planned capacity failing deep in the run (or ending
-    the session) instead of one line saying it is full."""
+    the session) instead of one line saying it is full; or, piped, the session exiting 0 although
+    a turn was refused (a script cannot tell)."""
     code, turns, err = chat(chat_model, monkeypatch, capsys, "Hello there\nWhat comes next?\n/exit\n",
                             "--max-context", "40", *PLACE)
-    assert code == 0 and len(turns) == 1
+    assert code == 2 and len(turns) == 1
     assert any(line.startswith("kvpipe: max-context: the conversation is full") for line in err.splitlines())
+
+
+def test_a_capacity_below_the_templates_first_turn_is_refused_at_start(chat_model, monkeypatch, capsys):
+    """Fault caught: `--max-context 10`, which the chat template's turns alone overflow, accepted
+    and every turn then refused as "the conversation is full" (nothing was said yet) with exit 0."""
+    code, turns, err = chat(chat_model, monkeypatch, capsys, "hi\nhello\n", "--max-context", "10")
+    lines = [ln for ln in err.splitlines() if ln.startswith("kvpipe: error:")]
+    assert code == 2 and not turns and len(lines) == 1, err
+    assert lines[0].startswith("kvpipe: error: --max-context: 10 tokens cannot hold a first turn"), lines
 
 
 def test_ctrl_c_stops_the_answer_not_the_session(chat_model):
