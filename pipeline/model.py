@@ -278,10 +278,11 @@ def load_model(spec: str, dtype: str | None = None) -> ModelSpec:
     model = preset(spec)
     if model is None:
         path = Path(spec)
-        if path.is_dir():
+        folder = path.is_dir()   # an existing folder is never taken for a preset name
+        if folder:
             path = path / "config.json"
         if not path.is_file():
-            if "/" in spec or spec.endswith(".json"):
+            if folder or "/" in spec or spec.endswith(".json"):
                 raise ValueError(f"model: no config.json at {spec!r}")
             raise ValueError(f"model: unknown preset {spec!r} (known: {', '.join(PRESETS)}; "
                              "or a config.json / model directory)")

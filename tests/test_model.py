@@ -215,3 +215,16 @@ def test_parse_tokens_rejects(text):
         parse_tokens(text, "decode_tokens")
     with pytest.raises(ValueError, match="^context:"):
         parse_tokens(text)
+
+
+def test_an_existing_folder_without_config_is_not_called_an_unknown_preset(tmp_path, monkeypatch):
+    """Fault caught: `--model notamodel`, a folder that exists but holds no config.json, answered
+    "unknown preset 'notamodel'" (only `./notamodel` got "no config.json"): a user's own folder
+    named as if they had mistyped a preset."""
+    from kvpipe.pipeline.model import load_model
+    (tmp_path / "notamodel").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"^model: no config.json at 'notamodel'$"):
+        load_model("notamodel")
+    with pytest.raises(ValueError, match=r"^model: unknown preset 'nosuch'"):
+        load_model("nosuch")
