@@ -127,8 +127,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.load_kv:   # not a KV directory: said before the model loads
         from kvpipe.executor.kv import saved
         saved.read_manifest(args.load_kv)
-    conv = Conversation(args.model, max_context=args.max_context, system=args.system, seed=args.seed,
-                        max_new_tokens=args.max_new_tokens, **kw)
+    from kvpipe.executor.layers.loader import progress_bars
+    with progress_bars(sys.stderr.isatty()):   # transformers' loading bar on a terminal only
+        conv = Conversation(args.model, max_context=args.max_context, system=args.system, seed=args.seed,
+                            max_new_tokens=args.max_new_tokens, **kw)
     with conv:
         if args.load_kv:
             man = conv.load(args.load_kv)

@@ -166,3 +166,12 @@ def test_a_loaded_conversation_counts_its_turns_on(chat_model, monkeypatch, caps
                  "--max-context", "200", "--load-kv", str(tmp_path / "kv"), *PLACE])
     err = capsys.readouterr().err
     assert code == 0 and re.search(r"^kvpipe: turn 3: ", err, re.M), err
+
+
+def test_no_loading_bar_when_stderr_is_not_a_terminal(smollm2, monkeypatch, capfd):  # noqa: F811
+    """Fault caught: transformers' "Loading weights" bar written into a piped chat's stderr (a log,
+    a script's capture), where `generate` writes none: a bar is for a terminal."""
+    monkeypatch.setattr("sys.stdin", io.StringIO("/exit\n"))
+    code = main(["chat", "--model", str(smollm2[2]), "--device", "cpu", "--max-context", "256"])
+    err = capfd.readouterr().err
+    assert code == 0 and "Loading weights" not in err and "%|" not in err, err[:400]

@@ -120,9 +120,11 @@ def build(args: argparse.Namespace):
         raise ValueError("model: kvpipe serve needs a tokenizer beside the model (tokenizer.json)")
     budgets = Budgets.of(ck.model, {**options, "seed": args.seed})
     capacity = args.max_context or _default_context(spec, Admission(budgets))
+    from kvpipe.executor.layers.loader import progress_bars
     try:
-        conv = Conversation(args.model, loaded=(ck, spec, tok), max_context=capacity, chat=False, seed=args.seed,
-                            max_new_tokens=PLANNED_NEW_TOKENS, **options)
+        with progress_bars(sys.stderr.isatty()):   # transformers' loading bar on a terminal only, not in a log
+            conv = Conversation(args.model, loaded=(ck, spec, tok), max_context=capacity, chat=False,
+                                seed=args.seed, max_new_tokens=PLANNED_NEW_TOKENS, **options)
     except ValueError as e:
         if args.max_context is not None or str(e).startswith("model:"):   # the model's own fault names --model
             raise
