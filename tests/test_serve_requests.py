@@ -84,3 +84,19 @@ def test_no_access_log_flag_keeps_stderr_quiet(smollm2, tmp_path):  # noqa: F811
         assert '"POST /v1/completions"' not in s.stderr(), s.stderr()
     finally:
         s.stop()
+
+
+def test_a_stream_whose_client_left_says_so_in_its_access_line(server):
+    """Fault caught: a streamed request whose client went away mid-answer logged as a plain
+    `200 in ... s` (its status went out at the start), like a finished answer: only /metrics'
+    cancel count told; vLLM logs the abort."""
+    body = {**COMP, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as s:
+        lines = s.iter_lines()
+        next(lines), next(lines)
+    deadline, gone = time.monotonic() + 30, []
+    while not gone and time.monotonic() < deadline:
+        gone = [ln for ln in access_lines(server, "/v1/completions") if "(client gone, answer stopped)" in ln]
+        time.sleep(0.1)
+    assert len(gone) == 1 and re.match(r'kvpipe: 127\.0\.0\.1 "POST /v1/completions" 200 in [\d.]+ s '
+                                       r'\(client gone, answer stopped\)', gone[0]), gone

@@ -45,7 +45,10 @@ def line(scope, status: int, total_s: float) -> str:
     client = scope.get("client")
     who = client[0] if client else "-"
     said = f'{who} "{scope["method"]} {scope["path"]}" {status} in {total_s:.3f} s'
-    done = scope.get("state", {}).get("completion")
+    state = scope.get("state", {})
+    if state.get("gone"):   # a stream whose client left: its 200 went out before the answer ended
+        said += " (client gone, answer stopped)"
+    done = state.get("completion")
     if done is None:
         return said
     ttft = "no token" if done.ttft_s is None else f"TTFT {done.ttft_s:.3f} s"

@@ -216,7 +216,7 @@ async def _events(s: Server, request: Request, q, job: Job, prompt_tokens: int, 
     that fails (the server stopping, the run failing) ends with the error event and no finish
     and no [DONE], so a client sees a cut answer as an error (the openai client raises APIError)."""
     stream = responses.Stream(s.name, q, prompt_tokens)
-    event = first
+    event, ended = first, False
     try:
         for chunk in stream.start():
             yield _sse(chunk)
@@ -225,6 +225,7 @@ async def _events(s: Server, request: Request, q, job: Job, prompt_tokens: int, 
             if kind == "text":
                 yield _sse(stream.delta(payload))
             elif kind == "error":
+                ended = True
                 yield _sse(payload.body())
                 return
             else:
@@ -233,8 +234,11 @@ async def _events(s: Server, request: Request, q, job: Job, prompt_tokens: int, 
                     yield _sse(chunk)
                 break
             event = await job.events.get()
+        ended = True
         yield "data: [DONE]\n\n"
     finally:   # the client went away (the task is cancelled) or the stream ended: stop the generation
+        if not ended:
+            request.state.gone = True   # the access line says so: its status (200) was sent at the start
         job.cancel()
 
 
