@@ -80,10 +80,12 @@ def model_spec(model, dtype: str | None = None) -> ModelSpec:
     return load_model(model, dtype)
 
 
-def context_warnings(model: ModelSpec, work: Workload) -> tuple[str, ...]:
-    """Logged at once (before a long run), and kept in the result."""
+def context_warnings(model: ModelSpec, work: Workload, generated: bool = False) -> tuple[str, ...]:
+    """Logged at once (before a long run), and kept in the result. `generated`: said in new
+    tokens (a generation's decode steps make one more; the last one's K/V is never written)."""
     if model.max_positions is not None and work.kv_capacity > model.max_positions:
-        return _logged([f"context: {work.context} prompt + {work.decode_tokens} decode tokens exceed the model's "
+        made = f"up to {work.decode_tokens + 1} new" if generated else f"{work.decode_tokens} decode"
+        return _logged([f"context: {work.context} prompt + {made} tokens run past the model's "
                         f"max_position_embeddings ({model.max_positions}); it was not trained for those positions"])
     return ()
 
@@ -243,7 +245,7 @@ def run(options: RunOptions | None = None, /, *, prompt_ids: list[int] | None = 
     attention = kernel_label(dev, session.TORCH_DTYPES[spec.dtype])  # validates KVPIPE_ATTN
     prompt, work = _prompt(opts, spec, session, prompt_ids)
     profile, budgets, req, decision = decide_run(opts, spec, work, session, dev)
-    warnings = context_warnings(spec, work) + room_warning(spec, work, decision.predicted, budgets,
+    warnings = context_warnings(spec, work, generated=decoding is not None) + room_warning(spec, work, decision.predicted, budgets,
                                                            req.chunk is not None)
     lossy = decision.plan.lossy
     if lossy is not None and decision.plan.resident >= spec.units:   # both act on offloaded units only

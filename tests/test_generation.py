@@ -36,3 +36,14 @@ def test_generate_takes_token_ids_as_a_list_or_a_tensor(tiny_config):
                       (torch.zeros(2, 3, dtype=torch.long), "1-D"), ([5, 999], "outside the vocabulary")):
         with pytest.raises(ValueError, match=f"^prompt: .*{said}"):
             kvpipe.generate(tiny_config, bad, **RUN)
+
+
+@pytest.mark.parametrize("new, warned", [(4093, False), (4094, True)])
+def test_the_trained_length_warning_counts_new_tokens(tiny_config, new, warned):
+    """Fault caught: generate's warning said "4 prompt + 4093 decode tokens" for --max-new-tokens
+    4094 (kvpipe run's decode steps, one fewer than the tokens asked for), or warned where every
+    token fed to the model stays within the 4096 positions (the last one made is never fed)."""
+    res = kvpipe.generate(tiny_config, IDS, **{**RUN, "max_new_tokens": new}, interrupt=lambda: True)
+    said = [w for w in res.run.warnings if w.startswith("context:")]
+    line = f"context: 4 prompt + up to {new} new tokens run past the model's max_position_embeddings (4096)"
+    assert [w.startswith(line) for w in said] == ([True] if warned else []), said
