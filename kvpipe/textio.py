@@ -30,7 +30,7 @@ def read_prompt(prompt: str | None, prompt_file: str | os.PathLike | None, stdin
                              f"({getattr(e, 'strerror', None) or e})") from None
         where = "prompt-file"
     elif stdin is not None:
-        text, where = stdin.read(), "prompt"
+        text, where = stdin.read(), "stdin"   # no flag to name: standard input itself
     else:
         raise ValueError("prompt: give --prompt TEXT, --prompt-file FILE or the prompt on standard input")
     if not text.strip():

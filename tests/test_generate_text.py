@@ -77,6 +77,7 @@ def test_without_a_tokenizer_ids_are_streamed():
     (dict(prompt="   "), "prompt"),
     (dict(prompt=None, prompt_file=None), "prompt"),
     (dict(prompt=5, prompt_file=None), "prompt"),
+    (dict(prompt=None, stdin=io.StringIO("\n")), "stdin"),   # was "--prompt: ..." though --prompt was not given
 ])
 def test_bad_prompts_name_the_flag(kw, flag):
     # Fault caught: a traceback, or an error that does not say which flag was wrong.
