@@ -450,3 +450,16 @@ def test_a_gpu_budget_above_the_card_warns_once(capsys):
     rc, out, err = cli(capsys, "plan", "--hw", "rtx4090", "--gpu-mem", "20GB", "--host-mem", "1TB",
                        "--context", "32K", "--decode-tokens", "2")
     assert rc == 0 and err == ""
+
+
+def test_compare_says_where_a_rule_beats_the_planners_plan(capsys):
+    """Fault caught: `plan --compare` showing standard faster than the chosen headwise plan (both
+    fitting: Llama-3-8B at 128K on an H100, 11.70 s against 11.97 s) with no word on why headwise
+    was chosen or how to run the faster one."""
+    rc, out, _ = cli(capsys, "plan", "--hw", "h100-sxm", "--context", "128K", "--compare")
+    said = [ln.strip() for ln in out.splitlines() if "faster in total here" in ln]
+    assert rc == 0 and len(said) == 1, out[-800:]
+    assert said[0].startswith("standard fits and is ") and said[0].endswith(
+        "--method standard runs it (the planner searches headwise plans)"), said
+    rc, out, _ = cli(capsys, "plan", "--hw", "rtx4090", "--context", "1M", "--compare")
+    assert rc == 0 and "faster in total here" not in out   # nothing else fits at 1M on a 4090
