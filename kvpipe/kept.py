@@ -139,11 +139,11 @@ def generate_kept(model, prompt, prompt_file, prompt_format, chat, system, n, st
     try:
         if save_kv is not None:   # before any work: a window layer's ring cannot be saved
             saved.refuse_rings(conv.live.layout, "save-kv")
-        executing(f"up to {n} new tokens", conv.engine.device)   # as plain generate: a line before the prefill's wait
         if man is not None:   # the prefill runs behind the load, layer by layer (LiveSession.load)
             t0 = time.perf_counter()
-            conv.load(load_kv, overlap=True)
+            conv.load(load_kv, overlap=True)   # another model's KV refused here, before the line below
             held = time.perf_counter() - t0
+        executing(f"up to {n} new tokens", conv.engine.device)   # as plain generate: a line before the prefill's wait
         cut = len(ids) if msgs is None else common_prefix(ids, conv.render(msgs, opened=False))
         res = conv.append(ids, breaks=(cut,) if save_kv is not None else (), max_new_tokens=n, **gen)
         if man is not None:

@@ -99,7 +99,8 @@ def test_loading_into_another_model_dtype_or_a_short_context_is_refused(model_di
 
 
 def test_another_config_is_refused_on_one_line_by_the_cli(model_dir, tmp_path, capsys):
-    """Fault caught: another model's KV loaded (or a traceback, or an exit code other than 2)."""
+    """Fault caught: another model's KV loaded (or a traceback, or an exit code other than 2), or
+    "executing up to N new tokens" printed before the refusal, as if the run had started."""
     kvpipe.generate(str(model_dir), ids(P), max_new_tokens=3, save_kv=tmp_path / "kv", **place("2", 1, None))
     other = tmp_path / "other"
     other.mkdir()
@@ -109,6 +110,7 @@ def test_another_config_is_refused_on_one_line_by_the_cli(model_dir, tmp_path, c
                  "--prompt", ids(Q), "--load-kv", str(tmp_path / "kv"), "--max-new-tokens", "2"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err[-1].startswith("kvpipe: error: --load-kv: saved with another model")
+    assert not any("executing" in line for line in err), err
 
 
 def test_a_corrupt_block_names_the_file_and_offset(model_dir, tmp_path):
