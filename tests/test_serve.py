@@ -222,6 +222,15 @@ def test_sse_framing_through_curl(server):
     assert {**again, "prompt_tokens_details": None} == {**first, "prompt_tokens_details": None}
 
 
+def test_a_sampled_request_without_a_seed_varies_and_with_one_repeats(server):
+    """Fault caught: a sampled request without `seed` keyed to seed 0, so every "regenerate" of a
+    chat UI gave the same text (OpenAI and vLLM draw afresh); or a given seed not repeating."""
+    body = {**CHAT, "max_tokens": 12, "temperature": 1.0}
+    free = {post(server, C, body).json()["choices"][0]["message"]["content"] for _ in range(3)}
+    seeded = {post(server, C, {**body, "seed": 11}).json()["choices"][0]["message"]["content"] for _ in range(2)}
+    assert len(free) > 1 and len(seeded) == 1, (free, seeded)
+
+
 def test_fifty_concurrent_clients_are_answered_or_refused(server):
     # Fault caught: a request that hangs, is lost or dropped under load, a full queue answered
     # other than 429 with Retry-After, a Retry-After past the whole burst (the work ahead of a
@@ -304,12 +313,3 @@ def test_sigterm_cancels_the_stream_removes_the_kv_and_exits(server):
     assert events[-1]["error"]["code"] == "shutting_down", rest[-3:]
     assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1])
     assert not list(server.kv.iterdir()) and "Traceback" not in server.stderr()
-
-
-def test_a_sampled_request_without_a_seed_varies_and_with_one_repeats(server):
-    """Fault caught: a sampled request without `seed` keyed to seed 0, so every "regenerate" of a
-    chat UI gave the same text (OpenAI and vLLM draw afresh); or a given seed not repeating."""
-    body = {**CHAT, "max_tokens": 12, "temperature": 1.0}
-    free = {post(server, C, body).json()["choices"][0]["message"]["content"] for _ in range(3)}
-    seeded = {post(server, C, {**body, "seed": 11}).json()["choices"][0]["message"]["content"] for _ in range(2)}
-    assert len(free) > 1 and len(seeded) == 1, (free, seeded)

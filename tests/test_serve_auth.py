@@ -38,6 +38,7 @@ def test_health_and_metrics_are_open_and_v1_needs_the_key(server):
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     r = httpx.get(server.url + "/v1/models", headers=AUTH, timeout=30)
     assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == ["tiny"]
+    assert r.json()["data"][0]["created"] > 1.7e9   # the server's start (Unix seconds), not 0
 
 
 @pytest.mark.parametrize("headers, path, status", [

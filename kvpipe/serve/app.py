@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-from dataclasses import dataclass, replace
+import time
+from dataclasses import dataclass, field, replace
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -42,6 +43,7 @@ class Server:
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
     access_log: bool = True   # one line per request on stderr (access.py)
+    created: int = field(default_factory=lambda: int(time.time()))   # /v1/models' `created`: when it started
 
 
 UNMATCHED = "unmatched"   # the name of /v1's catch-all route
@@ -123,7 +125,7 @@ def _v1(s: Server) -> APIRouter:
 
 
 def _model(s: Server) -> dict:
-    return {"id": s.name, "object": "model", "created": 0, "owned_by": "kvpipe"}
+    return {"id": s.name, "object": "model", "created": s.created, "owned_by": "kvpipe"}
 
 
 def _lifespan(s: Server):
