@@ -99,7 +99,7 @@ def convert_gguf(path: str | os.PathLike, dtype: str | None = None, root: Path |
                          "pip install 'kvpipe[gguf]'") from None
     from transformers import AutoModelForCausalLM, AutoTokenizer
     if not quiet:
-        log.info(f"converting {path.name} to safetensors in {out} (once)")
+        log.info(f"converting {path.name} to {dtype or 'fp32'} safetensors in {out} (once)")
     kw = dict(gguf_file=path.name, local_files_only=True)
     try:
         with _bars_off():   # the line above says what happens; no bar under --json
