@@ -258,7 +258,7 @@ def run(options: RunOptions | None = None, /, *, prompt_ids: list[int] | None = 
     with progress_bars(opts.progress):
         hf = session.load_hf_model(opts.model, opts.random_weights, dev, session.TORCH_DTYPES[spec.dtype], opts.seed)
     ids = session.prompt_tensor(prompt, work.batch, work.context, spec.vocab, opts.seed)
-    # a generation builds each step as it reaches it: none past an early stop, none before the first token
+    # a generation's steps are built as the run reaches them (runner.execute: an eager decode builds none past an early stop)
     graph, more = build_lazily(spec, work, decision.plan) if decoding else (build(spec, work, decision.plan), None)
     measured = session.run_graph(graph, hf, ids, dev, budgets["gpu"],
                                  progress=opts.progress, warmup=opts.warmup, replay=decision.plan.replay,

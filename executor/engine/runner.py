@@ -131,10 +131,10 @@ def execute(graph: Graph, hf_model: torch.nn.Module, prompt_ids: torch.Tensor,
         raise ValueError(f"prompt_ids: shape {tuple(prompt_ids.shape)}, the workload needs "
                          f"[batch, context] = [{w.batch}, {w.context}]")
     mode = decode_mode(graph, replay, device, adapter.dtype, lazy=more is not None)
-    if more is not None and decoding is not None:   # an early stop ends the graph: no step past it is built
-        more = _while_needed(more, decoding)
-    if mode is not Replay.OFF and more is not None:   # a replayed run takes its steps whole
+    if more is not None and mode is not Replay.OFF:   # a replayed run takes its steps whole
         more = _finish(more)
+    elif more is not None and decoding is not None:   # an early stop ends the graph: no step past it is built
+        more = _while_needed(more, decoding)
     auto = Replay.parse(replay, MODES) is Replay.AUTO
     cuda = device.type == "cuda"
     with torch.inference_mode():

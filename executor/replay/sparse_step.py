@@ -119,6 +119,6 @@ def lossy_blocker(graph: Graph, store) -> str | None:
     if why:
         return why
     lo = store.layout
-    steps = sorted({s.step for s in graph.stages if s.phase is Phase.DECODE}) or range(graph.workload.decode_tokens)
+    steps = sorted({s.step for s in graph.stages if s.phase is Phase.DECODE})
     window = store.q.sel_blocks if store.q is not None else 0
     return blocker(spec, [graph.workload.context + k for k in steps], lo.capacity, window)
